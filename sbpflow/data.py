@@ -1,0 +1,217 @@
+"""Data sources: what feeds a job's input tensors, as plain data, and the readers that serve a rank.
+
+A source yields global batches of ``batch_size`` samples; batch ``b`` is samples ``[b*B, (b+1)*B)`` of
+the (optionally shuffled, per epoch) sample order. ``read(batch, rows)`` returns only the rows a rank
+holds (its ``S(0)`` share), and file-backed sources memory-map their files so that a rank reads just
+those rows. Synthetic data is drawn by the counter-based generator, so it too is layout-independent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from sbpflow.dtype import DType, as_dtype
+from sbpflow.errors import SbpflowError
+from sbpflow.random import RandomKey, normal, tensor_rng_id, uniform
+
+
+class DataError(SbpflowError, ValueError):
+    """A data source that cannot serve: missing file, mismatched lengths, too few samples."""
+
+
+@dataclass(frozen=True)
+class DataField:
+    name: str
+    sample_shape: tuple[int, ...]
+    dtype: DType
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Common:
+    batch_size: int
+    shuffle: bool = False
+    seed: int = 0
+    drop_last: bool = True
+
+    def _check(self, n: int) -> None:
+        if self.batch_size < 1:
+            raise DataError(f"batch_size={self.batch_size}: a batch needs at least one sample")
+        if n < self.batch_size:
+            raise DataError(f"the source has {n} samples, fewer than one batch of {self.batch_size}")
+
+    def _sample_ids(self, n: int, batch: int, rows: slice) -> np.ndarray:
+        """The sample ids of ``rows`` of global batch ``batch``; shuffled per epoch when asked."""
+        per_epoch = n // self.batch_size
+        epoch, b = divmod(batch, per_epoch)
+        ids = np.arange(b * self.batch_size, (b + 1) * self.batch_size)[rows]
+        if self.shuffle:
+            ids = np.random.default_rng([self.seed, epoch]).permutation(n)[ids]
+        return ids
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class ArraySource(_Common):
+    """In-memory arrays, one per field, sharing their first (sample) dimension. For small data."""
+
+    arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def num_samples(self) -> int:
+        return len(next(iter(self.arrays.values())))
+
+    def fields(self) -> tuple[DataField, ...]:
+        return tuple(DataField(k, tuple(v.shape[1:]), as_dtype(v.dtype)) for k, v in self.arrays.items())
+
+    def read(self, batch: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        ids = self._sample_ids(self.num_samples, batch, rows)
+        return {k: np.ascontiguousarray(v[ids]) for k, v in self.arrays.items()}
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, ArraySource)
+            and _common(self) == _common(other)
+            and self.arrays.keys() == other.arrays.keys()
+            and all(
+                a.dtype == other.arrays[k].dtype and np.array_equal(a, other.arrays[k])
+                for k, a in self.arrays.items()
+            )
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArrayFileSource(_Common):
+    """One ``.npy`` file per field, memory-mapped: a rank reads only its rows."""
+
+    paths: Mapping[str, str] = field(default_factory=dict)
+
+    def _open(self) -> dict[str, np.ndarray]:
+        out = {}
+        for k, p in self.paths.items():
+            try:
+                out[k] = np.load(p, mmap_mode="r")
+            except FileNotFoundError:
+                raise DataError(f"data field {k!r}: file {p!r} does not exist") from None
+        return out
+
+    @property
+    def num_samples(self) -> int:
+        return min(len(a) for a in self._open().values())
+
+    def fields(self) -> tuple[DataField, ...]:
+        return tuple(DataField(k, tuple(a.shape[1:]), as_dtype(a.dtype)) for k, a in self._open().items())
+
+    def read(self, batch: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        arrays = self._open()
+        ids = self._sample_ids(min(len(a) for a in arrays.values()), batch, rows)
+        return {
+            k: np.ascontiguousarray(a[np.sort(ids)][np.argsort(np.argsort(ids))]) for k, a in arrays.items()
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenFileSource(_Common):
+    """A flat binary file of token ids (GPT-style): sample i is the window at ``i*seq_len``.
+
+    Yields ``tokens`` and ``targets`` (the same window shifted by one token).
+    """
+
+    path: str = ""
+    dtype: DType = DType.int32
+    seq_len: int = 0
+
+    def _tokens(self) -> np.ndarray:
+        try:
+            return np.memmap(self.path, dtype=self.dtype.to_numpy(), mode="r")
+        except FileNotFoundError:
+            raise DataError(f"token file {self.path!r} does not exist") from None
+
+    @property
+    def num_samples(self) -> int:
+        return (len(self._tokens()) - 1) // self.seq_len
+
+    def fields(self) -> tuple[DataField, ...]:
+        return (
+            DataField("tokens", (self.seq_len,), DType.int64),
+            DataField("targets", (self.seq_len,), DType.int64),
+        )
+
+    def read(self, batch: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        toks = self._tokens()
+        ids = self._sample_ids(self.num_samples, batch, rows)
+        windows = np.stack(
+            [np.asarray(toks[i * self.seq_len : i * self.seq_len + self.seq_len + 1]) for i in ids]
+        )
+        windows = windows.astype(np.int64).reshape(len(ids), self.seq_len + 1)
+        return {"tokens": windows[:, :-1].copy(), "targets": windows[:, 1:].copy()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyntheticSource(_Common):
+    """Generated samples, each a pure function of (seed, field, sample id): no file, any size.
+
+    ``kind``: ``"normal"`` (every float field N(0, 1); int fields uniform in ``[0, params['vocab'])``),
+    ``"tokens"`` (``tokens``/``targets`` of ``params['seq_len']`` ids below ``params['vocab']``, targets
+    the tokens shifted by one), ``"regression"`` (``x`` N(0, 1) of ``params['in']`` and
+    ``y = x @ W`` with a fixed teacher ``W`` of ``params['out']`` columns).
+    """
+
+    kind: str = "normal"
+    sample_fields: tuple[DataField, ...] = ()
+    params: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    num_samples: int = 1 << 20
+
+    def fields(self) -> tuple[DataField, ...]:
+        if self.kind == "tokens":
+            t = int(self.params["seq_len"])
+            return (DataField("tokens", (t,), DType.int64), DataField("targets", (t,), DType.int64))
+        if self.kind == "regression":
+            return (
+                DataField("x", (int(self.params["in"]),), DType.float32),
+                DataField("y", (int(self.params["out"]),), DType.float32),
+            )
+        if self.kind == "normal":
+            return self.sample_fields
+        raise DataError(f"synthetic kind {self.kind!r} is unknown; use 'normal', 'tokens' or 'regression'")
+
+    def _draw(self, f: DataField, ids: np.ndarray) -> np.ndarray:
+        shape = (self.num_samples, *f.sample_shape)
+        key = RandomKey(self.seed, tensor_rng_id(f.name))
+        rows = [self._rows(key, shape, int(i), f) for i in ids]
+        return np.stack(rows) if rows else np.zeros((0, *f.sample_shape), f.dtype.to_numpy())
+
+    def _rows(self, key: RandomKey, shape: tuple[int, ...], i: int, f: DataField) -> np.ndarray:
+        index = (slice(i, i + 1), *(slice(0, d) for d in f.sample_shape))
+        if f.dtype.is_floating:
+            return normal(np, key, shape, index, np.float64)[0].astype(f.dtype.to_numpy())
+        vocab = int(self.params.get("vocab", 2))
+        return (uniform(np, key, shape, index, np.float64)[0] * vocab).astype(f.dtype.to_numpy())
+
+    def read(self, batch: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        ids = self._sample_ids(self.num_samples, batch, rows)
+        if self.kind == "tokens":
+            t = int(self.params["seq_len"])
+            seq = self._draw(DataField("tokens", (t + 1,), DType.int64), ids)
+            return {"tokens": seq[:, :-1].copy(), "targets": seq[:, 1:].copy()}
+        if self.kind == "regression":
+            x = self._draw(DataField("x", (int(self.params["in"]),), DType.float64), ids)
+            w = normal(
+                np,
+                RandomKey(self.seed, tensor_rng_id("teacher")),
+                (x.shape[1], int(self.params["out"])),
+                None,
+                np.float64,
+            )
+            return {"x": x.astype(np.float32), "y": (x @ w).astype(np.float32)}
+        return {f.name: self._draw(f, ids) for f in self.fields()}
+
+
+DataSource = ArraySource | ArrayFileSource | TokenFileSource | SyntheticSource
+
+
+def _common(s: _Common) -> tuple[Any, ...]:
+    return (s.batch_size, s.shuffle, s.seed, s.drop_last)

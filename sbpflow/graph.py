@@ -1,0 +1,179 @@
+"""The logical graph: declared tensors and the ops between them, in topological order.
+
+This is the IR that tracing produces, that the compiler's passes rewrite, and that converts losslessly
+to and from the wire ``Job`` (sbpflow/wire.py). ``verify`` rejects a malformed graph at the first bad
+node, naming it, and is run after every compiler pass in tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from sbpflow.errors import GraphError, ShapeError, UnknownOpError
+from sbpflow.ops.base import AttrValue, get_op
+from sbpflow.placement import Placement
+from sbpflow.sbp import NdSbp, check_axes, format_nd
+from sbpflow.tensor_meta import TensorMeta
+
+
+class TensorKind(StrEnum):
+    activation = "activation"
+    parameter = "parameter"
+    input = "input"  # fed by the data source
+    constant = "constant"
+    gradient = "gradient"
+    optimizer_state = "optimizer_state"
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    """A named global tensor. ``sbp`` set by the user is a hard constraint; ``None`` leaves it to inference."""
+
+    name: str
+    meta: TensorMeta
+    kind: TensorKind = TensorKind.activation
+    placement: Placement | None = None
+    sbp: NdSbp | None = None
+    requires_grad: bool = False
+
+    def __repr__(self) -> str:
+        where = "" if self.placement is None else f" on {self.placement}"
+        sbp = "" if self.sbp is None else f" {format_nd(self.sbp)}"
+        return f"{self.name}: {self.meta}{sbp}{where}"
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One op call: ``outputs = op_type(*inputs, **attrs)`` on ``placement`` in pipeline ``stage``."""
+
+    name: str
+    op_type: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: Mapping[str, AttrValue] = field(default_factory=dict)
+    placement: Placement | None = None
+    stage: int = 0
+    checkpoint: bool = False  # recompute this op's outputs in backward instead of keeping them
+    scope: str = ""  # the module path that emitted it, e.g. "blocks.0.attn"
+
+    def __repr__(self) -> str:
+        attrs = ", ".join(f"{k}={v!r}" for k, v in sorted(self.attrs.items()))
+        return f"{', '.join(self.outputs)} = {self.op_type}({', '.join(self.inputs)}{', ' if attrs else ''}{attrs})"
+
+
+@dataclass
+class Graph:
+    tensors: dict[str, TensorDecl] = field(default_factory=dict)
+    ops: list[OpNode] = field(default_factory=list)
+
+    def add_tensor(self, decl: TensorDecl) -> TensorDecl:
+        if decl.name in self.tensors:
+            raise GraphError(f"tensor {decl.name!r} is declared twice; tensor names must be unique")
+        self.tensors[decl.name] = decl
+        return decl
+
+    def set_tensor(self, decl: TensorDecl) -> None:
+        """Replace an existing declaration (e.g. when a pass fixes its SBP)."""
+        if decl.name not in self.tensors:
+            raise GraphError(f"tensor {decl.name!r} is not declared")
+        self.tensors[decl.name] = decl
+
+    def add_op(self, node: OpNode) -> OpNode:
+        if any(o.name == node.name for o in self.ops):
+            raise GraphError(f"op name {node.name!r} is used twice; op names must be unique")
+        self.ops.append(node)
+        return node
+
+    def producer(self, tensor: str) -> OpNode | None:
+        return next((o for o in self.ops if tensor in o.outputs), None)
+
+    def consumers(self, tensor: str) -> list[OpNode]:
+        return [o for o in self.ops if tensor in o.inputs]
+
+    def of_kind(self, kind: TensorKind) -> list[TensorDecl]:
+        return [t for t in self.tensors.values() if t.kind == kind]
+
+    def copy(self) -> Graph:
+        return Graph(dict(self.tensors), list(self.ops))
+
+    def verify(self) -> None:
+        """Check the graph; raise GraphError at the first bad node."""
+        produced: set[str] = {
+            t.name
+            for t in self.tensors.values()
+            if t.kind != TensorKind.activation and t.kind != TensorKind.gradient
+        }
+        for t in self.tensors.values():
+            _verify_tensor(t)
+        for node in self.ops:
+            _verify_op(self, node, produced)
+            produced.update(node.outputs)
+        dangling = [t for t in self.tensors if t not in produced]
+        if dangling:
+            raise GraphError(f"tensor(s) {dangling} are declared but no op produces them")
+
+    def dump(self) -> str:
+        """A readable listing, one tensor or op per line; golden files diff this."""
+        lines = [f"tensor {t!r} [{t.kind.value}]" for t in self.tensors.values()]
+        lines += [
+            f"op {o.name} (stage {o.stage}{', checkpoint' if o.checkpoint else ''}): {o!r}" for o in self.ops
+        ]
+        return "\n".join(lines)
+
+
+def _verify_tensor(t: TensorDecl) -> None:
+    if t.sbp is not None:
+        if t.placement is None:
+            raise GraphError(f"tensor {t.name!r} has SBP {format_nd(t.sbp)} but no placement; give both")
+        if len(t.sbp) != t.placement.ndim:
+            raise GraphError(
+                f"tensor {t.name!r} has nd-SBP {format_nd(t.sbp)} ({len(t.sbp)} entries) on a "
+                f"{t.placement.ndim}-d placement; give one SBP per mesh axis"
+            )
+        check_axes(t.sbp, t.meta.ndim, f"tensor {t.name!r} {t.meta}")
+
+
+def _verify_op(g: Graph, node: OpNode, produced: set[str]) -> None:
+    try:
+        op = get_op(node.op_type)
+    except UnknownOpError as e:
+        raise GraphError(f"op {node.name!r}: {e}") from None
+    for name in (*node.inputs, *node.outputs):
+        if name not in g.tensors:
+            raise GraphError(
+                f"op {node.name!r} ({node.op_type}) names tensor {name!r}, which is not declared"
+            )
+    for name in node.inputs:
+        if name not in produced:
+            raise GraphError(
+                f"op {node.name!r} ({node.op_type}) reads {name!r} before any op produces it; ops must be in "
+                "topological order"
+            )
+    for name in node.outputs:
+        if name in produced:
+            raise GraphError(f"tensor {name!r} is produced twice (again by op {node.name!r})")
+    metas = tuple(g.tensors[i].meta for i in node.inputs)
+    try:
+        outs = op.run_infer(metas, op.normalize_attrs(node.attrs))
+    except ShapeError as e:
+        ins = ", ".join(f"{i}: {g.tensors[i].meta}" for i in node.inputs)
+        raise GraphError(f"op {node.name!r} ({node.op_type}) with inputs {ins}: {e}") from None
+    declared = tuple(g.tensors[o].meta for o in node.outputs)
+    if outs != declared:
+        raise GraphError(
+            f"op {node.name!r} ({node.op_type}) declares outputs {list(declared)}, inference gives {list(outs)}"
+        )
+
+
+def rename_tensors(nodes: Iterable[OpNode], mapping: Mapping[str, str]) -> list[OpNode]:
+    """The nodes with tensor names replaced through ``mapping`` (used by rewrites)."""
+    return [
+        replace(
+            n,
+            inputs=tuple(mapping.get(i, i) for i in n.inputs),
+            outputs=tuple(mapping.get(o, o) for o in n.outputs),
+        )
+        for n in nodes
+    ]

@@ -1,0 +1,139 @@
+"""A job: the logical graph plus everything needed to train it, as plain data (never code).
+
+Tracing a ``sf.Graph`` produces a :class:`Job`; ``sbpflow.wire`` converts it to and from the protobuf
+``sbpflow.v1.Job`` losslessly, so the control plane can validate and compile it without running user code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from sbpflow.data import DataSource
+from sbpflow.errors import SbpflowError
+from sbpflow.graph import Graph
+from sbpflow.random import Initializer
+
+FORMAT_VERSION = 1
+
+
+class Precision(StrEnum):
+    fp32 = "fp32"
+    fp64 = "fp64"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+class PipelineSchedule(StrEnum):
+    one_f_one_b = "1f1b"
+    gpipe = "gpipe"
+
+
+@dataclass(frozen=True)
+class ParameterSpec:
+    tensor: str
+    init: Initializer
+    trainable: bool = True
+
+
+@dataclass(frozen=True)
+class SGD:
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+
+@dataclass(frozen=True)
+class AdamW:
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+@dataclass(frozen=True)
+class ConstantLR:
+    pass
+
+
+@dataclass(frozen=True)
+class WarmupCosine:
+    """Linear warm-up to the base lr over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr``."""
+
+    warmup_steps: int
+    total_steps: int
+    min_lr_ratio: float = 0.0
+
+    def factor(self, step: int) -> float:
+        import math
+
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        span = max(1, self.total_steps - self.warmup_steps)
+        t = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+LrSchedule = ConstantLR | WarmupCosine
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    algorithm: SGD | AdamW
+    parameters: tuple[str, ...]
+    clip_grad_norm: float = 0.0  # 0 = no clipping; else clip by the true global norm over all shards
+    schedule: LrSchedule = ConstantLR()
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    steps: int = 1
+    gradient_accumulation_steps: int = 1
+    micro_batches: int = 1  # pipeline micro-batches per step
+    pipeline_schedule: PipelineSchedule = PipelineSchedule.one_f_one_b
+    zero_stage: int = 0
+    activation_checkpointing: bool = False
+    precision: Precision = Precision.fp32
+    loss_scale: float = 0.0  # 0 = none (fp32/fp64) or dynamic (fp16)
+    seed: int = 0
+    checkpoint_every: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.steps >= 1, f"steps={self.steps}: a job trains for at least one step"),
+            (self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1"),
+            (self.micro_batches >= 1, "micro_batches must be >= 1"),
+            (self.zero_stage in (0, 1, 2, 3), f"zero_stage={self.zero_stage}: use 0, 1, 2 or 3"),
+            (self.checkpoint_every >= 0, "checkpoint_every must be >= 0 (0 = never)"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise SbpflowError(msg)
+
+
+@dataclass
+class Job:
+    name: str
+    graph: Graph
+    parameters: list[ParameterSpec] = field(default_factory=list)
+    data: DataSource | None = None
+    optimizer: OptimizerSpec | None = None
+    config: JobConfig = JobConfig()
+    loss: str = ""
+    fetches: tuple[str, ...] = ()
+    format_version: int = FORMAT_VERSION
+
+    def verify(self) -> None:
+        self.graph.verify()
+        names = {p.tensor for p in self.parameters}
+        for p in self.parameters:
+            if p.tensor not in self.graph.tensors:
+                raise SbpflowError(f"parameter {p.tensor!r} is not a tensor of the graph")
+        if self.loss and self.loss not in self.graph.tensors:
+            raise SbpflowError(f"loss tensor {self.loss!r} is not in the graph")
+        if self.optimizer:
+            missing = [n for n in self.optimizer.parameters if n not in names]
+            if missing:
+                raise SbpflowError(f"the optimizer updates {missing}, which are not parameters of the job")
