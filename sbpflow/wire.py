@@ -1,0 +1,451 @@
+"""Conversion between the core's value types and the wire protobufs (``sbpflow.v1``), both ways.
+
+Protobufs stop here: the rest of the code works on frozen dataclasses. ``job_from_proto`` is strict —
+a field the core cannot represent is an error naming the field — because the control plane calls it
+on untrusted input at Submit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from sbpflow.data import ArrayFileSource, ArraySource, DataField, DataSource, SyntheticSource, TokenFileSource
+from sbpflow.dtype import DType
+from sbpflow.errors import SbpflowError
+from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind
+from sbpflow.job import (
+    SGD,
+    AdamW,
+    ConstantLR,
+    Job,
+    JobConfig,
+    OptimizerSpec,
+    ParameterSpec,
+    PipelineSchedule,
+    Precision,
+    WarmupCosine,
+)
+from sbpflow.ops.base import AttrValue
+from sbpflow.placement import Placement
+from sbpflow.random import Initializer, make_initializer
+from sbpflow.sbp import B, NdSbp, P, Sbp, Split
+from sbpflow.tensor_meta import TensorMeta
+from sbpflow.v1 import job_pb2 as pb
+
+
+class WireError(SbpflowError, ValueError):
+    """A protobuf that does not describe a valid job."""
+
+
+# ---- enums: one table each way ------------------------------------------------------------------
+
+_DTYPE = {d: getattr(pb, f"DTYPE_{d.name.upper()}") for d in DType}
+_DEVICE = {"cpu": pb.DEVICE_TYPE_CPU, "cuda": pb.DEVICE_TYPE_CUDA}
+_KIND = {k: getattr(pb, f"TENSOR_KIND_{k.name.upper()}") for k in TensorKind}
+_PRECISION = {p: getattr(pb, f"PRECISION_{p.name.upper()}") for p in Precision}
+_SCHEDULE = {
+    PipelineSchedule.one_f_one_b: pb.PIPELINE_SCHEDULE_ONE_F_ONE_B,
+    PipelineSchedule.gpipe: pb.PIPELINE_SCHEDULE_GPIPE,
+}
+
+
+def _inverse(table: Mapping[Any, int], what: str) -> Any:
+    inv = {v: k for k, v in table.items()}
+
+    def lookup(value: int) -> Any:
+        if value not in inv:
+            raise WireError(f"{what} enum value {value} is unspecified or unknown; set it explicitly")
+        return inv[value]
+
+    return lookup
+
+
+dtype_from_proto = _inverse(_DTYPE, "DType")
+_device_from_proto = _inverse(_DEVICE, "DeviceType")
+_kind_from_proto = _inverse(_KIND, "TensorKind")
+_precision_from_proto = _inverse(_PRECISION, "Precision")
+_schedule_from_proto = _inverse(_SCHEDULE, "PipelineSchedule")
+
+
+def dtype_to_proto(d: DType) -> int:
+    return _DTYPE[d]
+
+
+# ---- placement and SBP ----------------------------------------------------------------------------
+
+
+def placement_to_proto(p: Placement) -> pb.Placement:
+    return pb.Placement(device_type=_DEVICE[p.device_type], mesh_shape=p.shape, ranks=p.ranks)
+
+
+def placement_from_proto(m: pb.Placement) -> Placement:
+    return Placement(_device_from_proto(m.device_type), tuple(m.ranks), tuple(m.mesh_shape))
+
+
+def sbp_to_proto(s: Sbp) -> pb.Sbp:
+    if isinstance(s, Split):
+        return pb.Sbp(split=pb.Split(axis=s.axis))
+    return pb.Sbp(broadcast=pb.Broadcast()) if s == B else pb.Sbp(partial_sum=pb.PartialSum())
+
+
+def sbp_from_proto(m: pb.Sbp) -> Sbp:
+    kind = m.WhichOneof("kind")
+    table: dict[str | None, Any] = {
+        "split": lambda: Split(m.split.axis),
+        "broadcast": lambda: B,
+        "partial_sum": lambda: P,
+    }
+    if kind not in table:
+        raise WireError("an Sbp message sets none of split, broadcast, partial_sum")
+    return table[kind]()
+
+
+def nd_sbp_to_proto(nd: NdSbp) -> pb.NdSbp:
+    return pb.NdSbp(sbp=[sbp_to_proto(s) for s in nd])
+
+
+def nd_sbp_from_proto(m: pb.NdSbp) -> NdSbp:
+    return tuple(sbp_from_proto(s) for s in m.sbp)
+
+
+# ---- attributes -------------------------------------------------------------------------------------
+
+
+def attr_to_proto(v: AttrValue) -> pb.AttrValue:
+    if v is None:
+        return pb.AttrValue(none=True)
+    if isinstance(v, DType):
+        return pb.AttrValue(dtype=_DTYPE[v])
+    if isinstance(v, bool):
+        return pb.AttrValue(b=v)
+    if isinstance(v, int):
+        return pb.AttrValue(i=v)
+    if isinstance(v, float):
+        return pb.AttrValue(f=v)
+    if isinstance(v, str):
+        return pb.AttrValue(s=v)
+    if isinstance(v, tuple) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        return pb.AttrValue(ints=pb.Int64List(values=v))
+    if isinstance(v, tuple) and all(isinstance(x, float) for x in v):
+        return pb.AttrValue(floats=pb.DoubleList(values=v))
+    raise WireError(
+        f"attribute value {v!r} has no wire form; use int, float, str, bool, a tuple of ints or floats"
+    )
+
+
+def attr_from_proto(m: pb.AttrValue) -> AttrValue:
+    table: dict[str | None, Any] = {
+        "i": lambda: m.i,
+        "f": lambda: m.f,
+        "s": lambda: m.s,
+        "b": lambda: m.b,
+        "ints": lambda: tuple(m.ints.values),
+        "floats": lambda: tuple(m.floats.values),
+        "dtype": lambda: dtype_from_proto(m.dtype),
+        "none": lambda: None,
+    }
+    kind = m.WhichOneof("value")
+    if kind not in table:
+        raise WireError("an AttrValue sets no value")
+    return table[kind]()
+
+
+# ---- graph ----------------------------------------------------------------------------------------
+
+
+def tensor_to_proto(t: TensorDecl) -> pb.Tensor:
+    m = pb.Tensor(
+        name=t.name,
+        shape=t.meta.shape,
+        dtype=_DTYPE[t.meta.dtype],
+        kind=_KIND[t.kind],
+        requires_grad=t.requires_grad,
+    )
+    if t.placement is not None:
+        m.placement.CopyFrom(placement_to_proto(t.placement))
+    if t.sbp is not None:
+        m.sbp.CopyFrom(nd_sbp_to_proto(t.sbp))
+    return m
+
+
+def tensor_from_proto(m: pb.Tensor) -> TensorDecl:
+    return TensorDecl(
+        m.name,
+        TensorMeta(tuple(m.shape), dtype_from_proto(m.dtype)),
+        _kind_from_proto(m.kind),
+        placement_from_proto(m.placement) if m.HasField("placement") else None,
+        nd_sbp_from_proto(m.sbp) if m.HasField("sbp") else None,
+        m.requires_grad,
+    )
+
+
+def op_to_proto(o: OpNode) -> pb.Op:
+    m = pb.Op(
+        name=o.name,
+        op_type=o.op_type,
+        inputs=o.inputs,
+        outputs=o.outputs,
+        stage=o.stage,
+        checkpoint=o.checkpoint,
+        scope=o.scope,
+    )
+    for k, v in o.attrs.items():
+        m.attrs[k].CopyFrom(attr_to_proto(v))
+    if o.placement is not None:
+        m.placement.CopyFrom(placement_to_proto(o.placement))
+    return m
+
+
+def op_from_proto(m: pb.Op) -> OpNode:
+    return OpNode(
+        m.name,
+        m.op_type,
+        tuple(m.inputs),
+        tuple(m.outputs),
+        {k: attr_from_proto(m.attrs[k]) for k in sorted(m.attrs)},
+        placement_from_proto(m.placement) if m.HasField("placement") else None,
+        m.stage,
+        m.checkpoint,
+        m.scope,
+    )
+
+
+def graph_to_proto(g: Graph) -> pb.Graph:
+    return pb.Graph(
+        tensors=[tensor_to_proto(t) for t in g.tensors.values()], ops=[op_to_proto(o) for o in g.ops]
+    )
+
+
+def graph_from_proto(m: pb.Graph) -> Graph:
+    g = Graph()
+    for t in m.tensors:
+        g.add_tensor(tensor_from_proto(t))
+    for o in m.ops:
+        g.add_op(op_from_proto(o))
+    return g
+
+
+# ---- parameters, arrays, data ---------------------------------------------------------------------
+
+
+def initializer_to_proto(init: Initializer) -> pb.Initializer:
+    return pb.Initializer(
+        kind=init.name, params={f.name: float(getattr(init, f.name)) for f in dataclasses.fields(init)}
+    )  # type: ignore[arg-type]
+
+
+def initializer_from_proto(m: pb.Initializer) -> Initializer:
+    try:
+        return make_initializer(m.kind, **dict(m.params))
+    except (TypeError, ValueError) as e:
+        raise WireError(f"initializer {m.kind!r} with params {dict(m.params)}: {e}") from None
+
+
+def array_to_proto(a: np.ndarray) -> pb.ArrayData:
+    from sbpflow.dtype import as_dtype
+
+    return pb.ArrayData(
+        dtype=_DTYPE[as_dtype(a.dtype)],
+        shape=a.shape,
+        data=np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes(),
+    )
+
+
+def array_from_proto(m: pb.ArrayData) -> np.ndarray:
+    dtype = dtype_from_proto(m.dtype).to_numpy().newbyteorder("<")
+    shape = tuple(m.shape)
+    expected = int(np.prod(shape)) * dtype.itemsize
+    if len(m.data) != expected:
+        raise WireError(
+            f"array of shape {list(shape)} {dtype.name} needs {expected} bytes, got {len(m.data)}"
+        )
+    return np.frombuffer(m.data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+
+
+def _field_to_proto(f: DataField) -> pb.DataField:
+    return pb.DataField(name=f.name, sample_shape=f.sample_shape, dtype=_DTYPE[f.dtype])
+
+
+def _field_from_proto(m: pb.DataField) -> DataField:
+    return DataField(m.name, tuple(m.sample_shape), dtype_from_proto(m.dtype))
+
+
+def data_to_proto(d: DataSource) -> pb.DataSource:
+    m = pb.DataSource(global_batch_size=d.batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=d.drop_last)
+    if isinstance(d, ArraySource):
+        for k, a in d.arrays.items():
+            m.in_memory.arrays[k].CopyFrom(array_to_proto(a))
+    elif isinstance(d, ArrayFileSource):
+        m.array_files.paths.update(d.paths)
+    elif isinstance(d, TokenFileSource):
+        m.token_file.CopyFrom(pb.TokenFile(path=d.path, dtype=_DTYPE[d.dtype], seq_len=d.seq_len))
+    else:
+        m.synthetic.CopyFrom(
+            pb.Synthetic(kind=d.kind, params={**d.params, "num_samples": float(d.num_samples)})
+        )
+        m.fields.extend(_field_to_proto(f) for f in d.sample_fields)
+    return m
+
+
+def data_from_proto(m: pb.DataSource) -> DataSource:
+    common: dict[str, Any] = dict(
+        batch_size=m.global_batch_size, shuffle=m.shuffle, seed=m.seed, drop_last=m.drop_last
+    )
+    kind = m.WhichOneof("kind")
+    if kind == "in_memory":
+        return ArraySource(
+            arrays={k: array_from_proto(m.in_memory.arrays[k]) for k in m.in_memory.arrays}, **common
+        )
+    if kind == "array_files":
+        return ArrayFileSource(paths=dict(sorted(m.array_files.paths.items())), **common)
+    if kind == "token_file":
+        t = m.token_file
+        return TokenFileSource(path=t.path, dtype=dtype_from_proto(t.dtype), seq_len=t.seq_len, **common)
+    if kind == "synthetic":
+        params = dict(m.synthetic.params)
+        n = int(params.pop("num_samples", 1 << 20))
+        fields = tuple(_field_from_proto(f) for f in m.fields)
+        return SyntheticSource(
+            kind=m.synthetic.kind, sample_fields=fields, params=params, num_samples=n, **common
+        )
+    raise WireError("the DataSource sets no kind; give in_memory, array_files, token_file or synthetic")
+
+
+# ---- optimizer and config -------------------------------------------------------------------------
+
+
+def optimizer_to_proto(o: OptimizerSpec) -> pb.Optimizer:
+    m = pb.Optimizer(clip_grad_norm=o.clip_grad_norm, parameters=o.parameters)
+    a = o.algorithm
+    if isinstance(a, SGD):
+        m.sgd.CopyFrom(pb.Sgd(lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay, nesterov=a.nesterov))
+    else:
+        m.adamw.CopyFrom(
+            pb.AdamW(lr=a.lr, beta1=a.beta1, beta2=a.beta2, eps=a.eps, weight_decay=a.weight_decay)
+        )
+    if isinstance(o.schedule, WarmupCosine):
+        s = o.schedule
+        m.schedule.warmup_cosine.CopyFrom(
+            pb.WarmupCosine(
+                warmup_steps=s.warmup_steps, total_steps=s.total_steps, min_lr_ratio=s.min_lr_ratio
+            )
+        )
+    else:
+        m.schedule.constant.SetInParent()
+    return m
+
+
+def optimizer_from_proto(m: pb.Optimizer) -> OptimizerSpec:
+    kind = m.WhichOneof("kind")
+    algo: SGD | AdamW
+    if kind == "sgd":
+        algo = SGD(m.sgd.lr, m.sgd.momentum, m.sgd.weight_decay, m.sgd.nesterov)
+    elif kind == "adamw":
+        a = m.adamw
+        algo = AdamW(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay)
+    else:
+        raise WireError("the Optimizer sets no algorithm; give sgd or adamw")
+    schedule: ConstantLR | WarmupCosine = ConstantLR()
+    if m.schedule.WhichOneof("kind") == "warmup_cosine":
+        w = m.schedule.warmup_cosine
+        schedule = WarmupCosine(w.warmup_steps, w.total_steps, w.min_lr_ratio)
+    return OptimizerSpec(algo, tuple(m.parameters), m.clip_grad_norm, schedule)
+
+
+def config_to_proto(c: JobConfig) -> pb.JobConfig:
+    return pb.JobConfig(
+        steps=c.steps,
+        gradient_accumulation_steps=c.gradient_accumulation_steps,
+        micro_batches=c.micro_batches,
+        pipeline_schedule=_SCHEDULE[c.pipeline_schedule],
+        zero_stage=c.zero_stage,
+        activation_checkpointing=c.activation_checkpointing,
+        precision=_PRECISION[c.precision],
+        loss_scale=c.loss_scale,
+        seed=c.seed,
+        checkpoint_every=c.checkpoint_every,
+    )
+
+
+def config_from_proto(m: pb.JobConfig) -> JobConfig:
+    return JobConfig(
+        m.steps,
+        m.gradient_accumulation_steps,
+        m.micro_batches,
+        _schedule_from_proto(m.pipeline_schedule),
+        m.zero_stage,
+        m.activation_checkpointing,
+        _precision_from_proto(m.precision),
+        m.loss_scale,
+        m.seed,
+        m.checkpoint_every,
+    )
+
+
+# ---- job ------------------------------------------------------------------------------------------
+
+
+def job_to_proto(job: Job) -> pb.Job:
+    m = pb.Job(
+        format_version=job.format_version,
+        name=job.name,
+        graph=graph_to_proto(job.graph),
+        parameters=[
+            pb.Parameter(tensor=p.tensor, init=initializer_to_proto(p.init), trainable=p.trainable)
+            for p in job.parameters
+        ],
+        config=config_to_proto(job.config),
+        loss=job.loss,
+        fetches=job.fetches,
+    )
+    if job.data is not None:
+        m.data.CopyFrom(data_to_proto(job.data))
+    if job.optimizer is not None:
+        m.optimizer.CopyFrom(optimizer_to_proto(job.optimizer))
+    return m
+
+
+def job_from_proto(m: pb.Job) -> Job:
+    from sbpflow.job import FORMAT_VERSION
+
+    if m.format_version != FORMAT_VERSION:
+        raise WireError(
+            f"job format version {m.format_version} is not supported (this sbpflow reads {FORMAT_VERSION}); "
+            "trace the job again with a matching client"
+        )
+    return Job(
+        name=m.name,
+        graph=graph_from_proto(m.graph),
+        parameters=[
+            ParameterSpec(p.tensor, initializer_from_proto(p.init), p.trainable) for p in m.parameters
+        ],
+        data=data_from_proto(m.data) if m.HasField("data") else None,
+        optimizer=optimizer_from_proto(m.optimizer) if m.HasField("optimizer") else None,
+        config=config_from_proto(m.config),
+        loss=m.loss,
+        fetches=tuple(m.fetches),
+        format_version=m.format_version,
+    )
+
+
+def summary(job: Job) -> str:
+    """A short human description of a job: size of the graph, parameters, data and config."""
+    from collections import Counter
+
+    n_params = sum(job.graph.tensors[p.tensor].meta.numel for p in job.parameters)
+    ops = Counter(o.op_type for o in job.graph.ops)
+    lines = [
+        f"job {job.name!r}: {len(job.graph.ops)} ops, {len(job.graph.tensors)} tensors, "
+        f"{len(job.parameters)} parameters ({n_params:,} values), loss {job.loss!r}",
+        "ops: " + ", ".join(f"{k} x{v}" for k, v in sorted(ops.items())),
+        f"config: {job.config}",
+    ]
+    if job.optimizer:
+        lines.append(f"optimizer: {job.optimizer.algorithm} schedule {job.optimizer.schedule}")
+    if job.data is not None:
+        lines.append(f"data: {type(job.data).__name__} batch {job.data.batch_size}")
+    return "\n".join(lines)
