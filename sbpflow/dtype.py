@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 from enum import StrEnum
 from typing import Any
 
@@ -25,7 +26,7 @@ class DType(StrEnum):
     __str__ = __repr__
 
     @property
-    def is_floating(self) -> bool:
+    def is_floating(self) -> builtins.bool:  # `bool` is a member name in this class body
         return self in _FLOATING
 
     @property

@@ -24,6 +24,8 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from sbpflow.registry import Registry
+
 Array = Any  # numpy.ndarray or cupy.ndarray
 Shape = tuple[int, ...]
 Index = tuple[slice, ...]  # one step-1 slice per logical dim; a rank's shard is full[index]
@@ -242,7 +244,7 @@ class Initializer:
         raise NotImplementedError
 
 
-_INITIALIZERS: dict[str, type[Initializer]] = {}
+INITIALIZERS: Registry[type[Initializer]] = Registry("initializer")
 _I = TypeVar("_I", bound=type[Initializer])
 
 
@@ -250,13 +252,8 @@ def register_initializer(name: str) -> Callable[[_I], _I]:
     """Class decorator adding an initialiser under ``name``; a second use of a name is an error."""
 
     def add(cls: _I) -> _I:
-        if name in _INITIALIZERS:
-            raise ValueError(
-                f"initializer {name!r} is already registered by {_INITIALIZERS[name].__qualname__}; "
-                f"cannot register {cls.__qualname__} under the same name, choose another name"
-            )
+        INITIALIZERS.register(name, cls)
         cls.name = name
-        _INITIALIZERS[name] = cls
         return cls
 
     return add
@@ -264,9 +261,7 @@ def register_initializer(name: str) -> Callable[[_I], _I]:
 
 def make_initializer(name: str, **params: Any) -> Initializer:
     """A registered initialiser by name, e.g. from a config: ``make_initializer("normal", std=0.02)``."""
-    if name not in _INITIALIZERS:
-        raise ValueError(f"unknown initializer {name!r}; registered: {sorted(_INITIALIZERS)}")
-    return _INITIALIZERS[name](**params)
+    return INITIALIZERS.get(name)(**params)
 
 
 def _shard_shape(logical_shape: Shape, index: Index | None) -> Shape:

@@ -129,7 +129,7 @@ def attr_to_proto(v: AttrValue) -> pb.AttrValue:
     if isinstance(v, str):
         return pb.AttrValue(s=v)
     if isinstance(v, tuple) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        return pb.AttrValue(ints=pb.Int64List(values=v))
+        return pb.AttrValue(ints=pb.Int64List(values=v))  # type: ignore[arg-type]
     if isinstance(v, tuple) and all(isinstance(x, float) for x in v):
         return pb.AttrValue(floats=pb.DoubleList(values=v))
     raise WireError(
@@ -234,7 +234,8 @@ def graph_from_proto(m: pb.Graph) -> Graph:
 
 def initializer_to_proto(init: Initializer) -> pb.Initializer:
     return pb.Initializer(
-        kind=init.name, params={f.name: float(getattr(init, f.name)) for f in dataclasses.fields(init)}
+        kind=init.name,
+        params={f.name: float(getattr(init, f.name)) for f in dataclasses.fields(init)},  # type: ignore[arg-type]
     )  # type: ignore[arg-type]
 
 

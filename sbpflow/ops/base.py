@@ -28,7 +28,8 @@ from sbpflow.sharding import Index, divides, min_split_size
 from sbpflow.tensor_meta import Shape, TensorMeta
 
 AttrValue: TypeAlias = int | float | str | bool | tuple[int, ...] | tuple[float, ...] | DType | None
-Attrs: TypeAlias = Mapping[str, AttrValue]
+# Kernels and rules read attrs freely; their types are checked where they enter (normalize_attrs, wire).
+Attrs: TypeAlias = Mapping[str, Any]
 Metas: TypeAlias = tuple[TensorMeta, ...]
 
 
