@@ -1,0 +1,1 @@
+"""The compiler: passes from a logical Job to a physical Plan (one module per pass, one entry point each)."""
