@@ -29,6 +29,7 @@ def _load_example(path: str) -> Any:
 def cmd_trace(args: argparse.Namespace) -> int:
     """Trace an example into a Job; print its graph, or write the protobuf with --out."""
     from sbpflow import wire
+    from sbpflow.client.summary import summarize
 
     job = _load_example(args.example).make_job()
     job.verify()
@@ -37,7 +38,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         Path(args.out).write_bytes(data)
         print(f"wrote {args.out} ({len(data)} bytes, {len(job.graph.ops)} ops)")
     else:
-        print(job.graph.dump() if args.dump else wire.summary(job))
+        print(job.graph.dump() if args.dump else summarize(job))
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import product
+from numbers import Integral
 from typing import Any
 
 from sbpflow.errors import PlacementError
@@ -14,7 +15,7 @@ DEVICE_TYPES = ("cpu", "cuda")
 
 def _grid_shape(ranks: Any) -> tuple[int, ...]:
     """Shape of a nested list of ints; refuses ragged grids."""
-    if isinstance(ranks, int) and not isinstance(ranks, bool):
+    if _is_int(ranks):
         return ()
     if not isinstance(ranks, Sequence) or isinstance(ranks, str) or len(ranks) == 0:
         raise PlacementError(f"ranks must be a non-empty (nested) list of ints, got {ranks!r}")
@@ -24,9 +25,14 @@ def _grid_shape(ranks: Any) -> tuple[int, ...]:
     return (len(ranks), *shapes.pop())
 
 
+def _is_int(x: Any) -> bool:
+    """Python and numpy integers alike (a rank list often comes from np.arange); never bools."""
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
 def _flatten(ranks: Any) -> list[int]:
-    if isinstance(ranks, int):
-        return [ranks]
+    if _is_int(ranks):
+        return [int(ranks)]
     return [r for sub in ranks for r in _flatten(sub)]
 
 
@@ -79,6 +85,8 @@ class Placement:
         return self.coords()[i]
 
     def rank_at(self, coord: Sequence[int]) -> int:
+        if len(coord) != self.ndim or any(not 0 <= c < d for c, d in zip(coord, self.shape, strict=True)):
+            raise PlacementError(f"mesh coordinate {tuple(coord)} is outside the {self.shape} mesh of {self}")
         i = 0
         for c, d in zip(coord, self.shape, strict=True):
             i = i * d + c
@@ -109,6 +117,6 @@ def placement(device_type: str = "cpu", ranks: Any = (0,)) -> Placement:
     else:
         flat = _flatten(ranks)
     for r in flat:
-        if not isinstance(r, int) or isinstance(r, bool):
+        if not _is_int(r):
             raise PlacementError(f"rank {r!r} is not an int; ranks are device indices like [0, 1, 2, 3]")
     return Placement(device_type, tuple(flat), shape)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from numbers import Integral
 from typing import TypeAlias
 
 from sbpflow.errors import SbpError
@@ -20,6 +21,8 @@ class Split:
     axis: int
 
     def __post_init__(self) -> None:
+        if isinstance(self.axis, Integral) and not isinstance(self.axis, bool):
+            object.__setattr__(self, "axis", int(self.axis))  # np.int64(1) -> 1, so equal SBPs hash equal
         if not isinstance(self.axis, int) or isinstance(self.axis, bool) or self.axis < 0:
             raise SbpError(f"split axis must be a non-negative int, got {self.axis!r}; write sf.sbp.split(0)")
 

@@ -44,14 +44,14 @@ def local_shape(shape: Shape, mesh: Sequence[int], nd_sbp: NdSbp, coord: Sequenc
 
 
 def min_split_size(shape: Shape, mesh: Sequence[int], nd_sbp: NdSbp) -> int:
-    """The smallest extent any rank holds along any split axis (0 means some rank holds nothing)."""
-    sizes = [d for d in shape]
-    smallest = min(shape, default=1)
+    """The smallest extent any rank holds along a split axis (0 means some rank holds nothing)."""
+    sizes = list(shape)
+    smallest: int | None = None
     for sbp, parts in zip(nd_sbp, mesh, strict=True):
         if isinstance(sbp, Split):
             sizes[sbp.axis] = sizes[sbp.axis] // parts
-            smallest = min(smallest, sizes[sbp.axis])
-    return smallest
+            smallest = sizes[sbp.axis] if smallest is None else min(smallest, sizes[sbp.axis])
+    return min(shape, default=1) if smallest is None else smallest
 
 
 def divides(shape: Shape, mesh: Sequence[int], nd_sbp: NdSbp) -> bool:
@@ -67,7 +67,7 @@ def divides(shape: Shape, mesh: Sequence[int], nd_sbp: NdSbp) -> bool:
 
 def partial_weights(parts: int) -> list[float]:
     """Deliberately unequal shares (0.6/0.4 for two) so that a rule that treats P as B is caught."""
-    raw = [float(parts + i + 1) for i in range(parts)][::-1]
+    raw = [float(parts + 1 - i) for i in range(parts)]
     total = sum(raw)
     return [r / total for r in raw]
 

@@ -8,7 +8,7 @@ from typing import TypeAlias
 
 from sbpflow.dtype import DType
 from sbpflow.placement import Placement
-from sbpflow.sbp import NdSbp, check_axes, format_nd
+from sbpflow.sbp import NdSbp, as_nd, check_axes, format_nd
 
 Shape: TypeAlias = tuple[int, ...]
 
@@ -45,6 +45,7 @@ class GlobalMeta:
     sbp: NdSbp
 
     def __post_init__(self) -> None:
+        as_nd(self.sbp, self.placement.ndim)  # one SBP per mesh axis, or a clear error
         check_axes(self.sbp, self.meta.ndim, f"tensor {self.meta}")
 
     def __repr__(self) -> str:

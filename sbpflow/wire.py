@@ -431,22 +431,3 @@ def job_from_proto(m: pb.Job) -> Job:
         fetches=tuple(m.fetches),
         format_version=m.format_version,
     )
-
-
-def summary(job: Job) -> str:
-    """A short human description of a job: size of the graph, parameters, data and config."""
-    from collections import Counter
-
-    n_params = sum(job.graph.tensors[p.tensor].meta.numel for p in job.parameters)
-    ops = Counter(o.op_type for o in job.graph.ops)
-    lines = [
-        f"job {job.name!r}: {len(job.graph.ops)} ops, {len(job.graph.tensors)} tensors, "
-        f"{len(job.parameters)} parameters ({n_params:,} values), loss {job.loss!r}",
-        "ops: " + ", ".join(f"{k} x{v}" for k, v in sorted(ops.items())),
-        f"config: {job.config}",
-    ]
-    if job.optimizer:
-        lines.append(f"optimizer: {job.optimizer.algorithm} schedule {job.optimizer.schedule}")
-    if job.data is not None:
-        lines.append(f"data: {type(job.data).__name__} batch {job.data.batch_size}")
-    return "\n".join(lines)

@@ -17,7 +17,9 @@ def test_every_package_directory_is_listed() -> None:
         for init in path.rglob("__init__.py"):
             rel = init.parent.relative_to(path)
             found.add(".".join([name, *rel.parts]))
-    assert found == listed, f"pyproject packages differ from the tree: missing {found - listed}, stale {listed - found}"
+    assert found == listed, (
+        f"pyproject packages differ from the tree: missing {found - listed}, stale {listed - found}"
+    )
 
 
 def test_console_script_is_declared() -> None:

@@ -1,0 +1,41 @@
+"""``sf.nn``: modules, parameters, layers, the GPT model, ``functional`` and the ``parallel`` layout helpers."""
+
+from sbpflow.client import functional
+from sbpflow.client.nn import parallel
+from sbpflow.client.nn.layers import (
+    GELU,
+    MLP,
+    Dropout,
+    Embedding,
+    LayerNorm,
+    Linear,
+    ModuleList,
+    ReLU,
+    Sequential,
+    Tanh,
+)
+from sbpflow.client.nn.module import Module
+from sbpflow.client.nn.parameter import Parameter
+from sbpflow.client.nn.transformer import GPT, Block, CausalSelfAttention, FeedForward, GPTConfig
+
+__all__ = [
+    "GELU",
+    "GPT",
+    "MLP",
+    "Block",
+    "CausalSelfAttention",
+    "Dropout",
+    "Embedding",
+    "FeedForward",
+    "GPTConfig",
+    "LayerNorm",
+    "Linear",
+    "Module",
+    "ModuleList",
+    "Parameter",
+    "ReLU",
+    "Sequential",
+    "Tanh",
+    "functional",
+    "parallel",
+]

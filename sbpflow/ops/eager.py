@@ -87,6 +87,10 @@ def vjp(
         raise ShapeError(f"op {op_type!r} takes no gradient: {op.grad.reason}")
     full = op.normalize_attrs(attrs)
     outputs = b.call(op_type, *inputs, **full)
+    if len(grads) != len(outputs):
+        raise ShapeError(
+            f"op {op_type!r} has {len(outputs)} output(s) but {len(grads)} output gradient(s) were given"
+        )
     ctx = GradContext(
         b,
         tuple(inputs),

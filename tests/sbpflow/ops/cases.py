@@ -48,7 +48,9 @@ def case(c: OpCase) -> OpCase:
 # ---- strategies shared by the family case modules -------------------------------------------------
 
 
-def shapes(min_dims: int = 1, max_dims: int = 3, min_side: int = 1, max_side: int = 6) -> st.SearchStrategy[tuple[int, ...]]:
+def shapes(
+    min_dims: int = 1, max_dims: int = 3, min_side: int = 1, max_side: int = 6
+) -> st.SearchStrategy[tuple[int, ...]]:
     return st.lists(st.integers(min_side, max_side), min_size=min_dims, max_size=max_dims).map(tuple)
 
 

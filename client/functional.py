@@ -1,0 +1,178 @@
+"""``sf.nn.functional``: the layers' math as functions of tensors, each a few registered ops.
+
+Shape comments name the SBP each tensor takes under Megatron tensor parallelism on a 1-d placement of
+``p`` ranks (``S(1)`` = split over columns); under data parallelism every activation is ``S(0)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from sbpflow.client.tensor import Tensor, _tracer_of, emit
+from sbpflow.dtype import DType, as_dtype
+from sbpflow.errors import ShapeError
+from sbpflow.random import tensor_rng_id
+
+
+def _op(op_type: str, *inputs: Any, **attrs: Any) -> Tensor:
+    (out,) = emit(op_type, *inputs, **attrs)
+    return out
+
+
+# ---- dense layers ---------------------------------------------------------------------------------------
+
+
+def linear(x: Tensor, weight: Any, bias: Any = None) -> Tensor:
+    """``x @ weight + bias`` with ``weight`` [in, out] (so a column split S(1) splits output features)."""
+    y = _op("matmul", x, weight)  # y: [..., out]  S(-1) when weight is S(1), P when weight is S(0)
+    return y if bias is None else _op("add", y, bias)
+
+
+def matmul(a: Tensor, b: Any, transpose_a: bool = False, transpose_b: bool = False) -> Tensor:
+    """``a @ b``: ``matmul`` for a 2-d ``b`` (a weight shared by every row), else ``batch_matmul``."""
+    b_ndim = len(b.shape)
+    if b_ndim == 2:
+        return _op("matmul", a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    if b_ndim != len(a.shape):
+        raise ShapeError(
+            f"matmul of {getattr(a, 'name', a)!r} {list(a.shape)} and {getattr(b, 'name', b)!r} "
+            f"{list(b.shape)}: b must be 2-d or have a's batch axes; reshape or broadcast_to first"
+        )
+    return _op("batch_matmul", a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+
+
+# ---- activations and normalisation ----------------------------------------------------------------------
+
+
+def relu(x: Tensor) -> Tensor:
+    return _op("relu", x)
+
+
+def gelu(x: Tensor) -> Tensor:
+    """GELU, tanh approximation (GPT-2's)."""
+    return _op("gelu", x)
+
+
+def tanh(x: Tensor) -> Tensor:
+    return _op("tanh", x)
+
+
+def softmax(x: Tensor, axis: int = -1) -> Tensor:
+    return _op("softmax", x, axis=axis % x.ndim)
+
+
+def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
+    return _op("log_softmax", x, axis=axis % x.ndim)
+
+
+def layer_norm(x: Tensor, weight: Any, bias: Any, eps: float = 1e-5) -> Tensor:
+    """Normalise over the last axis; under TP that axis must be whole (B or S of another axis)."""
+    return _op("layer_norm", x, weight, bias, eps=eps)
+
+
+def dropout(x: Tensor, rate: float = 0.5, training: bool = True) -> Tensor:
+    """Zero elements with probability ``rate`` and scale the rest by ``1 / (1 - rate)``.
+
+    The random stream is keyed by the op's scoped name (``blocks.0.attn.dropout_0``), so it does not
+    depend on how many other random ops were created before it, and the same on every layout.
+    """
+    if rate == 0.0 or not training:
+        return x
+    tracer = _tracer_of((x,), "dropout")
+    name = tracer.next_name("dropout")
+    return tracer.emit("dropout", (x,), {"rate": float(rate), "rng_id": tensor_rng_id(name)}, name=name)[0]
+
+
+# ---- lookup and losses ----------------------------------------------------------------------------------
+
+
+def embedding(ids: Tensor, weight: Any) -> Tensor:
+    """Rows of ``weight`` [num, dim] at ``ids`` [...]: out [..., dim] (PyTorch's argument order)."""
+    return _op("embedding", weight, ids)
+
+
+def cross_entropy(
+    logits: Tensor, labels: Tensor, ignore_index: int = -100, reduction: str = "mean"
+) -> Tensor:
+    """Softmax cross entropy of ``logits`` [..., V] against integer ``labels`` [...].
+
+    ``"mean"`` divides by the number of labels that are not ``ignore_index`` (at least 1, so a batch
+    of ignored labels gives 0, not nan), as PyTorch does.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ShapeError(f"cross_entropy reduction={reduction!r}: use 'mean', 'sum' or 'none'")
+    per = _op("cross_entropy", logits, labels, ignore_index=ignore_index)  # per: [...]  S(0) under DP
+    if reduction == "none":
+        return per
+    total = _op("sum", per, axes=None, keepdims=False)  # total: []  P under DP until reduced
+    if reduction == "sum":
+        return total
+    valid = _op("cast", _op("ne_scalar", labels, value=ignore_index), dtype=per.dtype)
+    count = _op("sum", valid, axes=None, keepdims=False)  # count: []
+    none_valid = _op("cast", _op("eq_scalar", count, value=0), dtype=per.dtype)
+    return _op("div", total, _op("add", count, none_valid))  # max(count, 1): count is an integer
+
+
+def mse_loss(pred: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+    diff = _op("sub", pred, target)
+    sq = _op("mul", diff, diff)
+    if reduction == "none":
+        return sq
+    return _op(reduction, sq, axes=None, keepdims=False)
+
+
+# ---- attention ------------------------------------------------------------------------------------------
+
+
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = True,
+    dropout_rate: float = 0.0,
+    training: bool = True,
+    scale: float | None = None,
+) -> Tensor:
+    """softmax(q k^T * scale, masked) v for q, k, v [B, H, T, Dh]; heads split S(1) under TP."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    att = _op("batch_matmul", q, k, transpose_b=True)  # att: [B, H, T, T]  S(1) under TP
+    att = _op("mul_scalar", att, value=scale)
+    if causal:
+        att = _op("causal_mask", att)  # keys after the query get -1e30: exp() makes them 0
+    att = softmax(att, axis=-1)  # att: [B, H, T, T]  S(1): the key axis stays whole
+    att = dropout(att, dropout_rate, training)
+    return _op("batch_matmul", att, v)  # y: [B, H, T, Dh]  S(1)
+
+
+# ---- joining and splitting ------------------------------------------------------------------------------
+
+
+def concat(xs: Sequence[Tensor], axis: int = 0) -> Tensor:
+    if not xs:
+        raise ShapeError("concat of an empty list; give at least one tensor")
+    return _op("concat", *xs, axis=axis % xs[0].ndim)
+
+
+def split(x: Tensor, sizes: int | Sequence[int], axis: int = 0) -> tuple[Tensor, ...]:
+    """Cut ``x`` along ``axis`` into parts of ``sizes`` (an int: equal parts of that size, as PyTorch)."""
+    ax = axis % x.ndim
+    n = x.shape[ax]
+    if isinstance(sizes, int):
+        if sizes <= 0:
+            raise ShapeError(f"split of {x.name!r}: the part size must be positive, got {sizes}")
+        parts = tuple(min(sizes, n - i) for i in range(0, n, sizes))
+    else:
+        parts = tuple(int(s) for s in sizes)
+    return emit("split", x, axis=ax, sizes=parts)
+
+
+def cast(x: Tensor, dtype: Any) -> Tensor:
+    return x.to(dtype)
+
+
+def full(shape: Sequence[int], value: float, dtype: Any = DType.float32) -> Tensor:
+    """A constant tensor made in the running trace (on the default or current stage placement)."""
+    tracer = _tracer_of((), "full")
+    return tracer.emit("full", (), {"shape": tuple(shape), "value": value, "dtype": as_dtype(dtype)})[0]

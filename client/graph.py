@@ -1,0 +1,226 @@
+"""``sf.Graph``: a training step written as ``build``, traced into a ``Job`` (OneFlow's ``nn.Graph``).
+
+    class TrainGraph(sf.Graph):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(sf.optim.AdamW(model.parameters(), lr=3e-4))
+            self.config.gradient_accumulation_steps = 4
+
+        def build(self, tokens, targets):      # parameter names = the data source's fields
+            loss = self.model(tokens, targets)
+            loss.backward()
+            return loss
+
+    job = TrainGraph(model).trace(data, placement=sf.placement("cpu", ranks=[0, 1]))
+
+Parameters are named by their path from the graph (``model.blocks.0.attn.c_attn.weight``), inputs by
+the data source's fields; ``build`` runs once, on symbolic tensors.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sbpflow.client.context import TracingError, activate
+from sbpflow.client.nn.module import Module
+from sbpflow.client.optim import Optimizer
+from sbpflow.client.tensor import Tensor
+from sbpflow.client.tracing import Tracer
+from sbpflow.data import DataSource
+from sbpflow.graph import TensorKind
+from sbpflow.job import Job, JobConfig, ParameterSpec, PipelineSchedule, Precision
+from sbpflow.placement import Placement
+from sbpflow.placement import placement as make_placement
+from sbpflow.sbp import NdSbp, as_nd, check_axes
+from sbpflow.tensor_meta import TensorMeta
+
+
+@dataclass
+class GraphConfig:
+    """The job's training settings, set in ``__init__`` (``self.config.zero_stage = 2``)."""
+
+    steps: int = 1
+    gradient_accumulation_steps: int = 1
+    micro_batches: int = 1
+    pipeline_schedule: str = "1f1b"  # or "gpipe"
+    zero_stage: int = 0
+    activation_checkpointing: bool = False
+    precision: str = "fp32"  # fp32, fp64, fp16, bf16
+    loss_scale: float = 0.0
+    seed: int = 0
+    checkpoint_every: int = 0
+
+    def to_job_config(self, steps: int | None = None) -> JobConfig:
+        values = asdict(self)
+        if steps is not None:
+            values["steps"] = steps
+        values["precision"] = Precision(values["precision"])
+        values["pipeline_schedule"] = PipelineSchedule(values["pipeline_schedule"])
+        return JobConfig(**values)
+
+
+class Graph:
+    _modules: dict[str, Module]
+    _optimizer: Optimizer | None
+    _schedule: Any
+    config: GraphConfig
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_modules", {})
+        object.__setattr__(self, "_optimizer", None)
+        object.__setattr__(self, "_schedule", None)
+        object.__setattr__(self, "config", GraphConfig())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_modules" not in self.__dict__:
+            raise TracingError(f"set {type(self).__name__}.{name} after super().__init__() in __init__")
+        self._modules.pop(name, None)
+        if isinstance(value, Module):
+            self._modules[name] = value
+        object.__setattr__(self, name, value)
+
+    def add_optimizer(self, optimizer: Optimizer, lr_scheduler: Any = None) -> None:
+        if not isinstance(optimizer, Optimizer):
+            raise TracingError(f"add_optimizer needs an sf.optim optimizer, got {optimizer!r}")
+        if self._optimizer is not None:
+            raise TracingError(
+                "a graph has one optimizer; give it all the parameters (model.parameters()) instead"
+            )
+        object.__setattr__(self, "_optimizer", optimizer)
+        object.__setattr__(self, "_schedule", lr_scheduler)
+
+    def build(self, *inputs: Tensor) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define build(self, <one argument per field>)")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TracingError(
+            f"{type(self).__name__} is not run by calling it: trace it with graph.trace(data, placement=...) "
+            "into a Job and submit the job"
+        )
+
+    # ---- tracing ------------------------------------------------------------------------------------
+
+    def trace(
+        self,
+        data: DataSource,
+        steps: int | None = None,
+        placement: Placement | None = None,
+        input_sbp: Any = None,
+        name: str | None = None,
+    ) -> Job:
+        """Run ``build`` once on symbolic inputs and return the verified Job.
+
+        ``placement`` (default one CPU rank) holds the inputs and every parameter not placed otherwise;
+        ``input_sbp`` annotates the inputs (one SBP or nd-SBP for all, or a dict by field name) and
+        ``None`` leaves their layout to the compiler.
+        """
+        where = placement or make_placement("cpu", [0])
+        tracer = Tracer(where, self._module_paths())
+        params = self._declare_parameters(tracer, where)
+        inputs = self._declare_inputs(tracer, data, where, input_sbp)
+        with activate(tracer):
+            result = self.build(*inputs)
+        fetches = tuple(t.name for t in _tensors(result))
+        if self._optimizer is not None and tracer.loss is None:
+            raise TracingError(
+                f"{type(self).__name__} has an optimizer but build() never called loss.backward(); "
+                "call it on the scalar loss"
+            )
+        optimizer = None
+        if self._optimizer is not None:
+            optimizer = self._optimizer.spec(tracer.parameter_names(), self._schedule)
+        job = Job(
+            name or type(self).__name__,
+            tracer.graph,
+            params,
+            data,
+            optimizer,
+            self.config.to_job_config(steps),
+            tracer.loss.name if tracer.loss is not None else "",
+            fetches,
+        )
+        job.verify()
+        return job
+
+    def _module_paths(self) -> dict[int, str]:
+        paths: dict[int, str] = {}
+        for attr, mod in self._modules.items():
+            for path, sub in mod.named_modules(attr):
+                paths.setdefault(id(sub), path)
+        return paths
+
+    def _declare_parameters(self, tracer: Tracer, default: Placement) -> list[ParameterSpec]:
+        """Every parameter of every module, on its own placement, else its stage's, else the default."""
+        specs: list[ParameterSpec] = []
+        stage_of: dict[str, Placement | None] = {}
+        for attr, mod in self._modules.items():
+            for path, sub in mod.named_modules(attr):
+                parent = stage_of.get(path.rpartition(".")[0])
+                stage_of[path] = sub.stage[1] if sub.stage is not None else parent
+                for pname, p in sub.__dict__["_parameters"].items():
+                    if tracer.tensor_of(p) is not None:
+                        continue  # shared (tied) parameter, declared at its first path
+                    full = f"{path}.{pname}"
+                    tracer.bind_parameter(p, full, p.placement or stage_of[path] or default)
+                    specs.append(ParameterSpec(full, p.init, p.requires_grad))
+        return specs
+
+    def _declare_inputs(
+        self, tracer: Tracer, data: DataSource, where: Placement, input_sbp: Any
+    ) -> list[Tensor]:
+        fields = {f.name: f for f in data.fields()}
+        names = _build_params(self.build, list(fields))
+        if set(names) != set(fields):
+            raise TracingError(
+                f"{type(self).__name__}.build{tuple(names)} does not match the data source's fields "
+                f"{tuple(fields)}; name build's parameters after the fields (one per field)"
+            )
+        batch = data.batch_size
+        return [
+            tracer.declare(
+                n,
+                TensorMeta((batch, *fields[n].sample_shape), fields[n].dtype),
+                TensorKind.input,
+                where,
+                _input_sbp(input_sbp, n, where, len(fields[n].sample_shape) + 1),
+            )
+            for n in names
+        ]
+
+
+def _build_params(build: Any, fields: list[str]) -> list[str]:
+    params = list(inspect.signature(build).parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return fields  # build(self, *inputs): the fields in the source's order
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _input_sbp(spec: Any, name: str, where: Placement, ndim: int) -> NdSbp | None:
+    if isinstance(spec, Mapping):
+        spec = spec.get(name)
+    if spec is None:
+        return None
+    nd = as_nd(spec, where.ndim)
+    check_axes(nd, ndim, f"input {name!r}")
+    return nd
+
+
+def _tensors(result: Any) -> list[Tensor]:
+    """The tensors ``build`` returned: one, a tuple/list of them, a dict of them, or None."""
+    if result is None:
+        return []
+    if isinstance(result, Tensor):
+        return [result]
+    items = result.values() if isinstance(result, Mapping) else result
+    if isinstance(items, (list, tuple, type({}.values()))):
+        out = list(items)
+        if all(isinstance(t, Tensor) for t in out):
+            return out
+    raise TracingError(
+        f"build() returned {type(result).__name__}; return a tensor (the loss), a tuple or dict of tensors, "
+        "or None"
+    )

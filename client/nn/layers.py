@@ -1,0 +1,169 @@
+"""Basic layers: Linear, Embedding, LayerNorm, activations, Dropout and the containers.
+
+``Linear`` stores its weight as [in, out] so that the forward is one ``matmul(x, W)`` with no transpose,
+and the Megatron layouts read directly off the weight: column-parallel = ``S(1)`` (each rank computes
+some output features), row-parallel = ``S(0)`` (each rank holds some input features and produces a
+partial sum ``P``). ``tp`` records which of the two a layer is meant for; ``sf.nn.parallel.megatron``
+reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from sbpflow.client import functional as F
+from sbpflow.client.nn.module import Module
+from sbpflow.client.nn.parameter import Parameter
+from sbpflow.client.tensor import Tensor
+from sbpflow.errors import SbpflowError
+from sbpflow.random import Initializer, Normal, Ones, Zeros, xavier_uniform
+
+
+class Linear(Module):
+    """y = x @ weight + bias, weight [in_features, out_features]; default init xavier-uniform, bias 0."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        init: Initializer | None = None,
+        tp: str | None = None,
+    ) -> None:
+        super().__init__()
+        if tp not in (None, "column", "row"):
+            raise SbpflowError(f"Linear tp={tp!r}: use 'column', 'row' or None")
+        self.in_features, self.out_features, self.tp = in_features, out_features, tp
+        self.weight = Parameter(
+            (in_features, out_features), init or xavier_uniform(in_features, out_features)
+        )
+        if bias:
+            self.bias = Parameter((out_features,), Zeros())
+        else:
+            self.bias = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)  # [..., in] -> [..., out]
+
+    def extra_repr(self) -> str:
+        tp = f", tp={self.tp!r}" if self.tp else ""
+        return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}{tp}"
+
+
+class Embedding(Module):
+    """Rows of weight [num_embeddings, dim] looked up by integer ids; default init N(0, 1) as PyTorch."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, init: Initializer | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = Parameter((num_embeddings, embedding_dim), init or Normal(0.0, 1.0))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight)  # [...] -> [..., dim]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+class LayerNorm(Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.weight = Parameter((dim,), Ones())
+        self.bias = Parameter((dim,), Zeros())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+class ReLU(Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(x)
+
+
+class GELU(Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(x)
+
+
+class Tanh(Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.tanh(x)
+
+
+class Dropout(Module):
+    def __init__(self, rate: float = 0.5) -> None:
+        super().__init__()
+        if not 0.0 <= rate < 1.0:
+            raise SbpflowError(f"Dropout(rate={rate}): the rate must be in [0, 1)")
+        self.rate = rate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.dropout(x, self.rate, self.training)
+
+    def extra_repr(self) -> str:
+        return f"rate={self.rate}"
+
+
+class Sequential(Module):
+    def __init__(self, *modules: Module) -> None:
+        super().__init__()
+        for i, m in enumerate(modules):
+            setattr(self, str(i), m)
+
+    def __getitem__(self, i: int) -> Module:
+        return list(self.children())[i]
+
+    def __len__(self) -> int:
+        return len(self.__dict__["_modules"])
+
+    def __iter__(self) -> Iterator[Module]:
+        return self.children()
+
+    def forward(self, x: Any) -> Any:
+        for m in self.children():
+            x = m(x)
+        return x
+
+
+class ModuleList(Module):
+    def __init__(self, modules: Iterable[Module] = ()) -> None:
+        super().__init__()
+        for m in modules:
+            self.append(m)
+
+    def append(self, module: Module) -> ModuleList:
+        setattr(self, str(len(self)), module)
+        return self
+
+    def __getitem__(self, i: int) -> Module:
+        return list(self.children())[i]
+
+    def __len__(self) -> int:
+        return len(self.__dict__["_modules"])
+
+    def __iter__(self) -> Iterator[Module]:
+        return self.children()
+
+
+_ACTIVATIONS: dict[str, type[Module]] = {"relu": ReLU, "gelu": GELU, "tanh": Tanh}
+
+
+class MLP(Sequential):
+    """Linear layers of ``sizes`` [in, hidden..., out] with ``activation`` between (none after the last)."""
+
+    def __init__(self, sizes: Sequence[int], activation: str = "relu", bias: bool = True) -> None:
+        if len(sizes) < 2:
+            raise SbpflowError(f"MLP sizes {list(sizes)}: give at least [in, out]")
+        if activation not in _ACTIVATIONS:
+            raise SbpflowError(f"MLP activation {activation!r}: use one of {sorted(_ACTIVATIONS)}")
+        layers: list[Module] = []
+        for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+            layers.append(Linear(n_in, n_out, bias=bias))
+            if i < len(sizes) - 2:
+                layers.append(_ACTIVATIONS[activation]())
+        super().__init__(*layers)

@@ -1,0 +1,130 @@
+"""GPT-2 (nanoGPT's shape): causal self-attention, the pre-LN block, and the language model.
+
+Shapes use B batch, T sequence, D = n_embd, H heads, Dh = D / H, V vocabulary. The SBP comments give the
+Megatron tensor-parallel layout on p ranks (``sf.nn.parallel.megatron``): qkv and fc weights column-split
+``S(1)``, the projections row-split ``S(0)``, so each block needs only one all-reduce (``P -> B``) after
+attention and one after the MLP. Under plain data parallelism every activation is ``S(0)`` instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sbpflow.client import functional as F
+from sbpflow.client.nn.layers import Dropout, Embedding, LayerNorm, Linear, ModuleList
+from sbpflow.client.nn.module import Module
+from sbpflow.client.tensor import Tensor
+from sbpflow.errors import SbpflowError
+from sbpflow.random import Normal
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 50304
+    seq_len: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = False  # lm_head reuses wte (as GPT-2); off by default so TP can split the head
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise SbpflowError(
+                f"GPTConfig n_embd={self.n_embd} is not divisible by n_head={self.n_head}; pick n_embd = "
+                "n_head * head_dim"
+            )
+
+
+def _init(std: float = 0.02) -> Normal:
+    return Normal(0.0, std)
+
+
+class CausalSelfAttention(Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_embd, self.dropout = cfg.n_head, cfg.n_embd, cfg.dropout
+        d = cfg.n_embd
+        self.c_attn = Linear(d, 3 * d, cfg.bias, _init(), tp="column")  # weight [D, 3D] S(1)
+        # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer): two per block add to the stream
+        self.c_proj = Linear(
+            d, d, cfg.bias, _init(0.02 / math.sqrt(2 * cfg.n_layer)), tp="row"
+        )  # [D, D] S(0)
+        self.resid_dropout = Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape  # x: [B, T, D]  B (replicated over the TP ranks)
+        h = self.n_head
+        qkv = self.c_attn(x)  # qkv: [B, T, 3D]  S(2)
+        # [B, T, 3D] -> [B, T, 3, H, Dh]: the split of 3D lands on the "3" axis, so the compiler boxes it
+        # to a split of the heads (S(3)) unless p divides 3
+        qkv = qkv.reshape(b, t, 3, h, d // h)
+        q, k, v = F.split(qkv, 1, axis=2)  # each: [B, T, 1, H, Dh]
+        q, k, v = (z.reshape(b, t, h, d // h).permute(0, 2, 1, 3) for z in (q, k, v))  # [B, H, T, Dh] S(1)
+        y = F.scaled_dot_product_attention(q, k, v, True, self.dropout, self.training)  # [B, H, T, Dh] S(1)
+        y = y.permute(0, 2, 1, 3).reshape(b, t, d)  # y: [B, T, D]  S(2): heads are contiguous columns
+        return self.resid_dropout(self.c_proj(y))  # [B, T, D]  P -> B (all-reduce)
+
+
+class FeedForward(Module):
+    """GPT-2's MLP: D -> 4D (GELU) -> D."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        d = cfg.n_embd
+        self.c_fc = Linear(d, 4 * d, cfg.bias, _init(), tp="column")  # weight [D, 4D] S(1)
+        self.c_proj = Linear(4 * d, d, cfg.bias, _init(0.02 / math.sqrt(2 * cfg.n_layer)), tp="row")  # S(0)
+        self.dropout = Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.gelu(self.c_fc(x))  # h: [B, T, 4D]  S(2)
+        return self.dropout(self.c_proj(h))  # [B, T, D]  P -> B (all-reduce)
+
+
+class Block(Module):
+    """Pre-LN transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = LayerNorm(cfg.n_embd)
+        self.mlp = FeedForward(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))  # x: [B, T, D]  B
+        return x + self.mlp(self.ln_2(x))  # x: [B, T, D]  B
+
+
+class GPT(Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, _init())  # weight [V, D]  B
+        self.wpe = Embedding(cfg.seq_len, cfg.n_embd, _init())  # weight [T_max, D]  B
+        self.drop = Dropout(cfg.dropout)
+        self.blocks = ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = LayerNorm(cfg.n_embd)
+        if not cfg.tie_embeddings:
+            self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, init=_init())  # [D, V]  B
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
+        """Logits [B, T, V] for token ids ``idx`` [B, T]; the mean cross entropy when ``targets`` is given."""
+        _, t = idx.shape  # idx: [B, T]  S(0) under DP, B under TP
+        if t > self.config.seq_len:
+            raise SbpflowError(f"GPT: sequence of {t} tokens is longer than seq_len={self.config.seq_len}")
+        tok = self.wte(idx)  # tok: [B, T, D]
+        pos = self.wpe.weight[:t]  # pos: [T, D], broadcast over the batch
+        x = self.drop(tok + pos)
+        for block in self.blocks:
+            x = block(x)  # x: [B, T, D]
+        x = self.ln_f(x)
+        if self.config.tie_embeddings:
+            logits = F.matmul(x, self.wte.weight, transpose_b=True)  # logits: [B, T, V]
+        else:
+            logits = self.lm_head(x)  # logits: [B, T, V]
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits, targets)  # loss: []

@@ -1,0 +1,318 @@
+"""Neural-network ops: softmax, log_softmax, layer_norm, cross_entropy, and their backward ops.
+
+Rows: these ops are nonlinear along the axis they normalise over, so that axis must be whole on every
+rank (no split of it, never ``P`` in); any other axis may be split. The backward ops are linear in the
+incoming gradient, so they also take ``P`` there while the saved forward values are ``B``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sbpflow.dtype import DType
+from sbpflow.errors import ShapeError
+from sbpflow.ops.base import Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop, sig
+from sbpflow.ops.reduction import normalize_axes
+from sbpflow.ops.rows import all_broadcast
+from sbpflow.sbp import B, P, Split
+from sbpflow.tensor_meta import TensorMeta
+
+
+def _check_float(op: str, **tensors: TensorMeta) -> None:
+    for name, m in tensors.items():
+        if not m.dtype.is_floating:
+            raise ShapeError(f"op {op!r} needs a float {name}, got {m}; cast {name} to a float dtype first")
+    dtypes = {m.dtype for m in tensors.values()}
+    if len(dtypes) > 1:
+        listed = ", ".join(f"{n} {m}" for n, m in tensors.items())
+        raise ShapeError(f"op {op!r} needs one dtype for {listed}; cast them to one dtype")
+
+
+def split_others(ndim: int, skip: int, n_in: int, n_out: int) -> list[Signature]:
+    """Every input and output split alike along any axis but ``skip``; plus the replicated row."""
+    rows = [sig([Split(i)] * n_in, [Split(i)] * n_out) for i in range(ndim) if i != skip]
+    return [*rows, all_broadcast(n_in, n_out)]
+
+
+def _axis(op: str, meta: TensorMeta, attrs: Attrs) -> int:
+    return normalize_axes(op, meta.ndim, int(attrs["axis"]))[0]
+
+
+# ---- softmax and log_softmax ---------------------------------------------------------------------
+
+
+def _softmax_kernel(ctx: KernelContext, x: Any) -> Any:
+    axis = _axis("softmax", ctx.in_metas[0], ctx.attrs)
+    e = ctx.xp.exp(x - ctx.xp.max(x, axis=axis, keepdims=True))  # shifted: no overflow
+    return e / ctx.xp.sum(e, axis=axis, keepdims=True)
+
+
+def _log_softmax_kernel(ctx: KernelContext, x: Any) -> Any:
+    axis = _axis("log_softmax", ctx.in_metas[0], ctx.attrs)
+    shifted = x - ctx.xp.max(x, axis=axis, keepdims=True)
+    return shifted - ctx.xp.log(ctx.xp.sum(ctx.xp.exp(shifted), axis=axis, keepdims=True))
+
+
+def _softmax_grad_kernel(ctx: KernelContext, y: Any, dy: Any) -> Any:
+    axis = _axis("softmax_grad", ctx.in_metas[0], ctx.attrs)
+    return y * (dy - ctx.xp.sum(dy * y, axis=axis, keepdims=True))
+
+
+def _log_softmax_grad_kernel(ctx: KernelContext, y: Any, dy: Any) -> Any:
+    axis = _axis("log_softmax_grad", ctx.in_metas[0], ctx.attrs)
+    return dy - ctx.xp.exp(y) * ctx.xp.sum(dy, axis=axis, keepdims=True)
+
+
+def _unary_infer(op: str) -> Callable[[Metas, Attrs], Metas]:
+    def infer(metas: Metas, attrs: Attrs) -> Metas:
+        _check_float(op, x=metas[0])
+        _axis(op, metas[0], attrs)
+        return (metas[0],)
+
+    return infer
+
+
+def _grad_infer(op: str) -> Callable[[Metas, Attrs], Metas]:
+    def infer(metas: Metas, attrs: Attrs) -> Metas:
+        y, dy = metas
+        _check_float(op, y=y, dy=dy)
+        if y.shape != dy.shape:
+            raise ShapeError(f"op {op!r}: y {y} and dy {dy} must have one shape; pass the forward output")
+        _axis(op, y, attrs)
+        return (y,)
+
+    return infer
+
+
+def _grad_rows(op: str) -> Callable[[Metas, Attrs], list[Signature]]:
+    def rows(metas: Metas, attrs: Attrs) -> list[Signature]:
+        return [*split_others(metas[0].ndim, _axis(op, metas[0], attrs), 2, 1), sig([B, P], [P])]
+
+    return rows
+
+
+def _forward_rows(op: str) -> Callable[[Metas, Attrs], list[Signature]]:
+    return lambda metas, attrs: split_others(metas[0].ndim, _axis(op, metas[0], attrs), 1, 1)
+
+
+def _forward_grad(op: str) -> Callable[[GradContext], list[Any]]:
+    # both backward ops read the forward output y, not x: nothing to recompute
+    return lambda g: [g.call(f"{op}_grad", g.outputs[0], g.dy, axis=g.attrs["axis"])]
+
+
+_SOFTMAXES = {  # forward op -> (forward kernel, backward kernel)
+    "softmax": (_softmax_kernel, _softmax_grad_kernel),
+    "log_softmax": (_log_softmax_kernel, _log_softmax_grad_kernel),
+}
+
+for _op, (_fwd, _bwd) in _SOFTMAXES.items():
+    defop(
+        _op,
+        inputs=("x",),
+        infer=_unary_infer(_op),
+        rows=_forward_rows(_op),
+        kernel=_fwd,
+        grad=_forward_grad(_op),
+        attrs={"axis": -1},
+        doc=f"{_op} along `axis`, shifted by the max for stability",
+    )
+    defop(
+        f"{_op}_grad",
+        inputs=("y", "dy"),
+        outputs=("dx",),
+        infer=_grad_infer(f"{_op}_grad"),
+        rows=_grad_rows(f"{_op}_grad"),  # linear in dy: B, P -> P
+        kernel=_bwd,
+        grad=NoGrad(f"backward op of {_op}"),
+        attrs={"axis": -1},
+        doc=f"gradient of {_op} from its output y and the output gradient dy",
+    )
+
+
+# ---- layer_norm ----------------------------------------------------------------------------------
+
+
+def _check_params(op: str, x: TensorMeta, **params: TensorMeta) -> None:
+    if x.ndim == 0:
+        raise ShapeError(f"op {op!r} normalises the last axis; x {x} has none")
+    for name, m in params.items():
+        if m.shape != (x.shape[-1],):
+            raise ShapeError(f"op {op!r}: {name} {m} must have shape [{x.shape[-1]}], the last axis of x {x}")
+
+
+def _layer_norm_infer(metas: Metas, attrs: Attrs) -> Metas:
+    x, w, b = metas
+    _check_float("layer_norm", x=x, weight=w, bias=b)
+    _check_params("layer_norm", x, weight=w, bias=b)
+    return (x,)
+
+
+def _normalize(xp: Any, x: Any, eps: float) -> tuple[Any, Any]:
+    """``(x - mean) * rstd`` over the last axis, and ``rstd`` (biased variance, as torch)."""
+    centered = x - xp.mean(x, axis=-1, keepdims=True)
+    rstd = 1.0 / xp.sqrt(xp.mean(centered * centered, axis=-1, keepdims=True) + x.dtype.type(eps))
+    return centered * rstd, rstd
+
+
+def _layer_norm_kernel(ctx: KernelContext, x: Any, w: Any, b: Any) -> Any:
+    xhat, _ = _normalize(ctx.xp, x, float(ctx.attrs["eps"]))
+    return xhat * w + b
+
+
+defop(
+    "layer_norm",
+    inputs=("x", "weight", "bias"),
+    infer=_layer_norm_infer,
+    # split any leading axis of x with the parameters whole; y is affine in (weight, bias) jointly, so
+    # partial parameters give a partial y (x must be whole: normalising is nonlinear)
+    rows=lambda m, a: [
+        *(sig([Split(i), B, B], [Split(i)]) for i in range(m[0].ndim - 1)),
+        sig([B, P, P], [P]),
+        all_broadcast(3, 1),
+    ],
+    kernel=_layer_norm_kernel,
+    grad=lambda g: list(g.call_n("layer_norm_grad", g.dy, g.inputs[0], g.inputs[1], eps=g.attrs["eps"])),
+    attrs={"eps": 1e-5},
+    doc="normalise over the last axis, then scale by weight [D] and shift by bias [D]",
+)
+
+
+def _layer_norm_grad_infer(metas: Metas, attrs: Attrs) -> Metas:
+    dy, x, w = metas
+    _check_float("layer_norm_grad", dy=dy, x=x, weight=w)
+    if dy.shape != x.shape:
+        raise ShapeError(f"op 'layer_norm_grad': dy {dy} and x {x} must have one shape")
+    _check_params("layer_norm_grad", x, weight=w)
+    return (x, w, w)
+
+
+def _layer_norm_grad_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
+    # a split of the rows gives each rank part of the parameter gradients' sums over rows: P
+    rows = [sig([Split(i), Split(i), B], [Split(i), P, P]) for i in range(metas[1].ndim - 1)]
+    rows.append(sig([P, B, B], [P, P, P]))  # every output is linear in dy
+    rows.append(sig([B, B, P], [P, B, B]))  # dx is linear in weight; dweight and dbias do not read it
+    return [*rows, all_broadcast(3, 3)]
+
+
+def _layer_norm_grad_kernel(ctx: KernelContext, dy: Any, x: Any, w: Any) -> tuple[Any, Any, Any]:
+    xp = ctx.xp
+    xhat, rstd = _normalize(xp, x, float(ctx.attrs["eps"]))
+    rows = tuple(range(x.ndim - 1))
+    dbias = xp.sum(dy, axis=rows).reshape(w.shape)
+    dweight = xp.sum(dy * xhat, axis=rows).reshape(w.shape)
+    gx = dy * w  # gradient w.r.t. xhat; then through the normalisation along the last axis
+    mean_g = xp.mean(gx, axis=-1, keepdims=True)
+    mean_gx = xp.mean(gx * xhat, axis=-1, keepdims=True)
+    return rstd * (gx - mean_g - xhat * mean_gx), dweight, dbias
+
+
+defop(
+    "layer_norm_grad",
+    inputs=("dy", "x", "weight"),
+    outputs=("dx", "dweight", "dbias"),
+    infer=_layer_norm_grad_infer,
+    rows=_layer_norm_grad_rows,
+    kernel=_layer_norm_grad_kernel,
+    grad=NoGrad("backward op of layer_norm"),
+    attrs={"eps": 1e-5},
+    doc="gradients of layer_norm w.r.t. x, weight and bias; recomputes the statistics from x",
+)
+
+
+# ---- cross_entropy -------------------------------------------------------------------------------
+# The class axis must be whole on each rank. Vocabulary-parallel cross entropy (logits S(-1)) needs a
+# max and a sum across ranks inside the op (Megatron's scheme); that is communication, which kernels
+# do not do, so it is out of scope here: a vocab-split logits tensor is gathered by boxing first.
+
+_LABEL_DTYPES = (DType.int32, DType.int64)
+
+
+def _check_ce(op: str, logits: TensorMeta, labels: TensorMeta) -> None:
+    _check_float(op, logits=logits)
+    if labels.dtype not in _LABEL_DTYPES:
+        raise ShapeError(f"op {op!r}: labels {labels} must be int32 or int64 class indices; cast them")
+    if logits.ndim == 0 or labels.shape != logits.shape[:-1]:
+        raise ShapeError(
+            f"op {op!r}: labels {labels} must have the shape of logits {logits} without its last "
+            f"(class) axis, i.e. {list(logits.shape[:-1])}"
+        )
+
+
+def _ce_infer(metas: Metas, attrs: Attrs) -> Metas:
+    logits, labels = metas
+    _check_ce("cross_entropy", logits, labels)
+    return (TensorMeta(labels.shape, logits.dtype),)
+
+
+def _ce_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
+    return split_others(metas[0].ndim, metas[0].ndim - 1, 2, 1)
+
+
+def _kept(ctx: KernelContext, labels: Any) -> tuple[Any, Any]:
+    """A mask of the positions that count, and labels with the ignored ones pointed at class 0."""
+    kept = labels != int(ctx.attrs["ignore_index"])
+    # labels outside 0..V-1 other than ignore_index are not checked here: that would sync the GPU
+    return kept, ctx.xp.where(kept, labels, 0)
+
+
+def _ce_kernel(ctx: KernelContext, logits: Any, labels: Any) -> Any:
+    xp = ctx.xp
+    kept, safe = _kept(ctx, labels)
+    m = xp.max(logits, axis=-1, keepdims=True)
+    lse = m[..., 0] + xp.log(xp.sum(xp.exp(logits - m), axis=-1))
+    picked = xp.take_along_axis(logits, safe[..., None].astype(xp.int64), axis=-1)[..., 0]
+    return xp.asarray(xp.where(kept, lse - picked, 0.0)).astype(logits.dtype, copy=False)
+
+
+defop(
+    "cross_entropy",
+    inputs=("logits", "labels"),
+    outputs=("loss",),
+    infer=_ce_infer,
+    rows=_ce_rows,
+    kernel=_ce_kernel,
+    grad=lambda g: [
+        g.call("cross_entropy_grad", *g.inputs, g.dy, ignore_index=g.attrs["ignore_index"]),
+        None,
+    ],
+    attrs={"ignore_index": -100},
+    doc="per-position loss -log softmax(logits)[label]; 0 where label == ignore_index",
+)
+
+
+def _ce_grad_infer(metas: Metas, attrs: Attrs) -> Metas:
+    logits, labels, dy = metas
+    _check_ce("cross_entropy_grad", logits, labels)
+    if dy.shape != labels.shape or dy.dtype != logits.dtype:
+        raise ShapeError(
+            f"op 'cross_entropy_grad': dy {dy} must be [{', '.join(map(str, labels.shape))}] "
+            f"{logits.dtype.value}, the loss's shape and dtype"
+        )
+    return (logits,)
+
+
+def _ce_grad_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
+    return [*split_others(metas[0].ndim, metas[0].ndim - 1, 3, 1), sig([B, B, P], [P])]  # linear in dy
+
+
+def _ce_grad_kernel(ctx: KernelContext, logits: Any, labels: Any, dy: Any) -> Any:
+    xp = ctx.xp
+    kept, safe = _kept(ctx, labels)
+    e = xp.exp(logits - xp.max(logits, axis=-1, keepdims=True))
+    onehot = safe[..., None] == xp.arange(logits.shape[-1])
+    scale = xp.where(kept, dy, 0.0)[..., None] / xp.sum(e, axis=-1, keepdims=True)
+    return (e * scale - onehot * xp.where(kept, dy, 0.0)[..., None]).astype(logits.dtype, copy=False)
+
+
+defop(
+    "cross_entropy_grad",
+    inputs=("logits", "labels", "dy"),
+    outputs=("dlogits",),
+    infer=_ce_grad_infer,
+    rows=_ce_grad_rows,
+    kernel=_ce_grad_kernel,
+    grad=NoGrad("backward op of cross_entropy"),
+    attrs={"ignore_index": -100},
+    doc="(softmax(logits) - onehot(labels)) * dy[..., None], zero at ignored positions",
+)

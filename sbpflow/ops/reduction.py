@@ -1,0 +1,321 @@
+"""Reductions and their inverses: sum, mean, max over axes; sum_to and broadcast_to (numpy broadcasting).
+
+Rows: a split of a kept axis stays a split (of the output axis it lands on once reduced axes are
+dropped); a split of a reduced axis leaves each rank a partial result, so the linear reductions (sum,
+mean) give ``P`` there and max gives no row. ``P`` passes through the linear ones.
+
+The gradients of sum and mean re-insert the reduced axes and broadcast (``sum_grad``/``mean_grad``):
+``broadcast_to`` alone cannot, because with ``keepdims=False`` the reduced axes may sit between kept
+ones and numpy broadcasting only adds leading axes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from math import prod
+from typing import Any
+
+from sbpflow.dtype import DType
+from sbpflow.errors import ShapeError
+from sbpflow.ops.base import REQUIRED, Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop, sig
+from sbpflow.ops.rows import all_broadcast
+from sbpflow.sbp import B, P, Split
+from sbpflow.tensor_meta import Shape, TensorMeta
+
+
+def normalize_axes(op: str, ndim: int, axes: Any, what: str = "x") -> tuple[int, ...]:
+    """``axes`` (None = all, an int, or a tuple; negatives count from the end) as sorted non-negative ints."""
+    if axes is None:
+        return tuple(range(ndim))
+    raw = (axes,) if isinstance(axes, int) else tuple(axes)
+    out = []
+    for a in raw:
+        if not -ndim <= a < ndim:
+            raise ShapeError(
+                f"op {op!r}: axis {a} is out of range for {what} with ndim {ndim}; "
+                f"use an axis in {-ndim}..{ndim - 1}"
+            )
+        out.append(a % ndim)
+    if len(set(out)) != len(out):
+        raise ShapeError(f"op {op!r}: axes {raw} name an axis twice for {what} with ndim {ndim}")
+    return tuple(sorted(out))
+
+
+def reduced_shape(shape: Shape, axes: tuple[int, ...], keepdims: bool) -> Shape:
+    if keepdims:
+        return tuple(1 if i in axes else d for i, d in enumerate(shape))
+    return tuple(d for i, d in enumerate(shape) if i not in axes)
+
+
+def kept_axis_map(ndim: int, axes: tuple[int, ...], keepdims: bool) -> dict[int, int]:
+    """Input axis -> output axis for every axis a reduction keeps."""
+    kept = [i for i in range(ndim) if i not in axes]
+    return {i: (i if keepdims else j) for j, i in enumerate(kept)}
+
+
+def _reduce_rows(op: str, linear: bool) -> Callable[[Metas, Attrs], list[Signature]]:
+    def rows(metas: Metas, attrs: Attrs) -> list[Signature]:
+        ndim = metas[0].ndim
+        axes = normalize_axes(op, ndim, attrs["axes"])
+        out = [sig([Split(i)], [Split(j)]) for i, j in kept_axis_map(ndim, axes, attrs["keepdims"]).items()]
+        if linear:
+            out += [sig([Split(i)], [P]) for i in axes]  # each rank sums its slice: partial sums
+            out.append(sig([P], [P]))
+        return [*out, all_broadcast(1, 1)]
+
+    return rows
+
+
+# ---- sum, mean, max ------------------------------------------------------------------------------
+
+
+def _check_dtype(op: str, x: TensorMeta) -> None:
+    allowed = {"sum": x.dtype != DType.bool, "mean": x.dtype.is_floating, "max": True}[op]
+    if not allowed:
+        fix = "a float dtype" if op == "mean" else "an int or float dtype"
+        raise ShapeError(f"op {op!r} does not take x of dtype {x.dtype.value}; cast x to {fix} first")
+
+
+def _reduce_infer(op: str) -> Callable[[Metas, Attrs], Metas]:
+    def infer(metas: Metas, attrs: Attrs) -> Metas:
+        (x,) = metas
+        _check_dtype(op, x)
+        axes = normalize_axes(op, x.ndim, attrs["axes"])
+        return (TensorMeta(reduced_shape(x.shape, axes, bool(attrs["keepdims"])), x.dtype),)
+
+    return infer
+
+
+def _reduce_kernel(op: str) -> Callable[..., Any]:
+    def kernel(ctx: KernelContext, x: Any) -> Any:
+        axes = normalize_axes(op, x.ndim, ctx.attrs["axes"])
+        keep = bool(ctx.attrs["keepdims"])
+        xp = ctx.xp
+        if op == "max":
+            return xp.asarray(xp.max(x, axis=axes, keepdims=keep))  # a full reduction gives a scalar
+        y = xp.sum(x, axis=axes, keepdims=keep)
+        if op == "mean":  # the LOGICAL count, so that the partial means of S(reduced) -> P add up
+            y = y / prod(ctx.in_metas[0].shape[a] for a in axes)
+        return xp.asarray(y).astype(ctx.out_dtype(), copy=False)  # int sums widen in numpy
+
+    return kernel
+
+
+def _unreduce_grad(op: str) -> Callable[[GradContext], list[Any]]:
+    def grad(g: GradContext) -> list[Any]:
+        x = g.in_metas[0]
+        axes = normalize_axes(op, x.ndim, g.attrs["axes"])
+        keep = bool(g.attrs["keepdims"])
+        if op == "max":
+            return [g.call("max_grad", g.dy, g.inputs[0], g.outputs[0], axes=axes, keepdims=keep)]
+        return [g.call(f"{op}_grad", g.dy, shape=x.shape, axes=axes, keepdims=keep)]
+
+    return grad
+
+
+_REDUCTIONS = {  # op -> (linear, doc)
+    "sum": (True, "sum over axes (None = all); S on a reduced axis gives P"),
+    "mean": (True, "mean over axes (None = all); divides by the logical count, so S(reduced) gives P"),
+    "max": (False, "max over axes (None = all); no P: a max of partial sums is not the max of the sum"),
+}
+
+for _op, (_linear, _doc) in _REDUCTIONS.items():
+    defop(
+        _op,
+        inputs=("x",),
+        infer=_reduce_infer(_op),
+        rows=_reduce_rows(_op, _linear),
+        kernel=_reduce_kernel(_op),
+        grad=_unreduce_grad(_op),
+        attrs={"axes": None, "keepdims": False},
+        doc=_doc,
+    )
+
+
+# ---- backward ops of the reductions --------------------------------------------------------------
+
+
+def _unreduce_infer(op: str) -> Callable[[Metas, Attrs], Metas]:
+    def infer(metas: Metas, attrs: Attrs) -> Metas:
+        dy = metas[0]
+        shape = tuple(attrs["shape"])
+        axes = normalize_axes(op, len(shape), attrs["axes"])
+        want = reduced_shape(shape, axes, bool(attrs["keepdims"]))
+        if dy.shape != want:
+            raise ShapeError(
+                f"op {op!r}: dy has shape {list(dy.shape)} but reducing {list(shape)} over axes {axes} "
+                f"gives {list(want)}; pass the forward input's shape and axes"
+            )
+        return (TensorMeta(shape, dy.dtype),)
+
+    return infer
+
+
+def _unreduce_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
+    shape = tuple(attrs["shape"])
+    axes = normalize_axes("sum_grad/mean_grad", len(shape), attrs["axes"])
+    kept = kept_axis_map(len(shape), axes, bool(attrs["keepdims"]))
+    rows = [sig([Split(j)], [Split(i)]) for i, j in kept.items()]
+    rows += [sig([B], [Split(i)]) for i in axes]  # dy is constant along a reduced axis: expand a slice
+    return [*rows, sig([P], [P]), all_broadcast(1, 1)]
+
+
+def _expand(ctx: KernelContext, dy: Any, axes: tuple[int, ...]) -> Any:
+    """``dy`` with the reduced axes back as size 1 (local shapes), broadcast to this rank's output."""
+    out_shape = ctx.out_shape()
+    with_ones = tuple(1 if i in axes else d for i, d in enumerate(out_shape))
+    return ctx.xp.broadcast_to(dy.reshape(with_ones), out_shape).copy()
+
+
+def _sum_grad_kernel(ctx: KernelContext, dy: Any) -> Any:
+    return _expand(ctx, dy, normalize_axes("sum_grad", len(ctx.out_metas[0].shape), ctx.attrs["axes"]))
+
+
+def _mean_grad_kernel(ctx: KernelContext, dy: Any) -> Any:
+    shape = ctx.out_metas[0].shape
+    axes = normalize_axes("mean_grad", len(shape), ctx.attrs["axes"])
+    return _expand(ctx, dy / dy.dtype.type(prod(shape[a] for a in axes)), axes)
+
+
+for _op, _kernel in (("sum_grad", _sum_grad_kernel), ("mean_grad", _mean_grad_kernel)):
+    defop(
+        _op,
+        inputs=("dy",),
+        outputs=("dx",),
+        infer=_unreduce_infer(_op),
+        rows=_unreduce_rows,
+        kernel=_kernel,
+        grad=NoGrad(f"backward op of {_op[:-5]}"),
+        attrs={"shape": REQUIRED, "axes": None, "keepdims": False},
+        doc=f"gradient of {_op[:-5]}: re-insert the reduced axes of dy and broadcast to `shape`",
+    )
+
+
+def _max_grad_infer(metas: Metas, attrs: Attrs) -> Metas:
+    dy, x, y = metas
+    axes = normalize_axes("max_grad", x.ndim, attrs["axes"])
+    want = reduced_shape(x.shape, axes, bool(attrs["keepdims"]))
+    if dy.shape != want or y.shape != want:
+        raise ShapeError(
+            f"op 'max_grad': dy {list(dy.shape)} and y {list(y.shape)} must both be {list(want)}, "
+            f"the max of x {list(x.shape)} over axes {axes}"
+        )
+    return (x,)
+
+
+def _max_grad_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
+    x = metas[1]
+    axes = normalize_axes("max_grad", x.ndim, attrs["axes"])
+    kept = kept_axis_map(x.ndim, axes, bool(attrs["keepdims"]))
+    # a split reduced axis would need the ties on other ranks: no row for it
+    rows = [sig([Split(j), Split(i), Split(j)], [Split(i)]) for i, j in kept.items()]
+    return [*rows, sig([P, B, B], [P]), all_broadcast(3, 1)]  # linear in dy
+
+
+def _max_grad_kernel(ctx: KernelContext, dy: Any, x: Any, y: Any) -> Any:
+    # Ties share the gradient evenly (as torch.amax does): the sum over x of dx is dy either way, and
+    # the rule is symmetric, so it does not depend on the layout.
+    axes = normalize_axes("max_grad", x.ndim, ctx.attrs["axes"])
+    with_ones = tuple(1 if i in axes else d for i, d in enumerate(x.shape))
+    hit = (x == y.reshape(with_ones)).astype(x.dtype)
+    count = ctx.xp.sum(hit, axis=axes, keepdims=True)
+    return hit * (dy.reshape(with_ones) / count)
+
+
+defop(
+    "max_grad",
+    inputs=("dy", "x", "y"),
+    outputs=("dx",),
+    infer=_max_grad_infer,
+    rows=_max_grad_rows,
+    kernel=_max_grad_kernel,
+    grad=NoGrad("backward op of max"),
+    attrs={"axes": None, "keepdims": False},
+    doc="gradient of max: dy goes to the maxima of x, split evenly among ties",
+)
+
+
+# ---- sum_to and broadcast_to: numpy broadcasting and its inverse ---------------------------------
+
+
+def _check_broadcastable(op: str, small: Shape, big: Shape, names: tuple[str, str]) -> None:
+    lead = len(big) - len(small)
+    if lead < 0 or any(s not in (1, big[lead + k]) for k, s in enumerate(small)):
+        raise ShapeError(
+            f"op {op!r}: {names[0]} {list(small)} does not broadcast to {names[1]} {list(big)}; each "
+            f"trailing size of {list(small)} must be 1 or equal the aligned size of {list(big)}"
+        )
+
+
+def _sum_to_axes(x_shape: Shape, shape: Shape) -> tuple[int, ...]:
+    """The axes of ``x`` that ``sum_to`` sums: the leading extra ones and those where ``shape`` has 1."""
+    lead = len(x_shape) - len(shape)
+    return tuple(range(lead)) + tuple(lead + k for k, s in enumerate(shape) if s == 1)
+
+
+def _sum_to_infer(metas: Metas, attrs: Attrs) -> Metas:
+    (x,) = metas
+    shape = tuple(attrs["shape"])
+    _check_dtype("sum", x)
+    _check_broadcastable("sum_to", shape, x.shape, ("shape", "x"))
+    return (TensorMeta(shape, x.dtype),)
+
+
+def _sum_to_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
+    x = metas[0]
+    shape = tuple(attrs["shape"])
+    lead = x.ndim - len(shape)
+    axes = _sum_to_axes(x.shape, shape)
+    kept = [sig([Split(i)], [Split(i - lead)]) for i in range(x.ndim) if i not in axes]
+    return [*kept, *(sig([Split(i)], [P]) for i in axes), sig([P], [P]), all_broadcast(1, 1)]
+
+
+def _sum_to_kernel(ctx: KernelContext, x: Any) -> Any:
+    axes = _sum_to_axes(ctx.in_metas[0].shape, tuple(ctx.attrs["shape"]))
+    y = ctx.xp.sum(x, axis=axes, keepdims=True).reshape(ctx.out_shape())
+    return y.astype(ctx.out_dtype(), copy=False)
+
+
+defop(
+    "sum_to",
+    inputs=("x",),
+    infer=_sum_to_infer,
+    rows=_sum_to_rows,
+    kernel=_sum_to_kernel,
+    grad=lambda g: [g.call("broadcast_to", g.dy, shape=g.in_metas[0].shape)],
+    attrs={"shape": REQUIRED},
+    doc="sum x down to `shape` (the inverse of numpy broadcasting); the gradient of broadcasting ops",
+)
+
+
+def _broadcast_to_infer(metas: Metas, attrs: Attrs) -> Metas:
+    (x,) = metas
+    shape = tuple(attrs["shape"])
+    _check_broadcastable("broadcast_to", x.shape, shape, ("x", "shape"))
+    return (TensorMeta(shape, x.dtype),)
+
+
+def _broadcast_to_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
+    x = metas[0]
+    shape = tuple(attrs["shape"])
+    lead = len(shape) - x.ndim
+    rows = []
+    for j, d in enumerate(shape):
+        a = j - lead
+        if a >= 0 and x.shape[a] == d:
+            rows.append(sig([Split(a)], [Split(j)]))
+        else:  # x is constant along j: every rank expands its own slice of the output
+            rows.append(sig([B], [Split(j)]))
+    return [*rows, sig([P], [P]), all_broadcast(1, 1)]
+
+
+defop(
+    "broadcast_to",
+    inputs=("x",),
+    infer=_broadcast_to_infer,
+    rows=_broadcast_to_rows,
+    kernel=lambda ctx, x: ctx.xp.broadcast_to(x, ctx.out_shape()).copy(),
+    grad=lambda g: [g.call("sum_to", g.dy, shape=g.in_metas[0].shape)],
+    attrs={"shape": REQUIRED},
+    doc="numpy broadcast of x to `shape`; the result is a fresh array, not a view",
+)

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import sbpflow as sf
+from sbpflow import reference
+from sbpflow.random import tensor_rng_id
+from tests.client.helpers import arrays, trace
+
+
+def run(module: sf.nn.Module, **fields):
+    job = trace(lambda g, *xs: g.m(*xs), arrays(**fields), modules={"m": module})
+    out = reference.forward(job)
+    params = reference.init_parameters(job)
+    return job, out[job.fetches[0]], params, job.data.read(0)
+
+
+def test_linear_is_x_at_w_plus_b() -> None:
+    job, y, p, batch = run(sf.nn.Linear(5, 3), x=((5,), "float32"))
+    assert p["m.weight"].shape == (5, 3)
+    np.testing.assert_allclose(y, batch["x"] @ p["m.weight"] + p["m.bias"], rtol=1e-5)
+    bound = np.sqrt(6 / 8)  # xavier-uniform default
+    assert np.abs(p["m.weight"]).max() <= bound and not p["m.bias"].any()
+
+
+def test_embedding_and_layer_norm() -> None:
+    _, y, p, batch = run(sf.nn.Embedding(8, 4), ids=((3,), "int64"))
+    np.testing.assert_array_equal(y, p["m.weight"][batch["ids"]])
+    _, y, _, batch = run(sf.nn.LayerNorm(6), x=((6,), "float32"))
+    x = batch["x"]
+    want = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_keys_on_its_scoped_name_and_skips_in_eval() -> None:
+    job, y, _, batch = run(sf.nn.Dropout(0.5), x=((64,), "float32"))
+    (node,) = job.graph.ops
+    assert node.name == "m.dropout_0" and node.attrs["rng_id"] == tensor_rng_id("m.dropout_0")
+    kept = y != 0
+    assert 0.3 < kept.mean() < 0.7
+    np.testing.assert_allclose(y[kept], 2 * batch["x"][kept], rtol=1e-6)
+    job = trace(lambda g, x: g.m(x), arrays(x=((4,), "float32")), modules={"m": sf.nn.Dropout(0.5).eval()})
+    assert job.graph.ops == [] and job.fetches == ("x",)
+
+
+def test_mlp_layers_and_errors() -> None:
+    mlp = sf.nn.MLP([4, 8, 8, 2], activation="gelu")
+    assert [type(m).__name__ for m in mlp] == ["Linear", "GELU", "Linear", "GELU", "Linear"]
+    assert len(mlp) == 5 and isinstance(mlp[-1], sf.nn.Linear)
+    with pytest.raises(sf.SbpflowError, match="activation"):
+        sf.nn.MLP([4, 2], activation="swish")
+    with pytest.raises(sf.SbpflowError, match="at least"):
+        sf.nn.MLP([4])
+    with pytest.raises(sf.SbpflowError, match="rate"):
+        sf.nn.Dropout(1.0)

@@ -1,0 +1,39 @@
+"""The examples' make_job traces and verifies, on DP, TP and a 2-d mesh."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from sbpflow.client.summary import summarize
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"tp": True, "ranks": 4, "layers": 2}])
+def test_mlp_example(kwargs) -> None:
+    job = load("mlp").make_job(**kwargs)
+    job.verify()
+    assert job.loss and job.optimizer is not None
+    assert "matmul" in summarize(job)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"tp": True}, {"tp": True, "dp": 2, "ranks": 4, "heads": 4, "width": 32}]
+)
+def test_gpt_example(kwargs) -> None:
+    job = load("gpt").make_job(**kwargs)
+    job.verify()
+    assert job.optimizer is not None and job.optimizer.clip_grad_norm == 1.0
+    assert job.graph.tensors["model.blocks.0.attn.c_attn.weight"].sbp is not None or not kwargs
