@@ -37,3 +37,25 @@ def test_gpt_example(kwargs) -> None:
     job.verify()
     assert job.optimizer is not None and job.optimizer.clip_grad_norm == 1.0
     assert job.graph.tensors["model.blocks.0.attn.c_attn.weight"].sbp is not None or not kwargs
+
+
+@pytest.mark.parametrize(
+    "name, kwargs", [("mlp", {"tp": True, "ranks": 4}), ("gpt", {"tp": True, "dp": 2, "ranks": 4})]
+)
+def test_traced_jobs_round_trip_through_the_wire(name: str, kwargs) -> None:
+    from sbpflow import wire
+    from sbpflow.v1 import job_pb2
+
+    job = load(name).make_job(**kwargs)
+    blob = wire.job_to_proto(job).SerializeToString()
+    back = wire.job_from_proto(job_pb2.Job.FromString(blob))
+    assert back == job
+    back.verify()
+
+
+def test_gpt_size_is_configurable() -> None:
+    job = load("gpt").make_job(layers=3, heads=4, width=48, vocab=100, seq_len=12)
+    t = job.graph.tensors
+    assert t["model.wte.weight"].meta.shape == (100, 48)
+    assert t["model.wpe.weight"].meta.shape == (12, 48)
+    assert "model.blocks.2.attn.c_attn.weight" in t and "model.blocks.3.attn.c_attn.weight" not in t
