@@ -18,6 +18,11 @@ from sbpflow.sbp import NdSbp, check_axes, format_nd
 from sbpflow.tensor_meta import TensorMeta
 
 
+# The compiler's boxing nodes: logically the identity, physically a change of SBP or placement. They are
+# not in the op registry (no kernel runs them; the runtime executes their BoxingPlan).
+BOXING = "boxing"
+
+
 class TensorKind(StrEnum):
     activation = "activation"
     parameter = "parameter"
@@ -136,10 +141,6 @@ def _verify_tensor(t: TensorDecl) -> None:
 
 
 def _verify_op(g: Graph, node: OpNode, produced: set[str]) -> None:
-    try:
-        op = get_op(node.op_type)
-    except UnknownOpError as e:
-        raise GraphError(f"op {node.name!r}: {e}") from None
     for name in (*node.inputs, *node.outputs):
         if name not in g.tensors:
             raise GraphError(
@@ -155,6 +156,14 @@ def _verify_op(g: Graph, node: OpNode, produced: set[str]) -> None:
         if name in produced:
             raise GraphError(f"tensor {name!r} is produced twice (again by op {node.name!r})")
     metas = tuple(g.tensors[i].meta for i in node.inputs)
+    if node.op_type == BOXING:
+        if len(node.inputs) != 1 or len(node.outputs) != 1 or metas[0] != g.tensors[node.outputs[0]].meta:
+            raise GraphError(f"boxing op {node.name!r} must map one tensor to one tensor of the same shape and dtype")
+        return
+    try:
+        op = get_op(node.op_type)
+    except UnknownOpError as e:
+        raise GraphError(f"op {node.name!r}: {e}") from None
     try:
         outs = op.run_infer(metas, op.normalize_attrs(node.attrs))
     except ShapeError as e:
