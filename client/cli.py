@@ -1,4 +1,5 @@
-"""The ``sbpflow`` command line. Later issues add ``server``, ``submit``, ``run``, ``status`` and more."""
+"""The ``sbpflow`` command line: ``trace``, ``plan``, ``ops``, ``version``. Later issues add ``server``,
+``submit``, ``run``, ``status`` and more."""
 
 from __future__ import annotations
 
@@ -42,6 +43,60 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """make_job keyword arguments from --ranks/--tp/--dp/--layers and any --set KEY=VALUE."""
+    import ast
+
+    kw: dict[str, Any] = {
+        k: getattr(args, k) for k in ("ranks", "dp", "layers") if getattr(args, k) is not None
+    }
+    if args.tp:
+        kw["tp"] = True
+    for item in args.set or ():
+        key, sep, text = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise SbpflowError(f"--set {item!r}: write KEY=VALUE, e.g. --set hidden=64")
+        try:
+            kw[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            kw[key] = text  # a bare word is a string
+    return kw
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Compile an example; print the plan summary and write the Plan protobuf and/or an HTML picture."""
+    import inspect
+
+    from sbpflow.control_plane.compiler import render
+    from sbpflow.control_plane.compiler.pipeline import compile
+
+    make_job = _load_example(args.example).make_job
+    kw = _make_kwargs(args)
+    params = inspect.signature(make_job).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = sorted(k for k in kw if k not in params and not takes_any)
+    if unknown:
+        raise SbpflowError(
+            f"{args.example}: make_job() takes no {unknown}; it takes {[p for p in params if p != 'self']}"
+        )
+    compiled = compile(make_job(**kw))
+    print(compiled.summary())
+    if args.out:
+        if compiled.plan is None:
+            raise SbpflowError(f"no plan to write to {args.out}: {'; '.join(compiled.notes)}")
+        data = compiled.plan.SerializeToString()
+        Path(args.out).write_bytes(data)
+        print(f"wrote {args.out} ({len(data)} bytes)")
+    if args.html:
+        page = render.html_page(compiled.state, compiled.memory, compiled.notes)
+        Path(args.html).write_text(page, encoding="utf-8")
+        print(f"wrote {args.html}")
+    if args.dot:
+        Path(args.dot).write_text(render.dot(compiled.state), encoding="utf-8")
+        print(f"wrote {args.dot} (render with: dot -Tsvg {args.dot} -o plan.svg)")
+    return 0
+
+
 def cmd_ops(args: argparse.Namespace) -> int:
     """List the registered ops with their inputs, outputs and attributes."""
     from sbpflow.ops import OPS
@@ -61,6 +116,7 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "trace": (cmd_trace, "trace an example file into a Job and print or save it"),
+    "plan": (cmd_plan, "compile an example file and print its plan summary; write the plan and a picture"),
     "ops": (cmd_ops, "list the op library"),
     "version": (cmd_version, "print the installed version"),
 }
@@ -75,6 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("example", help="a Python file defining make_job()")
             p.add_argument("--out", help="write the Job protobuf to this file")
             p.add_argument("--dump", action="store_true", help="print every tensor and op")
+        if name == "plan":
+            p.add_argument("example", help="a Python file defining make_job()")
+            p.add_argument("--ranks", type=int, help="number of ranks (make_job's ranks=)")
+            p.add_argument("--tp", action="store_true", help="tensor parallel (make_job's tp=True)")
+            p.add_argument("--dp", type=int, help="data-parallel groups of a 2-d mesh (make_job's dp=)")
+            p.add_argument("--layers", type=int, help="make_job's layers=")
+            p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other make_job argument")
+            p.add_argument("--out", help="write the Plan protobuf to this file")
+            p.add_argument("--html", help="write a self-contained HTML picture of the graph to this file")
+            p.add_argument("--dot", help="write Graphviz dot text of the graph to this file")
     return parser
 
 

@@ -17,7 +17,6 @@ from sbpflow.placement import Placement
 from sbpflow.sbp import NdSbp, check_axes, format_nd
 from sbpflow.tensor_meta import TensorMeta
 
-
 # The compiler's boxing nodes: logically the identity, physically a change of SBP or placement. They are
 # not in the op registry (no kernel runs them; the runtime executes their BoxingPlan).
 BOXING = "boxing"
@@ -86,10 +85,21 @@ class Graph:
         self.tensors[decl.name] = decl
 
     def add_op(self, node: OpNode) -> OpNode:
-        if any(o.name == node.name for o in self.ops):
+        names = self._names()
+        if node.name in names:
             raise GraphError(f"op name {node.name!r} is used twice; op names must be unique")
         self.ops.append(node)
+        names.add(node.name)
         return node
+
+    def _names(self) -> set[str]:
+        """Op names, indexed so that building a large graph stays linear; rebuilt when a pass has
+        replaced or edited ``ops`` behind the index's back."""
+        cache = self.__dict__.get("_name_index")
+        if cache is None or cache[0] is not self.ops or len(cache[1]) != len(self.ops):
+            cache = (self.ops, {o.name for o in self.ops})
+            self.__dict__["_name_index"] = cache
+        return cache[1]
 
     def producer(self, tensor: str) -> OpNode | None:
         return next((o for o in self.ops if tensor in o.outputs), None)
@@ -112,7 +122,11 @@ class Graph:
         }
         for t in self.tensors.values():
             _verify_tensor(t)
+        seen: set[str] = set()
         for node in self.ops:
+            if node.name in seen:
+                raise GraphError(f"op name {node.name!r} is used twice; op names must be unique")
+            seen.add(node.name)
             _verify_op(self, node, produced)
             produced.update(node.outputs)
         dangling = [t for t in self.tensors if t not in produced]
@@ -158,7 +172,9 @@ def _verify_op(g: Graph, node: OpNode, produced: set[str]) -> None:
     metas = tuple(g.tensors[i].meta for i in node.inputs)
     if node.op_type == BOXING:
         if len(node.inputs) != 1 or len(node.outputs) != 1 or metas[0] != g.tensors[node.outputs[0]].meta:
-            raise GraphError(f"boxing op {node.name!r} must map one tensor to one tensor of the same shape and dtype")
+            raise GraphError(
+                f"boxing op {node.name!r} must map one tensor to one tensor of the same shape and dtype"
+            )
         return
     try:
         op = get_op(node.op_type)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 import sbpflow as sf
 from sbpflow import reference
-from sbpflow.data import SyntheticSource
+from sbpflow.data import ArraySource, SyntheticSource
 from sbpflow.random import RandomKey, kaiming_uniform, tensor_rng_id
 
 
@@ -86,3 +87,66 @@ def test_gpt_loss_at_init_is_near_log_vocab() -> None:
     assert losses[0] != losses[1]  # a new batch (and new dropout masks) per step
     again = float(reference.forward(job, step=0)[job.loss])
     assert again == losses[0]  # deterministic in (seed, step)
+
+
+# ---- training -------------------------------------------------------------------------------------------
+
+
+def one_batch_job(**config) -> sf.Job:
+    """The regression MLP fed the same batch every step (one batch of data, repeated per epoch)."""
+    job = mlp_job()
+    batch = job.data.read(0)
+    data = ArraySource(batch_size=6, arrays=batch)
+    return replace(job, data=data, config=replace(job.config, steps=5, **config))
+
+
+def test_train_lowers_the_loss_on_a_repeated_batch_and_is_deterministic() -> None:
+    job = one_batch_job()
+    result = reference.train(job)
+    assert len(result.losses) == 5 and all(np.diff(result.losses) < 0)
+    assert result.losses[0] == pytest.approx(float(reference.forward(job)[job.loss]), rel=1e-6)
+    assert set(result.parameters) == {p.tensor for p in job.parameters}
+    # SGD keeps its buffer even at momentum 0 (it then holds the last step's gradient)
+    assert set(result.optimizer_state) == {f"{p.tensor}/momentum" for p in job.parameters}
+    again = reference.train(job, steps=2)
+    assert again.losses == result.losses[:2]
+
+
+def test_gradients_are_those_of_the_forward_loss() -> None:
+    job = one_batch_job()
+    loss, grads = reference.gradients(job)
+    assert loss == pytest.approx(float(reference.forward(job)[job.loss]))
+    assert {k: v.shape for k, v in grads.items()} == {
+        k: v.shape for k, v in reference.init_parameters(job).items()
+    }
+
+
+def test_micro_batch_job_cuts_inputs_and_follows_reshapes() -> None:
+    cfg = sf.nn.GPTConfig(vocab_size=16, seq_len=4, n_layer=1, n_head=2, n_embd=8)
+
+    class Train(sf.Graph):
+        def __init__(self):
+            super().__init__()
+            self.gpt = sf.nn.GPT(cfg)
+
+        def build(self, tokens, targets):
+            loss = self.gpt(tokens, targets)
+            loss.backward()
+            return loss
+
+    job = Train().trace(SyntheticSource(batch_size=6, kind="tokens", params={"seq_len": 4, "vocab": 16}))
+    micro = reference.micro_batch_job(job, 3)
+    assert micro.graph.tensors["tokens"].meta.shape == (2, 4)
+    shapes = [o.attrs["shape"] for o in micro.graph.ops if o.op_type == "reshape"]
+    assert shapes and all(s[0] == 2 for s in shapes if len(s) > 2)  # [B, T, ...] reshapes follow the cut
+    micro.verify()
+    assert reference.micro_batch_job(job, 1) is job
+    with pytest.raises(sf.SbpflowError, match=r"divisible by 4; the inputs have batch sizes \[6\]"):
+        reference.micro_batch_job(job, 4)
+    assert [reference.micro_batch_step(5, k, 3) for k in range(3)] == [15, 16, 17]
+
+
+def test_train_needs_a_loss() -> None:
+    job = replace(one_batch_job(), loss="", optimizer=None)
+    with pytest.raises(sf.SbpflowError, match="has no loss"):
+        reference.train(job)

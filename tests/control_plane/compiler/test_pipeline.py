@@ -1,0 +1,124 @@
+"""compile(job): the passes in order, the graph verified after each, timings, notes, the plan and its picture."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import xml.dom.minidom
+
+import pytest
+
+from sbpflow.control_plane.compiler import comm_order, pipeline, render
+from sbpflow.control_plane.compiler.pipeline import Pass, compile
+from sbpflow.errors import GraphError
+from sbpflow.graph import BOXING, OpNode
+from sbpflow.v1 import plan_pb2 as pp
+from tests.client.test_examples import load
+from tests.control_plane.compiler.test_lowering import mlp
+
+CONFIGS = [
+    ("mlp", {"ranks": 4}),
+    ("mlp", {"ranks": 4, "tp": True, "hidden": 10}),
+    ("gpt", {"ranks": 2}),
+    ("gpt", {"ranks": 4, "tp": True, "dp": 2, "heads": 4}),
+]
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, pipeline.Compiled]:
+    return {f"{name}{kw}": compile(load(name).make_job(**kw)) for name, kw in CONFIGS}
+
+
+@pytest.mark.parametrize("name, kw", CONFIGS, ids=lambda x: str(x))
+def test_examples_compile_to_a_checked_plan(compiled, name: str, kw: dict) -> None:
+    c = compiled[f"{name}{kw}"]
+    if c.plan is None:
+        pytest.skip("; ".join(c.notes))
+    ranks = kw["ranks"]
+    assert [d.rank for d in c.plan.devices] == list(range(ranks))
+    comm_order.check(c.plan)
+    assert all(d.memory.total > 0 and d.memory.parameters > 0 for d in c.plan.devices)
+    assert set(c.memory) == set(range(ranks))
+    kernels = {t.op_name for d in c.plan.devices for t in d.tasks if t.kind == pp.TASK_KIND_KERNEL}
+    assert kernels >= {
+        o.name for o in c.state.graph.ops if o.op_type not in (BOXING, "sgd_update", "adamw_update")
+    }
+    assert pp.Plan.FromString(c.plan.SerializeToString()) == c.plan
+
+
+def test_every_pass_is_timed_or_noted(compiled) -> None:
+    c = compiled[f"mlp{CONFIGS[0][1]}"]
+    for p in pipeline.PASSES:
+        assert p.name in c.timings or any(n.startswith(f"pass {p.name}:") for n in c.notes), p.name
+    if c.plan is not None:
+        assert {"lowering", "memory", "comm_order", "total"} <= set(c.timings)
+    assert all(v >= 0 for v in c.timings.values())
+
+
+def test_missing_pass_is_skipped_with_a_note_saying_the_job_asks_for_it(monkeypatch) -> None:
+    monkeypatch.setattr(pipeline, "PASSES", (Pass("no_such_pass"), Pass("no_other_pass", lambda j: False)))
+    state = mlp("dp")
+    c = compile(state.job)
+    assert (
+        c.notes[0]
+        == "pass no_such_pass: not implemented yet, skipped — this job asks for it, so the plan runs without it"
+    )
+    assert c.notes[1] == "pass no_other_pass: not implemented yet, skipped"
+    # a fully annotated forward graph lowers without any pass
+    assert c.plan is not None and len(c.plan.devices) == 4
+
+
+def test_lowering_is_skipped_when_nothing_gives_the_layout(monkeypatch) -> None:
+    monkeypatch.setattr(pipeline, "PASSES", ())
+    c = compile(load("mlp").make_job(ranks=2))
+    assert c.plan is None and "lowering skipped" in c.notes[-1]
+    assert "lowering skipped" in c.summary()
+
+
+def test_a_pass_that_breaks_the_graph_is_caught_right_after_it(monkeypatch) -> None:
+    if not pipeline.available("autodiff"):
+        pytest.skip("autodiff pass not present")
+    autodiff = importlib.import_module("sbpflow.control_plane.compiler.autodiff")
+
+    def broken(state) -> None:
+        state.graph.ops.append(OpNode("bad", "relu", ("nowhere",), ("x",)))
+
+    monkeypatch.setattr(autodiff, "run", broken)
+    with pytest.raises(GraphError, match="bad"):
+        compile(load("mlp").make_job(ranks=2))
+
+
+def test_summary_lists_sbp_boxing_and_memory(compiled) -> None:
+    c = compiled[f"gpt{CONFIGS[3][1]}"]
+    text = c.summary()
+    assert "SBP per op:" in text and "boxing:" in text and "B per step" in text
+    if c.plan is not None:
+        assert "memory per device" in text and "rank 3:" in text and "communicator cpu:0,1" in text
+
+
+def test_html_picture_is_self_contained_svg(compiled) -> None:
+    c = compiled[f"mlp{CONFIGS[1][1]}"]
+    page = render.html_page(c.state, c.memory, c.notes)
+    assert (
+        page.startswith("<!doctype html>")
+        and "<script" not in page
+        and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    )
+    svg = page[page.index("<svg") : page.index("</svg>") + 6]
+    xml.dom.minidom.parseString(svg)  # well-formed
+    for op in c.state.graph.ops:
+        if op.op_type == BOXING:
+            assert render._boxing_label(c.state.boxings.get(op.name)) in svg
+    assert ">S(1)<" in svg  # an edge labelled with the SBP of the column-split weight
+    if c.memory:
+        assert "Memory per device" in page
+
+
+def test_dot_text_has_every_op_and_edge(compiled) -> None:
+    c = compiled[f"mlp{CONFIGS[0][1]}"]
+    text = render.dot(c.state)
+    assert text.startswith("digraph plan {") and text.rstrip().endswith("}")
+    edges = [line for line in text.splitlines() if re.match(r'^  ".*" -> ".*" \[label=', line)]
+    assert len(edges) == sum(len(o.inputs) for o in c.state.graph.ops)
+    for op in c.state.graph.ops:
+        assert f'"{op.name}" [' in text
