@@ -92,7 +92,9 @@ class KernelContext:
         return tuple(s.stop - s.start for s in self.out_index[i])
 
     def out_dtype(self, i: int = 0) -> Any:
-        return self.xp.dtype(self.out_metas[i].dtype.value)
+        # through DType.to_numpy so that a dtype numpy lacks (bfloat16) fails with a message saying so
+        dtype = self.out_metas[i].dtype
+        return dtype.to_numpy() if self.xp.__name__ == "numpy" else self.xp.dtype(dtype.value)
 
     def in_offset(self, i: int, axis: int) -> int:
         return self.in_index[i][axis].start
