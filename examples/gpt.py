@@ -4,7 +4,9 @@
 
 Data parallel by default (tokens S(0) over the ranks); ``--tp`` applies the Megatron layout
 (``sf.nn.parallel.megatron``) on the same ranks, and ``--dp N`` with ``--tp`` makes a 2-d mesh of N
-data-parallel groups of ``ranks / N`` tensor-parallel ranks.
+data-parallel groups of ``ranks / N`` tensor-parallel ranks. ``--pp S`` cuts the blocks into S pipeline
+stages (embeddings in the first, the head and the loss in the last) on consecutive groups of ranks, data
+parallel inside each; ``--micro-batches`` and ``--grad-accum`` cut each step's batch.
 """
 
 from __future__ import annotations
@@ -16,10 +18,20 @@ from sbpflow.client.summary import summarize
 from sbpflow.data import SyntheticSource
 
 
+class LossHead(sf.nn.Module):
+    """The loss as a module, so that a pipeline can put it in the last stage with the logits."""
+
+    def forward(self, logits: sf.Tensor, targets: sf.Tensor) -> sf.Tensor:
+        return sf.nn.functional.cross_entropy(logits, targets)  # loss: []
+
+
 class TrainGPT(sf.Graph):
-    def __init__(self, model: sf.nn.GPT, lr: float, steps: int, warmup: int) -> None:
+    def __init__(
+        self, model: sf.nn.GPT, lr: float, steps: int, warmup: int, head: LossHead | None = None
+    ) -> None:
         super().__init__()
         self.model = model
+        self.head = head
         self.add_optimizer(
             sf.optim.AdamW(
                 model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, clip_grad_norm=1.0
@@ -29,7 +41,10 @@ class TrainGPT(sf.Graph):
         self.config.steps = steps
 
     def build(self, tokens: sf.Tensor, targets: sf.Tensor) -> sf.Tensor:
-        loss = self.model(tokens, targets)  # tokens, targets: [B, T]; loss: []
+        if self.head is not None:  # pipelined: logits in the last stage, then the loss there
+            loss = self.head(self.model(tokens), targets)
+        else:
+            loss = self.model(tokens, targets)  # tokens, targets: [B, T]; loss: []
         loss.backward()
         return loss
 
@@ -49,6 +64,11 @@ def make_job(
     seed: int = 0,
     tp: bool = False,
     dp: int = 1,
+    pp: int = 1,
+    stage_ranks: tuple[int, ...] = (),
+    micro_batches: int = 1,
+    grad_accum: int = 1,
+    schedule: str = "1f1b",
 ) -> sf.Job:
     cfg = sf.nn.GPTConfig(
         vocab_size=vocab, seq_len=seq_len, n_layer=layers, n_head=heads, n_embd=width, dropout=dropout
@@ -65,12 +85,46 @@ def make_job(
         input_sbp = (sf.sbp.broadcast if tp else sf.sbp.split(0),)
     if tp:
         sf.nn.parallel.megatron(model, where, tp_axis=-1)
+    head = None
+    if pp > 1 or stage_ranks:
+        if tp:
+            raise SystemExit("--tp with --pp is not wired up in this example")
+        head = LossHead()
+        where = stage_blocks(model, head, stage_placements(ranks, pp, stage_ranks))
+        input_sbp = (sf.sbp.split(0),)
     data = SyntheticSource(
         batch_size=batch_size, kind="tokens", params={"seq_len": seq_len, "vocab": vocab}, seed=seed
     )
-    graph = TrainGPT(model, lr, steps, warmup)
+    graph = TrainGPT(model, lr, steps, warmup, head)
     graph.config.seed = seed
+    graph.config.micro_batches, graph.config.gradient_accumulation_steps = micro_batches, grad_accum
+    graph.config.pipeline_schedule = schedule
     return graph.trace(data, placement=where, input_sbp=input_sbp)
+
+
+def stage_placements(ranks: int, pp: int, sizes: tuple[int, ...] = ()) -> list[sf.Placement]:
+    """Consecutive groups of ranks, one per stage: ``sizes`` ranks each, else ``ranks / pp`` each."""
+    if not sizes:
+        if ranks % pp:
+            raise SystemExit(f"--ranks {ranks} is not divisible by --pp {pp}")
+        sizes = (ranks // pp,) * pp
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [sf.placement("cpu", ranks=list(range(a, a + n))) for a, n in zip(starts, sizes, strict=True)]
+
+
+def stage_blocks(model: sf.nn.GPT, head: LossHead, stages: list[sf.Placement]) -> sf.Placement:
+    """Embeddings in stage 0, block i of n in stage ``i * S // n``, the final norm, the head and the loss
+    in the last stage. Returns stage 0's placement (where the tokens are loaded)."""
+    n, last = len(model.blocks), len(stages) - 1
+    if n < len(stages):
+        raise SystemExit(f"{n} blocks cannot fill {len(stages)} stages; add --layers")
+    model.set_stage(0, stages[0])
+    for i in range(n):
+        k = i * len(stages) // n
+        model.blocks[i].set_stage(k, stages[k])
+    for m in (model.ln_f, model.lm_head, head):
+        m.set_stage(last, stages[last])
+    return stages[0]
 
 
 def main() -> None:
@@ -87,6 +141,11 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--tp", action="store_true", help="Megatron tensor parallelism over the ranks")
     ap.add_argument("--dp", type=int, default=1, help="with --tp: data-parallel groups (a 2-d mesh)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    ap.add_argument("--stage-ranks", type=lambda s: tuple(map(int, s.split(","))), default=())
+    ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     job = make_job(**vars(ap.parse_args()))
     print(summarize(job, show_parameters=False))
 

@@ -3,7 +3,9 @@
     python examples/mlp.py --ranks 4 --hidden 64 --layers 2
 
 Data parallel by default (inputs S(0), parameters left to the compiler); ``--tp`` splits the hidden
-layer Megatron-style instead (first weight S(1), second S(0)).
+layer Megatron-style instead (first weight S(1), second S(0)). ``--pp S`` cuts the layers into S pipeline
+stages on consecutive groups of ranks (``--stage-ranks 2,4``: stages of different sizes), data parallel
+inside each; ``--micro-batches`` and ``--grad-accum`` cut each step's batch.
 """
 
 from __future__ import annotations
@@ -49,9 +51,18 @@ def make_job(
     lr: float = 0.05,
     seed: int = 0,
     tp: bool = False,
+    pp: int = 1,
+    stage_ranks: tuple[int, ...] = (),
+    micro_batches: int = 1,
+    grad_accum: int = 1,
+    schedule: str = "1f1b",
 ) -> sf.Job:
     where = sf.placement("cpu", ranks=list(range(ranks)))
     model = MLPRegression(n_in, hidden, n_out, layers)
+    if pp > 1 or stage_ranks:
+        if tp:
+            raise SystemExit("--tp with --pp is not wired up in this example")
+        where = stage_layers(model, stage_placements(ranks, pp, stage_ranks))
     if tp:
         first, last = model.net[0], model.net[len(model.net) - 1]
         first.weight.to_global(where, sf.sbp.split(1))
@@ -62,7 +73,32 @@ def make_job(
     )
     graph = TrainMLP(model, lr, steps)
     graph.config.seed = seed
+    graph.config.micro_batches, graph.config.gradient_accumulation_steps = micro_batches, grad_accum
+    graph.config.pipeline_schedule = schedule
     return graph.trace(data, placement=where, input_sbp=None if tp else sf.sbp.split(0))
+
+
+def stage_placements(ranks: int, pp: int, sizes: tuple[int, ...] = ()) -> list[sf.Placement]:
+    """Consecutive groups of ranks, one per stage: ``sizes`` ranks each, else ``ranks / pp`` each."""
+    if not sizes:
+        if ranks % pp:
+            raise SystemExit(f"--ranks {ranks} is not divisible by --pp {pp}")
+        sizes = (ranks // pp,) * pp
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [sf.placement("cpu", ranks=list(range(a, a + n))) for a, n in zip(starts, sizes, strict=True)]
+
+
+def stage_layers(model: MLPRegression, stages: list[sf.Placement]) -> sf.Placement:
+    """Layer i of n runs in stage ``i * S // n``; the loss in the last stage. Returns stage 0's placement
+    (where the inputs are loaded)."""
+    n, last = len(model.net), len(stages) - 1
+    if n < len(stages):
+        raise SystemExit(f"{n} layers cannot fill {len(stages)} stages; add --layers")
+    model.set_stage(last, stages[last])  # the loss, computed in MLPRegression.forward
+    for i in range(n):
+        k = i * len(stages) // n
+        model.net[i].set_stage(k, stages[k])
+    return stages[0]
 
 
 def main() -> None:
@@ -76,6 +112,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--tp", action="store_true", help="split the hidden layer over the ranks")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    ap.add_argument("--stage-ranks", type=lambda s: tuple(map(int, s.split(","))), default=())
+    ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     job = make_job(**vars(ap.parse_args()))
     print(summarize(job))
 

@@ -35,8 +35,11 @@ from itertools import count
 from math import prod
 
 from sbpflow import wire
+from sbpflow.control_plane.compiler import micro_batching
 from sbpflow.control_plane.compiler.boxing import BoxingPlan, BoxingStep, Collective, Transfer, plan_boxing
 from sbpflow.control_plane.compiler.comm_order import CommOrder, pair_ranks
+from sbpflow.control_plane.compiler.micro_batching import Layout
+from sbpflow.control_plane.compiler.schedule import Phase
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.dtype import DType
 from sbpflow.errors import SbpflowError
@@ -58,6 +61,7 @@ STREAM: dict[int, int] = {
     K.TASK_KIND_SEND: pp.STREAM_KIND_COMMUNICATION,
     K.TASK_KIND_RECV: pp.STREAM_KIND_COMMUNICATION,
     K.TASK_KIND_DATA_LOAD: pp.STREAM_KIND_DATA,
+    K.TASK_KIND_ACCUMULATE: pp.STREAM_KIND_COMPUTE,
 }
 # A data loader fills the next batch while the current one is computed on; everything else has one.
 REGISTER_COUNT: dict[int, int] = {K.TASK_KIND_DATA_LOAD: 2}
@@ -83,21 +87,26 @@ def run(state: CompileState, job_id: str = "") -> pp.Plan:
     """The physical plan of ``state.graph``; ``state`` is not changed."""
     g = state.graph
     _require_layout(g)
+    lay = micro_batching.layout(state)
     low = _Lowerer(g, _devices(g))
+    ops = {o.name: o for o in g.ops}
     for decl in g.tensors.values():
         if decl.kind in SOURCE_KINDS:
             low.emit_source(decl, K.TASK_KIND_SOURCE)
-        elif decl.kind == TensorKind.input:
-            low.emit_source(decl, K.TASK_KIND_DATA_LOAD)
-    for op in g.ops:
-        if op.op_type == BOXING:
-            low.emit_boxing(op, state.boxings.get(op.name) or _plan_of(g, op))
-        else:
-            low.emit_kernel(op)
+    for name in lay.pre:
+        low.emit_op(ops[name], state)
+    fetches = list(dict.fromkeys(n for n in (state.job.loss, *state.job.fetches) if n))
+    per_mb = {o for name in lay.slot_of for o in ops[name].outputs} | {
+        t.name for t in g.of_kind(TensorKind.input)
+    }
+    _micro_batches(state, lay, low, ops, {n for n in fetches if n in per_mb})
+    for name in lay.step:
+        low.emit_op(ops[name], state)
     for var, new in state.updates.items():
         low.emit_assign(var, new)
-    for name in dict.fromkeys(n for n in (state.job.loss, *state.job.fetches) if n):
-        low.emit_fetch(name)
+    for name in fetches:
+        if name not in per_mb or name in lay.accumulate:
+            low.emit_fetch(name)
     return pp.Plan(
         format_version=PLAN_FORMAT_VERSION,
         job_id=job_id,
@@ -105,6 +114,33 @@ def run(state: CompileState, job_id: str = "") -> pp.Plan:
         communicators=low.comm.to_proto(),
         job=wire.job_to_proto(dataclasses.replace(state.job, graph=g)),
     )
+
+
+def _micro_batches(
+    state: CompileState, lay: Layout, low: _Lowerer, ops: dict[str, OpNode], fetched: set[str]
+) -> None:
+    """The per-micro-batch tasks in the schedule's global order (every rank's tasks and every
+    communicator's steps follow it, so both ends of each stage-to-stage channel agree by construction)."""
+    inputs = state.graph.of_kind(TensorKind.input)
+    m = lay.micro_batches
+    for stage, action in lay.schedule.timeline():
+        k = action.micro_batch
+        low.micro_batch = k if m > 1 else -1  # one micro-batch: the plain per-step plan
+        if (stage, action.phase) == (0, Phase.F):  # the loaders feed micro-batch k first
+            for decl in inputs:
+                low.emit_source(decl, K.TASK_KIND_DATA_LOAD)
+                if decl.name in fetched:
+                    low.emit_fetch(decl.name)
+        for name in lay.slots.get((stage, action.phase), ()):
+            op = ops[name]
+            low.emit_op(op, state)
+            for out in op.outputs:
+                if out in lay.accumulate:
+                    if m > 1:
+                        low.emit_accumulate(out, k, m, op.stage)
+                elif out in fetched:
+                    low.emit_fetch(out)
+    low.micro_batch = -1
 
 
 def _require_layout(g: Graph) -> None:
@@ -147,7 +183,10 @@ class _Lowerer:
     graph: Graph
     devices: dict[int, pp.DevicePlan]
     comm: CommOrder = field(default_factory=CommOrder)
-    held: dict[tuple[str, int], int] = field(default_factory=dict)  # (tensor, rank) -> register id
+    held: dict[tuple[str, int, int], int] = field(
+        default_factory=dict
+    )  # (tensor, rank, micro-batch) -> register
+    micro_batch: int = -1  # of the tasks being emitted; -1 = once per step
     registers: dict[int, pp.RegisterDesc] = field(default_factory=dict)
     task_ids: count = field(default_factory=count)
     register_ids: count = field(default_factory=count)
@@ -161,10 +200,18 @@ class _Lowerer:
             stream=STREAM[kind],
             op_name=op_name,
             stage=stage,
-            micro_batch=-1,
+            micro_batch=self.micro_batch,
         )  # type: ignore[arg-type]
 
-    def produce(self, task: pp.Task, rank: int, shape: Sequence[int], dtype: DType, tensor: str = "") -> int:
+    def produce(
+        self,
+        task: pp.Task,
+        rank: int,
+        shape: Sequence[int],
+        dtype: DType,
+        tensor: str = "",
+        hold: bool = True,
+    ) -> int:
         reg = self.devices[rank].registers.add(
             id=next(self.register_ids),
             producer_task=task.id,
@@ -176,8 +223,8 @@ class _Lowerer:
         )  # type: ignore[arg-type]
         task.out_registers.append(reg.id)
         self.registers[reg.id] = reg
-        if tensor:
-            self.held[(tensor, rank)] = reg.id
+        if tensor and hold:
+            self.held[(tensor, rank, self.micro_batch)] = reg.id
         return reg.id
 
     def read(self, task: pp.Task, register: int) -> None:
@@ -185,18 +232,23 @@ class _Lowerer:
         self.registers[register].consumer_tasks.append(task.id)
 
     def holder(self, tensor: str, rank: int, who: str) -> int:
-        if (tensor, rank) not in self.held:
+        """This micro-batch's register of ``tensor`` on ``rank``, else the per-step one."""
+        reg = self.held.get((tensor, rank, self.micro_batch))
+        reg = self.held.get((tensor, rank, -1)) if reg is None else reg
+        if reg is None:
             decl = self.graph.tensors[tensor]
             raise LoweringError(
                 f"{who} on rank {rank} reads {decl!r}, which rank {rank} does not hold; the boxing pass must "
                 "move it onto the op's placement first"
             )
-        return self.held[(tensor, rank)]
+        return reg
 
-    def produce_shard(self, task: pp.Task, rank: int, decl: TensorDecl, coord: Sequence[int]) -> int:
+    def produce_shard(
+        self, task: pp.Task, rank: int, decl: TensorDecl, coord: Sequence[int], hold: bool = True
+    ) -> int:
         assert decl.placement is not None and decl.sbp is not None
         shape = local_shape(decl.meta.shape, decl.placement.shape, decl.sbp, coord)
-        return self.produce(task, rank, shape, decl.meta.dtype, decl.name)
+        return self.produce(task, rank, shape, decl.meta.dtype, decl.name, hold)
 
     # ---- tensors that enter the step, ops, tensors that leave it ----------------------------
 
@@ -205,6 +257,30 @@ class _Lowerer:
         for coord in decl.placement.coords():
             rank = decl.placement.rank_at(coord)
             self.produce_shard(self.task(rank, kind, decl.name), rank, decl, coord)
+
+    def emit_op(self, op: OpNode, state: CompileState) -> None:
+        if op.op_type == BOXING:
+            self.emit_boxing(op, state.boxings.get(op.name) or _plan_of(self.graph, op))
+        else:
+            self.emit_kernel(op)
+
+    def emit_accumulate(self, tensor: str, k: int, m: int, stage: int) -> None:
+        """Micro-batch ``k``'s share of the running mean of ``tensor`` over ``m`` micro-batches: a running
+        sum in one buffer (``((g0 + g1) + g2) + g3``, the reference's order), divided by ``m`` at the last;
+        the last one's register is the per-step value everything after the micro-batches reads."""
+        decl = self.graph.tensors[tensor]
+        assert decl.placement is not None
+        for coord in decl.placement.coords():
+            rank = decl.placement.rank_at(coord)
+            t = self.task(rank, K.TASK_KIND_ACCUMULATE, f"accumulate/{tensor}", stage)
+            t.attrs["tensor"].CopyFrom(wire.attr_to_proto(tensor))
+            t.attrs["first"].CopyFrom(wire.attr_to_proto(k == 0))
+            t.attrs["divide_by"].CopyFrom(wire.attr_to_proto(m if k == m - 1 else 1))
+            if k > 0:
+                self.read(t, self.held[(tensor, rank, -2)])  # the running sum so far
+            self.read(t, self.holder(tensor, rank, f"accumulation of {tensor!r}"))
+            reg = self.produce_shard(t, rank, decl, coord, hold=False)
+            self.held[(tensor, rank, -1 if k == m - 1 else -2)] = reg
 
     def emit_kernel(self, op: OpNode) -> None:
         where = _placement_of(self.graph, op)
@@ -330,7 +406,7 @@ class _Lowerer:
                 reg.tensor = name
                 out[d] = reg.id
                 if name:
-                    self.held[(name, d)] = reg.id
+                    self.held[(name, d, self.micro_batch)] = reg.id
                 continue
             collective = Collective.local_slice if pieces else Collective.zero_fill
             t = self._boxing_task(d, op, K.TASK_KIND_BOXING, step, COLLECTIVE[collective], 0)

@@ -3,10 +3,14 @@
 * parameters, optimizer state: the LOCAL shard bytes of each variable on that rank (a replicated
   weight costs its full size on every rank, a split one its slice — uneven splits exact);
 * gradients: the local bytes of each parameter's final gradient (``state.grads``), which lives from
-  backward until the optimizer reads it;
+  backward until the optimizer reads it; with micro-batches, the accumulation buffer of each averaged
+  gradient (the ACCUMULATE tasks' registers, one buffer per tensor: the running sum is updated in place),
+  while each micro-batch's own gradient counts as an activation until it is accumulated;
 * peak activations: every other register (activations, boxing buffers, data-loader buffers with their
   prefetch copy) is live from the task that writes it to the last task that reads it, in the rank's task
-  order (a topological order); the peak is the largest sum of live ``bytes * count``. One micro-batch.
+  order; the peak is the largest sum of live ``bytes * count``. Lowering orders a pipelined rank's tasks
+  by the schedule and gives every micro-batch its own registers, so the activations a stage keeps for
+  backward count once per micro-batch in flight there: ``S - s`` under 1F1B, ``M`` under GPipe.
 """
 
 from __future__ import annotations
@@ -57,18 +61,25 @@ def estimate(state: CompileState, plan: pp.Plan) -> dict[int, DeviceMemory]:
 def _device(d: pp.DevicePlan, kinds: dict[str, TensorKind], grads: set[str]) -> DeviceMemory:
     by_kind = {TensorKind.parameter: 0, TensorKind.optimizer_state: 0}
     gradients = 0
+    accumulated: dict[str, int] = {}  # tensor -> bytes of its one accumulation buffer
     activations = []
+    producer = {t.id: t for t in d.tasks}
+    # with accumulation the running sum is the gradient buffer; the averaged value it is boxed into on the
+    # way to the optimizer (an all-reduce) is transient, an activation
+    accumulating = any(t.kind == pp.TASK_KIND_ACCUMULATE for t in d.tasks)
     for reg in d.registers:
-        kind = kinds.get(reg.tensor)
+        kind, task = kinds.get(reg.tensor), producer[reg.producer_task]
         if kind in by_kind:
             by_kind[kind] += reg.bytes  # type: ignore[index]
-        elif reg.tensor in grads:
+        elif task.kind == pp.TASK_KIND_ACCUMULATE and kind == TensorKind.gradient:
+            accumulated[reg.tensor] = reg.bytes
+        elif reg.tensor in grads and task.micro_batch < 0 and not accumulating:
             gradients += reg.bytes
         else:
             activations.append(reg)
     return DeviceMemory(
         parameters=by_kind[TensorKind.parameter],
-        gradients=gradients,
+        gradients=gradients + sum(accumulated.values()),
         optimizer_state=by_kind[TensorKind.optimizer_state],
         peak_activations=peak_live(d, activations),
     )

@@ -59,3 +59,23 @@ def test_gpt_size_is_configurable() -> None:
     assert t["model.wte.weight"].meta.shape == (100, 48)
     assert t["model.wpe.weight"].meta.shape == (12, 48)
     assert "model.blocks.2.attn.c_attn.weight" in t and "model.blocks.3.attn.c_attn.weight" not in t
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("mlp", {"ranks": 4, "pp": 2, "layers": 3, "micro_batches": 4, "batch_size": 16}),
+        ("mlp", {"pp": 2, "stage_ranks": (2, 4), "layers": 3, "grad_accum": 2, "schedule": "gpipe"}),
+        ("gpt", {"ranks": 4, "pp": 4, "layers": 4, "micro_batches": 4}),
+    ],
+)
+def test_pipeline_options_stage_the_layers(name: str, kwargs) -> None:
+    job = load(name).make_job(**kwargs)
+    job.verify()
+    stages = len(kwargs.get("stage_ranks", ())) or kwargs["pp"]
+    assert sorted({o.stage for o in job.graph.ops}) == list(range(stages))
+    last = max(job.graph.ops, key=lambda o: o.stage)
+    assert job.graph.producer(job.loss).stage == last.stage  # the loss is computed in the last stage
+    ranks = {r for o in job.graph.ops if o.placement for r in o.placement.ranks}
+    assert ranks == set(range(sum(kwargs.get("stage_ranks", ())) or kwargs["ranks"]))
+    assert job.config.micro_batches == kwargs.get("micro_batches", 1)

@@ -299,3 +299,10 @@ def test_a_whole_received_shard_needs_no_assembly_and_partial_ranks_zero_fill() 
     for d in (d2, d3):
         (boxed,) = [r for r in d.registers if r.tensor.startswith("y.boxed")]
         assert list(boxed.shape) == [4, 3]
+
+
+@pytest.mark.parametrize("mode", ["dp", "pp"])
+def test_a_step_of_one_micro_batch_has_no_micro_batch_dimension(mode: str) -> None:
+    plan = lowering.run(mlp(mode))
+    assert {t.micro_batch for _, t in tasks_of(plan)} == {-1}
+    assert not [t for _, t in tasks_of(plan) if t.kind == pp.TASK_KIND_ACCUMULATE]
