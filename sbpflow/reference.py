@@ -165,20 +165,25 @@ class _Compiled:
 
 
 def _compile(job: Job) -> _Compiled:
-    """The micro-batch job through autodiff and optimizer insertion, split where the optimizer begins."""
-    # The reference runs the compiler's own passes (imported here: sbpflow's core does not depend on the
-    # control plane at import time), so that the oracle differentiates exactly what the runtime runs.
-    from sbpflow.control_plane.compiler import autodiff, optimizer
+    """The micro-batch job through the graph-rewriting passes, split where the optimizer begins.
+
+    It runs the passes that change what is computed (autodiff, optimizer insertion, mixed precision,
+    recompute), not those that only change where (SBP, boxing), so the oracle runs exactly the math the
+    runtime runs, on one device.
+    """
+    # imported here: sbpflow's core does not depend on the control plane at import time
+    from sbpflow.control_plane.compiler import autodiff, checkpointing, mixed_precision, optimizer
     from sbpflow.control_plane.compiler.state import CompileState
 
     if not job.loss:
         raise SbpflowError(f"job {job.name!r} has no loss; call loss.backward() in build() to train it")
     n = micro_batches(job)
     state = CompileState.start(micro_batch_job(job, n))
-    autodiff.run(state)
-    split = len(state.graph.ops)
-    optimizer.run(state)
-    return _Compiled(state, state.graph.ops[:split], state.graph.ops[split:], n)
+    for p in (autodiff, optimizer, mixed_precision, checkpointing):
+        p.run(state)
+    ops = state.graph.ops
+    split = next((i for i, o in enumerate(ops) if o.name.startswith(optimizer.PREFIX)), len(ops))
+    return _Compiled(state, ops[:split], ops[split:], n)
 
 
 def _initial_values(job: Job, c: _Compiled, parameters: Mapping[str, Any] | None, xp: ModuleType) -> Arrays:
