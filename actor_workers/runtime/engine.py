@@ -1,0 +1,355 @@
+"""The engine: one device's actors, run by one thread per stream.
+
+Req and ack are counters updated under one lock per engine, and each stream thread sleeps on its own
+condition of that lock; an act costs one lock round trip and a wake-up only when it makes an actor of
+another stream ready. Each stream keeps a heap of its ready actors and acts the lowest
+``(priority, iteration, id)`` — the plan's order. An *ordered* stream (``ordered_streams``, meant for
+communication) acts in exactly the order ``(iteration, priority, id)`` and waits for the next actor in
+that order even when others are ready: that is what keeps collectives in the same order on every rank.
+
+A failing act, a timeout or ``abort()`` stops every stream; the first failure is raised by ``run`` as
+a RuntimeFailure naming the rank, the actor and the cause, after all stream threads have ended.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from heapq import heappop, heappush
+from typing import Any
+
+from sbpflow.actor_workers.runtime.actor import Actor, ActorSpec
+from sbpflow.actor_workers.runtime.errors import RuntimeAborted, RuntimeFailure, RuntimeTimeout
+from sbpflow.actor_workers.runtime.graph import link
+from sbpflow.actor_workers.runtime.register import RegisterSpec
+from sbpflow.actor_workers.runtime.trace import ActEvent
+
+AbortHook = Callable[[str], None]  # e.g. Transport.abort: unblocks acts waiting on peers
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a finished run leaves: the trace (when asked for), the last value written to each register
+    (the final value of a loop's variable, a chain's output), the peak of live values per register, the
+    number of acts and the wall time in seconds."""
+
+    trace: list[ActEvent]
+    last: dict[int, Any]
+    peak_live: dict[int, int]
+    acts: int
+    seconds: float
+    rank: int = 0
+
+
+class _Stream:
+    __slots__ = ("name", "cond", "heap", "waiting", "remaining", "current", "events", "order", "level", "pos")
+
+    def __init__(self, name: str, lock: threading.Lock, actors: list[Actor], ordered: bool) -> None:
+        self.name = name
+        self.cond = threading.Condition(lock)
+        self.heap: list[tuple[int, int, int, Actor]] = []
+        self.waiting = False
+        self.remaining = sum(a.iterations for a in actors)
+        self.current: Actor | None = None  # the actor inside its act
+        self.events: list[tuple[Actor, int, float, float]] = []
+        # an ordered stream walks its actors in (iteration, priority, id): level i holds those that act at i
+        self.order = sorted(actors, key=lambda a: (a.priority, a.id)) if ordered else None
+        self.level: list[Actor] = []
+        self.pos = 0
+        if self.order is not None:
+            self.level = [a for a in self.order if a.iterations > 0]
+
+    def expected(self) -> Actor | None:
+        return self.level[self.pos] if self.pos < len(self.level) else None
+
+    def advance(self, it: int) -> None:
+        self.pos += 1
+        if self.pos == len(self.level):
+            assert self.order is not None
+            self.level = [a for a in self.order if a.iterations > it + 1]
+            self.pos = 0
+
+
+class Engine:
+    """The actors and registers of one rank. ``run`` may be called once."""
+
+    def __init__(
+        self,
+        actors: Sequence[ActorSpec],
+        registers: Sequence[RegisterSpec],
+        trace: bool = False,
+        *,
+        rank: int = 0,
+        ordered_streams: Collection[str] = (),
+        abort_hooks: Sequence[AbortHook] = (),
+    ) -> None:
+        self.rank = rank
+        self._actors, self._registers = link(actors, registers)
+        self._trace = trace
+        self._lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        for name in dict.fromkeys(a.stream for a in actors):
+            members = [a for a in self._actors if a.spec.stream == name]
+            self._streams[name] = _Stream(name, self._lock, members, name in ordered_streams)
+        for a in self._actors:
+            a.stream = self._streams[a.spec.stream]
+        self._left = sum(a.iterations for a in self._actors)
+        self._done = threading.Event()
+        self._stopped = False
+        self._failure: RuntimeFailure | None = None
+        self._hooks = list(abort_hooks)
+        self._listeners: list[Callable[[RuntimeFailure], None]] = []  # an EngineGroup's
+        self._threads: list[threading.Thread] = []
+        self._started = False
+        self._t0 = self._t1 = 0.0
+
+    # ---- public ---------------------------------------------------------------------------------------
+    def run(self, timeout: float) -> RunResult:
+        """Run every actor through all its iterations; raise RuntimeFailure on failure or after ``timeout``."""
+        self.start()
+        try:
+            self.wait(time.monotonic() + timeout, timeout)
+        except BaseException:  # e.g. KeyboardInterrupt in the caller: stop the streams before leaving
+            self.abort("interrupted")
+            raise
+        finally:
+            self.join()
+        return self.result()
+
+    def abort(self, reason: str) -> None:
+        """Stop from outside (a failed peer, a cancelled job): ``run`` raises RuntimeFailure(cause=reason)."""
+        self._stop(RuntimeFailure(self.rank, None, None, RuntimeAborted(reason)))
+
+    def add_abort_hook(self, hook: AbortHook) -> None:
+        self._hooks.append(hook)
+
+    # ---- the parts of run, for EngineGroup ------------------------------------------------------------
+    def start(self) -> None:
+        if self._started:
+            raise RuntimeError(f"rank {self.rank}: an Engine runs once; build a new one")
+        self._started = True
+        self._t0 = time.perf_counter()
+        if self._left == 0:
+            self._done.set()
+        for s in self._streams.values():
+            if s.remaining:
+                t = threading.Thread(
+                    target=self._loop, args=(s,), name=f"sbpflow-r{self.rank}-{s.name}", daemon=True
+                )
+                self._threads.append(t)
+        with self._lock:
+            for a in self._actors:
+                if a.missing == 0 and a.it < a.iterations:
+                    self._push(a)
+        for t in self._threads:
+            t.start()
+
+    def wait(self, deadline: float, timeout: float) -> bool:
+        """Wait until done or failed; past the deadline, stop with a RuntimeTimeout. True when not timed out."""
+        if self._done.wait(max(0.0, deadline - time.monotonic())):
+            return True
+        self._stop(RuntimeTimeout(self.rank, None, None, TimeoutError(self.stall_report(timeout))))
+        return False
+
+    def join(self, grace: float = 5.0) -> None:
+        """Join the stream threads. An act stuck outside the engine's reach (not in a transport that the
+        abort hooks unblock) cannot be interrupted in Python; it is named in the failure instead."""
+        end = time.monotonic() + grace
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
+        self._t1 = time.perf_counter()
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck and self._failure is not None:
+            acting = [s.current.name for s in self._streams.values() if s.current is not None]
+            self._failure.cause.add_note(f"threads {stuck} still inside acts {acting} after {grace}s")
+
+    def result(self) -> RunResult:
+        if self._failure is not None:
+            raise self._failure
+        events = [
+            ActEvent(
+                a.id,
+                a.name,
+                s.name,
+                it,
+                t0,
+                t1,
+                f"sbpflow-r{self.rank}-{s.name}",
+                self.rank,
+                a.spec.trace_args,
+            )
+            for s in self._streams.values()
+            for a, it, t0, t1 in s.events
+        ]
+        events.sort(key=lambda e: e.start)
+        return RunResult(
+            trace=events,
+            last={r.spec.id: r.last for r in self._registers},
+            peak_live={r.spec.id: r.peak for r in self._registers},
+            acts=sum(a.it for a in self._actors),
+            seconds=self._t1 - self._t0,
+            rank=self.rank,
+        )
+
+    def stall_report(self, timeout: float) -> str:
+        with self._lock:
+            lines = []
+            for a in sorted(self._actors, key=lambda a: (a.it, a.priority, a.id)):
+                if a.it >= a.iterations:
+                    continue
+                s = a.stream
+                if s.current is a:
+                    why = "is inside its act"
+                elif a.busy:
+                    why = "is ready and waits for its turn on the stream"
+                    if s.order is not None and s.expected() is not None:
+                        why += f" (next in order: {s.expected().name!r})"  # type: ignore[union-attr]
+                else:
+                    why = "waits for " + a.waits_for()
+                lines.append(f"  {a.name!r} (stream {s.name}, iteration {a.it}/{a.iterations}) {why}")
+        more = f"\n  ... and {len(lines) - 12} more" if len(lines) > 12 else ""
+        return f"not done after {timeout}s; unfinished actors:\n" + "\n".join(lines[:12]) + more
+
+    # ---- the stream thread ----------------------------------------------------------------------------
+    def _loop(self, s: _Stream) -> None:
+        lock, cond, heap, trace = self._lock, s.cond, s.heap, self._trace
+        events = s.events
+        perf = time.perf_counter
+        a: Actor | None = None
+        outs: Any = None
+        it = 0
+        while True:
+            with lock:
+                if self._stopped:
+                    s.current = None
+                    return
+                if a is not None:
+                    self._finish(a, outs)
+                while not heap or (s.order is not None and heap[0][3] is not s.level[s.pos]):
+                    if s.remaining == 0:
+                        s.current = None
+                        return
+                    s.waiting = True
+                    cond.wait(1.0)
+                    s.waiting = False
+                    if self._stopped:
+                        return
+                a = heappop(heap)[3]
+                if s.order is not None:
+                    s.advance(a.it)
+                s.remaining -= 1
+                s.current = a
+                it = a.it
+                values = self._take(a)
+            try:
+                if trace:
+                    t0 = perf()
+                    outs = a.act(it, values)
+                    events.append((a, it, t0, perf()))
+                else:
+                    outs = a.act(it, values)
+                if a.n_out:
+                    if type(outs) is not list and type(outs) is not tuple or len(outs) != a.n_out:
+                        raise ValueError(_bad_outputs(outs, a.n_out))
+                else:
+                    outs = ()
+            except BaseException as e:  # noqa: BLE001 - anything from an act stops the engine
+                self._stop(RuntimeFailure(self.rank, a.name, a.spec.op or None, e, it))
+                return
+
+    def _take(self, a: Actor) -> list[Any]:
+        """Reserve a slot in every output register and read one value from every input (under the lock)."""
+        for reg in a.out_regs:
+            reg.free -= 1
+            if reg.free == 0:
+                a.missing += 1
+            live = reg.count - reg.free
+            if live > reg.peak:
+                reg.peak = live
+        values = []
+        for box in a.inboxes:
+            values.append(box.popleft())
+            if not box:
+                a.missing += 1
+        return values
+
+    def _finish(self, a: Actor, outs: Any) -> None:
+        """Req the outputs to their consumers, ack the inputs to their producers (under the lock)."""
+        for reg, v in zip(a.out_regs, outs, strict=True):
+            reg.last = v
+            readers = reg.readers
+            if readers:
+                reg.pending.append(len(readers))
+                for c, i in readers:
+                    box = c.inboxes[i]
+                    box.append(v)
+                    if len(box) == 1:
+                        c.missing -= 1
+                        if c.missing == 0 and not c.busy and c.it < c.iterations:
+                            self._push(c)
+            else:  # nobody reads it: free at once
+                reg.freed += 1
+                reg.free += 1
+                if reg.free == 1:
+                    a.missing -= 1
+        acks = a.acks
+        for j, reg in enumerate(a.in_regs):
+            pending = reg.pending
+            k = acks[j] - reg.freed
+            acks[j] += 1
+            pending[k] -= 1
+            if k == 0 and pending[0] == 0:
+                was = reg.free
+                while pending and pending[0] == 0:
+                    pending.popleft()
+                    reg.freed += 1
+                    reg.free += 1
+                if was == 0:
+                    p = reg.producer
+                    assert p is not None
+                    p.missing -= 1
+                    if p.missing == 0 and not p.busy and p.it < p.iterations:
+                        self._push(p)
+        a.it += 1
+        a.busy = False
+        a.stream.current = None
+        if a.missing == 0 and a.it < a.iterations:
+            self._push(a)
+        self._left -= 1
+        if self._left == 0:
+            self._done.set()
+
+    def _push(self, a: Actor) -> None:
+        a.busy = True
+        s = a.stream
+        if s.order is None:
+            heappush(s.heap, (a.priority, a.it, a.id, a))
+        else:
+            heappush(s.heap, (a.it, a.priority, a.id, a))
+        if s.waiting:
+            s.cond.notify()
+
+    def _stop(self, failure: RuntimeFailure) -> None:
+        with self._lock:
+            if self._failure is not None or self._done.is_set() and self._left == 0:
+                return
+            self._failure = failure
+            self._stopped = True
+            for s in self._streams.values():
+                s.cond.notify_all()
+            self._done.set()
+        for listen in self._listeners:
+            listen(failure)
+        for hook in self._hooks:
+            try:
+                hook(str(failure))
+            except Exception as e:  # noqa: BLE001 - a hook must not hide the failure it reports
+                failure.add_note(f"abort hook {hook!r} raised {type(e).__name__}: {e}")
+
+
+def _bad_outputs(outs: Any, n: int) -> str:
+    if type(outs) is not list and type(outs) is not tuple:
+        return f"act returned a {type(outs).__name__}, not a list of {n} values (one per output register)"
+    return f"act returned {len(outs)} values for {n} output registers"
