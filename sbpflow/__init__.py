@@ -3,11 +3,14 @@
     sf.placement("cpu", ranks=[0, 1])          # where a tensor lives
     sf.sbp.split(0), sf.sbp.broadcast, sf.sbp.partial_sum
     sf.nn, sf.nn.functional, sf.optim, sf.data, sf.Graph -> graph.trace(data) -> sf.Job
+    sf.run(job) -> losses per step (and, on request, the trained parameters)
 
-Importing stays light: numpy only (no Ray or gRPC until a job is submitted).
+Importing stays light: numpy only (no Ray or gRPC until a job is submitted; ``sf.run`` loads the
+compiler and the runtime on first use).
 """
 
 import sys as _sys
+from typing import Any as _Any
 
 from sbpflow import data, random, sbp
 from sbpflow.client import functional as _functional
@@ -30,6 +33,15 @@ _sys.modules.setdefault(f"{__name__}.nn.parallel", nn.parallel)
 _sys.modules.setdefault(f"{__name__}.optim", optim)
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> _Any:
+    if name == "run":  # the runtime and the compiler load on first use, not at ``import sbpflow``
+        from sbpflow.actor_workers.api import run
+
+        return run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DType",

@@ -1,0 +1,309 @@
+"""The plan executor: a compiled Plan becomes one actor engine per rank, run together.
+
+Per rank, every task of its DevicePlan becomes one actor (its act from :mod:`.tasks` or
+:mod:`.boxing_tasks`) and every RegisterDesc one register; the plan's task order is the actors'
+priority. Two things the plan leaves implicit are made explicit here:
+
+* **loop edges** — a SOURCE (a variable) reads, from step 1 on, what the SINK that assigns the same
+  variable wrote at the previous step; the edge's initial value is the store's (the initialised shard);
+* **the communication order** — the communication stream is *ordered*: it acts in exactly the plan's
+  order, step after step, and waits for the next task in that order even when a later one is ready.
+  Lowering emits every rank's tasks, and every communicator's steps, in one global order, so all
+  ranks issue their collectives and transfers in the same order (ARCHITECTURE.md, "Collective order":
+  a rendezvous collective hangs when two ranks run two of them in different orders).
+
+The compiled job supplies what the Plan does not carry per task: the tensors' placements and nd-SBPs
+(the shard each rank holds) and, for boxing tasks, the regions of each transfer (re-planned with
+:func:`plan_boxing` from the boxing node, as lowering does).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from sbpflow import wire
+from sbpflow.actor_workers.runtime import boxing_tasks, tasks
+from sbpflow.actor_workers.runtime.actor import ActorSpec
+from sbpflow.actor_workers.runtime.engine import AbortHook, Engine, RunResult
+from sbpflow.actor_workers.runtime.group import EngineGroup
+from sbpflow.actor_workers.runtime.register import RegisterSpec
+from sbpflow.actor_workers.runtime.store import Store, init_store
+from sbpflow.actor_workers.runtime.tasks import Act, RankContext
+from sbpflow.control_plane.compiler.boxing import BoxingPlan, plan_boxing
+from sbpflow.errors import SbpflowError
+from sbpflow.graph import BOXING, Graph, OpNode
+from sbpflow.job import Job
+from sbpflow.reference import micro_batches
+from sbpflow.sharding import assemble
+from sbpflow.v1 import plan_pb2 as pp
+
+STREAMS = {
+    pp.STREAM_KIND_COMPUTE: "compute",
+    pp.STREAM_KIND_COMMUNICATION: "comm",
+    pp.STREAM_KIND_DATA: "data",
+}
+KIND = {v: k.removeprefix("TASK_KIND_").lower() for k, v in pp.TaskKind.items()}
+COLLECTIVE = {v: k.removeprefix("COLLECTIVE_KIND_").lower() for k, v in pp.CollectiveKind.items()}
+
+
+class ExecutorError(SbpflowError, ValueError):
+    """A plan the executor cannot turn into actors (a task it does not know, a missing op or tensor)."""
+
+
+@dataclass
+class RankProgram:
+    """One rank's actors and registers, and the context their acts share (store, fetched values)."""
+
+    rank: int
+    actors: list[ActorSpec]
+    registers: list[RegisterSpec]
+    context: RankContext
+
+
+@dataclass
+class Program:
+    """Every rank's program, and what the executor needs to read results back."""
+
+    job: Job  # the compiled job
+    ranks: dict[int, RankProgram] = field(default_factory=dict)
+
+    @property
+    def graph(self) -> Graph:
+        return self.job.graph
+
+
+def compiled_job(plan: pp.Plan) -> Job:
+    """The compiled job a plan carries (per-micro-batch graph with placements and SBPs)."""
+    return wire.job_from_proto(plan.job)
+
+
+def build(
+    plan: pp.Plan,
+    steps: int,
+    transports: Mapping[int, Any] | None = None,
+    job: Job | None = None,
+    boxings: Mapping[str, BoxingPlan] | None = None,
+    xp: ModuleType = np,
+) -> Program:
+    """One :class:`RankProgram` per device of ``plan``, each acting ``steps`` times.
+
+    ``job`` is the compiled job (default: decoded from ``plan.job``); ``boxings`` the compiler's boxing
+    plans by node name (default: re-planned). ``transports`` maps rank -> Transport.
+    """
+    job = job if job is not None else compiled_job(plan)
+    nodes = {o.name: o for o in job.graph.ops}
+    comm_ranks = {c.id: tuple(c.ranks) for c in plan.communicators}
+    out = Program(job)
+    for device in plan.devices:
+        rc = RankContext(
+            device.rank,
+            job,
+            micro_batches(job),
+            init_store(job, job.graph, device.rank, xp),
+            (transports or {}).get(device.rank),
+            xp,
+        )
+        out.ranks[device.rank] = _build_rank(device, rc, steps, nodes, boxings or {}, comm_ranks)
+    return out
+
+
+def _build_rank(
+    device: pp.DevicePlan,
+    rc: RankContext,
+    steps: int,
+    nodes: Mapping[str, OpNode],
+    boxings: Mapping[str, BoxingPlan],
+    comm_ranks: Mapping[str, tuple[int, ...]],
+) -> RankProgram:
+    registers = [
+        RegisterSpec(r.id, r.producer_task, tuple(dict.fromkeys(r.consumer_tasks)), r.count)
+        for r in device.registers
+    ]
+    loops = _loop_edges(device, rc.store, registers)
+    actors = []
+    for priority, task in enumerate(device.tasks):
+        loop = loops.get(task.id)
+        inputs = tuple(dict.fromkeys(task.in_registers))  # a kernel may read one register twice (x * x)
+        outputs = tuple(task.out_registers)
+        reads, initial = list(task.in_registers), {}
+        if loop is not None and task.kind == pp.TASK_KIND_SOURCE:
+            inputs, reads, initial = (loop.register,), [loop.register], {loop.register: loop.initial}
+        elif loop is not None:
+            outputs = (*outputs, loop.register)
+        act = _act(task, rc, nodes, boxings, comm_ranks, loop is not None)
+        actors.append(
+            ActorSpec(
+                id=task.id,
+                name=_name(task),
+                stream=STREAMS[task.stream],
+                inputs=inputs,
+                outputs=outputs,
+                act=tasks.spread(act, [inputs.index(r) for r in reads], len(inputs)),
+                iterations=steps,
+                initial=initial,
+                priority=priority,
+                op=_op(task),
+                trace_args={"micro_batch": task.micro_batch, "task": task.id},
+            )
+        )
+    return RankProgram(device.rank, actors, registers, rc)
+
+
+@dataclass(frozen=True)
+class _Loop:
+    register: int
+    initial: Any  # the value the SOURCE reads at step 0
+
+
+def _loop_edges(device: pp.DevicePlan, store: Store, registers: list[RegisterSpec]) -> dict[int, _Loop]:
+    """SINK assign of a variable -> SOURCE of the same variable at the next step: a register from the
+    one to the other whose initial value is the store's; keyed by both tasks' ids."""
+    sources = {t.op_name: t for t in device.tasks if t.kind == pp.TASK_KIND_SOURCE}
+    ids = itertools.count(max((r.id for r in device.registers), default=-1) + 1)
+    loops: dict[int, _Loop] = {}
+    for sink in device.tasks:
+        if sink.kind != pp.TASK_KIND_SINK or "assign" not in sink.attrs:
+            continue
+        var = str(wire.attr_from_proto(sink.attrs["assign"]))
+        source = sources.get(var)
+        if source is None:
+            raise ExecutorError(
+                f"rank {device.rank}: task {sink.id} assigns {var!r}, which no SOURCE task of this rank holds"
+            )
+        loop = _Loop(next(ids), store[var])
+        registers.append(RegisterSpec(loop.register, sink.id, (source.id,), 1))
+        loops[sink.id] = loops[source.id] = loop
+    return loops
+
+
+def _act(
+    task: pp.Task,
+    rc: RankContext,
+    nodes: Mapping[str, OpNode],
+    boxings: Mapping[str, BoxingPlan],
+    comm_ranks: Mapping[str, tuple[int, ...]],
+    looped: bool,
+) -> Act:
+    g = rc.job.graph
+    kind = task.kind
+    if kind in (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER):
+        return tasks.kernel_act(rc, _node(nodes, task), task.micro_batch)
+    if kind == pp.TASK_KIND_DATA_LOAD:
+        return tasks.data_load_act(rc, g.tensors[task.op_name], task.micro_batch)
+    if kind == pp.TASK_KIND_ACCUMULATE:
+        first = bool(wire.attr_from_proto(task.attrs["first"]))
+        divide_by = wire.attr_from_proto(task.attrs["divide_by"])
+        assert isinstance(divide_by, int)
+        return tasks.accumulate_act(rc, first, divide_by)
+    if kind == pp.TASK_KIND_SOURCE:
+        return tasks.source_act(rc, task.op_name, looped)
+    if kind == pp.TASK_KIND_SINK:
+        if "assign" in task.attrs:
+            return tasks.assign_act(rc, str(wire.attr_from_proto(task.attrs["assign"])), looped)
+        return tasks.fetch_act(rc, str(wire.attr_from_proto(task.attrs["fetch"])), task.micro_batch)
+    if kind in (pp.TASK_KIND_BOXING, pp.TASK_KIND_SEND, pp.TASK_KIND_RECV):
+        node = _node(nodes, task)
+        plan = boxings.get(node.name) or _plan_of(g, node)
+        step_no, step = boxing_tasks.find_step(plan, node.name, task.boxing.from_sbp, task.boxing.to_sbp)
+        peer = None
+        if kind != pp.TASK_KIND_BOXING:
+            peer = next((r for r in comm_ranks.get(task.communicator, ()) if r != rc.rank), None)
+            if peer is None:
+                raise ExecutorError(
+                    f"{_name(task)} on rank {rc.rank}: communicator {task.communicator!r} has no peer"
+                )
+        return boxing_tasks.boxing_act(rc, task, plan, step_no, step, peer)
+    raise ExecutorError(
+        f"task {task.id} on rank {rc.rank} is of kind {KIND.get(kind, kind)}, which no act runs"
+    )
+
+
+def _node(nodes: Mapping[str, OpNode], task: pp.Task) -> OpNode:
+    node = nodes.get(task.op_name)
+    if node is None:
+        raise ExecutorError(
+            f"task {task.id} ({KIND[task.kind]}) runs op {task.op_name!r}, which the compiled graph does not have; "
+            "the plan and its job disagree (recompile)"
+        )
+    return node
+
+
+def _plan_of(g: Graph, node: OpNode) -> BoxingPlan:
+    assert node.op_type == BOXING
+    src, dst = g.tensors[node.inputs[0]], g.tensors[node.outputs[0]]
+    assert src.placement and src.sbp is not None and dst.placement and dst.sbp is not None
+    return plan_boxing(src.meta, src.placement, src.sbp, dst.placement, dst.sbp)
+
+
+def _name(task: pp.Task) -> str:
+    mb = f" mb{task.micro_batch}" if task.micro_batch >= 0 else ""
+    what = task.op_name or f"task {task.id}"
+    if task.kind in (pp.TASK_KIND_BOXING, pp.TASK_KIND_SEND, pp.TASK_KIND_RECV):
+        return f"{KIND[task.kind]} {what} [{task.boxing.from_sbp} -> {task.boxing.to_sbp}]{mb}"
+    return f"{KIND[task.kind]} {what}{mb}"
+
+
+def _op(task: pp.Task) -> str:
+    if task.op_type:
+        return task.op_type
+    if task.kind in (pp.TASK_KIND_BOXING, pp.TASK_KIND_SEND, pp.TASK_KIND_RECV):
+        return COLLECTIVE[task.boxing.collective]
+    return KIND[task.kind]
+
+
+# ---- running -----------------------------------------------------------------------------------------
+
+ORDERED_STREAMS = ("comm",)
+
+
+def execute(
+    program: Program, timeout: float, trace: bool = False, abort_hooks: Sequence[AbortHook] = ()
+) -> dict[int, RunResult]:
+    """Run every rank's engine together until all actors are done; the first failure stops all of them
+    (and calls ``abort_hooks``, e.g. the transports' abort) and is raised as a RuntimeFailure."""
+    engines = [
+        Engine(rp.actors, rp.registers, trace, rank=rank, ordered_streams=ORDERED_STREAMS)
+        for rank, rp in sorted(program.ranks.items())
+    ]
+    return EngineGroup(engines, abort_hooks).run(timeout)
+
+
+# ---- results -----------------------------------------------------------------------------------------
+
+
+def gather(program: Program, name: str, values: Mapping[int, Any], xp: ModuleType = np) -> Any:
+    """The logical value of tensor ``name`` from each rank's shard (splits concatenated, partials summed,
+    broadcast copies checked equal)."""
+    decl = program.graph.tensors[name]
+    assert decl.placement is not None and decl.sbp is not None
+    first = values[decl.placement.ranks[0]]
+    rtol = 1e-9 if first.dtype == np.float64 else 1e-5
+    return assemble(values, decl.meta.shape, decl.placement, decl.sbp, xp, rtol=rtol, atol=rtol * 1e-3)
+
+
+def fetched(program: Program, name: str, steps: int, micro_batch: int = -1) -> list[Any]:
+    """Per step, the logical value the SINK ``fetch`` tasks of ``name`` recorded."""
+    decl = program.graph.tensors[name]
+    assert decl.placement is not None
+    per_rank = {
+        r: program.ranks[r].context.fetched.get((name, micro_batch), {}) for r in decl.placement.ranks
+    }
+    return [gather(program, name, {r: v[s] for r, v in per_rank.items()}) for s in range(steps)]
+
+
+def variables(program: Program, names: Sequence[str]) -> dict[str, Any]:
+    """The logical value of each variable in ``names`` from the ranks' stores."""
+    out = {}
+    for name in names:
+        decl = program.graph.tensors[name]
+        assert decl.placement is not None
+        out[name] = gather(
+            program, name, {r: program.ranks[r].context.store[name] for r in decl.placement.ranks}
+        )
+    return out

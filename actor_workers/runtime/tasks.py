@@ -1,0 +1,202 @@
+"""What each task of a plan does when its actor acts: the act functions of one rank.
+
+An act is ``act(step, inputs) -> outputs``: ``step`` is the engine's iteration (the optimizer step),
+``inputs`` the values of the task's input registers in order, and it returns one value per output
+register. Everything a task needs (its op, attrs, shard indices, the rows it loads) is read from the plan
+and the compiled graph once, when the act is made, so an act does no protobuf parsing and little Python.
+
+    task            act
+    KERNEL          the op's kernel on this rank's shards (KernelContext: in/out index from the tensors'
+    OPTIMIZER       placement and nd-SBP at this rank's mesh coordinate, seed, random step)
+    DATA_LOAD       this rank's rows of micro-batch k of batch ``step`` from the data source
+    ACCUMULATE      running sum over the micro-batches, divided by their number at the last
+    SOURCE          the variable's value for this step (the store's at step 0, then last step's assign)
+    SINK assign     writes the new value to the store and passes it on to next step's SOURCE
+    SINK fetch      records the value of ``step`` (the loss, a fetch)
+
+Random steps follow :func:`sbpflow.reference.micro_batch_step`: a task of micro-batch ``k`` of ``M`` in
+step ``s`` draws with ``s * M + k``; once-per-step tasks (the update) with ``s``. Boxing, SEND and RECV
+acts are in :mod:`.boxing_tasks`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from sbpflow.actor_workers.runtime.store import Store, is_partial_elsewhere
+from sbpflow.errors import SbpflowError, ShapeError
+from sbpflow.graph import OpNode, TensorDecl
+from sbpflow.job import Job
+from sbpflow.ops.base import KernelContext, get_op
+from sbpflow.placement import Placement
+from sbpflow.reference import micro_batch_step
+from sbpflow.sharding import Index, shard_index
+
+Act = Callable[[int, list[Any]], list[Any]]
+
+
+@dataclass
+class RankContext:
+    """What the acts of one rank share: the compiled job, its store, what its sinks fetched."""
+
+    rank: int
+    job: Job  # the compiled job: its graph is the per-micro-batch graph with placements and SBPs
+    micro_batches: int
+    store: Store
+    transport: Any = None  # a Transport; None for a plan without communication
+    xp: ModuleType = np
+    # (tensor, micro-batch or -1) -> step -> this rank's value
+    fetched: dict[tuple[str, int], dict[int, Any]] = field(default_factory=dict)
+    _batches: dict[tuple[int, int, int], dict[str, Any]] = field(default_factory=dict)
+
+    def random_step(self, step: int, micro_batch: int) -> int:
+        return step if micro_batch < 0 else micro_batch_step(step, micro_batch, self.micro_batches)
+
+    def read_rows(self, step: int, start: int, stop: int) -> dict[str, Any]:
+        """Rows ``[start, stop)`` of batch ``step``, every field; the loaders of one rank share a read."""
+        key = (step, start, stop)
+        batch = self._batches.get(key)
+        if batch is None:
+            assert self.job.data is not None
+            if len(self._batches) > 8:  # loaders run at most a step or two ahead
+                self._batches.pop(next(iter(self._batches)))
+            batch = self._batches[key] = self.job.data.read(step, slice(start, stop))
+        return batch
+
+
+def coord_index(decl: TensorDecl, where: Placement, coord: tuple[int, ...]) -> Index:
+    assert decl.sbp is not None
+    return shard_index(decl.meta.shape, where.shape, decl.sbp, coord)
+
+
+def local_shape(index: Index) -> tuple[int, ...]:
+    return tuple(s.stop - s.start for s in index)
+
+
+# ---- kernels -------------------------------------------------------------------------------------------
+
+
+def kernel_act(rc: RankContext, node: OpNode, micro_batch: int) -> Act:
+    """The kernel of ``node`` on this rank's shards; its outputs are checked against the plan's shapes."""
+    g = rc.job.graph
+    op = get_op(node.op_type)
+    attrs = op.normalize_attrs(node.attrs)
+    where = node.placement or g.tensors[node.outputs[0]].placement
+    assert where is not None
+    coord = where.coord_of(rc.rank)
+    ins = [g.tensors[i] for i in node.inputs]
+    outs = [g.tensors[o] for o in node.outputs]
+    in_index = tuple(coord_index(d, where, coord) for d in ins)
+    out_index = tuple(coord_index(d, where, coord) for d in outs)
+    expected = [
+        (local_shape(ix), np.dtype(d.meta.dtype.value)) for ix, d in zip(out_index, outs, strict=True)
+    ]
+    base = (rc.xp, attrs, tuple(d.meta for d in ins), tuple(d.meta for d in outs), in_index, out_index)
+    seed, kernel = rc.job.config.seed, op.run_kernel
+
+    def act(step: int, arrays: list[Any]) -> list[Any]:
+        ctx = KernelContext(*base, seed, rc.random_step(step, micro_batch))
+        results = kernel(ctx, arrays)
+        if len(results) != len(expected) or any(
+            tuple(r.shape) != s or r.dtype != t for r, (s, t) in zip(results, expected, strict=False)
+        ):
+            got = [f"{list(r.shape)} {r.dtype}" for r in results]
+            want = [f"{list(s)} {t}" for s, t in expected]
+            raise ShapeError(
+                f"op {node.name!r} ({node.op_type}) on rank {rc.rank} produced {got}, but the plan expects "
+                f"{want} (its outputs {list(node.outputs)} under their SBPs); the op's kernel and its SBP "
+                "rows disagree"
+            )
+        return list(results)
+
+    return act
+
+
+# ---- data ------------------------------------------------------------------------------------------------
+
+
+def data_load_act(rc: RankContext, decl: TensorDecl, micro_batch: int) -> Act:
+    """This rank's share of input ``decl`` for micro-batch ``micro_batch`` of each step's batch.
+
+    The compiled graph is the micro-batch graph, so ``decl.meta.shape[0]`` is the micro-batch's rows;
+    micro-batch ``k`` is rows ``[k*m, (k+1)*m)`` of the batch (:func:`sbpflow.reference._split_batch`).
+    """
+    if rc.job.data is None:
+        raise SbpflowError(f"job {rc.job.name!r} has no data source to load input {decl.name!r} from")
+    assert decl.placement is not None
+    coord = decl.placement.coord_of(rc.rank)
+    index = coord_index(decl, decl.placement, coord)
+    dtype = np.dtype(decl.meta.dtype.value)
+    zeros = is_partial_elsewhere(decl, coord)
+    if not decl.meta.ndim:
+        raise SbpflowError(f"input {decl.name!r} is a scalar; a data source feeds batches (axis 0 = samples)")
+    first = max(micro_batch, 0) * decl.meta.shape[0]
+    rows, rest = index[0], (slice(None), *index[1:])
+
+    def act(step: int, _: list[Any]) -> list[Any]:
+        batch = rc.read_rows(step, first + rows.start, first + rows.stop)
+        value = batch[decl.name][rest]
+        if value.dtype != dtype or tuple(value.shape) != local_shape(index):
+            raise ShapeError(
+                f"input {decl.name!r} is declared {decl.meta}, but the data source gives rank {rc.rank} "
+                f"{list(value.shape)} {value.dtype} where it expects {list(local_shape(index))} {dtype}; "
+                "make the source's field match the input"
+            )
+        return [rc.xp.zeros_like(value) if zeros else rc.xp.asarray(value)]
+
+    return act
+
+
+def accumulate_act(rc: RankContext, first: bool, divide_by: int) -> Act:
+    """``((g0 + g1) + g2) + g3`` in the reference's order, then ``/ M`` at the last micro-batch."""
+
+    def act(step: int, values: list[Any]) -> list[Any]:
+        acc = values[0] if first else values[0] + values[1]
+        if divide_by > 1:
+            acc = acc / rc.xp.asarray(divide_by, dtype=acc.dtype)
+        return [acc]
+
+    return act
+
+
+# ---- variables and fetches ----------------------------------------------------------------------------
+
+
+def source_act(rc: RankContext, name: str, looped: bool) -> Act:
+    """A looped source passes on the value its loop edge carries (the engine's ``initial`` at step 0,
+    then the previous step's assign); an unlooped one (never assigned) re-reads the store."""
+    if looped:
+        return lambda step, values: [values[0]]
+    return lambda step, values: [rc.store[name]]
+
+
+def assign_act(rc: RankContext, name: str, looped: bool) -> Act:
+    def act(step: int, values: list[Any]) -> list[Any]:
+        rc.store[name] = values[0]
+        return [values[0]] if looped else []
+
+    return act
+
+
+def fetch_act(rc: RankContext, name: str, micro_batch: int) -> Act:
+    record = rc.fetched.setdefault((name, micro_batch), {})
+
+    def act(step: int, values: list[Any]) -> list[Any]:
+        record[step] = values[0]
+        return []
+
+    return act
+
+
+def spread(act: Act, positions: Sequence[int], n_values: int) -> Act:
+    """``act`` reading its inputs at ``positions`` of the engine's deduplicated list of ``n_values``
+    input values (``x * x`` reads one register twice; an actor lists it once)."""
+    if list(positions) == list(range(n_values)):
+        return act
+    pos = tuple(positions)
+    return lambda step, values: act(step, [values[p] for p in pos])

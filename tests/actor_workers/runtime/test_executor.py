@@ -1,0 +1,245 @@
+"""The plan executor: per-rank stores, the acts of every task kind, and the actors built from a plan.
+
+The act functions are checked first without the engine (each rank a plain thread that runs its tasks in
+plan order, the order lowering proves deadlock-free), then through it. Every boxing pair (1-d on 4
+ranks and from 2 ranks to 3, 2-d on a 2x2 mesh) runs on an uneven shape and gathers back to the
+original; partial sources hold unequal shares, so a step that treats P as B cannot pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sbpflow import reference
+from sbpflow.actor_workers.runtime import executor
+from sbpflow.actor_workers.runtime.boxing_tasks import BoxingTaskError, find_step
+from sbpflow.actor_workers.runtime.store import StoreError, init_store
+from sbpflow.actor_workers.transport import InProcessWorld
+from sbpflow.control_plane.compiler import comm_order, lowering, pipeline
+from sbpflow.control_plane.compiler.boxing import plan_boxing
+from sbpflow.control_plane.compiler.state import CompileState
+from sbpflow.dtype import DType
+from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind
+from sbpflow.job import Job, JobConfig, ParameterSpec
+from sbpflow.placement import Placement, placement
+from sbpflow.random import Normal
+from sbpflow.sbp import B, NdSbp, P, S
+from sbpflow.sharding import assemble, shard
+from sbpflow.tensor_meta import TensorMeta
+from sbpflow.v1 import plan_pb2 as pp
+from tests.client.test_examples import load
+from tests.control_plane.compiler.test_autodiff import as_float64
+
+TIMEOUT = 20.0
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_threads() -> Iterator[None]:
+    before = set(threading.enumerate())
+    yield
+    left = [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert not left, f"threads left running: {left}"
+
+
+def compile_job(job: Job) -> pipeline.Compiled:
+    c = pipeline.compile(job)
+    assert c.plan is not None, c.notes
+    return c
+
+
+def build(c: pipeline.Compiled, steps: int, world: InProcessWorld | None = None) -> executor.Program:
+    assert c.plan is not None
+    transports = {d.rank: world.transport(d.rank) for d in c.plan.devices} if world else None
+    job = dataclasses.replace(c.state.job, graph=c.state.graph)
+    return executor.build(c.plan, steps, transports, job=job, boxings=c.state.boxings)
+
+
+def small_mlp(**kw: Any) -> Job:
+    args = {"n_in": 8, "hidden": 16, "n_out": 4, "batch_size": 8, "steps": 2, **kw}
+    return as_float64(load("mlp").make_job(**args), batches=args["steps"])
+
+
+# ---- the store -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", [{"tp": True}, {"zero": 3}])
+def test_each_rank_draws_exactly_its_shard_of_every_variable(layout: dict[str, Any]) -> None:
+    job = small_mlp(ranks=4, tp=layout.get("tp", False))
+    job = dataclasses.replace(job, config=dataclasses.replace(job.config, zero_stage=layout.get("zero", 0)))
+    g = compile_job(job).state.graph
+    stores = {r: init_store(job, g, r) for r in range(4)}
+    whole = reference.init_parameters(job)
+    split = 0
+    for name, value in whole.items():
+        decl = g.tensors[name]
+        assert decl.placement is not None and decl.sbp is not None
+        split += any(s != B for s in decl.sbp)
+        shards = {r: stores[r][name] for r in decl.placement.ranks}
+        np.testing.assert_array_equal(assemble(shards, value.shape, decl.placement, decl.sbp), value)
+    assert split, "the layout should split some parameter"
+    state = [t for t in g.tensors.values() if t.kind is TensorKind.optimizer_state]
+    assert state and all(not stores[0][t.name].any() for t in state)
+
+
+def test_a_constant_without_a_value_is_refused_by_name() -> None:
+    g = Graph()
+    g.add_tensor(
+        TensorDecl("c", TensorMeta((2,), DType.float64), TensorKind.constant, placement("cpu"), (B,))
+    )
+    with pytest.raises(StoreError, match="'c'.*no initializer"):
+        init_store(Job("j", g), g, 0)
+
+
+# ---- boxing acts ------------------------------------------------------------------------------------
+
+
+def box_job(shape: tuple[int, ...], src: Placement, src_sbp: NdSbp, dst: Placement, dst_sbp: NdSbp) -> Job:
+    """A job whose whole plan is one boxing of a parameter ``w`` into the fetched ``v``."""
+    meta = TensorMeta(shape, DType.float64)
+    g = Graph()
+    g.add_tensor(TensorDecl("w", meta, TensorKind.parameter, src, src_sbp, True))
+    g.add_tensor(TensorDecl("v", meta, TensorKind.activation, dst, dst_sbp))
+    g.ops.append(OpNode("v.box", BOXING, ("w",), ("v",), placement=dst))
+    return Job("box", g, [ParameterSpec("w", Normal())], fetches=("v",), config=JobConfig(steps=1))
+
+
+def run_boxing(job: Job, value: np.ndarray) -> np.ndarray:
+    plan = lowering.run(CompileState.start(job))
+    comm_order.check(plan)
+    ranks = [d.rank for d in plan.devices]
+    src = job.graph.tensors["w"]
+    assert src.placement is not None and src.sbp is not None
+    with InProcessWorld(ranks, timeout=TIMEOUT) as world:
+        program = executor.build(plan, 1, {r: world.transport(r) for r in ranks}, job=job)
+        for r, local in shard(value, src.placement, src.sbp).items():  # P: unequal shares
+            program.ranks[r].context.store["w"] = local
+        executor.execute(program, TIMEOUT, abort_hooks=[world.abort])
+    return executor.fetched(program, "v", 1)[0]
+
+
+ONE_D: list[NdSbp] = [(B,), (P,), (S(0),), (S(1),)]
+TWO_D: list[NdSbp] = [(a[0], b[0]) for a in ONE_D for b in ONE_D]
+FOUR, TWO, THREE, MESH = (
+    placement("cpu", [0, 1, 2, 3]),
+    placement("cpu", [0, 1]),
+    placement("cpu", [2, 3, 4]),
+    placement("cpu", [[0, 1], [2, 3]]),
+)
+
+
+@pytest.mark.parametrize("src, dst", [(FOUR, FOUR), (TWO, THREE)], ids=["4 ranks", "2 to 3 ranks"])
+def test_every_1d_boxing_gathers_back_to_the_original(src: Placement, dst: Placement) -> None:
+    value = np.random.default_rng(0).normal(size=(5, 3))
+    for a, b in itertools.product(ONE_D, ONE_D):
+        got = run_boxing(box_job(value.shape, src, a, dst, b), value)
+        np.testing.assert_allclose(got, value, rtol=1e-12, err_msg=f"{a} -> {b}")
+
+
+def test_every_2d_boxing_on_a_2x2_mesh_gathers_back_to_the_original() -> None:
+    value = np.random.default_rng(1).normal(size=(5, 6))
+    for a, b in itertools.product(TWO_D, TWO_D):
+        got = run_boxing(box_job(value.shape, MESH, a, MESH, b), value)
+        np.testing.assert_allclose(got, value, rtol=1e-12, err_msg=f"{a} -> {b}")
+
+
+def test_a_boxing_task_that_matches_no_step_of_its_plan_is_refused() -> None:
+    meta = TensorMeta((4,), DType.float64)
+    plan = plan_boxing(meta, FOUR, (P,), FOUR, (B,))
+    assert find_step(plan, "x.box", "P", "B")[0] == 0
+    with pytest.raises(BoxingTaskError, match=r"'x.box'.*S\(0\) -> B.*recompile"):
+        find_step(plan, "x.box", "S(0)", "B")
+
+
+# ---- acts without the engine ------------------------------------------------------------------------
+
+
+def run_in_plan_order(program: executor.Program, steps: int, world: InProcessWorld) -> None:
+    """Each rank a thread running its tasks' acts in plan order, step after step: the acts alone."""
+    errors: list[BaseException] = []
+
+    def rank_main(rp: executor.RankProgram) -> None:
+        values: dict[int, Any] = {}
+        try:
+            for step in range(steps):
+                for a in sorted(rp.actors, key=lambda a: a.priority):
+                    outs = a.act(step, [values[r] if r in values else a.initial[r] for r in a.inputs])
+                    assert len(outs) == len(a.outputs), a.name
+                    values.update(zip(a.outputs, outs, strict=True))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            world.abort(f"rank {rp.rank}: {e}")
+
+    threads = [threading.Thread(target=rank_main, args=(rp,)) for rp in program.ranks.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not errors, errors[0]
+
+
+@pytest.mark.parametrize(
+    "kw", [{"ranks": 2}, {"ranks": 4, "tp": True}, {"ranks": 2, "pp": 2, "micro_batches": 4}]
+)
+def test_acts_run_in_plan_order_on_plain_threads_train_like_the_reference(kw: dict[str, Any]) -> None:
+    job = small_mlp(**kw)
+    c = compile_job(job)
+    with InProcessWorld([d.rank for d in c.plan.devices], timeout=TIMEOUT) as world:  # type: ignore[union-attr]
+        program = build(c, 2, world)
+        run_in_plan_order(program, 2, world)
+    want = reference.train(job, steps=2)
+    np.testing.assert_allclose(executor.fetched(program, job.loss, 2), want.losses, rtol=1e-12)
+    got = executor.variables(program, list(want.parameters))
+    for name, value in want.parameters.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+# ---- actors and the engine --------------------------------------------------------------------------
+
+
+def test_the_plan_alone_is_enough_to_run() -> None:
+    """A worker gets only the Plan: its job (decoded) and re-planned boxing give the same losses."""
+    job = small_mlp(ranks=4, grad_accum=2)
+    c = compile_job(job)
+    assert c.plan is not None
+    with InProcessWorld(range(4), timeout=TIMEOUT) as world:
+        program = executor.build(c.plan, 2, {r: world.transport(r) for r in range(4)})
+        executor.execute(program, TIMEOUT, abort_hooks=[world.abort])
+    np.testing.assert_allclose(
+        executor.fetched(program, job.loss, 2), reference.train(job, 2).losses, rtol=1e-12
+    )
+
+
+def test_variables_loop_from_their_assignment_to_the_next_step() -> None:
+    job = small_mlp(ranks=2)
+    c = compile_job(job)
+    with InProcessWorld(range(2), timeout=TIMEOUT) as world:
+        program = build(c, 1, world)
+    rp = program.ranks[0]
+    by_id = {a.id: a for a in rp.actors}
+    tasks = {t.id: t for t in c.plan.devices[0].tasks}  # type: ignore[union-attr]
+    loops = [r for r in rp.registers if r.id not in {d.id for d in c.plan.devices[0].registers}]  # type: ignore[union-attr]
+    sources = [t for t in tasks.values() if t.kind == pp.TASK_KIND_SOURCE]
+    assert len(loops) == len(sources)  # every variable is assigned (parameters and optimizer state)
+    for reg in loops:
+        sink, (source,) = tasks[reg.producer], reg.consumers
+        assert sink.kind == pp.TASK_KIND_SINK and tasks[source].op_name == sink.op_name
+        np.testing.assert_array_equal(by_id[source].initial[reg.id], rp.context.store[sink.op_name])
+
+
+def test_the_communication_stream_acts_in_plan_order_on_every_rank() -> None:
+    job = small_mlp(ranks=4, pp=2, micro_batches=4)
+    c = compile_job(job)
+    with InProcessWorld(range(4), timeout=TIMEOUT) as world:
+        program = build(c, 2, world)
+        results = executor.execute(program, TIMEOUT, trace=True, abort_hooks=[world.abort])
+    for rank, result in results.items():
+        priority = {a.id: (a.priority) for a in program.ranks[rank].actors}
+        comm = [(e.iteration, priority[e.actor]) for e in result.trace if e.stream == "comm"]
+        assert comm and comm == sorted(comm), f"rank {rank}"
