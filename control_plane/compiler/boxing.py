@@ -23,6 +23,7 @@ shard with the source shards, point to point.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import lru_cache
@@ -31,7 +32,7 @@ from math import prod
 
 from sbpflow.placement import Placement
 from sbpflow.sbp import B, NdSbp, PartialSum, Sbp, Split, format_nd
-from sbpflow.sharding import Index, shard_index, split_range
+from sbpflow.sharding import Index, divides, shard_index, split_range
 from sbpflow.tensor_meta import TensorMeta
 
 
@@ -141,7 +142,7 @@ def _len(n: int, p: int, r: int) -> int:
 # ---- planning -------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=1 << 14)
 def plan_boxing(
     meta: TensorMeta, src: Placement, src_sbp: NdSbp, dst: Placement, dst_sbp: NdSbp
 ) -> BoxingPlan:
@@ -151,6 +152,42 @@ def plan_boxing(
     else:
         steps = _across_placements(meta, src, src_sbp, dst, dst_sbp)
     return BoxingPlan(meta, src, src_sbp, dst, dst_sbp, tuple(steps))
+
+
+@lru_cache(maxsize=1 << 16)
+def boxing_cost(
+    meta: TensorMeta, src: Placement, src_sbp: NdSbp, dst: Placement, dst_sbp: NdSbp
+) -> tuple[int, int]:
+    """``(plan.bytes, len(plan.steps))`` of ``plan_boxing`` without building the point-to-point transfers:
+    SBP inference prices thousands of candidate layouts between pipeline stages, and a plan between two
+    64-rank meshes intersects every pair of shards. Each destination rank receives its shard less the part
+    it already holds itself (``_cover`` takes a rank's own copy first), so the bytes are a sum over ranks."""
+    if src != dst:
+        pre: list[BoxingStep] = []
+        cur = src_sbp
+        if any(isinstance(s, PartialSum) for s in src_sbp):
+            cur = tuple(B if isinstance(s, PartialSum) else s for s in src_sbp)
+            pre = _same_placement(meta, src, src_sbp, cur)
+        if set(src.ranks).isdisjoint(dst.ranks):  # stage to stage: every shard is sent whole
+            # the shards over split axes partition the tensor, B axes repeat it, P axes send one copy
+            copies = prod(n for n, s in zip(dst.shape, dst_sbp, strict=True) if s == B)
+            return sum(s.bytes for s in pre) + meta.numel * copies * meta.dtype.itemsize, len(pre) + 1
+        own = {src.rank_at(c): shard_index(meta.shape, src.shape, cur, c) for c in src.coords()}
+        moved = 0
+        for c in dst.coords():
+            if any(isinstance(s, PartialSum) and c[i] != 0 for i, s in enumerate(dst_sbp)):
+                continue
+            want = shard_index(meta.shape, dst.shape, dst_sbp, c)
+            have = own.get(dst.rank_at(c))
+            kept = _intersect(want, have) if have is not None else None
+            moved += _numel(want) - (_numel(kept) if kept is not None else 0)
+        return sum(s.bytes for s in pre) + moved * meta.dtype.itemsize, len(pre) + 1
+    plan = plan_boxing(meta, src, src_sbp, dst, dst_sbp)
+    return plan.bytes, len(plan.steps)
+
+
+def _numel(index: Index) -> int:
+    return prod(max(0, s.stop - s.start) for s in index)
 
 
 def _hierarchical(nd: NdSbp) -> bool:
@@ -197,11 +234,17 @@ def _axis_step(meta: TensorMeta, pl: Placement, cur: NdSbp, k: int, to: Sbp) -> 
     total = 0
     # one group per setting of the other mesh axes; the group holds the region its first member spans
     group_sbp = tuple(B if i == k else s for i, s in enumerate(cur))
-    for coord in product(*(range(d) if i != k else range(1) for i, d in enumerate(pl.shape))):
+    coords: Iterable[tuple[int, ...]] = product(
+        *(range(d) if i != k else range(1) for i, d in enumerate(pl.shape))
+    )
+    groups = 1
+    if divides(meta.shape, pl.shape, group_sbp):  # every group holds an equal region: price one
+        coords, groups = [(0,) * pl.ndim], pl.size // p
+    for coord in coords:
         index = shard_index(meta.shape, pl.shape, group_sbp, coord)
         region = tuple(s.stop - s.start for s in index)
         total += _group_bytes(collective, src, to, region, p, meta.dtype.itemsize)
-    return BoxingStep(collective, k, cur, new, total)
+    return BoxingStep(collective, k, cur, new, total * groups)
 
 
 def _across_placements(
@@ -215,13 +258,21 @@ def _across_placements(
         cur = whole
     # each destination rank takes its shard from source shards, preferring a copy it already holds
     holders = [(src.rank_at(c), shard_index(meta.shape, src.shape, cur, c)) for c in src.coords()]
+    own = dict(holders)
+    # a later holder of a region an earlier one holds would serve nothing: keep the first (64 x 64 shards
+    # between two pipeline stages would otherwise intersect every pair)
+    first: dict[tuple[tuple[int, int], ...], tuple[int, Index]] = {}
+    for rank, region in holders:
+        first.setdefault(tuple((x.start, x.stop) for x in region), (rank, region))
+    distinct = list(first.values())
     transfers: list[Transfer] = []
     for c in dst.coords():
         if any(isinstance(s, PartialSum) and c[i] != 0 for i, s in enumerate(dst_sbp)):
             continue  # partial ranks other than the first hold zeros
         d = dst.rank_at(c)
         want = shard_index(meta.shape, dst.shape, dst_sbp, c)
-        transfers += _cover(d, want, holders)
+        mine = [(d, own[d])] if d in own else []
+        transfers += _cover(d, want, mine + distinct)
     moved = sum(t.numel for t in transfers if t.src != t.dst) * meta.dtype.itemsize
     steps.append(BoxingStep(Collective.p2p, None, cur, dst_sbp, moved, tuple(transfers)))
     return steps
@@ -230,7 +281,9 @@ def _across_placements(
 def _cover(dst: int, want: Index, holders: list[tuple[int, Index]]) -> list[Transfer]:
     """Transfers that fill ``want`` on ``dst``: its own copy first, then the first holder of each piece."""
     ordered = sorted(holders, key=lambda h: h[0] != dst)
-    pieces: list[Index] = [want]
+    pieces: list[Index] = (
+        [want] if all(s.start < s.stop for s in want) else []
+    )  # an empty shard takes nothing
     out = []
     for rank, have in ordered:
         remaining = []

@@ -1,15 +1,17 @@
 """The compiler driver: ``compile(job)`` runs the passes in order and lowers the result to a Plan.
 
     CompileState.start -> autodiff -> optimizer -> mixed_precision -> zero -> checkpointing
-        -> sbp_inference -> boxing_pass -> micro_batching -> (verify_compiled) -> lowering -> memory
+        -> sbp_inference -> boxing_pass -> micro_batching -> lowering -> memory
         -> comm_order.check
 
 Each pass is a module of this package with ``run(state)``; it is imported when the pipeline runs, and a
 pass whose module does not exist yet is skipped with a note (the note says when the job asked for what
 the pass does). ``Graph.verify`` runs after every pass, and every pass's wall time is recorded (the
-compile-scale benchmark reports them). Lowering needs every tensor's placement and SBP; when the
-passes that provide them are missing and the job does not annotate every tensor, lowering is skipped
-with a note and ``Compiled.plan`` is ``None``.
+compile-scale benchmark reports them); from ``boxing_pass`` on, ``verify.verify_compiled`` runs after
+every pass too (each op reads exactly the SBP its signature asks for). ``compile(job, cluster_size=N)``
+first refuses a placement with a rank outside ``0 .. N-1``. Lowering needs every tensor's placement and
+SBP; when the passes that provide them are missing and the job does not annotate every tensor, lowering
+is skipped with a note and ``Compiled.plan`` is ``None``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import TypeVar
 from sbpflow.control_plane.compiler import comm_order, lowering, memory
 from sbpflow.control_plane.compiler.memory import DeviceMemory
 from sbpflow.control_plane.compiler.state import CompileState
+from sbpflow.errors import PlacementError
 from sbpflow.graph import BOXING, Graph
 from sbpflow.job import Job
 from sbpflow.sbp import format_nd
@@ -70,21 +73,35 @@ def available(name: str) -> bool:
     return importlib.util.find_spec(f"{PACKAGE}.{name}") is not None
 
 
-def compile(job: Job, verify: bool = True, job_id: str = "") -> Compiled:
-    """Compile ``job``; raise the first pass's error (it names the op, the tensors and the fix)."""
+def compile(
+    job: Job, verify: bool = True, job_id: str = "", cluster_size: int | None = None, lower: bool = True
+) -> Compiled:
+    """Compile ``job``; raise the first pass's error (it names the op, the tensors and the fix).
+
+    ``cluster_size``, when given, is the number of devices the job may use (ranks ``0 .. cluster_size-1``);
+    a placement that needs more is refused before any pass runs. ``lower=False`` stops after the graph
+    passes (no Plan, no memory estimate): what the compile-scale benchmark times per layer count.
+    """
     t0 = time.perf_counter()
+    if cluster_size is not None:
+        check_cluster(job, cluster_size)
     state = CompileState.start(job)
     out = Compiled(state, None, {"start": time.perf_counter() - t0})
+    boxed = False
     for p in PASSES:
         if not available(p.name):
             asked = " — this job asks for it, so the plan runs without it" if p.wanted(job) else ""
             out.notes.append(f"pass {p.name}: not implemented yet, skipped{asked}")
             continue
         _timed(out, p.name, importlib.import_module(f"{PACKAGE}.{p.name}").run, state)
+        boxed = boxed or p.name == "boxing_pass"
         if verify:
             _timed(out, "verify", state.graph.verify)
-    if verify and "boxing_pass" in out.timings and available("verify"):  # the contract lowering relies on
-        _timed(out, "verify", importlib.import_module(f"{PACKAGE}.verify").verify_compiled, state)
+            if boxed and available("verify"):  # from boxing on, every op reads exactly what it asks for
+                _timed(out, "verify", importlib.import_module(f"{PACKAGE}.verify").verify_compiled, state)
+    if not lower:
+        out.timings["total"] = time.perf_counter() - t0
+        return out
     missing = [t for t in state.graph.tensors.values() if t.placement is None or t.sbp is None]
     if missing:
         out.notes.append(
@@ -97,6 +114,22 @@ def compile(job: Job, verify: bool = True, job_id: str = "") -> Compiled:
     _timed(out, "comm_order", comm_order.check, out.plan)
     out.timings["total"] = time.perf_counter() - t0
     return out
+
+
+def check_cluster(job: Job, cluster_size: int) -> None:
+    """Refuse a placement that names a rank the cluster does not have, naming who uses it and the fix."""
+    if cluster_size < 1:
+        raise PlacementError(f"cluster_size={cluster_size}: a cluster has at least one device")
+    g = job.graph
+    users = [(f"tensor {t.name!r}", t.placement) for t in g.tensors.values()]
+    users += [(f"op {o.name!r} ({o.op_type})", o.placement) for o in g.ops]
+    for who, pl in users:
+        if pl is not None and max(pl.ranks) >= cluster_size:
+            raise PlacementError(
+                f"{who} is placed on {pl}: {pl.size} ranks up to rank {max(pl.ranks)}, but the cluster has "
+                f"{cluster_size} device(s) (ranks 0..{cluster_size - 1}); place the job on at most "
+                f"{cluster_size} ranks or run it on a larger cluster"
+            )
 
 
 def _timed(out: Compiled, name: str, fn: Callable[..., T], *args: object) -> T:
@@ -122,6 +155,22 @@ def summarize(c: Compiled) -> str:
     if c.plan is not None:
         lines += ["", "plan:", *("  " + line for line in _plan_lines(c))]
     return "\n".join(lines)
+
+
+def dump(c: Compiled) -> str:
+    """``summarize`` without the timings and with every size in exact bytes: deterministic, so golden
+    files can diff it (tests/control_plane/compiler/golden/)."""
+    state, g = c.state, c.state.graph
+    kernels = [o for o in g.ops if o.op_type != BOXING]
+    lines = [
+        f"job {state.job.name!r}: {len(kernels)} ops, {len(g.ops) - len(kernels)} boxing, {len(g.tensors)} tensors"
+    ]
+    lines += [f"  note: {n}" for n in c.notes]
+    lines += ["", "SBP per op:", *("  " + line for line in _sbp_lines(c))]
+    lines += ["", "boxing:", *("  " + line for line in _boxing_lines(state))]
+    if c.plan is not None:
+        lines += ["", "plan:", *("  " + line for line in _plan_lines(c, lambda n: f"{n} B"))]
+    return "\n".join(lines) + "\n"
 
 
 def _sbp_lines(c: Compiled) -> list[str]:
@@ -153,7 +202,8 @@ def _boxing_lines(state: CompileState) -> list[str]:
     return [*out, f"total {total} B per step"]
 
 
-def _plan_lines(c: Compiled) -> list[str]:
+def _plan_lines(c: Compiled, size: Callable[[int], str] | None = None) -> list[str]:
+    size = size or _size
     assert c.plan is not None
     out = [
         f"{len(c.plan.devices)} devices, {sum(len(d.tasks) for d in c.plan.devices)} tasks, "
@@ -163,8 +213,8 @@ def _plan_lines(c: Compiled) -> list[str]:
     out.append("memory per device (parameters / gradients / optimizer state / peak activations = total):")
     for rank, m in c.memory.items():
         out.append(
-            f"  rank {rank}: {_size(m.parameters)} / {_size(m.gradients)} / {_size(m.optimizer_state)} / "
-            f"{_size(m.peak_activations)} = {_size(m.total)}"
+            f"  rank {rank}: {size(m.parameters)} / {size(m.gradients)} / {size(m.optimizer_state)} / "
+            f"{size(m.peak_activations)} = {size(m.total)}"
         )
     return out
 

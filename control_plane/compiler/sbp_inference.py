@@ -18,55 +18,53 @@ cost; that choice then fixes it for every later consumer. Partial entries are ne
 consumer wants is stored as ``B`` and zero-filled, which costs nothing): a variable is a value, not a
 pending sum. Unannotated data inputs are free in the same way rather than defaulting to ``S(0)``: with
 nothing annotated, the tie-breaker's row order gives the batch split ``S(0)``; next to column-split
-weights (tensor parallelism) they come out ``B`` with no gather. A source nobody consumes is all-``B``.
+weights (tensor parallelism) they come out ``B`` with no gather.
 
-**Cost.** For a candidate signature: the bytes of ``plan_boxing`` from each distinct (input, required
-SBP) to what the signature needs, plus the bytes to box each targeted output from the signature's SBP to
-its target. Candidates are ranked by that plus what an untargeted *partial* output still owes: half an
-all-reduce of it (a reduce-scatter, the least any reader pays to use it nonlinearly). Without that term
-the greedy walk happily turns column-split weights into row splits to emit ``P`` and leaves the sum to a
-later, larger tensor; ``Choice.cost`` reports the boxing bytes only.
+**Cost** (:mod:`sbp_cost`): each candidate signature is priced by the bytes it boxes here plus what
+its outputs cost their readers (a one-op lookahead), ties broken by boxing steps; see that module.
+A gradient is laid out like its parameter (the update reads it so; ZeRO annotates otherwise), and when
+the step is cut into micro-batches a signature must also fit one micro-batch.
 
-Greedy in topological order, so a choice never looks past its own outputs. Known effects: after a
-row-split matmul the partial residual is reduce-scattered and then all-gathered (sequence-parallel
-style, the same bytes as Megatron's one all-reduce) rather than all-reduced; and a partial gradient read
-by two ops (clipping's ``sum(g*g)``, then ``g*coef``) may be reduced twice.
-
-**Tie-breaker** (lexicographic, after the bytes): (1) fewer boxing steps (zero-byte slices and zero
-fills count: fewer nodes to run); (2) fewer bytes touched per rank, the sum over inputs and outputs of
-the largest local shard -- a proxy for per-rank compute and memory that prefers signatures that split
-large tensors, so ``S`` beats ``B``; (3) the order of the op's rows (einsum rows list letters in order,
-so ``"mk,kn->mn"`` tries the batch split first). The result is deterministic.
+Known effects: a weight nobody annotated is stored as its forward reader wants it, which can cost its
+gradient a gather; a partial activation that one reader all-reduces and a backward reader wants split is
+reduce-scattered again from the partial source (boxing_pass boxes from the producer's layout, not from a
+copy already made, which a local slice of the all-reduced copy would serve for free).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from math import prod
+from dataclasses import dataclass, field, replace
 
-from sbpflow.control_plane.compiler.boxing import plan_boxing
+from sbpflow.control_plane.compiler.sbp_cost import (
+    Attrs,
+    Call,
+    Context,
+    Fixed,
+    Free,
+    Out,
+    Own,
+    Pending,
+    State,
+    attrs_key,
+    canonical,
+    evaluate,
+    goal_of,
+    store,
+)
 from sbpflow.control_plane.compiler.state import Choice, CompileState
 from sbpflow.errors import GraphError
-from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind
+from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl
+from sbpflow.job import Job
 from sbpflow.ops.base import NdSignature, get_op
 from sbpflow.placement import Placement
-from sbpflow.sbp import B, NdSbp, PartialSum, Split, format_nd
+from sbpflow.reference import micro_batch_job, micro_batches
+from sbpflow.sbp import B, NdSbp, Split, format_nd
 from sbpflow.sharding import min_split_size
 from sbpflow.tensor_meta import TensorMeta
 
-PRODUCED_KINDS = (TensorKind.activation, TensorKind.gradient)
-
-
-@dataclass(frozen=True, order=True)
-class _Key:
-    """What a candidate signature is ranked by (smallest first); see the module docstring."""
-
-    ranked: int  # boxing bytes plus what partial outputs still owe
-    bytes: int
-    steps: int
-    touched: int
-    index: int
+# ---- the walk --------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -76,112 +74,86 @@ class _Solver:
     placed: dict[str, Placement]
     targets: dict[str, NdSbp]  # op output -> the SBP it must end up with
     updates: dict[str, str]  # new value -> variable (state.updates inverted)
+    grad_of: dict[str, str] = field(default_factory=dict)  # gradient -> its parameter (state.grads inverted)
+    produced: set[str] = field(default_factory=set)
+    readers: dict[str, list[OpNode]] = field(default_factory=dict)
+    memo: dict[Context, tuple[NdSignature, Choice] | None] = field(default_factory=dict)
+    micro: dict[str, tuple[Attrs, tuple[TensorMeta, ...]]] = field(default_factory=dict)  # see _micro_calls
+    cut: int = 1  # micro-batches per step
 
-    # ---- costs ------------------------------------------------------------------------------------
+    def _state(self, t: str) -> State:
+        if t in self.fixed:
+            return Fixed(self.placed[t], self.fixed[t])
+        return Free(self.placed.get(t)) if t not in self.produced else Pending()
 
-    def _is_free(self, t: str) -> bool:
-        return t not in self.fixed
-
-    def _store(self, t: str, want: NdSbp, pl: Placement) -> tuple[Placement, NdSbp]:
-        """Where and how a free source is stored when a consumer on ``pl`` wants ``want``."""
-        home = self.placed.get(t, pl)
-        if home != pl:
-            return home, (B,) * home.ndim  # another stage's variable: whole there, sent point to point
-        return home, tuple(B if isinstance(s, PartialSum) else s for s in want)
-
-    def _boxing(self, t: str, src: tuple[Placement, NdSbp], pl: Placement, want: NdSbp) -> tuple[int, int]:
-        if src == (pl, want):
-            return 0, 0
-        plan = plan_boxing(self.graph.tensors[t].meta, src[0], src[1], pl, want)
-        return plan.bytes, len(plan.steps)
-
-    def _source(self, t: str, pl: Placement, want: NdSbp) -> tuple[Placement, NdSbp]:
-        if self._is_free(t):
-            return self._store(t, want, pl)
-        return self.placed[t], self.fixed[t]
-
-    def _target(self, node: OpNode, s: NdSignature, k: int) -> NdSbp | None:
-        out = node.outputs[k]
+    def _goal(self, node: OpNode, out: str) -> NdSbp | int | None:
         var = self.updates.get(out)
-        if var is not None and self._is_free(var) and var in node.inputs:
-            # the variable is stored as this very signature reads it
-            return self._store(var, s.ins[node.inputs.index(var)], self.placed[out])[1]
-        if var is not None and not self._is_free(var):
+        if var is not None and var not in self.fixed and var in node.inputs:
+            return node.inputs.index(var)
+        if var is not None and var in self.fixed:
             return self.fixed[var]
-        return self.targets.get(out)
+        if out in self.targets:
+            return self.targets[out]
+        param = self.grad_of.get(out)
+        return self.fixed.get(param) if param is not None else None
 
-    def _owed(self, t: str, pl: Placement, have: NdSbp) -> int:
-        """A partial output owes at least a reduce-scatter (half an all-reduce) to whoever reads it."""
-        whole = tuple(B if isinstance(x, PartialSum) else x for x in have)
-        return self._boxing(t, (pl, have), pl, whole)[0] // 2
+    def _call(self, node: OpNode, pl: Placement, states: tuple[State, ...]) -> Call:
+        metas = tuple(self.graph.tensors[t].meta for t in node.inputs)
+        same = tuple(node.inputs.index(t) for t in node.inputs)
+        attrs = attrs_key(get_op(node.op_type).normalize_attrs(node.attrs))
+        return Call(node.op_type, attrs, pl, metas, same, states)
 
-    def rank(self, node: OpNode, pl: Placement, s: NdSignature, index: int) -> _Key:
-        total = steps = 0
-        seen: set[tuple[str, NdSbp]] = set()
-        for t, want in zip(node.inputs, s.ins, strict=True):
-            if (t, want) in seen:
-                continue  # one boxing serves both uses of a tensor (x * x)
-            seen.add((t, want))
-            b, n = self._boxing(t, self._source(t, pl, want), pl, want)
-            total, steps = total + b, steps + n
-        owed = 0
-        for k, (out, have) in enumerate(zip(node.outputs, s.outs, strict=True)):
-            goal = self._target(node, s, k)
-            if goal is not None:
-                b, n = self._boxing(out, (pl, have), self.placed[out], goal)
-                total, steps = total + b, steps + n
-            elif any(isinstance(x, PartialSum) for x in have):
-                owed += self._owed(out, pl, have)
-        metas = [self.graph.tensors[t].meta for t in (*node.inputs, *node.outputs)]
-        touched = sum(_local_bytes(m, pl, nd) for m, nd in zip(metas, (*s.ins, *s.outs), strict=True))
-        return _Key(total + owed, total, steps, touched, index)
+    def _reader(self, r: OpNode, node: OpNode, goals: Sequence[NdSbp | int | None]) -> Call | None:
+        pl = r.placement or next((self.placed[t] for t in (*r.inputs, *r.outputs) if t in self.placed), None)
+        if pl is None:
+            return None
+        states: list[State] = []
+        for t in r.inputs:
+            k = node.outputs.index(t) if t in node.outputs else -1
+            if k < 0:
+                states.append(self._state(t))
+            elif goals[k] is None:
+                states.append(Own(k))
+            else:  # a targeted output reads as its target; a variable's new value waits for the choice
+                goal = goals[k]
+                states.append(Fixed(self.placed[t], goal) if isinstance(goal, tuple) else Pending())
+        return self._call(r, pl, tuple(states))
 
-    # ---- choosing ---------------------------------------------------------------------------------
+    def context(self, node: OpNode, pl: Placement) -> Context:
+        states = tuple(
+            Fixed(self.placed[t], self.fixed[t]) if t in self.fixed else Free(self.placed.get(t))
+            for t in node.inputs
+        )
+        goals = [self._goal(node, o) for o in node.outputs]
+        outs = []
+        for out, goal in zip(node.outputs, goals, strict=True):
+            readers = (
+                () if goal is not None else (self._reader(r, node, goals) for r in self.readers.get(out, ()))
+            )
+            outs.append(Out(self.placed[out], goal, tuple(r for r in readers if r is not None)))
+        return Context(self._call(node, pl, states), tuple(outs), self.micro.get(node.name))
 
     def choose(self, node: OpNode, pl: Placement) -> Choice:
-        op = get_op(node.op_type)
-        attrs = op.normalize_attrs(node.attrs)
-        metas = tuple(self.graph.tensors[t].meta for t in node.inputs)
-        sigs = op.nd_signatures(metas, attrs, pl.shape)
-        if not sigs:
+        ctx = self.context(node, pl)
+        key = canonical(ctx)
+        if key not in self.memo:
+            self.memo[key] = evaluate(key)
+        found = self.memo[key]
+        if found is None:
             ins = ", ".join(f"{t}: {self.graph.tensors[t].meta}" for t in node.inputs)
+            cut = f" that also fits one of its {self.cut} micro-batches" if node.name in self.micro else ""
             raise GraphError(
-                f"op {node.name!r} ({node.op_type}) with inputs {ins} has no valid SBP signature on the "
-                f"{pl.shape} mesh of {pl}; use fewer ranks or larger tensors"
+                f"op {node.name!r} ({node.op_type}) with inputs {ins} has no valid SBP signature{cut} on the "
+                f"{pl.shape} mesh of {pl}; use fewer ranks{', fewer micro-batches' if cut else ''} or larger tensors"
             )
-        keyed = sorted((self.rank(node, pl, s, i), s) for i, s in enumerate(sigs))
-        key, best = keyed[0]
+        best, choice = found
         for t, want in zip(node.inputs, best.ins, strict=True):
-            if self._is_free(t):
-                self.placed[t], self.fixed[t] = self._store(t, want, pl)
-        for k, out in enumerate(node.outputs):
-            goal = self._target(node, best, k)
-            self.fixed[out] = best.outs[k] if goal is None else goal
-        return Choice(best, key.bytes, _reason(node, best, key, keyed))
-
-
-def _reason(node: OpNode, best: NdSignature, key: _Key, keyed: Sequence[tuple[_Key, NdSignature]]) -> str:
-    if len(keyed) == 1:
-        return "the only valid signature"
-    runner = keyed[1][0]
-    if key.bytes < runner.bytes:
-        why = f"cheapest boxing ({key.bytes} B; next best {runner.bytes} B)"
-    elif key.steps < runner.steps:
-        why = f"fewest boxing steps at {key.bytes} B"
-    elif key.touched < runner.touched:
-        why = f"splits the most work at {key.bytes} B ({key.touched} B per rank)"
-    else:
-        why = f"first of equal signatures at {key.bytes} B"
-    return f"{why}; {len(keyed)} candidates"
-
-
-def _local_bytes(meta: TensorMeta, pl: Placement, nd: NdSbp) -> int:
-    """Bytes of the largest shard one rank holds (uneven splits round up)."""
-    shape = list(meta.shape)
-    for s, parts in zip(nd, pl.shape, strict=True):
-        if isinstance(s, Split):
-            shape[s.axis] = -(-shape[s.axis] // parts)
-    return prod(shape) * meta.dtype.itemsize
+            if t not in self.fixed:
+                self.placed[t], self.fixed[t] = store(self.placed.get(t), pl, want)
+        for out, spec, have in zip(node.outputs, ctx.outs, best.outs, strict=True):
+            goal = goal_of(spec, best, ctx.call)
+            self.fixed[out] = have if goal is None else goal
+        return choice
 
 
 # ---- the pass ------------------------------------------------------------------------------------
@@ -190,7 +162,14 @@ def _local_bytes(meta: TensorMeta, pl: Placement, nd: NdSbp) -> int:
 def run(state: CompileState) -> None:
     g = state.graph
     solver = _Solver(g, {}, {}, {}, {new: var for var, new in state.updates.items()})
-    produced = {o for node in g.ops for o in node.outputs}
+    solver.grad_of = {grad: param for param, grad in state.grads.items()}
+    solver.cut = micro_batches(state.job)
+    if solver.cut > 1:
+        solver.micro = _micro_calls(state.job, solver.cut)
+    for node in g.ops:
+        solver.produced.update(node.outputs)
+        for t in dict.fromkeys(node.inputs):
+            solver.readers.setdefault(t, []).append(node)
     for t in g.tensors.values():
         if t.placement is not None:
             solver.placed[t.name] = t.placement
@@ -198,9 +177,9 @@ def run(state: CompileState) -> None:
             assert t.placement is not None  # Graph.verify: an SBP comes with its placement
             _check_annotation(g, t)
             # an annotated source is read as it is; an annotated op output is boxed to it
-            (solver.targets if t.name in produced else solver.fixed)[t.name] = t.sbp
+            (solver.targets if t.name in solver.produced else solver.fixed)[t.name] = t.sbp
     for name in (state.job.loss, *state.job.fetches):
-        if name in produced and name not in solver.targets:
+        if name in solver.produced and name not in solver.targets:
             solver.targets[name] = (B,) * _placement_of(g, solver, name).ndim
     for var, new in state.updates.items():
         _check_update(g, var, new)
@@ -229,6 +208,29 @@ def run(state: CompileState) -> None:
                 f"variable {var!r} {g.tensors[var].meta} is {format_nd(g.tensors[var].sbp or ())} but its new "
                 f"value {new!r} is annotated {format_nd(g.tensors[new].sbp or ())}; annotate them alike"
             )
+
+
+def _micro_calls(job: Job, m: int) -> dict[str, tuple[Attrs, tuple[TensorMeta, ...]]]:
+    """Each op's attrs and input metas on one of ``m`` micro-batches. micro_batching cuts the batch after
+    this pass and keeps the signatures chosen here, so a split that is valid on the whole step's batch but
+    not on a micro-batch (96 rows over an 8 x 8 mesh, evenly, for a reshape) must not be chosen. The
+    passes before this one are deterministic, so the twin's op names match."""
+    from sbpflow.control_plane.compiler.pipeline import PASSES, available  # the driver imports us lazily
+
+    twin = CompileState.start(micro_batch_job(job, m))
+    for p in PASSES:
+        if p.name == "sbp_inference":
+            break
+        if available(p.name):
+            importlib.import_module(f"sbpflow.control_plane.compiler.{p.name}").run(twin)
+    g = twin.graph
+    return {
+        o.name: (
+            attrs_key(get_op(o.op_type).normalize_attrs(o.attrs)),
+            tuple(g.tensors[t].meta for t in o.inputs),
+        )
+        for o in g.ops
+    }
 
 
 def _op_placement(g: Graph, solver: _Solver, node: OpNode) -> Placement:

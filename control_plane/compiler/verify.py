@@ -14,12 +14,16 @@ It raises ``GraphError`` at the first bad node, naming it, its tensors and their
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from functools import lru_cache
+
 from sbpflow.control_plane.compiler.boxing import plan_boxing
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.errors import GraphError
 from sbpflow.graph import BOXING, Graph, OpNode
-from sbpflow.ops.base import NdSignature, get_op
+from sbpflow.ops.base import AttrValue, NdSignature, get_op
 from sbpflow.sbp import format_nd
+from sbpflow.tensor_meta import TensorMeta
 
 
 def verify_compiled(state: CompileState) -> None:
@@ -64,18 +68,34 @@ def _check_op(g: Graph, node: OpNode) -> None:
                 f"op {node.name!r} ({node.op_type}) runs on {pl} but tensor {t!r} lies on "
                 f"{g.tensors[t].placement}; a point-to-point boxing is missing"
             )
-    op = get_op(node.op_type)
     metas = tuple(g.tensors[t].meta for t in node.inputs)
     have = NdSignature(
         tuple(g.tensors[t].sbp or () for t in node.inputs),
         tuple(g.tensors[t].sbp or () for t in node.outputs),
     )
-    if have not in op.nd_signatures(metas, op.normalize_attrs(node.attrs), pl.shape):
+    if have not in _valid(
+        node.op_type, _attrs(get_op(node.op_type).normalize_attrs(node.attrs)), metas, pl.shape
+    ):
         raise GraphError(
             f"op {node.name!r} ({node.op_type}) reads and writes {have!r} ({_describe(g, node.inputs)} -> "
             f"{_describe(g, node.outputs)}), which is not a signature of {node.op_type} on the {pl.shape} mesh; "
             "a boxing is missing or the chosen signature is invalid"
         )
+
+
+Attrs = tuple[tuple[str, str, AttrValue], ...]
+
+
+def _attrs(attrs: Mapping[str, AttrValue]) -> Attrs:
+    return tuple((k, type(v).__name__, v) for k, v in sorted(attrs.items()))
+
+
+@lru_cache(maxsize=1 << 14)
+def _valid(
+    op_type: str, attrs: Attrs, metas: tuple[TensorMeta, ...], mesh: tuple[int, ...]
+) -> frozenset[NdSignature]:
+    """The op's valid signatures, cached: the layers of a deep model repeat the same calls."""
+    return frozenset(get_op(op_type).nd_signatures(metas, {k: v for k, _, v in attrs}, mesh))
 
 
 def _check_boxing(state: CompileState, node: OpNode) -> int:

@@ -138,3 +138,22 @@ def test_plans_are_cached_values_that_print() -> None:
     assert a is plan_boxing(meta, line(4), (P,), line(4), (S(0),))
     assert repr(a) == "P -> S(0): reduce-scatter on mesh axis 0, 384 B"
     assert hash(a) == hash(plan_boxing(meta, line(4), (P,), line(4), (S(0),)))
+
+
+@pytest.mark.parametrize(
+    "src, src_sbp, dst, dst_sbp",
+    [
+        ([0, 1], (S(0),), [2, 3, 4, 5], (S(1),)),
+        ([0, 1], (P,), [2, 3, 4], (S(0),)),
+        ([0, 1, 2, 3], (S(1),), [2, 3], (B,)),  # overlapping ranks keep what they hold
+        ([[0, 1], [2, 3]], (S(0), P), [[4, 5], [6, 7]], (P, S(1))),
+        ([[0, 1], [2, 3]], (S(0), S(0)), [0, 1, 2], (S(0),)),
+    ],
+)
+def test_boxing_cost_equals_the_plan_across_placements(src, src_sbp, dst, dst_sbp) -> None:
+    from sbpflow.control_plane.compiler.boxing import boxing_cost
+
+    meta = TensorMeta((10, 7), DType.float32)
+    a, b = placement("cpu", src), placement("cpu", dst)
+    plan = plan_boxing(meta, a, src_sbp, b, dst_sbp)
+    assert boxing_cost(meta, a, src_sbp, b, dst_sbp) == (plan.bytes, len(plan.steps))

@@ -43,15 +43,14 @@ def test_data_parallel_forward_boxes_only_the_loss_scalars(config: str) -> None:
 
 def test_megatron_mlp_reduces_the_partial_sum_once() -> None:
     # column split -> relu -> row split gives a partial [32, 4]; the cost model reduce-scatters it (half
-    # an all-reduce) because what follows (sub, mul, mean) runs split; the scalar loss is all-reduced
+    # an all-reduce) because what follows (bias, sub, mul, mean) runs split on the output columns, the
+    # free output bias included; the scalar loss is all-reduced
     state = boxed(start("mlp-tp4"))
-    assert kinds(state) == Counter(
-        {Collective.zero_fill: 2, Collective.reduce_scatter: 1, Collective.all_reduce: 1}
-    )
+    assert kinds(state) == Counter({Collective.reduce_scatter: 1, Collective.all_reduce: 1})
     (scatter,) = [p for p in state.boxings.values() if p.steps[0].collective is Collective.reduce_scatter]
     assert scatter.meta.shape == (32, 4)
-    # no weight is ever moved: only the (replicated) output bias is zero-filled to join the partial sum
-    moved = {p.src_sbp for n, p in state.boxings.items() if n.startswith("model.net.") and p.bytes}
+    # no weight is ever moved
+    moved = {p.src_sbp for n, p in state.boxings.items() if ".weight" in n or ".bias" in n}
     assert not moved
 
 
@@ -134,8 +133,9 @@ def test_training_graphs_keep_each_variable_layout_across_its_update(config: str
 
 
 def test_data_parallel_gradients_are_all_reduced() -> None:
+    # a gradient is laid out like its parameter: the partial sum is all-reduced right where it is made
     state = _training("mlp-dp4")
-    grads = {p: g for p, g in state.grads.items()}
-    for g in grads.values():
-        plans = [p for n, p in state.boxings.items() if n.startswith(f"{g}.to_")]
+    for param, g in state.grads.items():
+        assert state.graph.tensors[g].sbp == state.graph.tensors[param].sbp == (B,)
+        plans = [p for n, p in state.boxings.items() if n == f"{g}.box" or n.startswith(f"{g}.to_")]
         assert [s.collective for p in plans for s in p.steps] == [Collective.all_reduce], g
