@@ -63,12 +63,9 @@ def _make_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    """Compile an example; print the plan summary and write the Plan protobuf and/or an HTML picture."""
+def _job_from_args(args: argparse.Namespace) -> Any:
+    """The example's make_job(**options from the command line), refusing options it does not take."""
     import inspect
-
-    from sbpflow.control_plane.compiler import render
-    from sbpflow.control_plane.compiler.pipeline import compile
 
     make_job = _load_example(args.example).make_job
     kw = _make_kwargs(args)
@@ -79,7 +76,36 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise SbpflowError(
             f"{args.example}: make_job() takes no {unknown}; it takes {[p for p in params if p != 'self']}"
         )
-    compiled = compile(make_job(**kw))
+    return make_job(**kw)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Train an example on the actor runtime and print the loss of every step."""
+    import json
+
+    from sbpflow.actor_workers.api import run
+    from sbpflow.actor_workers.runtime import chrome_trace
+
+    job = _job_from_args(args)
+    result = run(job, backend=args.backend, steps=args.steps, trace=bool(args.trace))
+    for step, loss in enumerate(result.losses):
+        print(f"step {step:4d}  loss {loss:.6f}")
+    n = len(result.losses)
+    print(
+        f"{n} steps in {result.seconds:.2f} s ({n / max(result.seconds, 1e-9):.2f} steps/s, {args.backend})"
+    )
+    if args.trace:
+        Path(args.trace).write_text(json.dumps(chrome_trace(result.trace or [])), encoding="utf-8")
+        print(f"wrote {args.trace} (open it in https://ui.perfetto.dev)")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Compile an example; print the plan summary and write the Plan protobuf and/or an HTML picture."""
+    from sbpflow.control_plane.compiler import render
+    from sbpflow.control_plane.compiler.pipeline import compile
+
+    compiled = compile(_job_from_args(args))
     print(compiled.summary())
     if args.out:
         if compiled.plan is None:
@@ -116,6 +142,7 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "trace": (cmd_trace, "trace an example file into a Job and print or save it"),
+    "run": (cmd_run, "train an example on the actor runtime and print the loss of every step"),
     "plan": (cmd_plan, "compile an example file and print its plan summary; write the plan and a picture"),
     "ops": (cmd_ops, "list the op library"),
     "version": (cmd_version, "print the installed version"),
@@ -131,13 +158,23 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("example", help="a Python file defining make_job()")
             p.add_argument("--out", help="write the Job protobuf to this file")
             p.add_argument("--dump", action="store_true", help="print every tensor and op")
-        if name == "plan":
+        if name in ("plan", "run"):
             p.add_argument("example", help="a Python file defining make_job()")
             p.add_argument("--ranks", type=int, help="number of ranks (make_job's ranks=)")
             p.add_argument("--tp", action="store_true", help="tensor parallel (make_job's tp=True)")
             p.add_argument("--dp", type=int, help="data-parallel groups of a 2-d mesh (make_job's dp=)")
             p.add_argument("--layers", type=int, help="make_job's layers=")
             p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other make_job argument")
+        if name == "run":
+            p.add_argument("--steps", type=int, help="train this many steps (default: the job's own)")
+            p.add_argument(
+                "--backend",
+                default="inprocess",
+                choices=("inprocess", "ray"),
+                help="inprocess: every rank a thread of this process; ray: issue 5",
+            )
+            p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every act (Perfetto)")
+        if name == "plan":
             p.add_argument("--out", help="write the Plan protobuf to this file")
             p.add_argument("--html", help="write a self-contained HTML picture of the graph to this file")
             p.add_argument("--dot", help="write Graphviz dot text of the graph to this file")
@@ -148,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command][0](args)
-    except SbpflowError as e:
+    except (SbpflowError, NotImplementedError) as e:
         print(f"sbpflow: error: {e}", file=sys.stderr)
         return 2
 

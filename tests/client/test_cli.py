@@ -82,3 +82,20 @@ def test_plan_runs_as_a_module(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert "wrote" in r.stdout and (tmp_path / "p.html").is_file()
+
+
+def test_run_trains_an_example_and_writes_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    trace = tmp_path / "trace.json"
+    assert main(["run", str(EXAMPLES / "mlp.py"), "--ranks", "2", "--steps", "3", "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
+    assert len(losses) == 3 and all(x == x for x in losses)  # three finite numbers
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("ph") == "X" for e in events)
+
+
+def test_run_with_the_ray_backend_says_it_is_not_there_yet(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(EXAMPLES / "mlp.py"), "--steps", "1", "--backend", "ray"]) == 2
+    assert "issue 5" in capsys.readouterr().err
