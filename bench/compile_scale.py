@@ -132,7 +132,7 @@ def analytic(s: Shape) -> dict[str, float]:
 # ---- one measured compile ----------------------------------------------------------------------------
 
 
-def measure(s: Shape, trace_malloc: bool, profile: bool, lower: bool = True) -> dict[str, Any]:
+def measure(s: Shape, trace_malloc: bool, profile: bool, lower: pipeline.Lower = "auto") -> dict[str, Any]:
     notes = []
     if s.pp > 1 and not pipeline.available("micro_batching"):
         notes.append(
@@ -154,18 +154,28 @@ def measure(s: Shape, trace_malloc: bool, profile: bool, lower: bool = True) -> 
     if prof:
         prof.disable()
     wall = time.perf_counter() - t
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    built = sum(len(d.tasks) for d in (c.plan.devices if c.plan else c._devices.values()))
+    per_rank = {}
+    if c.lazy is not None:  # what a control plane does per worker: lower one more rank, not yet built
+        for rank in (2, (s.pp // 2) * s.tp * s.dp + 2):  # not representatives: lowered now
+            t = time.perf_counter()
+            d = c.device_plan(rank)
+            per_rank[rank] = {"s": time.perf_counter() - t, "tasks": len(d.tasks), "bytes": d.ByteSize()}
     out: dict[str, Any] = {
         "shape": asdict(s),
         "lowered": lower,
         "notes": notes + c.notes,
         "ops": len(job.graph.ops),
         "compiled_ops": len(c.state.graph.ops),
-        "tasks": sum(len(d.tasks) for d in c.plan.devices) if c.plan else 0,
+        "tasks": c.lazy.tasks if c.lazy else sum(len(d.tasks) for d in c.plan.devices) if c.plan else 0,
+        "built_tasks": built,  # by the compile itself, before the ranks lowered on demand
+        "per_rank": per_rank,
         "trace_s": trace_s,
         "trace_peak_bytes": trace_peak,
         "compile_s": wall,
         "timings": c.timings,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": rss,
         "analytic": analytic(s),
         "memory": {},
     }
@@ -202,8 +212,8 @@ def report(r: dict[str, Any]) -> str:
         *(f"   note: {n}" for n in r["notes"]),
         f"   trace {r['trace_s']:.2f} s, {r['ops']} ops, peak allocation {r['trace_peak_bytes'] / 1e6:.1f} MB "
         f"(the parameters would take {r['analytic']['parameters_total'] * FP32 / 1e9:.0f} GB: nothing materialised)",
-        f"   compile {r['compile_s']:.2f} s{'' if r['lowered'] else ' (graph passes only, --no-lower)'}: "
-        f"{r['compiled_ops']} ops after the passes, {r['tasks']} tasks; "
+        f"   compile {r['compile_s']:.2f} s{'' if r['lowered'] != 'none' else ' (graph passes only, --no-lower)'}: "
+        f"{r['compiled_ops']} ops after the passes, {r['tasks']} tasks ({r['built_tasks']} built); "
         f"peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB"
         + (
             f", tracemalloc peak {r['tracemalloc_peak_bytes'] / 1e9:.2f} GB"
@@ -211,6 +221,11 @@ def report(r: dict[str, Any]) -> str:
             else ""
         ),
         "   per pass: " + ", ".join(f"{k} {v:.2f}" for k, v in r["timings"].items() if k != "total") + " (s)",
+        *(
+            f"   one more rank on demand: rank {rank}, {p['tasks']} tasks, {p['bytes'] / 1e6:.1f} MB of "
+            f"DevicePlan in {p['s']:.2f} s"
+            for rank, p in r["per_rank"].items()
+        ),
     ]
     a = r["analytic"]
     lines.append("   memory per device     parameters    gradients  optimizer   activations        total")
@@ -238,6 +253,12 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile of the compile, to stderr")
     ap.add_argument("--no-lower", action="store_true", help="stop after the graph passes (no Plan)")
     ap.add_argument(
+        "--lower",
+        choices=["auto", "eager", "lazy"],
+        default="auto",
+        help="materialise the Plan or lower on demand",
+    )
+    ap.add_argument(
         "--json", action="store_true", help="print one JSON result (used for the fresh processes)"
     )
     args = ap.parse_args()
@@ -245,7 +266,7 @@ def main() -> None:
     over = {k: getattr(args, k) for k in ("tp", "pp", "dp", "micro_batches") if getattr(args, k) is not None}
     shapes = [Shape(**{**asdict(base), **over, "layers": n}) for n in args.layers]
     if args.json or len(shapes) == 1:
-        r = measure(shapes[0], args.tracemalloc, args.profile, not args.no_lower)
+        r = measure(shapes[0], args.tracemalloc, args.profile, "none" if args.no_lower else args.lower)
         print(json.dumps(r) if args.json else report(r), flush=True)
         return
     results = []
@@ -257,16 +278,18 @@ def main() -> None:
             if k in ("tp", "pp", "dp", "micro_batches")
         ]
         cmd += ["--tracemalloc"] if args.tracemalloc else []
-        cmd += ["--no-lower"] if args.no_lower else []
+        cmd += ["--no-lower"] if args.no_lower else [f"--lower={args.lower}"]
         r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
         results.append(r)
         print(report(r), flush=True)
     if len(results) > 1:
-        print("\n   layers   compile s   s/layer   peak RSS GB")
+        print("\n   layers   compile s   s/layer   peak RSS GB   tasks (all ranks)   one more rank s")
         for r in results:
             n = r["shape"]["layers"]
+            one = max((p["s"] for p in r["per_rank"].values()), default=0.0)
             print(
-                f"   {n:6d} {r['compile_s']:11.2f} {r['compile_s'] / n:9.3f} {r['peak_rss_bytes'] / 1e9:12.2f}"
+                f"   {n:6d} {r['compile_s']:11.2f} {r['compile_s'] / n:9.3f} {r['peak_rss_bytes'] / 1e9:13.2f}"
+                f" {r['tasks']:19d} {one:17.2f}"
             )
 
 

@@ -18,6 +18,14 @@ directions share one channel and one order).
     SBPs), the same primitive and the same byte count — with SENDs facing RECVs of equal size;
   * no cycle runs through several communicators (a rank finishing call a on one communicator before
     call b on another, while a peer does the opposite), proved by a topological sort of all calls.
+
+:func:`check_calls` proves the same at the graph level, for a plan too big to materialise (a
+1024-device job is lowered one rank at a time): lowering's walk logs its calls in its one global order,
+each call at once for all its participants. If every call involves each member of its communicator
+exactly once with the same primitive (a send facing a receive of the same size), then every member's
+sequence on a communicator is the projection of that one order — the same sequence on all members — and
+since every rank's tasks are emitted in the same walk, the global order is a topological order of all
+calls on all communicators: no cycle either.
 """
 
 from __future__ import annotations
@@ -43,23 +51,52 @@ def pair_ranks(a: int, b: int) -> tuple[int, int]:
     return (a, b) if a < b else (b, a)
 
 
+@dataclass(frozen=True)
+class GroupCall:
+    """One call of the global order, as the graph-level check sees it: no tasks, only who takes part."""
+
+    communicator: str
+    ranks: tuple[int, ...]  # the communicator's members
+    call: Call
+    members: tuple[tuple[int, int], ...]  # (rank, primitive) of each participant, in step order
+
+
 @dataclass
 class CommOrder:
-    """Collects communicator steps while lowering walks the graph in topological order."""
+    """Collects communicator steps while lowering walks the graph in its one global order.
+
+    A walk that builds only some ranks (``lowering.lower(ranks=...)``) passes ``None`` for the tasks it
+    does not build: their positions are counted, so a built task's ``comm_seq`` is its position in the
+    full order, and ``steps`` holds the built ranks' steps only. ``log``, when a list, receives every call.
+    """
 
     ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     steps: dict[str, list[pp.CommStep]] = field(default_factory=dict)
+    length: dict[str, int] = field(default_factory=dict)  # steps so far, built or not
+    log: list[GroupCall] | None = None
 
     def add(
-        self, device_type: str, ranks: Sequence[int], calls: Sequence[tuple[pp.Task, int, int, int]]
+        self,
+        device_type: str,
+        ranks: Sequence[int],
+        call: Call,
+        members: Sequence[tuple[pp.Task | None, int, int, int]],
     ) -> None:
-        """Append one call: a (task, rank, kind, bytes this rank sends) per member rank, in rank order."""
+        """Append one call: a (task or None, rank, kind, bytes this rank sends) per participating rank."""
         cid = communicator_id(device_type, ranks)
-        self.ranks.setdefault(cid, tuple(ranks))
-        order = self.steps.setdefault(cid, [])
-        for task, rank, kind, nbytes in calls:
+        if self.log is not None:
+            self.log.append(GroupCall(cid, tuple(ranks), call, tuple((r, k) for _, r, k, _ in members)))
+        start = self.length.get(cid, 0)
+        self.length[cid] = start + len(members)
+        order = None
+        for i, (task, rank, kind, nbytes) in enumerate(members):
+            if task is None:
+                continue
+            if order is None:
+                self.ranks.setdefault(cid, tuple(ranks))
+                order = self.steps.setdefault(cid, [])
             task.communicator = cid
-            task.comm_seq = len(order)
+            task.comm_seq = start + i
             order.append(pp.CommStep(task_id=task.id, rank=rank, kind=kind, bytes=nbytes))  # type: ignore[arg-type]
 
     def to_proto(self) -> list[pp.Communicator]:
@@ -88,12 +125,14 @@ class Call:
         return f"{self.kind} of {self.op or '?'} ({self.boxing}, {self.bytes} B)"
 
 
+def call_kind(kind: int) -> str:
+    """The primitive as calls compare it: either side of a point-to-point transfer is "send/recv"."""
+    return "send/recv" if kind in _P2P else _name(kind).removeprefix("COLLECTIVE_KIND_").lower()
+
+
 def _call(task: pp.Task, step: pp.CommStep) -> Call:
-    kind = (
-        "send/recv" if step.kind in _P2P else _KIND.Name(step.kind).removeprefix("COLLECTIVE_KIND_").lower()
-    )
     b = task.boxing
-    return Call(task.op_name, f"{b.from_sbp} -> {b.to_sbp}", kind, b.bytes_moved)
+    return Call(task.op_name, f"{b.from_sbp} -> {b.to_sbp}", call_kind(step.kind), b.bytes_moved)
 
 
 def _name(kind: int) -> str:
@@ -198,3 +237,23 @@ def _acyclic(
             f"the calls {stuck} (communicator, position) wait on each other across communicators: some rank "
             "runs them in an order that contradicts another communicator's; emit tasks in one global order"
         )
+
+
+def check_calls(calls: Sequence[GroupCall]) -> None:
+    """The graph-level proof (module docstring): raise :class:`CommOrderError` at the first call that
+    some member of its communicator would not run, or would run as another primitive."""
+    for i, gc in enumerate(calls):
+        who = [r for r, _ in gc.members]
+        if sorted(who) != sorted(gc.ranks):
+            raise CommOrderError(
+                f"communicator {gc.communicator}: call {i} of the global order ({gc.call!r}) runs on ranks "
+                f"{who}, but its members are {list(gc.ranks)}; every member must run every call exactly once"
+            )
+        kinds = sorted(k for _, k in gc.members)
+        p2p = gc.call.kind == "send/recv"
+        if (p2p and kinds != sorted(_P2P)) or (not p2p and len(set(kinds)) != 1):
+            raise CommOrderError(
+                f"communicator {gc.communicator}: call {i} of the global order ({gc.call!r}) is "
+                f"{[_name(k) for k in kinds]} on ranks {who}; "
+                + ("a send must face a receive" if p2p else "every member must run the same collective")
+            )

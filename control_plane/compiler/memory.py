@@ -15,10 +15,16 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from sbpflow.control_plane.compiler.lowering import plan_of, shard_shape
 from sbpflow.control_plane.compiler.state import CompileState
-from sbpflow.graph import TensorKind
+from sbpflow.graph import BOXING, TensorKind
+from sbpflow.placement import Placement
+from sbpflow.sbp import NdSbp
+from sbpflow.tensor_meta import Shape
 from sbpflow.v1 import plan_pb2 as pp
 
 
@@ -100,3 +106,57 @@ def peak_live(d: pp.DevicePlan, registers: list[pp.RegisterDesc]) -> int:
         live += change
         peak = max(peak, live)
     return peak
+
+
+# ---- one estimate per class of equal ranks (plans too big to materialise) ------------------------
+
+
+def rank_classes(state: CompileState) -> list[tuple[int, ...]]:
+    """The ranks grouped so that ranks of one group have equal estimates, each group lowest rank first.
+
+    A rank's tasks and registers follow from the placements it is in (the same ops, micro-batches and
+    schedule for every rank of a placement) and its coordinate there, which only matters through the
+    shard shapes it gets; so ranks in the same placements with the same local shape of every (shape, SBP)
+    there — and the same point-to-point pieces — run the same tasks on the same bytes. One stage of a
+    pipeline with even splits is one class: its first rank's estimate is every rank's.
+    """
+    g = state.graph
+    on: dict[Placement, dict[tuple[Shape, NdSbp], None]] = {}
+    for t in g.tensors.values():
+        assert t.placement is not None and t.sbp is not None
+        on.setdefault(t.placement, {})[(t.meta.shape, t.sbp)] = None
+    key: dict[int, list[object]] = defaultdict(list)
+    for n, (pl, layouts) in enumerate(on.items()):
+        for rank, coord in zip(pl.ranks, pl.coords(), strict=True):
+            key[rank].append((n, tuple(shard_shape(s, pl.shape, sbp, coord) for s, sbp in layouts)))
+    seen: set[int] = set()
+    for op in g.ops:
+        if op.op_type != BOXING:
+            continue
+        plan = state.boxings.get(op.name) or plan_of(g, op)
+        if id(plan) in seen:
+            continue
+        seen.add(id(plan))
+        for i, step in enumerate(plan.steps):
+            for tr in step.transfers:
+                key[tr.src].append(("send", len(seen), i, tr.numel))
+                key[tr.dst].append(("recv", len(seen), i, tr.numel))
+    classes: dict[tuple[object, ...], list[int]] = {}
+    for rank in sorted(key):
+        classes.setdefault(tuple(key[rank]), []).append(rank)
+    return [tuple(c) for c in classes.values()]
+
+
+def for_classes(
+    state: CompileState, devices: Mapping[int, pp.DevicePlan], classes: Sequence[tuple[int, ...]]
+) -> dict[int, DeviceMemory]:
+    """Every rank's estimate from its class's first rank, whose DevicePlan ``devices`` holds (filled)."""
+    kinds = {name: t.kind for name, t in state.graph.tensors.items()}
+    grads = set(state.grads.values())
+    out = {}
+    for ranks in classes:
+        d = devices[ranks[0]]
+        m = _device(d, kinds, grads)
+        d.memory.CopyFrom(m.to_proto())
+        out.update(dict.fromkeys(ranks, m))
+    return dict(sorted(out.items()))

@@ -12,17 +12,27 @@ every pass too (each op reads exactly the SBP its signature asks for). ``compile
 first refuses a placement with a rank outside ``0 .. N-1``. Lowering needs every tensor's placement and
 SBP; when the passes that provide them are missing and the job does not annotate every tensor, lowering
 is skipped with a note and ``Compiled.plan`` is ``None``.
+
+Lowering materialises every rank's tasks (``Compiled.plan``) unless the job is big: above
+``lowering.LAZY_ABOVE`` estimated tasks (or with ``lower="lazy"``) the plan is lowered on demand —
+``Compiled.device_plan(rank)`` / ``Compiled.rank_plan(rank)`` build one rank's DevicePlan (cached), equal
+to its entry in the full plan — which is what a control plane ships each worker anyway. The compile
+itself then lowers one representative rank per memory class (``memory.rank_classes``: a pipeline stage
+with even splits is one class) for the memory estimate, and proves the communicator order from the
+walk's one sequence of boxing steps (``lowering.check_order``) instead of from every rank's tasks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
+from sbpflow import wire
 from sbpflow.control_plane.compiler import comm_order, lowering, memory
 from sbpflow.control_plane.compiler.memory import DeviceMemory
 from sbpflow.control_plane.compiler.state import CompileState
@@ -57,16 +67,61 @@ PASSES = (
 )
 
 
+Lower = Literal["auto", "eager", "lazy", "none"]
+
+
 @dataclass
 class Compiled:
     state: CompileState
-    plan: pp.Plan | None
+    plan: pp.Plan | None  # every rank's tasks; None when lowered on demand (``lazy``) or not at all
     timings: dict[str, float] = field(default_factory=dict)  # seconds per pass, in run order
     notes: list[str] = field(default_factory=list)
     memory: dict[int, DeviceMemory] = field(default_factory=dict)
+    lazy: lowering.Lowered | None = None  # on demand: the representatives' walk (totals, call log)
+    job_id: str = ""
+    _devices: dict[int, pp.DevicePlan] = field(default_factory=dict, repr=False)
+    _job: pp.Plan | None = field(default=None, repr=False)
 
     def summary(self) -> str:
         return summarize(self)
+
+    def device_plan(self, rank: int) -> pp.DevicePlan:
+        """Rank ``rank``'s DevicePlan (with its memory estimate): from the plan, or lowered now (cached)."""
+        if self.plan is not None:
+            found = [d for d in self.plan.devices if d.rank == rank]
+            if not found:
+                raise lowering.LoweringError(f"rank {rank} has no tasks in this plan")
+            return found[0]
+        if self.lazy is None:
+            raise lowering.LoweringError("this job was compiled without lowering (lower='none')")
+        if rank not in self._devices:
+            self._devices.update(self.device_plans([rank]))
+        return self._devices[rank]
+
+    def device_plans(self, ranks: list[int]) -> dict[int, pp.DevicePlan]:
+        """Several ranks' DevicePlans lowered in one walk (not cached: a control plane ships them)."""
+        low = lowering.lower(self.state, [r for r in ranks if r not in self._devices])
+        for rank, d in low.devices.items():
+            d.memory.CopyFrom(self.memory[rank].to_proto())
+        return {r: self._devices.get(r) or low.devices[r] for r in ranks}
+
+    def rank_plan(self, rank: int) -> pp.Plan:
+        """The Plan one worker needs: its DevicePlan, the communicators it is a member of, the job."""
+        if self._job is None:
+            self._job = pp.Plan(
+                format_version=lowering.PLAN_FORMAT_VERSION,
+                job_id=self.job_id,
+                job=wire.job_to_proto(dataclasses.replace(self.state.job, graph=self.state.graph)),
+            )
+        d = self.device_plan(rank)
+        plan = pp.Plan()
+        plan.CopyFrom(self._job)
+        plan.devices.append(d)
+        ids = sorted({t.communicator for t in d.tasks if t.communicator})
+        for cid in ids:
+            members = [int(r) for r in cid.split(":", 1)[1].split(",")]
+            plan.communicators.add(id=cid, ranks=members)
+        return plan
 
 
 def available(name: str) -> bool:
@@ -74,19 +129,26 @@ def available(name: str) -> bool:
 
 
 def compile(
-    job: Job, verify: bool = True, job_id: str = "", cluster_size: int | None = None, lower: bool = True
+    job: Job,
+    verify: bool = True,
+    job_id: str = "",
+    cluster_size: int | None = None,
+    lower: bool | Lower = "auto",
 ) -> Compiled:
     """Compile ``job``; raise the first pass's error (it names the op, the tensors and the fix).
 
     ``cluster_size``, when given, is the number of devices the job may use (ranks ``0 .. cluster_size-1``);
-    a placement that needs more is refused before any pass runs. ``lower=False`` stops after the graph
-    passes (no Plan, no memory estimate): what the compile-scale benchmark times per layer count.
+    a placement that needs more is refused before any pass runs. ``lower``: ``"eager"`` materialises the
+    whole Plan, ``"lazy"`` lowers ranks on demand (module docstring), ``"auto"`` (or ``True``) is eager up
+    to ``lowering.LAZY_ABOVE`` estimated tasks, ``"none"`` (or ``False``) stops after the graph passes (no
+    Plan, no memory estimate): what the compile-scale benchmark times per layer count.
     """
+    mode = {True: "auto", False: "none"}.get(lower, lower) if isinstance(lower, bool) else lower
     t0 = time.perf_counter()
     if cluster_size is not None:
         check_cluster(job, cluster_size)
     state = CompileState.start(job)
-    out = Compiled(state, None, {"start": time.perf_counter() - t0})
+    out = Compiled(state, None, {"start": time.perf_counter() - t0}, job_id=job_id)
     boxed = False
     for p in PASSES:
         if not available(p.name):
@@ -99,7 +161,7 @@ def compile(
             _timed(out, "verify", state.graph.verify)
             if boxed and available("verify"):  # from boxing on, every op reads exactly what it asks for
                 _timed(out, "verify", importlib.import_module(f"{PACKAGE}.verify").verify_compiled, state)
-    if not lower:
+    if mode == "none":
         out.timings["total"] = time.perf_counter() - t0
         return out
     missing = [t for t in state.graph.tensors.values() if t.placement is None or t.sbp is None]
@@ -109,11 +171,30 @@ def compile(
             "the SBP inference pass is missing; annotate every tensor or add the pass"
         )
         return out
-    out.plan = _timed(out, "lowering", lowering.run, state, job_id)
-    out.memory = _timed(out, "memory", memory.run, state, out.plan)
-    _timed(out, "comm_order", comm_order.check, out.plan)
+    if mode == "auto":
+        mode = "lazy" if lowering.estimate_tasks(state) > lowering.LAZY_ABOVE else "eager"
+    if mode == "eager":
+        out.plan = _timed(out, "lowering", lowering.run, state, job_id)
+        out.memory = _timed(out, "memory", memory.run, state, out.plan)
+        _timed(out, "comm_order", comm_order.check, out.plan)
+    else:
+        _lazy(out)
     out.timings["total"] = time.perf_counter() - t0
     return out
+
+
+def _lazy(out: Compiled) -> None:
+    """Lower one rank per memory class, with the global call log, and check what the full plan would."""
+    state = out.state
+    classes = _timed(out, "rank classes", memory.rank_classes, state)
+    low = _timed(out, "lowering", lowering.lower, state, [c[0] for c in classes], True)
+    _timed(out, "comm_order", lowering.check_order, low)
+    out.memory = _timed(out, "memory", memory.for_classes, state, low.devices, classes)
+    out.lazy, out._devices = low, dict(low.devices)
+    out.notes.append(
+        f"lowered on demand: {low.tasks} tasks on {len(out.memory)} devices; built {len(classes)} "
+        "representative rank(s), one per memory class (Compiled.device_plan(rank) lowers any other)"
+    )
 
 
 def check_cluster(job: Job, cluster_size: int) -> None:
@@ -152,7 +233,7 @@ def summarize(c: Compiled) -> str:
     lines.append("passes: " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in c.timings.items()))
     lines += ["", "SBP per op:", *("  " + line for line in _sbp_lines(c))]
     lines += ["", "boxing:", *("  " + line for line in _boxing_lines(state))]
-    if c.plan is not None:
+    if c.plan is not None or c.lazy is not None:
         lines += ["", "plan:", *("  " + line for line in _plan_lines(c))]
     return "\n".join(lines)
 
@@ -204,12 +285,18 @@ def _boxing_lines(state: CompileState) -> list[str]:
 
 def _plan_lines(c: Compiled, size: Callable[[int], str] | None = None) -> list[str]:
     size = size or _size
-    assert c.plan is not None
-    out = [
-        f"{len(c.plan.devices)} devices, {sum(len(d.tasks) for d in c.plan.devices)} tasks, "
-        f"{sum(len(d.registers) for d in c.plan.devices)} registers, {len(c.plan.communicators)} communicators"
-    ]
-    out += [f"communicator {cm.id}: {len(cm.order)} steps" for cm in c.plan.communicators]
+    if c.plan is None:  # lowered on demand: totals from the walk, memory per class
+        assert c.lazy is not None
+        out = [
+            f"{len(c.memory)} devices, {c.lazy.tasks} tasks, {c.lazy.registers} registers (lowered on demand)"
+        ]
+    else:
+        out = [
+            f"{len(c.plan.devices)} devices, {sum(len(d.tasks) for d in c.plan.devices)} tasks, "
+            f"{sum(len(d.registers) for d in c.plan.devices)} registers, "
+            f"{len(c.plan.communicators)} communicators"
+        ]
+        out += [f"communicator {cm.id}: {len(cm.order)} steps" for cm in c.plan.communicators]
     out.append("memory per device (parameters / gradients / optimizer state / peak activations = total):")
     for rank, m in c.memory.items():
         out.append(
