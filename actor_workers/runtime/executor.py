@@ -35,7 +35,7 @@ from sbpflow.actor_workers.runtime.group import EngineGroup
 from sbpflow.actor_workers.runtime.register import RegisterSpec
 from sbpflow.actor_workers.runtime.store import Store, init_store
 from sbpflow.actor_workers.runtime.tasks import Act, RankContext
-from sbpflow.control_plane.compiler.boxing import BoxingPlan, plan_boxing
+from sbpflow.control_plane.compiler.boxing import BoxingPlan, Collective, plan_boxing
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import BOXING, Graph, OpNode
 from sbpflow.job import Job
@@ -126,6 +126,8 @@ def _build_rank(
         for r in device.registers
     ]
     loops = _loop_edges(device, rc.store, registers)
+    donations = _donations(device)
+    no_ops = _no_op_boxings(device, rc, nodes, boxings)
     actors = []
     for priority, task in enumerate(device.tasks):
         loop = loops.get(task.id)
@@ -136,12 +138,14 @@ def _build_rank(
             inputs, reads, initial = (loop.register,), [loop.register], {loop.register: loop.initial}
         elif loop is not None:
             outputs = (*outputs, loop.register)
-        act = _act(task, rc, nodes, boxings, comm_ranks, loop is not None)
+        act = _act(
+            task, rc, nodes, boxings, comm_ranks, loop is not None, donations.get(task.id, frozenset())
+        )
         actors.append(
             ActorSpec(
                 id=task.id,
                 name=_name(task),
-                stream=STREAMS[task.stream],
+                stream="compute" if task.id in no_ops else STREAMS[task.stream],
                 inputs=inputs,
                 outputs=outputs,
                 act=tasks.spread(act, [inputs.index(r) for r in reads], len(inputs)),
@@ -182,6 +186,74 @@ def _loop_edges(device: pp.DevicePlan, store: Store, registers: list[RegisterSpe
     return loops
 
 
+def _no_op_boxings(
+    device: pp.DevicePlan, rc: RankContext, nodes: Mapping[str, OpNode], boxings: Mapping[str, BoxingPlan]
+) -> set[int]:
+    """Boxing tasks to run on the compute stream instead of the communication stream: steps that move
+    nothing (an identity, or a group of one: every step on one device) between a compute producer and
+    compute consumers — a gradient's ``P -> B`` on one device, say. On the communication stream each
+    would wake its thread and back for a no-op on the step's critical path. The choice is made from the
+    plan alone, so it is the same on every rank, and the collectives keep their order."""
+    streams = {t.id: t.stream for t in device.tasks}
+    regs = {r.id: r for r in device.registers}
+    out = set()
+    for task in device.tasks:
+        if task.kind != pp.TASK_KIND_BOXING or task.stream != pp.STREAM_KIND_COMMUNICATION:
+            continue
+        neighbours = [regs[r].producer_task for r in task.in_registers]
+        neighbours += [c for r in task.out_registers for c in regs[r].consumer_tasks]
+        if any(streams.get(n) != pp.STREAM_KIND_COMPUTE for n in neighbours):
+            continue
+        node = _node(nodes, task)
+        plan = boxings.get(node.name) or _plan_of(rc.job.graph, node)
+        _, step = boxing_tasks.find_step(plan, node.name, task.boxing.from_sbp, task.boxing.to_sbp)
+        k = step.mesh_axis
+        if step.collective is not Collective.p2p and (
+            step.from_sbp == step.to_sbp or (k is not None and plan.src.shape[k] == 1)
+        ):
+            out.add(task.id)
+    return out
+
+
+def _donations(device: pp.DevicePlan) -> dict[int, frozenset[int]]:
+    """Per kernel task, the input positions whose arrays it may overwrite (an optimizer state's buffer).
+
+    A variable's value is given away to the one kernel that reads it when nobody else ever holds that
+    array: the kernel is the only consumer of the SOURCE's register (reading it once), and the value the
+    SINK assigns (next step's SOURCE value) is an output of that same kernel that only the SINK reads. So
+    the array circulates kernel -> SINK -> SOURCE -> kernel, read once per step, and the kernel can update
+    it in place instead of allocating a new one. Unlooped sources (never assigned: the store's own array,
+    re-read every step) are never donated.
+    """
+    by_id = {t.id: t for t in device.tasks}
+    regs = {r.id: r for r in device.registers}
+    sinks = {
+        str(wire.attr_from_proto(t.attrs["assign"])): t
+        for t in device.tasks
+        if t.kind == pp.TASK_KIND_SINK and "assign" in t.attrs
+    }
+    out: dict[int, set[int]] = {}
+    for source in device.tasks:
+        sink = sinks.get(source.op_name)
+        if source.kind != pp.TASK_KIND_SOURCE or sink is None or len(sink.in_registers) != 1:
+            continue
+        back = regs[sink.in_registers[0]]
+        for r in source.out_registers:
+            readers = set(regs[r].consumer_tasks)
+            if len(readers) != 1:
+                continue
+            reader = by_id[readers.pop()]
+            ins = list(reader.in_registers)
+            if (
+                reader.kind in (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER)
+                and ins.count(r) == 1
+                and back.producer_task == reader.id
+                and set(back.consumer_tasks) == {sink.id}
+            ):
+                out.setdefault(reader.id, set()).add(ins.index(r))
+    return {t: frozenset(p) for t, p in out.items()}
+
+
 def _act(
     task: pp.Task,
     rc: RankContext,
@@ -189,11 +261,12 @@ def _act(
     boxings: Mapping[str, BoxingPlan],
     comm_ranks: Mapping[str, tuple[int, ...]],
     looped: bool,
+    donated: frozenset[int] = frozenset(),
 ) -> Act:
     g = rc.job.graph
     kind = task.kind
     if kind in (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER):
-        return tasks.kernel_act(rc, _node(nodes, task), task.micro_batch)
+        return tasks.kernel_act(rc, _node(nodes, task), task.micro_batch, donated)
     if kind == pp.TASK_KIND_DATA_LOAD:
         return tasks.data_load_act(rc, g.tensors[task.op_name], task.micro_batch)
     if kind == pp.TASK_KIND_ACCUMULATE:

@@ -21,6 +21,7 @@ acts are in :mod:`.boxing_tasks`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -81,8 +82,17 @@ def local_shape(index: Index) -> tuple[int, ...]:
 # ---- kernels -------------------------------------------------------------------------------------------
 
 
-def kernel_act(rc: RankContext, node: OpNode, micro_batch: int) -> Act:
-    """The kernel of ``node`` on this rank's shards; its outputs are checked against the plan's shapes."""
+@dataclass(frozen=True)
+class DonatingKernelContext(KernelContext):
+    """A kernel context that gives the kernel the arrays of its inputs at positions ``donated``: no other
+    act reads them, so the kernel may write its results into them (:func:`sbpflow.ops.optim.donated`)."""
+
+    donated: frozenset[int] = frozenset()
+
+
+def kernel_act(rc: RankContext, node: OpNode, micro_batch: int, donated: frozenset[int] = frozenset()) -> Act:
+    """The kernel of ``node`` on this rank's shards; its outputs are checked against the plan's shapes.
+    ``donated``: positions of inputs no other act reads (see :func:`donations`)."""
     g = rc.job.graph
     op = get_op(node.op_type)
     attrs = op.normalize_attrs(node.attrs)
@@ -98,9 +108,12 @@ def kernel_act(rc: RankContext, node: OpNode, micro_batch: int) -> Act:
     ]
     base = (rc.xp, attrs, tuple(d.meta for d in ins), tuple(d.meta for d in outs), in_index, out_index)
     seed, kernel = rc.job.config.seed, op.run_kernel
+    make: Callable[..., KernelContext] = KernelContext
+    if donated:
+        make = functools.partial(DonatingKernelContext, donated=donated)
 
     def act(step: int, arrays: list[Any]) -> list[Any]:
-        ctx = KernelContext(*base, seed, rc.random_step(step, micro_batch))
+        ctx = make(*base, seed, rc.random_step(step, micro_batch))
         results = kernel(ctx, arrays)
         if len(results) != len(expected) or any(
             tuple(r.shape) != s or r.dtype != t for r, (s, t) in zip(results, expected, strict=False)

@@ -14,6 +14,7 @@ weight decay adds the parameter), and a partial gradient must be reduced first, 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from sbpflow.errors import ShapeError
@@ -72,12 +73,41 @@ def _update_infer(op: str, names: tuple[str, ...], n_out: int) -> Callable[[Meta
 
 
 def _sgd_kernel(ctx: KernelContext, param: Any, grad: Any, buf: Any) -> tuple[Any, Any]:
-    a, t = ctx.attrs, param.dtype.type
-    momentum = t(a["momentum"])
-    d = grad + t(a["weight_decay"]) * param if a["weight_decay"] else grad
-    new_buf = momentum * buf + d  # the first step (buf = 0) gives buf = d, as torch.optim.SGD does
-    direction = d + momentum * new_buf if a["nesterov"] else new_buf
-    return param - t(lr_at(a, ctx.step)) * direction, new_buf
+    """Each result is made in one array the kernel allocates (or the buffer, when the runtime donates it)
+    and then updates in place (``out=``), so a 4096 x 4096 update makes no temporaries; with momentum 0
+    the buffer is the gradient itself (no pass). The same operations as the formula, in the same order,
+    so the results are the formula's bits: ``param - lr * x == (-lr * x) + param`` exactly in IEEE."""
+    a, t, xp = ctx.attrs, param.dtype.type, ctx.xp
+    momentum, wd = float(a["momentum"]), float(a["weight_decay"])
+    d = grad
+    if wd:
+        d = _axpy(xp, t(wd), param, grad)  # grad + wd * param
+    if momentum:
+        # the first step (buf = 0) gives buf = d, as torch does
+        new_buf = _axpy(xp, t(momentum), buf, d, out=buf if donated(ctx, 2, buf) else None)
+        direction = _axpy(xp, t(momentum), new_buf, d) if a["nesterov"] else new_buf
+    else:
+        new_buf = direction = d  # 0 * buf + d is d
+    return _axpy(xp, t(-lr_at(a, ctx.step)), direction, param), new_buf
+
+
+def _axpy(xp: ModuleType, alpha: Any, x: Any, y: Any, out: Any = None) -> Any:
+    """``alpha * x + y`` in one new array (or ``out``), no temporary (a 0-d result stays an array)."""
+    out = xp.empty_like(x) if out is None else out
+    xp.multiply(x, alpha, out=out)
+    return xp.add(out, y, out=out)
+
+
+def donated(ctx: KernelContext, i: int, array: Any) -> bool:
+    """Whether the caller gave input ``i``'s array to the kernel, which may then write a result into it.
+
+    The actor runtime donates an optimizer-state buffer that only its update reads (its context carries
+    ``donated``, the input positions); every other caller (the reference, eager mode) does not, and the
+    kernel then leaves its inputs untouched. A read-only array (a memory-mapped checkpoint) is never
+    written.
+    """
+    flags = getattr(array, "flags", None)
+    return i in getattr(ctx, "donated", ()) and flags is not None and bool(flags.writeable)
 
 
 defop(
@@ -95,15 +125,35 @@ defop(
 
 
 def _adamw_kernel(ctx: KernelContext, param: Any, grad: Any, m: Any, v: Any) -> tuple[Any, Any, Any]:
+    """The formula's operations in its order (so its bits), in place on arrays the kernel owns: the new
+    moments (or the donated old ones), two scratch arrays and the new parameter."""
     a, t, xp = ctx.attrs, param.dtype.type, ctx.xp
     lr, b1, b2 = lr_at(a, ctx.step), float(a["beta1"]), float(a["beta2"])
     n = ctx.step + 1  # bias correction counts the steps taken, this one included
-    new_m = t(b1) * m + t(1.0 - b1) * grad
-    new_v = t(b2) * v + t(1.0 - b2) * (grad * grad)
-    m_hat = new_m / t(1.0 - b1**n)
-    v_hat = new_v / t(1.0 - b2**n)
-    decayed = param * t(1.0 - lr * float(a["weight_decay"]))  # decoupled: not through the moments
-    return decayed - t(lr) * m_hat / (xp.sqrt(v_hat) + t(a["eps"])), new_m, new_v
+    scratch = xp.multiply(grad, t(1.0 - b1))
+    new_m = xp.multiply(m, t(b1), out=m if donated(ctx, 2, m) else None)
+    new_m = _iadd(xp, new_m, scratch)  # b1 * m + (1 - b1) * grad
+    scratch = xp.multiply(grad, grad, out=_writable(scratch))
+    scratch = xp.multiply(scratch, t(1.0 - b2), out=_writable(scratch))
+    new_v = xp.multiply(v, t(b2), out=v if donated(ctx, 3, v) else None)
+    new_v = _iadd(xp, new_v, scratch)  # b2 * v + (1 - b2) * grad^2
+    m_hat = xp.divide(new_m, t(1.0 - b1**n), out=_writable(scratch))
+    step = xp.multiply(m_hat, t(lr), out=_writable(m_hat))  # lr * m_hat
+    denom = xp.divide(new_v, t(1.0 - b2**n))  # v_hat
+    denom = xp.sqrt(denom, out=_writable(denom))
+    denom = xp.add(denom, t(a["eps"]), out=_writable(denom))
+    step = xp.divide(step, denom, out=_writable(step))
+    decayed = xp.multiply(param, t(1.0 - lr * float(a["weight_decay"])))  # decoupled: not through the moments
+    return xp.subtract(decayed, step, out=_writable(decayed)), new_m, new_v
+
+
+def _writable(x: Any) -> Any:
+    """``x`` as an ``out=`` target where it is an array (a 0-d operation gives a scalar: no target)."""
+    return x if getattr(x, "ndim", 0) else None
+
+
+def _iadd(xp: ModuleType, x: Any, y: Any) -> Any:
+    return xp.add(x, y, out=_writable(x))
 
 
 defop(

@@ -243,3 +243,54 @@ def test_the_communication_stream_acts_in_plan_order_on_every_rank() -> None:
         priority = {a.id: (a.priority) for a in program.ranks[rank].actors}
         comm = [(e.iteration, priority[e.actor]) for e in result.trace if e.stream == "comm"]
         assert comm and comm == sorted(comm), f"rank {rank}"
+
+
+# ---- the hot path: donated optimizer state, no-op boxings off the communication stream -----------------
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_momentum_buffer_is_donated_to_its_update_and_trains_like_the_reference(ranks: int) -> None:
+    """SGD's momentum buffer is read by its update alone, so the update writes the new buffer into the
+    old array (no allocation a step); the step's results are still the reference's."""
+    job = small_mlp(ranks=ranks)
+    c = compile_job(job)
+    assert c.plan is not None
+    with InProcessWorld(range(ranks), timeout=TIMEOUT) as world:
+        program = build(c, 2, world)
+        initial = {
+            n: v for n, v in program.ranks[0].context.store.values().items() if n.endswith("/momentum")
+        }
+        executor.execute(program, TIMEOUT, abort_hooks=[world.abort])
+    updates = [t for t in c.plan.devices[0].tasks if t.kind == pp.TASK_KIND_OPTIMIZER]
+    donated = executor._donations(c.plan.devices[0])
+    assert updates and all(donated.get(t.id) == frozenset({2}) for t in updates)
+    store = program.ranks[0].context.store
+    assert initial and all(store[n] is v for n, v in initial.items())  # updated in place
+    want = reference.train(job, steps=2)
+    np.testing.assert_allclose(executor.fetched(program, job.loss, 2), want.losses, rtol=1e-12)
+    got = executor.variables(program, list(want.parameters))
+    for name, value in want.parameters.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def test_only_a_variable_read_by_one_task_is_donated() -> None:
+    """A SOURCE read by two tasks (a parameter: forward, backward, update) is not given away."""
+    c = compile_job(small_mlp(ranks=1))
+    assert c.plan is not None
+    device = c.plan.devices[0]
+    regs = {r.id: r for r in device.registers}
+    donated = executor._donations(device)
+    for task in device.tasks:
+        for pos in donated.get(task.id, ()):
+            reg = regs[task.in_registers[pos]]
+            assert len(set(reg.consumer_tasks)) == 1
+            assert next(t for t in device.tasks if t.id == reg.producer_task).kind == pp.TASK_KIND_SOURCE
+
+
+def test_no_op_boxings_run_on_the_compute_stream_and_collectives_stay_on_comm() -> None:
+    for ranks, comm_expected in ((1, False), (2, True)):
+        c = compile_job(small_mlp(ranks=ranks))
+        with InProcessWorld(range(ranks), timeout=TIMEOUT) as world:
+            program = build(c, 1, world)
+        streams = {a.stream for rp in program.ranks.values() for a in rp.actors}
+        assert ("comm" in streams) == comm_expected, (ranks, streams)
