@@ -34,6 +34,29 @@ def slug(nd: NdSbp) -> str:
     )
 
 
+def boxing_node(
+    state: CompileState, src: str, dst: TensorDecl, by: OpNode, checkpoint: bool = False
+) -> OpNode:
+    """A boxing node turning tensor ``src`` into the declared ``dst`` for the reader ``by`` (its stage and
+    scope), with its plan recorded in ``state.boxings``; the caller places it in the op list."""
+    s = state.graph.tensors[src]
+    assert s.placement is not None and s.sbp is not None and dst.placement is not None and dst.sbp
+    plan = plan_boxing(s.meta, s.placement, s.sbp, dst.placement, dst.sbp)
+    node = OpNode(
+        f"{dst.name}.box",
+        BOXING,
+        (src,),
+        (dst.name,),
+        {"plan": repr(plan)},
+        dst.placement,
+        by.stage,
+        checkpoint,
+        by.scope,
+    )
+    state.boxings[node.name] = plan
+    return node
+
+
 @dataclass
 class _Inserter:
     state: CompileState
@@ -52,21 +75,7 @@ class _Inserter:
         return name
 
     def _box(self, src: str, dst: TensorDecl, by: OpNode) -> None:
-        s = self.graph.tensors[src]
-        assert s.placement is not None and s.sbp is not None and dst.placement is not None and dst.sbp
-        plan = plan_boxing(s.meta, s.placement, s.sbp, dst.placement, dst.sbp)
-        node = OpNode(
-            f"{dst.name}.box",
-            BOXING,
-            (src,),
-            (dst.name,),
-            {"plan": repr(plan)},
-            dst.placement,
-            by.stage,
-            scope=by.scope,
-        )
-        self.ops.append(node)
-        self.state.boxings[node.name] = plan
+        self.ops.append(boxing_node(self.state, src, dst, by, checkpoint=False))
 
     def read(self, t: str, pl: Placement, want: NdSbp, by: OpNode) -> str:
         """The name ``by`` should read for ``t`` laid out as (pl, want); adds the boxing if needed."""

@@ -41,8 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sbpflow.control_plane.compiler.boxing import plan_boxing
-from sbpflow.control_plane.compiler.boxing_pass import slug
+from sbpflow.control_plane.compiler.boxing_pass import boxing_node, slug
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.errors import GraphError
 from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind
@@ -148,7 +147,7 @@ def _gather_new_value(state: CompileState, update: OpNode, lay: Layout) -> None:
     g.set_tensor(replace(decl, placement=lay.placement, sbp=lay.whole))
     at = g.ops.index(update)
     g.ops[at] = replace(update, outputs=(raw.name, *update.outputs[1:]))
-    box = _boxing_node(state, raw.name, g.tensors[new], update)
+    box = boxing_node(state, raw.name, g.tensors[new], update, update.checkpoint)
     g.ops.insert(at + 1, box)
 
 
@@ -164,26 +163,7 @@ def _gather_before_each_use(state: CompileState, param: str, lay: Layout, update
             name = f"{param}.to_{slug(lay.whole)}" + ("" if n == 1 else f".{n}")
             copy = TensorDecl(name, decl.meta, TensorKind.activation, lay.placement, lay.whole)
             g.add_tensor(copy)
-            ops.append(_boxing_node(state, param, copy, node))
+            ops.append(boxing_node(state, param, copy, node, node.checkpoint))
             node = replace(node, inputs=tuple(name if i == param else i for i in node.inputs))
         ops.append(node)
     g.ops = ops
-
-
-def _boxing_node(state: CompileState, src: str, dst: TensorDecl, by: OpNode) -> OpNode:
-    s = state.graph.tensors[src]
-    assert s.placement is not None and s.sbp is not None and dst.placement is not None and dst.sbp
-    plan = plan_boxing(s.meta, s.placement, s.sbp, dst.placement, dst.sbp)
-    node = OpNode(
-        f"{dst.name}.box",
-        BOXING,
-        (src,),
-        (dst.name,),
-        {"plan": repr(plan)},
-        dst.placement,
-        by.stage,
-        by.checkpoint,
-        by.scope,
-    )
-    state.boxings[node.name] = plan
-    return node
