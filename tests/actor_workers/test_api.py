@@ -51,6 +51,24 @@ def test_run_returns_the_losses_of_every_step_and_on_request_the_parameters() ->
     assert all(v.shape == job.graph.tensors[k].meta.shape for k, v in two.parameters.items())
 
 
+def test_a_finished_run_frees_its_memory_when_it_returns() -> None:
+    import gc
+
+    from sbpflow.actor_workers.runtime.engine import Engine
+
+    def engines() -> int:
+        return sum(isinstance(o, Engine) for o in gc.get_objects())
+
+    gc.collect()
+    before = engines()
+    gc.disable()  # only the run itself may free its engines (and the registers and store they hold)
+    try:
+        sf.run(mlp(ranks=2), steps=1)
+        assert engines() == before, "a finished run's engines are still alive"
+    finally:
+        gc.enable()
+
+
 def test_sf_run_is_the_runtimes_and_import_sbpflow_does_not_load_it() -> None:
     from sbpflow.actor_workers import run
 
