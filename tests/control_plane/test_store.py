@@ -1,0 +1,264 @@
+"""The SQLite job store: lifecycle, events, loss history, persistence, reconciliation, threads."""
+
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+
+from sbpflow.control_plane.store import (
+    RESTART_REASON,
+    SCHEMA_VERSION,
+    IllegalTransitionError,
+    JobState,
+    JobStore,
+    StoreError,
+    UnknownJobError,
+)
+
+S = JobState
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = JobStore(tmp_path / "jobs.db")
+    yield s
+    s.close()
+
+
+def run_to(store: JobStore, job_id: str, *states: JobState) -> None:
+    for st in states:
+        store.transition(job_id, st)
+
+
+def test_states_match_the_proto_names() -> None:
+    from sbpflow.v1 import service_pb2
+
+    names = set(service_pb2.JobState.keys()) - {"JOB_STATE_UNSPECIFIED"}
+    assert {str(s) for s in JobState} == names
+
+
+def test_create_and_get(store: JobStore) -> None:
+    rec = store.create(b"\x01\x02job", "mlp")
+    assert rec.state == S.PENDING and rec.attempt == 1 and rec.name == "mlp"
+    assert rec.job_proto == b"\x01\x02job" and rec.created > 0 and rec.step == 0 and rec.loss is None
+    assert store.get(rec.id) == rec
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rec.state = S.RUNNING  # type: ignore[misc]
+    assert store.create(b"", "other").id != rec.id
+
+
+def test_unknown_job(store: JobStore) -> None:
+    with pytest.raises(UnknownJobError, match="nope"):
+        store.get("nope")
+    with pytest.raises(UnknownJobError):
+        store.transition("nope", S.COMPILING)
+
+
+def test_full_lifecycle(store: JobStore) -> None:
+    rec = store.create(b"x", "j")
+    run_to(store, rec.id, S.COMPILING, S.STARTING, S.RUNNING)
+    running = store.get(rec.id)
+    assert running.state == S.RUNNING and running.started is not None and running.finished is None
+    done = store.transition(rec.id, S.SUCCEEDED, message="all steps")
+    assert done.state == S.SUCCEEDED and done.finished is not None and done.message == "all steps"
+
+
+@pytest.mark.parametrize("at", [S.PENDING, S.COMPILING, S.STARTING, S.RUNNING])
+@pytest.mark.parametrize("end", [S.FAILED, S.CANCELLED])
+def test_any_non_final_state_can_fail_or_cancel(store: JobStore, at: JobState, end: JobState) -> None:
+    rec = store.create(b"x", "j")
+    path = [S.COMPILING, S.STARTING, S.RUNNING]
+    run_to(store, rec.id, *path[: path.index(at) + 1] if at != S.PENDING else [])
+    out = store.transition(rec.id, end, reason="WORKER_ERROR", message="rank 1 died")
+    assert out.state == end and out.reason == "WORKER_ERROR" and out.message == "rank 1 died"
+
+
+@pytest.mark.parametrize(
+    "path, bad",
+    [
+        ([], S.RUNNING),  # skips COMPILING and STARTING
+        ([], S.SUCCEEDED),
+        ([S.COMPILING], S.PENDING),  # backwards
+        ([S.COMPILING, S.STARTING, S.RUNNING, S.SUCCEEDED], S.FAILED),  # final
+        ([S.CANCELLED], S.COMPILING),
+        ([S.FAILED], S.FAILED),
+    ],
+)
+def test_illegal_transitions_name_both_states(store: JobStore, path, bad: JobState) -> None:
+    rec = store.create(b"x", "j")
+    run_to(store, rec.id, *path)
+    before = store.get(rec.id)
+    n_events = len(store.events(rec.id))
+    with pytest.raises(IllegalTransitionError) as e:
+        store.transition(rec.id, bad)
+    assert before.state.name in str(e.value) and bad.name in str(e.value)
+    assert store.get(rec.id) == before and len(store.events(rec.id)) == n_events  # nothing half-done
+
+
+def test_transition_accepts_the_proto_names(store: JobStore) -> None:
+    rec = store.create(b"x", "j")
+    assert store.transition(rec.id, "JOB_STATE_COMPILING").state == S.COMPILING
+    with pytest.raises(ValueError):
+        store.transition(rec.id, "BOGUS")
+
+
+def test_events_in_order_and_resumable(store: JobStore) -> None:
+    rec = store.create(b"x", "j")
+    run_to(store, rec.id, S.COMPILING, S.STARTING, S.RUNNING)
+    store.record_step(rec.id, 1, 2.5, 100.0)
+    store.record_step(rec.id, 2, 1.5, 110.0)
+    store.transition(rec.id, S.SUCCEEDED)
+    ev = store.events(rec.id)
+    assert [e.seq for e in ev] == list(range(1, 8))
+    assert [e.kind for e in ev] == ["created", "state", "state", "state", "step", "step", "state"]
+    assert [e.state for e in ev] == [
+        S.PENDING,
+        S.COMPILING,
+        S.STARTING,
+        S.RUNNING,
+        S.RUNNING,
+        S.RUNNING,
+        S.SUCCEEDED,
+    ]
+    assert ev[1].data == {"from": str(S.PENDING)}
+    assert ev[5].data == {"step": 2, "loss": 1.5, "samples_per_second": 110.0}
+    assert [e.seq for e in store.events(rec.id, after_seq=4)] == [5, 6, 7]
+    assert store.events(rec.id, after_seq=7) == []
+    other = store.create(b"y", "k")  # sequences are per job
+    assert [e.seq for e in store.events(other.id)] == [1]
+
+
+def test_record_step_keeps_the_loss_history(store: JobStore) -> None:
+    rec = store.create(b"x", "j")
+    run_to(store, rec.id, S.COMPILING, S.STARTING, S.RUNNING)
+    for step, loss in [(1, 3.0), (2, 2.0), (3, 1.0)]:
+        store.record_step(rec.id, step, loss, 50.0 + step)
+    got = store.get(rec.id)
+    assert got.step == 3 and got.loss == 1.0 and got.samples_per_second == 53.0
+    assert [(p.step, p.loss) for p in store.losses(rec.id)] == [(1, 3.0), (2, 2.0), (3, 1.0)]
+    store.record_step(rec.id, 2, 2.0, 52.0)  # a late duplicate does not move the job back
+    assert store.get(rec.id).step == 3 and store.get(rec.id).loss == 1.0
+
+
+def test_list_filters_and_pages(store: JobStore) -> None:
+    ids = [store.create(b"x", f"j{i}").id for i in range(5)]
+    store.transition(ids[1], S.CANCELLED)
+    store.transition(ids[3], S.COMPILING)
+    assert [r.id for r in store.list()] == ids[::-1]  # newest first
+    assert [r.id for r in store.list(limit=2, offset=1)] == [ids[3], ids[2]]
+    assert [r.id for r in store.list(states=[S.PENDING])] == [ids[4], ids[2], ids[0]]
+    assert {r.id for r in store.list(states=[S.CANCELLED, "JOB_STATE_COMPILING"])} == {ids[1], ids[3]}
+    assert store.list(states=[]) == []
+    assert store.count() == 5 and store.count([S.PENDING]) == 3
+    with pytest.raises(StoreError):
+        store.list(limit=-1)
+
+
+def test_survives_reopening_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    with JobStore(path) as s:
+        a = s.create(b"\x00proto\xff", "a")
+        run_to(s, a.id, S.COMPILING, S.STARTING, S.RUNNING)
+        s.record_step(a.id, 1, 0.5, 10.0)
+        s.transition(a.id, S.SUCCEEDED)
+        b = s.create(b"b", "b")
+        before = (s.get(a.id), s.get(b.id), s.events(a.id), s.losses(a.id))
+    with JobStore(path) as s:
+        assert (s.get(a.id), s.get(b.id), s.events(a.id), s.losses(a.id)) == before
+        s.transition(b.id, S.COMPILING)  # and keeps working: sequences continue
+        assert [e.seq for e in s.events(b.id)] == [1, 2]
+    con = sqlite3.connect(path)
+    assert con.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    con.close()
+
+
+def test_refuses_a_newer_schema(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    con = sqlite3.connect(path)
+    con.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    con.close()
+    with pytest.raises(StoreError, match="newer"):
+        JobStore(path)
+
+
+def test_reconcile_after_restart(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    with JobStore(path) as s:
+        pending = s.create(b"x", "pending").id
+        compiling = s.create(b"x", "compiling").id
+        s.transition(compiling, S.COMPILING)
+        starting = s.create(b"x", "starting").id
+        run_to(s, starting, S.COMPILING, S.STARTING)
+        running = s.create(b"x", "running").id
+        run_to(s, running, S.COMPILING, S.STARTING, S.RUNNING)
+        s.record_step(running, 7, 0.25, 1.0)
+        done = s.create(b"x", "done").id
+        run_to(s, done, S.COMPILING, S.STARTING, S.RUNNING, S.SUCCEEDED)
+    with JobStore(path) as s:  # "restart"
+        fixed = s.reconcile_after_restart()
+        assert {r.id for r in fixed} == {compiling, starting, running}
+        for job_id, was in [(compiling, S.COMPILING), (starting, S.STARTING), (running, S.RUNNING)]:
+            r = s.get(job_id)
+            assert r.state == S.FAILED and r.reason == RESTART_REASON and was.name in r.message
+            last = s.events(job_id)[-1]
+            assert last.state == S.FAILED and last.reason == RESTART_REASON
+        assert s.get(running).step == 7 and s.get(running).loss == 0.25  # history kept
+        assert s.get(pending).state == S.PENDING and s.get(done).state == S.SUCCEEDED
+        assert s.reconcile_after_restart() == []  # idempotent
+        assert s.count() == 5  # nothing lost
+
+
+def test_concurrent_writers_from_threads(store: JobStore) -> None:
+    errors: list[BaseException] = []
+    created: list[str] = []
+    guard = threading.Lock()
+
+    def worker(k: int) -> None:
+        try:
+            for i in range(10):
+                rec = store.create(b"x", f"t{k}-{i}")
+                run_to(store, rec.id, S.COMPILING, S.STARTING, S.RUNNING)
+                for step in range(1, 4):
+                    store.record_step(rec.id, step, 1.0 / step, 5.0)
+                store.transition(rec.id, S.SUCCEEDED)
+                with guard:
+                    created.append(rec.id)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(created) == 80 and store.count([S.SUCCEEDED]) == 80
+    for job_id in created[::9]:
+        assert [e.seq for e in store.events(job_id)] == list(range(1, 9))
+        assert len(store.losses(job_id)) == 3
+
+
+def test_contended_transitions_allow_exactly_one_winner(store: JobStore) -> None:
+    rec = store.create(b"x", "j")
+    wins: list[JobState] = []
+    barrier = threading.Barrier(6)
+
+    def go(target: JobState) -> None:
+        barrier.wait()
+        try:
+            store.transition(rec.id, target)
+            wins.append(target)
+        except IllegalTransitionError:
+            pass
+
+    threads = [threading.Thread(target=go, args=(t,)) for t in [S.CANCELLED, S.FAILED] * 3]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1 and store.get(rec.id).state == wins[0]
