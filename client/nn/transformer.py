@@ -58,10 +58,11 @@ class CausalSelfAttention(Module):
         b, t, d = x.shape  # x: [B, T, D]  B (replicated over the TP ranks)
         h = self.n_head
         qkv = self.c_attn(x)  # qkv: [B, T, 3D]  S(2)
-        # [B, T, 3D] -> [B, T, 3, H, Dh]: the split of 3D lands on the "3" axis, so the compiler boxes it
-        # to a split of the heads (S(3)) unless p divides 3
-        qkv = qkv.reshape(b, t, 3, h, d // h)
-        q, k, v = F.split(qkv, 1, axis=2)  # each: [B, T, 1, H, Dh]
+        # [B, T, 3D] -> [B, T, H, 3, Dh], heads leading: a column split of 3D lands on the heads (S(2)),
+        # so each rank keeps whole heads with their q, k and v and attention needs no boxing (Megatron's
+        # layout); [B, T, 3, H, Dh] would put the split on the "3" axis and cost all-to-alls
+        qkv = qkv.reshape(b, t, h, 3, d // h)
+        q, k, v = F.split(qkv, 1, axis=3)  # each: [B, T, H, 1, Dh]
         q, k, v = (z.reshape(b, t, h, d // h).permute(0, 2, 1, 3) for z in (q, k, v))  # [B, H, T, Dh] S(1)
         y = F.scaled_dot_product_attention(q, k, v, True, self.dropout, self.training)  # [B, H, T, Dh] S(1)
         y = y.permute(0, 2, 1, 3).reshape(b, t, d)  # y: [B, T, D]  S(2): heads are contiguous columns

@@ -45,7 +45,7 @@ def test_gpt_traces_with_expected_ops_and_parameters() -> None:
     assert params["model.lm_head.weight"] == (16, 64)
     assert len(params) == 2 + 2 * 12 + 2 + 1
     reshape = next(o for o in job.graph.ops if o.name == "model.blocks.0.attn.reshape_0")
-    assert reshape.attrs["shape"] == (2, 8, 3, 2, 8)  # [B, T, 3, H, Dh]
+    assert reshape.attrs["shape"] == (2, 8, 2, 3, 8)  # [B, T, H, 3, Dh]: heads lead, so TP splits heads
     assert job.graph.tensors[job.loss].meta.shape == ()
 
 
