@@ -23,7 +23,6 @@ averages (clipping, the update) run once per step after them (``step``). The los
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -160,16 +159,10 @@ class _Twin:
 
 
 def _graph_passes(job: Job) -> _Twin:
-    """``job`` through the passes that run before SBP inference (autodiff, optimizer, ...): they are
-    deterministic, so the op and tensor names match the compiled graph's."""
-    from sbpflow.control_plane.compiler.pipeline import PASSES, available
+    """``job`` through the passes that run before SBP inference, names matching the compiled graph's."""
+    from sbpflow.control_plane.compiler.pipeline import through  # the driver imports us lazily
 
-    state = CompileState.start(job)
-    for p in PASSES:
-        if p.name == "sbp_inference":
-            break
-        if available(p.name):
-            importlib.import_module(f"{PACKAGE}.{p.name}").run(state)
+    state = through(job, "sbp_inference")
     return _Twin(state.graph.tensors, {o.name: o for o in state.graph.ops})
 
 

@@ -128,6 +128,19 @@ def available(name: str) -> bool:
     return importlib.util.find_spec(f"{PACKAGE}.{name}") is not None
 
 
+def through(job: Job, stop: str) -> CompileState:
+    """``job`` run through the available passes before ``stop``. The passes are deterministic, so op
+    and tensor names match those of a full compile: micro-batching and SBP inference use this to see the
+    same graph cut to one micro-batch."""
+    state = CompileState.start(job)
+    for p in PASSES:
+        if p.name == stop:
+            break
+        if available(p.name):
+            importlib.import_module(f"{PACKAGE}.{p.name}").run(state)
+    return state
+
+
 def compile(
     job: Job,
     verify: bool = True,

@@ -33,7 +33,6 @@ copy already made, which a local slice of the all-reduced copy would serve for f
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -215,15 +214,9 @@ def _micro_calls(job: Job, m: int) -> dict[str, tuple[Attrs, tuple[TensorMeta, .
     this pass and keeps the signatures chosen here, so a split that is valid on the whole step's batch but
     not on a micro-batch (96 rows over an 8 x 8 mesh, evenly, for a reshape) must not be chosen. The
     passes before this one are deterministic, so the twin's op names match."""
-    from sbpflow.control_plane.compiler.pipeline import PASSES, available  # the driver imports us lazily
+    from sbpflow.control_plane.compiler.pipeline import through  # the driver imports us lazily
 
-    twin = CompileState.start(micro_batch_job(job, m))
-    for p in PASSES:
-        if p.name == "sbp_inference":
-            break
-        if available(p.name):
-            importlib.import_module(f"sbpflow.control_plane.compiler.{p.name}").run(twin)
-    g = twin.graph
+    g = through(micro_batch_job(job, m), "sbp_inference").graph
     return {
         o.name: (
             attrs_key(get_op(o.op_type).normalize_attrs(o.attrs)),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
@@ -12,16 +11,7 @@ from sbpflow import wire
 from sbpflow.control_plane.validation import ValidationError, validate_submit
 from sbpflow.errors import SbpflowError
 from sbpflow.v1 import job_pb2
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.client.test_examples import load
 
 
 @pytest.fixture(scope="module")

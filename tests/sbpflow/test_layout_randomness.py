@@ -6,9 +6,6 @@ materialised), and the shards reassemble to exactly the single-device values.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -19,18 +16,14 @@ from sbpflow.random import RandomKey
 from sbpflow.reference import init_parameters
 from sbpflow.sbp import B, S
 from sbpflow.sharding import assemble, shard, shard_index
+from tests.client.test_examples import load
 
 MESH = placement("cpu", [[0, 1], [2, 3]])
 LAYOUTS = [(S(0), S(1)), (S(1), S(0)), (S(0), S(0)), (B, S(0)), (S(1), B)]
 
 
 def gpt_job():
-    path = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
-    spec = importlib.util.spec_from_file_location("example_gpt_rand", path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.make_job(layers=1, width=16, heads=2, vocab=11, seq_len=6)
+    return load("gpt").make_job(layers=1, width=16, heads=2, vocab=11, seq_len=6)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)

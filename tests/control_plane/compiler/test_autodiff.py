@@ -6,10 +6,7 @@ The helpers here (``example``, ``as_float64``, ``compiled``) are shared with the
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -27,16 +24,7 @@ from sbpflow.ops.base import get_op
 from sbpflow.placement import placement
 from sbpflow.random import Normal
 from sbpflow.tensor_meta import TensorMeta
-
-EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
-
-
-def example(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.client.test_examples import load as example
 
 
 def as_float64(job: Job, batches: int = 3) -> Job:
