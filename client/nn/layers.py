@@ -109,27 +109,6 @@ class Dropout(Module):
         return f"rate={self.rate}"
 
 
-class Sequential(Module):
-    def __init__(self, *modules: Module) -> None:
-        super().__init__()
-        for i, m in enumerate(modules):
-            setattr(self, str(i), m)
-
-    def __getitem__(self, i: int) -> Module:
-        return list(self.children())[i]
-
-    def __len__(self) -> int:
-        return len(self.__dict__["_modules"])
-
-    def __iter__(self) -> Iterator[Module]:
-        return self.children()
-
-    def forward(self, x: Any) -> Any:
-        for m in self.children():
-            x = m(x)
-        return x
-
-
 class ModuleList(Module):
     def __init__(self, modules: Iterable[Module] = ()) -> None:
         super().__init__()
@@ -148,6 +127,18 @@ class ModuleList(Module):
 
     def __iter__(self) -> Iterator[Module]:
         return self.children()
+
+
+class Sequential(ModuleList):
+    """A ModuleList that is also a module: calls its children in order."""
+
+    def __init__(self, *modules: Module) -> None:
+        super().__init__(modules)
+
+    def forward(self, x: Any) -> Any:
+        for m in self.children():
+            x = m(x)
+        return x
 
 
 _ACTIVATIONS: dict[str, type[Module]] = {"relu": ReLU, "gelu": GELU, "tanh": Tanh}
