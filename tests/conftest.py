@@ -5,9 +5,36 @@ with ``CI=true python -m pytest``; locally Hypothesis keeps exploring new exampl
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import settings
+
+# Set before anything imports Ray: a single-node Ray then advertises 127.0.0.1, not the external address.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[str]:
+    """One local Ray for the whole test session (4 CPUs, a 256 MB object store, no dashboard), bound to
+    loopback; shut down when the session ends. Yields the address that ``ray.init(address=...)`` and
+    ``sf.run(..., ray_address=...)`` accept. Tests that need Ray take this fixture; nothing else starts
+    one."""
+    import ray
+
+    info = ray.init(
+        num_cpus=4,
+        object_store_memory=256 * 1024 * 1024,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    try:
+        yield str(info.address_info["gcs_address"])
+    finally:
+        ray.shutdown()
