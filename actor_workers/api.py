@@ -1,25 +1,43 @@
 """``sf.run(job)``: compile a job and train it on the actor runtime, returning what the reference returns.
 
-    result = sf.run(job, backend="inprocess", return_parameters=True)
+    result = sf.run(job, return_parameters=True)
     result.losses        # one float per step (the loss averaged over the step's micro-batches)
     result.parameters    # logical (gathered) parameter values after the last step, by name
 
-``backend="inprocess"`` runs every rank as threads of this process over the in-process transport: the
-test vehicle and the fastest embedded mode. ``backend="ray"`` (one Ray worker actor per device) is
-issue 5.
+Backends (:data:`BACKENDS`):
+
+- ``"ray"`` (the default): one Ray worker process per rank of the job's placement, on a local Ray
+  started on demand or on the cluster at ``ray_address``; registers move through the CPU data plane and
+  every worker reports to the control plane in ``WorkerReport`` protobufs over gRPC
+  (:mod:`sbpflow.control_plane.scheduler`).
+- ``"inprocess"``: every rank is threads of this process over the in-process transport; the test vehicle
+  and the fastest embedded mode.
+
+Both call the same listeners as the run gets on: ``on_state("COMPILING" | "STARTING" | "RUNNING")``,
+``on_step(StepMetrics)`` once per completed step, ``on_report(WorkerReport)`` for every worker report.
+Setting ``cancel`` stops every rank promptly and raises :class:`RunCancelled`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from sbpflow.actor_workers.progress import ReportListener, StateListener, StepListener, StepTracker, report
+from sbpflow.actor_workers.runtime.errors import RunCancelled, RuntimeFailure
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
+from sbpflow.v1 import service_pb2 as sp
 
-BACKENDS = ("inprocess", "ray")
+if TYPE_CHECKING:
+    from sbpflow.control_plane.compiler.pipeline import Compiled
+    from sbpflow.control_plane.reports import ReportHub
+
+__all__ = ["BACKENDS", "RunCancelled", "RunOptions", "RunResult", "run"]
 
 
 @dataclass(frozen=True)
@@ -33,59 +51,164 @@ class RunResult:
     seconds: float = 0.0  # wall time of the run, compile excluded
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """Everything a backend needs besides the compiled job."""
+
+    steps: int
+    return_parameters: bool = False
+    trace: bool = False
+    timeout: float = 600.0
+    ray_address: str | None = None
+    on_state: StateListener | None = None
+    on_report: ReportListener | None = None
+    cancel: threading.Event | None = None
+    report_hub: ReportHub | None = None
+    job_id: str = ""
+    attempt: int = 1
+
+    def state(self, name: str) -> None:
+        if self.on_state is not None:
+            self.on_state(name)
+
+    def report(self, rank: int, **payload: Any) -> None:
+        if self.on_report is not None:
+            self.on_report(report(self.job_id, self.attempt, rank, **payload))
+
+
+Backend = Callable[["Compiled", RunOptions, StepTracker], RunResult]
+
+
 def run(
     job: Job,
-    backend: str = "inprocess",
+    backend: str = "ray",
     steps: int | None = None,
     return_parameters: bool = False,
     trace: bool = False,
     timeout: float = 600.0,
+    *,
+    ray_address: str | None = None,
+    on_state: StateListener | None = None,
+    on_step: StepListener | None = None,
+    on_report: ReportListener | None = None,
+    cancel: threading.Event | None = None,
+    report_hub: ReportHub | None = None,
+    job_id: str = "",
+    attempt: int = 1,
 ) -> RunResult:
     """Compile ``job`` and train it for ``steps`` (default ``job.config.steps``).
 
-    A failing kernel, a shape error or a transport failure on any rank stops every rank and raises
-    :class:`~sbpflow.actor_workers.runtime.RuntimeFailure` naming the rank, the op and the cause; a run
-    that does not finish within ``timeout`` seconds raises its RuntimeTimeout subclass with the actors
-    that stalled.
+    A failing kernel, a shape error, a transport failure or a lost worker on any rank stops every rank
+    and raises :class:`~sbpflow.actor_workers.runtime.RuntimeFailure` naming the rank, the op and the
+    cause; a run that does not finish within ``timeout`` seconds raises its RuntimeTimeout subclass with
+    the actors that stalled; a set ``cancel`` raises :class:`RunCancelled`.
     """
-    if backend == "ray":
-        raise NotImplementedError(
-            "backend='ray' (one Ray worker actor per device) is issue 5 and not implemented yet; "
-            "use backend='inprocess'"
-        )
-    if backend != "inprocess":
-        raise SbpflowError(f"backend={backend!r} is unknown; use one of {BACKENDS}")
-    from sbpflow.actor_workers.runtime import executor
-    from sbpflow.actor_workers.transport import InProcessWorld
-    from sbpflow.control_plane.compiler import pipeline
-
+    runner = BACKENDS.get(backend)
+    if runner is None:
+        raise SbpflowError(f"backend={backend!r} is unknown; use one of {tuple(BACKENDS)}")
     steps = job.config.steps if steps is None else steps
     if steps < 1:
         raise SbpflowError(f"steps={steps}: a run trains for at least one step")
+    options = RunOptions(
+        steps,
+        return_parameters,
+        trace,
+        timeout,
+        ray_address,
+        on_state,
+        on_report,
+        cancel,
+        report_hub,
+        job_id,
+        attempt,
+    )
+    options.state("COMPILING")
+    compiled = compile_for_run(job)
+    graph = compiled.state.graph
+    loss = graph.tensors[job.loss] if job.loss else None
+    tracker = StepTracker(loss, job.data.batch_size if job.data is not None else 0, on_step)
+    try:
+        return runner(compiled, options, tracker)
+    except RuntimeFailure as failure:
+        if cancel is not None and cancel.is_set():
+            raise RunCancelled(f"job {job.name!r} was cancelled at step {len(tracker.losses)}") from failure
+        raise
+
+
+def compile_for_run(job: Job) -> Compiled:
+    """The compiled job, or a clear error when it cannot run (no plan, a lowering skipped)."""
+    from sbpflow.control_plane.compiler import pipeline
+
     compiled = pipeline.compile(job)
     skipped = [n for n in compiled.notes if "asks for it" in n or "lowering skipped" in n]
     if compiled.plan is None or skipped:
         raise SbpflowError(
             f"job {job.name!r} cannot run: " + "; ".join(skipped or compiled.notes or ["no plan was made"])
         )
-    ranks = [d.rank for d in compiled.plan.devices]
-    with InProcessWorld(ranks, timeout=timeout) as world:
+    return compiled
+
+
+def _run_inprocess(compiled: Compiled, options: RunOptions, tracker: StepTracker) -> RunResult:
+    from sbpflow.actor_workers.runtime import executor
+    from sbpflow.actor_workers.transport import InProcessWorld
+
+    job, plan = compiled.state.job, compiled.plan
+    assert plan is not None
+    loss = job.loss
+
+    def on_fetch(rank: int) -> Callable[[str, int, int, Any], None]:
+        def fetched(name: str, micro_batch: int, step: int, value: Any) -> None:
+            if name == loss and micro_batch < 0:
+                tracker.add(rank, step, value)
+                v = float(value)
+                options.report(rank, step=sp.StepReport(step=step + 1, losses=[v], loss=v))
+
+        return fetched
+
+    ranks = [d.rank for d in plan.devices]
+    options.state("STARTING")
+    with InProcessWorld(ranks, timeout=options.timeout) as world:
         program = executor.build(
-            compiled.plan,
-            steps,
+            plan,
+            options.steps,
             {r: world.transport(r) for r in ranks},
-            job=dataclasses.replace(compiled.state.job, graph=compiled.state.graph),
+            job=dataclasses.replace(job, graph=compiled.state.graph),
             boxings=compiled.state.boxings,
         )
-        results = executor.execute(program, timeout, trace, [world.abort])
-    losses = [float(x) for x in executor.fetched(program, job.loss, steps)] if job.loss else []
+        for rank, rp in program.ranks.items():
+            rp.context.on_fetch = on_fetch(rank)
+        options.state("RUNNING")
+        tracker.restart_clock()
+        try:
+            results = executor.execute(program, options.timeout, options.trace, [world.abort], options.cancel)
+        except RuntimeFailure as failure:
+            cause = f"{type(failure.cause).__name__}: {failure.cause}"
+            options.report(
+                failure.rank if failure.rank is not None else -1,
+                error=sp.ErrorReport(op_name=failure.actor or "", op_type=failure.op or "", cause=cause),
+            )
+            raise
+    for rank in ranks:
+        options.report(rank, done=sp.Done())
+    losses = [float(x) for x in executor.fetched(program, loss, options.steps)] if loss else []
     parameters = None
-    if return_parameters:
+    if options.return_parameters:
         parameters = executor.variables(program, [p.tensor for p in job.parameters])
-    events = sorted((e for r in results.values() for e in r.trace), key=lambda e: e.start) if trace else None
+    events = None
+    if options.trace:
+        events = sorted((e for r in results.values() for e in r.trace), key=lambda e: e.start)
     seconds = max((r.seconds for r in results.values()), default=0.0)
     # Engines, transports and their closures form reference cycles that hold every register and the
     # store; free a finished run's memory now rather than whenever the cycle collector next runs.
     del program, results, world
     gc.collect()
     return RunResult(losses, parameters, events, seconds)
+
+
+def _run_ray(compiled: Compiled, options: RunOptions, tracker: StepTracker) -> RunResult:
+    from sbpflow.control_plane.scheduler import run_on_ray
+
+    return run_on_ray(compiled, options, tracker)
+
+
+BACKENDS: dict[str, Backend] = {"ray": _run_ray, "inprocess": _run_inprocess}

@@ -203,7 +203,7 @@ executor.execute = _timed_execute
 def run_sbpflow(job: sf.Job, steps: int) -> Timing:
     gc.collect()  # a finished run's engine is cyclic garbage holding its arrays: free it before, not during
     t0 = time.perf_counter()
-    result = sf.run(job, steps=steps)
+    result = sf.run(job, steps=steps, backend="inprocess")
     call = time.perf_counter() - t0
     return Timing(result.seconds / steps, _ENGINE_CPU[-1] / steps, result.losses, call)
 
@@ -262,7 +262,7 @@ def breakdown(widths: list[int], batch: int, momentum: float, steps: int, top: i
     """Where sbpflow's step goes, from the act trace: the slowest acts, and the engine's own time (the
     step's wall time less the time inside acts on the compute stream, the critical path here)."""
     job = make_job(widths, batch, momentum, steps)
-    result = sf.run(job, steps=steps, trace=True)
+    result = sf.run(job, steps=steps, trace=True, backend="inprocess")
     assert result.trace is not None
     per_act: dict[str, float] = {}
     busy: dict[str, float] = {}

@@ -4,6 +4,7 @@ from sbpflow.actor_workers.runtime.actor import ActorSpec
 from sbpflow.actor_workers.runtime.engine import Engine, RunResult
 from sbpflow.actor_workers.runtime.errors import (
     ActorGraphError,
+    RunCancelled,
     RuntimeAborted,
     RuntimeFailure,
     RuntimeTimeout,
@@ -19,6 +20,7 @@ __all__ = [
     "Engine",
     "EngineGroup",
     "RegisterSpec",
+    "RunCancelled",
     "RunResult",
     "RuntimeAborted",
     "RuntimeFailure",

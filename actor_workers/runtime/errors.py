@@ -47,3 +47,7 @@ class RuntimeFailure(SbpflowError):
 
 class RuntimeTimeout(RuntimeFailure):
     """A run that did not finish within its timeout; the cause lists the stalled actors and what they wait for."""
+
+
+class RunCancelled(SbpflowError):
+    """A run stopped because its cancel event was set (a user's Cancel); the message is the reason."""

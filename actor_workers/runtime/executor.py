@@ -20,7 +20,8 @@ The compiled job supplies what the Plan does not carry per task: the tensors' pl
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from sbpflow import wire
+from sbpflow.actor_workers.progress import assemble_value
 from sbpflow.actor_workers.runtime import boxing_tasks, tasks
 from sbpflow.actor_workers.runtime.actor import ActorSpec
 from sbpflow.actor_workers.runtime.engine import AbortHook, Engine, RunResult
@@ -40,7 +42,6 @@ from sbpflow.errors import SbpflowError
 from sbpflow.graph import BOXING, Graph, OpNode
 from sbpflow.job import Job
 from sbpflow.reference import micro_batches
-from sbpflow.sharding import assemble
 from sbpflow.v1 import plan_pb2 as pp
 
 STREAMS = {
@@ -90,8 +91,10 @@ def build(
     job: Job | None = None,
     boxings: Mapping[str, BoxingPlan] | None = None,
     xp: ModuleType = np,
+    ranks: Collection[int] | None = None,
 ) -> Program:
-    """One :class:`RankProgram` per device of ``plan``, each acting ``steps`` times.
+    """One :class:`RankProgram` per device of ``plan`` (or of ``ranks`` only: a worker builds its own),
+    each acting ``steps`` times.
 
     ``job`` is the compiled job (default: decoded from ``plan.job``); ``boxings`` the compiler's boxing
     plans by node name (default: re-planned). ``transports`` maps rank -> Transport.
@@ -101,6 +104,8 @@ def build(
     comm_ranks = {c.id: tuple(c.ranks) for c in plan.communicators}
     out = Program(job)
     for device in plan.devices:
+        if ranks is not None and device.rank not in ranks:
+            continue
         rc = RankContext(
             device.rank,
             job,
@@ -335,16 +340,23 @@ def _op(task: pp.Task) -> str:
 ORDERED_STREAMS = ("comm",)
 
 
+def engine(rp: RankProgram, trace: bool = False) -> Engine:
+    """The engine that runs one rank's program (its communication stream ordered)."""
+    return Engine(rp.actors, rp.registers, trace, rank=rp.rank, ordered_streams=ORDERED_STREAMS)
+
+
 def execute(
-    program: Program, timeout: float, trace: bool = False, abort_hooks: Sequence[AbortHook] = ()
+    program: Program,
+    timeout: float,
+    trace: bool = False,
+    abort_hooks: Sequence[AbortHook] = (),
+    cancel: threading.Event | None = None,
 ) -> dict[int, RunResult]:
     """Run every rank's engine together until all actors are done; the first failure stops all of them
-    (and calls ``abort_hooks``, e.g. the transports' abort) and is raised as a RuntimeFailure."""
-    engines = [
-        Engine(rp.actors, rp.registers, trace, rank=rank, ordered_streams=ORDERED_STREAMS)
-        for rank, rp in sorted(program.ranks.items())
-    ]
-    return EngineGroup(engines, abort_hooks).run(timeout)
+    (and calls ``abort_hooks``, e.g. the transports' abort) and is raised as a RuntimeFailure. Setting
+    ``cancel`` stops them all the same way."""
+    engines = [engine(rp, trace) for _, rp in sorted(program.ranks.items())]
+    return EngineGroup(engines, abort_hooks).run(timeout, cancel)
 
 
 # ---- results -----------------------------------------------------------------------------------------
@@ -353,11 +365,7 @@ def execute(
 def gather(program: Program, name: str, values: Mapping[int, Any], xp: ModuleType = np) -> Any:
     """The logical value of tensor ``name`` from each rank's shard (splits concatenated, partials summed,
     broadcast copies checked equal)."""
-    decl = program.graph.tensors[name]
-    assert decl.placement is not None and decl.sbp is not None
-    first = values[decl.placement.ranks[0]]
-    rtol = 1e-9 if first.dtype == np.float64 else 1e-5
-    return assemble(values, decl.meta.shape, decl.placement, decl.sbp, xp, rtol=rtol, atol=rtol * 1e-3)
+    return assemble_value(program.graph.tensors[name], dict(values), xp)
 
 
 def fetched(program: Program, name: str, steps: int, micro_batch: int = -1) -> list[Any]:

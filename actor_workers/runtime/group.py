@@ -20,6 +20,8 @@ from sbpflow.actor_workers.runtime.errors import (
     RuntimeTimeout,
 )
 
+CANCELLED = "cancelled"
+
 
 class EngineGroup:
     """Runs engines of distinct ranks together. ``abort_hooks`` are called once, on the first failure."""
@@ -35,14 +37,15 @@ class EngineGroup:
         for e in self.engines:
             e._listeners.append(self._on_failure)
 
-    def run(self, timeout: float) -> dict[int, RunResult]:
-        """Run all engines to the end; raise the first RuntimeFailure (or a RuntimeTimeout) otherwise."""
+    def run(self, timeout: float, cancel: threading.Event | None = None) -> dict[int, RunResult]:
+        """Run all engines to the end; raise the first RuntimeFailure (or a RuntimeTimeout) otherwise.
+        Setting ``cancel`` aborts every engine (the failure's cause is RuntimeAborted("cancelled"))."""
         deadline = time.monotonic() + timeout
         try:
             for e in self.engines:
                 e.start()
             for e in self.engines:
-                if not e._done.wait(max(0.0, deadline - time.monotonic())):
+                if not self._wait(e, deadline, cancel):
                     report = "\n".join(
                         f"rank {x.rank}: {x.stall_report(timeout)}"
                         for x in self.engines
@@ -59,6 +62,17 @@ class EngineGroup:
         if self._failure is not None:
             raise self._failure
         return {e.rank: e.result() for e in self.engines}
+
+    def _wait(self, e: Engine, deadline: float, cancel: threading.Event | None) -> bool:
+        """Wait for ``e`` until ``deadline``; False on timeout. A set ``cancel`` aborts the group."""
+        while not e._done.wait(max(0.0, min(deadline - time.monotonic(), 0.05 if cancel else 1e9))):
+            if time.monotonic() >= deadline:
+                return False
+            if cancel is not None and cancel.is_set():
+                self.abort(CANCELLED)
+                e._done.wait(max(0.0, deadline - time.monotonic()))
+                return e._done.is_set()
+        return True
 
     def abort(self, reason: str) -> None:
         """Stop every engine from outside (a cancelled job, a lost worker)."""

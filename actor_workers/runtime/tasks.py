@@ -53,6 +53,8 @@ class RankContext:
     xp: ModuleType = np
     # (tensor, micro-batch or -1) -> step -> this rank's value
     fetched: dict[tuple[str, int], dict[int, Any]] = field(default_factory=dict)
+    # called by every SINK fetch act with (tensor, micro-batch, step, value): progress reports
+    on_fetch: Callable[[str, int, int, Any], None] | None = None
     _batches: dict[tuple[int, int, int], dict[str, Any]] = field(default_factory=dict)
 
     def random_step(self, step: int, micro_batch: int) -> int:
@@ -201,6 +203,8 @@ def fetch_act(rc: RankContext, name: str, micro_batch: int) -> Act:
 
     def act(step: int, values: list[Any]) -> list[Any]:
         record[step] = values[0]
+        if rc.on_fetch is not None:
+            rc.on_fetch(name, micro_batch, step, values[0])
         return []
 
     return act

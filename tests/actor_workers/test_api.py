@@ -40,12 +40,12 @@ def mlp(**kw: Any) -> sf.Job:
 
 def test_run_returns_the_losses_of_every_step_and_on_request_the_parameters() -> None:
     job = mlp(ranks=2)
-    result = sf.run(job)
+    result = sf.run(job, backend="inprocess")
     assert isinstance(result, api.RunResult) and result.parameters is None and result.trace is None
     want = reference.train(job)
     assert len(result.losses) == job.config.steps and all(isinstance(x, float) for x in result.losses)
     np.testing.assert_allclose(result.losses, want.losses, rtol=1e-12)
-    two = sf.run(job, steps=2, return_parameters=True)
+    two = sf.run(job, steps=2, return_parameters=True, backend="inprocess")
     assert len(two.losses) == 2 and two.parameters is not None
     assert set(two.parameters) == {p.tensor for p in job.parameters}
     assert all(v.shape == job.graph.tensors[k].meta.shape for k, v in two.parameters.items())
@@ -63,7 +63,7 @@ def test_a_finished_run_frees_its_memory_when_it_returns() -> None:
     before = engines()
     gc.disable()  # only the run itself may free its engines (and the registers and store they hold)
     try:
-        sf.run(mlp(ranks=2), steps=1)
+        sf.run(mlp(ranks=2), steps=1, backend="inprocess")
         assert engines() == before, "a finished run's engines are still alive"
     finally:
         gc.enable()
@@ -83,14 +83,12 @@ def test_sf_run_is_the_runtimes_and_import_sbpflow_does_not_load_it() -> None:
 
 def test_backends() -> None:
     job = mlp(ranks=1)
-    with pytest.raises(NotImplementedError, match="issue 5"):
-        sf.run(job, backend="ray")
-    with pytest.raises(SbpflowError, match="'gpu'.*inprocess"):
+    with pytest.raises(SbpflowError, match="'gpu'.*ray.*inprocess"):
         sf.run(job, backend="gpu")
 
 
 def test_the_trace_shows_every_rank_and_stream_and_exports_to_chrome_json() -> None:
-    result = sf.run(mlp(ranks=4, pp=2, micro_batches=4), steps=2, trace=True)
+    result = sf.run(mlp(ranks=4, pp=2, micro_batches=4), steps=2, trace=True, backend="inprocess")
     assert result.trace is not None
     assert {e.rank for e in result.trace} == {0, 1, 2, 3}
     assert {e.stream for e in result.trace} == {"compute", "comm", "data"}
@@ -122,7 +120,7 @@ def test_a_failing_kernel_stops_every_rank_and_names_the_rank_and_the_op(
     patch_kernel(monkeypatch, "relu", failing)
     t0 = time.monotonic()
     with pytest.raises(RuntimeFailure) as info:
-        sf.run(mlp(ranks=4), timeout=60)
+        sf.run(mlp(ranks=4), timeout=60, backend="inprocess")
     assert time.monotonic() - t0 < 10
     failure = info.value
     assert (failure.rank, failure.op, failure.iteration) == (2, "relu", 1)
@@ -135,7 +133,7 @@ def test_a_kernel_that_returns_the_wrong_shape_is_a_shape_error_naming_the_op(
 ) -> None:
     patch_kernel(monkeypatch, "relu", lambda ctx, x: x[:1])
     with pytest.raises(RuntimeFailure) as info:
-        sf.run(mlp(ranks=2), timeout=60)
+        sf.run(mlp(ranks=2), timeout=60, backend="inprocess")
     assert isinstance(info.value.cause, ShapeError) and info.value.op == "relu"
     assert "model.net.1.relu_0" in str(info.value.cause) and "[1, 16]" in str(info.value.cause)
 
@@ -158,10 +156,48 @@ def test_a_rank_stuck_in_a_kernel_times_the_run_out_naming_what_stalled(
     t0 = time.monotonic()
     try:
         with pytest.raises(RuntimeFailure) as info:
-            sf.run(mlp(ranks=4), timeout=1.0)
+            sf.run(mlp(ranks=4), timeout=1.0, backend="inprocess")
     finally:
         release.set()
     assert time.monotonic() - t0 < 10
     assert isinstance(info.value, RuntimeTimeout) or isinstance(info.value.cause, TransportError)
     if isinstance(info.value, RuntimeTimeout):
         assert "not done after 1.0s" in str(info.value) and "is inside its act" in str(info.value)
+
+
+# ---- progress and cancel --------------------------------------------------------------------------------
+
+
+def test_listeners_see_states_every_step_and_every_workers_reports() -> None:
+    states: list[str] = []
+    steps: list[Any] = []
+    reports: list[Any] = []
+    result = sf.run(
+        mlp(ranks=2),
+        steps=3,
+        backend="inprocess",
+        on_state=states.append,
+        on_step=steps.append,
+        on_report=reports.append,
+        job_id="j1",
+    )
+    assert states == ["COMPILING", "STARTING", "RUNNING"]
+    assert [m.step for m in steps] == [1, 2, 3]
+    assert [m.loss for m in steps] == pytest.approx(result.losses, rel=1e-6)
+    assert all(m.samples_per_second > 0 and m.step_seconds > 0 for m in steps)
+    kinds = {(r.rank, r.WhichOneof("payload")) for r in reports}
+    assert {(0, "done"), (1, "done")} <= kinds
+    assert any(k == "step" for _, k in kinds) and all(r.job_id == "j1" for r in reports)
+
+
+def test_a_set_cancel_event_stops_the_run_promptly() -> None:
+    cancel = threading.Event()
+
+    def cancel_after_first(m: Any) -> None:
+        cancel.set()
+
+    t0 = time.monotonic()
+    with pytest.raises(api.RunCancelled, match="cancelled at step"):
+        sf.run(mlp(ranks=2), steps=10_000, backend="inprocess", on_step=cancel_after_first, cancel=cancel)
+    assert time.monotonic() - t0 < 60  # 10,000 steps would take far longer
+    assert not [t for t in threading.enumerate() if t.name.startswith("sbpflow")]

@@ -115,7 +115,7 @@ def no_leftover_threads() -> Iterator[None]:
 
 def assert_trains_like_one_device(job: Job, tol: float) -> None:
     want = reference.train(job, steps=STEPS)
-    got = sf.run(job, steps=STEPS, return_parameters=True, timeout=60)
+    got = sf.run(job, steps=STEPS, return_parameters=True, timeout=60, backend="inprocess")
     assert len(got.losses) == STEPS
     np.testing.assert_allclose(got.losses, want.losses, rtol=tol, atol=0, err_msg="losses per step")
     assert got.parameters is not None and set(got.parameters) == set(want.parameters)

@@ -1,0 +1,92 @@
+"""Progress of a run as the control plane sees it: per-step losses assembled from the ranks that hold the
+loss, turned into ``StepMetrics``, and the ``WorkerReport`` protobufs every backend emits.
+
+The loss is a global tensor like any other: its ranks each hold a shard (a scalar loss is ``B`` or ``P``
+over them), so a step is complete when every rank of its placement has reported it, and its value is
+assembled the way :func:`sbpflow.sharding.assemble` assembles any tensor (partials summed, copies
+checked equal). Both backends feed the same tracker: the in-process one from its SINK fetch acts, the
+Ray one from the workers' ``StepReport``s.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from sbpflow.graph import TensorDecl
+from sbpflow.sharding import assemble
+from sbpflow.v1 import service_pb2 as sp
+
+StepListener = Callable[[sp.StepMetrics], None]
+ReportListener = Callable[[sp.WorkerReport], None]
+StateListener = Callable[[str], None]
+
+
+def assemble_value(decl: TensorDecl, values: dict[int, Any], xp: Any = np) -> Any:
+    """The logical value of ``decl`` from each rank's shard (splits concatenated, partials summed,
+    broadcast copies checked equal)."""
+    assert decl.placement is not None and decl.sbp is not None
+    first = values[decl.placement.ranks[0]]
+    rtol = 1e-9 if first.dtype == np.float64 else 1e-5
+    return assemble(values, decl.meta.shape, decl.placement, decl.sbp, xp, rtol=rtol, atol=rtol * 1e-3)
+
+
+def report(job_id: str, attempt: int, rank: int, worker_id: str = "", **payload: Any) -> sp.WorkerReport:
+    """A WorkerReport with its time set now; ``payload`` is exactly one of its oneof fields."""
+    (field,) = payload
+    msg = sp.WorkerReport(job_id=job_id, attempt=attempt, rank=rank, worker_id=worker_id)
+    msg.time.GetCurrentTime()
+    getattr(msg, field).CopyFrom(payload[field])
+    return msg
+
+
+class StepTracker:
+    """Collects each rank's share of the loss per step and calls ``on_step`` once a step is complete.
+
+    Steps complete in order (a rank reports step s+1 only after s); ``losses`` holds every completed
+    step's loss. Thread-safe: reports arrive from stream threads or gRPC handler threads.
+    """
+
+    def __init__(self, loss: TensorDecl | None, samples_per_step: int, on_step: StepListener | None) -> None:
+        self._decl = loss
+        self._ranks = tuple(loss.placement.ranks) if loss is not None and loss.placement else ()
+        self._samples = samples_per_step
+        self._on_step = on_step
+        self._lock = threading.Lock()
+        self._pending: dict[int, dict[int, Any]] = {}
+        self._last = time.monotonic()
+        self.losses: list[float] = []
+
+    def restart_clock(self) -> None:
+        """Time the first step from now (the run starts after compile and set-up)."""
+        self._last = time.monotonic()
+
+    def add(self, rank: int, step: int, value: Any) -> None:
+        """Rank ``rank``'s share of the loss of (0-based) ``step``."""
+        if self._decl is None or rank not in self._ranks:
+            return
+        with self._lock:
+            shares = self._pending.setdefault(step, {})
+            shares[rank] = np.asarray(value)
+            done = []
+            while len(self._pending.get(len(self.losses), {})) == len(self._ranks):
+                shares = self._pending.pop(len(self.losses))
+                loss = float(assemble_value(self._decl, shares))
+                now = time.monotonic()
+                seconds, self._last = now - self._last, now
+                self.losses.append(loss)
+                done.append(
+                    sp.StepMetrics(
+                        step=len(self.losses),
+                        loss=loss,
+                        samples_per_second=self._samples / max(seconds, 1e-9),
+                        step_seconds=seconds,
+                    )
+                )
+        for metrics in done:
+            if self._on_step is not None:
+                self._on_step(metrics)
