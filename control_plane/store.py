@@ -5,7 +5,8 @@ sequence number, so ``Watch`` can resume after the last event it sent); ``record
 to ``losses``. One connection, ``check_same_thread=False``, guarded by a lock: the gRPC server's
 threads share it. The schema is created on open and stamped with ``PRAGMA user_version`` so that a
 later version can migrate it. On restart, ``reconcile_after_restart`` marks the jobs that were in
-flight FAILED with a reason, so none is silently lost.
+flight FAILED with a reason, so none is silently lost. The records and the schema are in
+``store_schema.py``.
 """
 
 from __future__ import annotations
@@ -16,52 +17,49 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from enum import StrEnum
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
+from sbpflow.control_plane.store_schema import COLUMNS as _COLUMNS
+from sbpflow.control_plane.store_schema import (
+    IN_FLIGHT,
+    MIGRATIONS,
+    SCHEMA,
+    SCHEMA_VERSION,
+    TERMINAL,
+    JobEvent,
+    JobRecord,
+    JobState,
+    LogRecord,
+    LossPoint,
+    WorkerRecord,
+    WorkerState,
+    allowed,
+    legal_next,
+    record_from_row,
+)
 from sbpflow.errors import SbpflowError
 
-SCHEMA_VERSION = 1
+RESTART_REASON = "CONTROL_PLANE_RESTARTED"
 
-
-class JobState(StrEnum):
-    """The lifecycle states; values are service.proto's ``JobState`` names."""
-
-    PENDING = "JOB_STATE_PENDING"
-    COMPILING = "JOB_STATE_COMPILING"
-    STARTING = "JOB_STATE_STARTING"
-    RUNNING = "JOB_STATE_RUNNING"
-    SUCCEEDED = "JOB_STATE_SUCCEEDED"
-    FAILED = "JOB_STATE_FAILED"
-    CANCELLED = "JOB_STATE_CANCELLED"
-
-    @property
-    def terminal(self) -> bool:
-        return self in TERMINAL
-
-
-TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
-IN_FLIGHT = (JobState.COMPILING, JobState.STARTING, JobState.RUNNING)
-
-# The forward path; from any non-final state a job may also go to FAILED or CANCELLED.
-_NEXT = {
-    JobState.PENDING: JobState.COMPILING,
-    JobState.COMPILING: JobState.STARTING,
-    JobState.STARTING: JobState.RUNNING,
-    JobState.RUNNING: JobState.SUCCEEDED,
-}
-
-RESTART_REASON = "control plane restarted"
-
-
-def allowed(old: JobState, new: JobState) -> bool:
-    """Whether the lifecycle lets a job go from ``old`` to ``new``."""
-    if old in TERMINAL:
-        return False
-    return new in (JobState.FAILED, JobState.CANCELLED) or _NEXT.get(old) == new
+__all__ = [
+    "IN_FLIGHT",
+    "RESTART_REASON",
+    "SCHEMA_VERSION",
+    "TERMINAL",
+    "IllegalTransitionError",
+    "JobEvent",
+    "JobRecord",
+    "JobState",
+    "JobStore",
+    "LogRecord",
+    "LossPoint",
+    "StoreError",
+    "UnknownJobError",
+    "WorkerRecord",
+    "WorkerState",
+    "allowed",
+]
 
 
 class StoreError(SbpflowError):
@@ -77,126 +75,6 @@ class UnknownJobError(StoreError, KeyError):
 
 class IllegalTransitionError(StoreError, ValueError):
     """A state change the lifecycle does not allow; the message names both states."""
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    id: str
-    name: str
-    state: JobState
-    reason: str
-    message: str
-    attempt: int
-    step: int
-    loss: float | None
-    samples_per_second: float | None
-    created: float
-    updated: float
-    started: float | None
-    finished: float | None
-    job_proto: bytes
-
-
-@dataclass(frozen=True)
-class JobEvent:
-    job_id: str
-    seq: int
-    time: float
-    kind: str  # "created", "state", "step"
-    state: JobState
-    reason: str
-    message: str
-    data: dict[str, object]
-
-
-@dataclass(frozen=True)
-class LossPoint:
-    step: int
-    loss: float
-    samples_per_second: float
-    time: float
-
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY,
-    name TEXT NOT NULL,
-    state TEXT NOT NULL,
-    reason TEXT NOT NULL DEFAULT '',
-    message TEXT NOT NULL DEFAULT '',
-    attempt INTEGER NOT NULL DEFAULT 1,
-    step INTEGER NOT NULL DEFAULT 0,
-    loss REAL,
-    samples_per_second REAL,
-    created REAL NOT NULL,
-    updated REAL NOT NULL,
-    started REAL,
-    finished REAL,
-    job_proto BLOB NOT NULL,
-    last_seq INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
-CREATE INDEX IF NOT EXISTS jobs_created ON jobs(created);
-CREATE TABLE IF NOT EXISTS events (
-    job_id TEXT NOT NULL REFERENCES jobs(id),
-    seq INTEGER NOT NULL,
-    time REAL NOT NULL,
-    kind TEXT NOT NULL,
-    state TEXT NOT NULL,
-    reason TEXT NOT NULL DEFAULT '',
-    message TEXT NOT NULL DEFAULT '',
-    data TEXT NOT NULL DEFAULT '{}',
-    PRIMARY KEY (job_id, seq)
-);
-CREATE TABLE IF NOT EXISTS losses (
-    job_id TEXT NOT NULL REFERENCES jobs(id),
-    step INTEGER NOT NULL,
-    loss REAL NOT NULL,
-    samples_per_second REAL NOT NULL,
-    time REAL NOT NULL,
-    PRIMARY KEY (job_id, step)
-);
-"""
-
-_COLUMNS = (
-    "id, name, state, reason, message, attempt, step, loss, samples_per_second, created, updated, "
-    "started, finished, job_proto"
-)
-
-
-def _record(row: Sequence[Any]) -> JobRecord:
-    (
-        id_,
-        name,
-        state,
-        reason,
-        message,
-        attempt,
-        step,
-        loss,
-        sps,
-        created,
-        updated,
-        started,
-        finished,
-        blob,
-    ) = row
-    return JobRecord(
-        id=str(id_),
-        name=str(name),
-        state=JobState(str(state)),
-        reason=str(reason),
-        message=str(message),
-        attempt=int(attempt),
-        step=int(step),
-        loss=None if loss is None else float(loss),
-        samples_per_second=None if sps is None else float(sps),
-        created=float(created),
-        updated=float(updated),
-        started=None if started is None else float(started),
-        finished=None if finished is None else float(finished),
-        job_proto=bytes(blob),
-    )
 
 
 class JobStore:
@@ -220,7 +98,10 @@ class JobStore:
                     f"{SCHEMA_VERSION}; upgrade sbpflow or point --store at another file"
                 )
             self._db.execute("BEGIN IMMEDIATE")
-            for stmt in _SCHEMA.split(";"):
+            for old in range(version or SCHEMA_VERSION, SCHEMA_VERSION):  # a new file needs none
+                for stmt in MIGRATIONS[old]:
+                    self._db.execute(stmt)
+            for stmt in SCHEMA.split(";"):
                 if stmt.strip():
                     self._db.execute(stmt)
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
@@ -267,21 +148,56 @@ class JobStore:
         row = self._db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:
             raise UnknownJobError(f"no job with id {job_id!r}; `sbpflow status` lists the jobs")
-        return _record(row)
+        return record_from_row(row)
 
     # ---- the API --------------------------------------------------------------------------------
 
-    def create(self, job_proto_bytes: bytes, name: str) -> JobRecord:
-        """Store a new job: a fresh id, PENDING, attempt 1, and its "created" event."""
+    def create(
+        self,
+        job_proto_bytes: bytes,
+        name: str,
+        *,
+        client_id: str = "",
+        idempotency_key: str = "",
+        total_steps: int = 0,
+        slots: int = 0,
+    ) -> JobRecord:
+        """Store a new job: a fresh id, PENDING, attempt 1, and its "created" event.
+
+        With an ``idempotency_key``, a job already stored under the same (``client_id``, key) is
+        returned instead, and nothing is written.
+        """
         job_id = uuid.uuid4().hex[:16]
         now = time.time()
         with self._tx():
+            if idempotency_key:
+                row = self._db.execute(
+                    f"SELECT {_COLUMNS} FROM jobs WHERE client_id = ? AND idempotency_key = ?",
+                    (client_id, idempotency_key),
+                ).fetchone()
+                if row is not None:
+                    return record_from_row(row)
             self._db.execute(
-                "INSERT INTO jobs (id, name, state, attempt, created, updated, job_proto) "
-                "VALUES (?, ?, ?, 1, ?, ?, ?)",
-                (job_id, name, str(JobState.PENDING), now, now, sqlite3.Binary(job_proto_bytes)),
-            )
+                "INSERT INTO jobs (id, name, state, attempt, created, updated, job_proto, client_id, "
+                "idempotency_key, total_steps, slots) VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?)",
+                (job_id, name, str(JobState.PENDING), now, now, sqlite3.Binary(job_proto_bytes),
+                 client_id, idempotency_key, total_steps, slots),
+            )  # fmt: skip
             self._append_event(job_id, "created", JobState.PENDING, now=now)
+            return self._get(job_id)
+
+    def set_reason(self, job_id: str, reason: str, message: str = "") -> JobRecord:
+        """Change the reason/message of a job that keeps its state (e.g. PENDING "WAITING_FOR_RESOURCES");
+        appends a "reason" event only when something changed. A terminal job is left as it is."""
+        with self._tx():
+            rec = self._get(job_id)
+            if rec.state.terminal or (rec.reason, rec.message) == (reason, message):
+                return rec
+            self._db.execute(
+                "UPDATE jobs SET reason = ?, message = ?, updated = ? WHERE id = ?",
+                (reason, message, time.time(), job_id),
+            )
+            self._append_event(job_id, "reason", rec.state, reason, message)
             return self._get(job_id)
 
     def get(self, job_id: str) -> JobRecord:
@@ -304,7 +220,7 @@ class JobStore:
         sql = f"SELECT {_COLUMNS} FROM jobs {where} ORDER BY created DESC, rowid DESC LIMIT ? OFFSET ?"
         with self._lock:
             rows = self._db.execute(sql, (*args, limit, offset)).fetchall()
-        return [_record(r) for r in rows]
+        return [record_from_row(r) for r in rows]
 
     def count(self, states: Iterable[JobState | str] | None = None) -> int:
         with self._lock:
@@ -325,12 +241,7 @@ class JobStore:
         with self._tx():
             old = self._get(job_id).state
             if not allowed(old, new):
-                fwd = _NEXT.get(old)
-                legal = (
-                    "none: it is final"
-                    if old in TERMINAL
-                    else f"{fwd}, FAILED or CANCELLED".replace("JOB_STATE_", "")
-                )
+                legal = legal_next(old)
                 raise IllegalTransitionError(
                     f"job {job_id!r} cannot go from {old.name} to {new.name}; from {old.name} the "
                     f"lifecycle allows {legal}"
@@ -344,7 +255,9 @@ class JobStore:
             self._append_event(job_id, "state", new, reason, message, {"from": str(old)}, now=now)
             return self._get(job_id)
 
-    def record_step(self, job_id: str, step: int, loss: float, samples_per_second: float) -> None:
+    def record_step(
+        self, job_id: str, step: int, loss: float, samples_per_second: float, step_seconds: float = 0.0
+    ) -> None:
         """Record a completed step: the job's step/loss/throughput, the loss history and a "step" event."""
         now = time.time()
         with self._tx():
@@ -364,6 +277,7 @@ class JobStore:
                 "step": step,
                 "loss": float(loss),
                 "samples_per_second": float(samples_per_second),
+                "step_seconds": float(step_seconds),
             }
             self._append_event(job_id, "step", rec.state, data=data, now=now)
 
@@ -390,6 +304,72 @@ class JobStore:
             JobEvent(job_id, int(seq), float(t), str(kind), JobState(str(st)), str(r), str(m), json.loads(d))
             for seq, t, kind, st, r, m, d in rows
         ]
+
+    # ---- per-worker rows, logs and results ------------------------------------------------------
+
+    def upsert_worker(self, w: WorkerRecord) -> None:
+        """Insert or replace the row of one rank of a job."""
+        with self._tx():
+            self._get(w.job_id)
+            self._db.execute(
+                "INSERT OR REPLACE INTO workers (job_id, rank, worker_id, state, host, step, last_heartbeat) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (w.job_id, w.rank, w.worker_id, str(w.state), w.host, w.step, w.last_heartbeat),
+            )
+
+    def workers(self, job_id: str) -> builtins.list[WorkerRecord]:
+        """The job's workers, by rank (empty before it starts)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT rank, worker_id, state, host, step, last_heartbeat FROM workers WHERE job_id = ? "
+                "ORDER BY rank",
+                (job_id,),
+            ).fetchall()
+        return [
+            WorkerRecord(job_id, int(r), str(wid), WorkerState(str(st)), str(h), int(s), float(hb))
+            for r, wid, st, h, s, hb in rows
+        ]
+
+    def append_log(self, job_id: str, rank: int, level: str, text: str, when: float | None = None) -> int:
+        """Append a line to the job's log; returns its seq."""
+        with self._tx():
+            self._get(job_id)
+            seq = 1 + int(
+                self._db.execute(
+                    "SELECT COALESCE(MAX(seq), 0) FROM logs WHERE job_id = ?", (job_id,)
+                ).fetchone()[0]
+            )
+            self._db.execute(
+                "INSERT INTO logs (job_id, seq, rank, time, level, text) VALUES (?, ?, ?, ?, ?, ?)",
+                (job_id, seq, rank, when or time.time(), level, text),
+            )
+            return seq
+
+    def logs(self, job_id: str, rank: int = -1, after_seq: int = 0) -> builtins.list[LogRecord]:
+        """The job's log lines after ``after_seq``; ``rank`` >= 0 keeps only that rank's lines."""
+        with self._lock:
+            self._get(job_id)
+            rows = self._db.execute(
+                "SELECT seq, rank, time, level, text FROM logs WHERE job_id = ? AND seq > ? "
+                "AND (? < 0 OR rank = ?) ORDER BY seq",
+                (job_id, after_seq, rank, rank),
+            ).fetchall()
+        return [LogRecord(job_id, int(q), int(r), float(t), str(lv), str(x)) for q, r, t, lv, x in rows]
+
+    def save_result(self, job_id: str, data: bytes) -> None:
+        """Keep what a finished job produced (a serialised ``sbpflow.v1.JobResult``)."""
+        with self._tx():
+            self._get(job_id)
+            self._db.execute(
+                "INSERT OR REPLACE INTO results (job_id, data) VALUES (?, ?)", (job_id, sqlite3.Binary(data))
+            )
+
+    def result(self, job_id: str) -> bytes | None:
+        """The saved result of a job, or None if it has none."""
+        with self._lock:
+            self._get(job_id)
+            row = self._db.execute("SELECT data FROM results WHERE job_id = ?", (job_id,)).fetchone()
+        return None if row is None else bytes(row[0])
 
     def reconcile_after_restart(self) -> builtins.list[JobRecord]:
         """Mark every job left COMPILING, STARTING or RUNNING by a previous process FAILED; return them.

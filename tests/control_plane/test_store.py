@@ -125,7 +125,7 @@ def test_events_in_order_and_resumable(store: JobStore) -> None:
         S.SUCCEEDED,
     ]
     assert ev[1].data == {"from": str(S.PENDING)}
-    assert ev[5].data == {"step": 2, "loss": 1.5, "samples_per_second": 110.0}
+    assert ev[5].data == {"step": 2, "loss": 1.5, "samples_per_second": 110.0, "step_seconds": 0.0}
     assert [e.seq for e in store.events(rec.id, after_seq=4)] == [5, 6, 7]
     assert store.events(rec.id, after_seq=7) == []
     other = store.create(b"y", "k")  # sequences are per job

@@ -1,0 +1,89 @@
+"""Bearer-token authentication for the gRPC services and the HTTP status endpoint.
+
+When the server has a token (``--auth-token`` or ``SBPFLOW_TOKEN``), every call must carry
+``authorization: Bearer <token>`` (gRPC metadata, or the HTTP ``Authorization`` header); others get
+UNAUTHENTICATED / 401 before any handler runs, so a rejected call changes nothing. Tokens are compared
+in constant time.
+
+Open on purpose: the gRPC health service (``grpc.health.v1.Health``) and HTTP ``/healthz`` and
+``/readyz``, because load balancers and Kubernetes probes call them without credentials and they
+reveal nothing about jobs. Everything else, server reflection included, needs the token.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/",)
+OPEN_HTTP_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+class TokenCheck:
+    """``check(header_value)``: whether an ``Authorization`` value carries the token (always, without one)."""
+
+    def __init__(self, token: str | None) -> None:
+        self.token = token or None
+
+    @property
+    def enabled(self) -> bool:
+        return self.token is not None
+
+    def check(self, authorization: str | None) -> bool:
+        if self.token is None:
+            return True
+        scheme, _, given = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.token.encode())
+
+    def problem(self, authorization: str | None) -> str:
+        """Why a call was refused, for the error message (never echoes the token)."""
+        if not authorization:
+            return "no credentials: send the header `authorization: Bearer <token>` (sf.Client(token=...))"
+        return "the bearer token is wrong: use the token the server was started with (--auth-token)"
+
+
+def _aborter(code: grpc.StatusCode, details: str) -> Callable[..., Any]:
+    def abort(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(code, details)
+
+    return abort
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Refuses calls without the token (except the open health service) with UNAUTHENTICATED."""
+
+    def __init__(self, check: TokenCheck) -> None:
+        self._check = check
+
+    def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Any], details: grpc.HandlerCallDetails
+    ) -> Any:
+        method = details.method  # type: ignore[attr-defined]
+        if not self._check.enabled or method.startswith(OPEN_GRPC_PREFIXES):
+            return continuation(details)
+        metadata = dict(details.invocation_metadata or ())  # type: ignore[attr-defined]
+        auth = metadata.get("authorization")
+        if isinstance(auth, bytes):
+            auth = auth.decode(errors="replace")
+        if self._check.check(auth):
+            return continuation(details)
+        handler = continuation(details)
+        if handler is None:
+            return None
+        abort = _aborter(grpc.StatusCode.UNAUTHENTICATED, f"{method}: {self._check.problem(auth)}")
+        # Keep the handler's kind (unary/stream in and out) so gRPC accepts the replacement.
+        kinds = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }
+        make = kinds[(handler.request_streaming, handler.response_streaming)]
+        return make(
+            abort,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )

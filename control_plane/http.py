@@ -1,0 +1,188 @@
+"""The HTTP status endpoint of the control plane (standard library ``http.server``, one thread per request).
+
+| path | answers |
+|---|---|
+| ``/healthz`` | 200 ``ok`` while the process serves (open: no token needed) |
+| ``/readyz`` | 200 ``ready`` once the store is reconciled and jobs are admitted, else 503 (open) |
+| ``/v1/jobs`` | JSON ``{"jobs": [JobStatus...]}``, newest first; ``?state=RUNNING&limit=N`` |
+| ``/v1/jobs/{id}`` | JSON JobStatus with its workers, plus ``losses`` (the loss history) |
+| ``/metrics`` | Prometheus exposition format (``metrics.py``) |
+| ``/`` | an HTML page: the jobs, a loss curve each (inline SVG, no script) |
+
+JSON is ``google.protobuf.json_format`` of the same messages gRPC returns (proto field names, enums by
+name). With a token every path but ``/healthz`` and ``/readyz`` needs ``Authorization: Bearer <token>``
+(401 otherwise); with a certificate and key the endpoint speaks HTTPS.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import ssl
+import threading
+from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from sbpflow.control_plane import status
+from sbpflow.control_plane.auth import OPEN_HTTP_PATHS, TokenCheck
+from sbpflow.control_plane.jobs import JobManager
+from sbpflow.control_plane.metrics import CONTENT_TYPE
+from sbpflow.control_plane.store import JobState, LossPoint, StoreError, UnknownJobError
+
+Response = tuple[int, str, bytes]  # status, content type, body
+JSON = "application/json"
+PAGE_JOBS = 50
+
+
+def _json(code: int, obj: Any) -> Response:
+    return code, JSON, json.dumps(obj, indent=1).encode()
+
+
+def _error(code: int, message: str) -> Response:
+    return _json(code, {"error": message})
+
+
+class StatusEndpoint:
+    """The status endpoint of one ``JobManager``; ``start()`` returns the bound port."""
+
+    def __init__(
+        self,
+        manager: JobManager,
+        check: TokenCheck,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> None:
+        self.manager, self.store, self.check = manager, manager.store, check
+        self._server = ThreadingHTTPServer((host, port), _handler_class(self))
+        self._server.daemon_threads = True
+        if tls_cert and tls_key:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(tls_cert, tls_key)
+            self._server.socket = ctx.wrap_socket(self._server.socket, server_side=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="sbpflow-http", daemon=True)
+        # exact paths; "/v1/jobs/{id}" is matched by prefix in ``answer``
+        self.routes: dict[str, Callable[[dict[str, list[str]]], Response]] = {
+            "/healthz": lambda q: (200, "text/plain", b"ok\n"),
+            "/readyz": self.readyz,
+            "/v1/jobs": self.jobs,
+            "/metrics": self.metrics,
+            "/": self.page,
+        }
+
+    def start(self) -> int:
+        self._thread.start()
+        return int(self._server.server_address[1])
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    # ---- routes -----------------------------------------------------------------------------------
+
+    def answer(self, path: str, query: dict[str, list[str]], authorization: str | None) -> Response:
+        if path not in OPEN_HTTP_PATHS and not self.check.check(authorization):
+            return _error(401, self.check.problem(authorization))
+        try:
+            if path.startswith("/v1/jobs/"):
+                return self.job(path.removeprefix("/v1/jobs/"))
+            route = self.routes.get(path.rstrip("/") or "/")
+            if route is None:
+                return _error(404, f"no page {path}; try one of {sorted(self.routes)} or /v1/jobs/ID")
+            return route(query)
+        except UnknownJobError as e:
+            return _error(404, str(e))
+        except (StoreError, ValueError) as e:
+            return _error(400, str(e))
+
+    def readyz(self, query: dict[str, list[str]]) -> Response:
+        if not self.manager.ready:
+            return 503, "text/plain", b"not ready: starting or shutting down\n"
+        self.store.count()  # the store answers
+        return 200, "text/plain", b"ready\n"
+
+    def jobs(self, query: dict[str, list[str]]) -> Response:
+        states = [_state(s) for v in query.get("state", []) for s in v.split(",")] or None
+        limit = int(query.get("limit", ["100"])[0])
+        recs = self.store.list(states, limit=limit)
+        return _json(200, {"jobs": [status.as_json(status.job_status(r)) for r in recs]})
+
+    def job(self, job_id: str) -> Response:
+        rec = self.store.get(job_id)
+        body = status.as_json(status.job_status(rec, self.manager.workers(job_id)))
+        body["losses"] = [p.loss for p in self.store.losses(job_id)]
+        return _json(200, body)
+
+    def metrics(self, query: dict[str, list[str]]) -> Response:
+        assert self.manager.metrics is not None
+        return 200, CONTENT_TYPE, self.manager.metrics.exposition()
+
+    def page(self, query: dict[str, list[str]]) -> Response:
+        rows = []
+        for r in self.store.list(limit=PAGE_JOBS):
+            loss = "" if r.loss is None else f"{r.loss:.5g}"
+            cells = (r.id, r.name, r.state.name, f"{r.step}/{r.total_steps}", loss, r.reason)
+            tds = "".join(f"<td>{html.escape(str(c))}</td>" for c in cells)
+            rows.append(f"<tr>{tds}<td>{loss_svg(self.store.losses(r.id))}</td></tr>")
+        head = "".join(
+            f"<th>{h}</th>" for h in ("id", "name", "state", "step", "loss", "reason", "loss curve")
+        )
+        body = (
+            "<!doctype html><html><head><meta charset='utf-8'><title>sbpflow jobs</title>"
+            "<style>body{font-family:sans-serif}td,th{padding:2px 8px;text-align:left}"
+            "tr:nth-child(even){background:#f4f4f4}</style></head><body><h1>sbpflow jobs</h1>"
+            f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+            "<p>JSON: <a href='/v1/jobs'>/v1/jobs</a> · metrics: <a href='/metrics'>/metrics</a></p>"
+            "</body></html>"
+        )
+        return 200, "text/html; charset=utf-8", body.encode()
+
+
+def _state(name: str) -> JobState:
+    key = name.strip().upper().removeprefix("JOB_STATE_")
+    if key not in JobState.__members__:
+        raise ValueError(f"state={name!r} is unknown; use one of {', '.join(JobState.__members__)}")
+    return JobState[key]
+
+
+def loss_svg(points: Sequence[LossPoint], width: int = 240, height: int = 48) -> str:
+    """A loss curve as an inline SVG polyline (empty before the first step)."""
+    if not points:
+        return ""
+    lo, hi = min(p.loss for p in points), max(p.loss for p in points)
+    first, last = points[0].step, points[-1].step
+    sx = (width - 4) / max(last - first, 1)
+    sy = (height - 4) / (hi - lo) if hi > lo else 0.0
+    xy = " ".join(f"{2 + (p.step - first) * sx:.1f},{height - 2 - (p.loss - lo) * sy:.1f}" for p in points)
+    title = f"loss {points[0].loss:.4g} -> {points[-1].loss:.4g} over {len(points)} steps"
+    return (
+        f"<svg width='{width}' height='{height}' viewBox='0 0 {width} {height}' role='img'>"
+        f"<title>{html.escape(title)}</title>"
+        f"<polyline fill='none' stroke='#1f77b4' stroke-width='1.5' points='{xy}'/></svg>"
+    )
+
+
+def _handler_class(endpoint: StatusEndpoint) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "sbpflow"
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            url = urlsplit(self.path)
+            code, ctype, body = endpoint.answer(
+                url.path, parse_qs(url.query), self.headers.get("Authorization")
+            )
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            if code == 401:
+                self.send_header("WWW-Authenticate", 'Bearer realm="sbpflow"')
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # no access log on stderr
+
+    return Handler

@@ -1,0 +1,369 @@
+"""The job manager: admits jobs, queues them, runs each on its own thread within the cluster's capacity.
+
+    manager = JobManager(JobStore("jobs.db"), ManagerConfig(backend="inprocess", slots=4))
+    manager.start()                       # reconcile the store after a restart, re-queue PENDING jobs
+    rec = manager.submit(job_bytes)       # validated (ValidationError) and stored PENDING, or refused
+    manager.cancel(rec.id, "not needed")  # PENDING: CANCELLED at once; in flight: the run is stopped
+
+Rules:
+- Submit validates first and stores after, so a refused job leaves nothing behind.
+- A job needs one slot per device rank it is placed on; the capacity is ``ManagerConfig.slots``, or the
+  Ray cluster's CPUs (backend ray), or this machine's CPUs. A job larger than the whole capacity is
+  refused at Submit; the others wait PENDING with reason ``WAITING_FOR_RESOURCES`` and start in
+  submission order (first come, first served: a large job is not overtaken forever by small ones).
+- Each running job has one thread that calls ``sbpflow.actor_workers.api.run`` and turns its listeners
+  into store writes: states, steps (loss history), per-worker rows and log lines. Every store write
+  wakes the ``changed`` condition, which ``Watch`` and ``Logs`` streams wait on.
+- Reasons are machine-readable words (service.proto's JobStatus.reason); messages say what happened.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sbpflow.control_plane.store import JobRecord, JobState, JobStore, WorkerRecord, WorkerState
+from sbpflow.control_plane.validation import ValidationError, validate_submit
+from sbpflow.errors import SbpflowError
+from sbpflow.job import Job
+from sbpflow.v1 import service_pb2 as sp
+
+if TYPE_CHECKING:
+    from sbpflow.actor_workers.api import RunResult
+    from sbpflow.control_plane.metrics import Metrics
+
+WAITING = "WAITING_FOR_RESOURCES"
+CANCELLED_BY_USER = "CANCELLED_BY_USER"
+SHUTDOWN = "CONTROL_PLANE_SHUTDOWN"
+
+# What each kind of WorkerReport payload says about the worker's state (None: leaves it as it is).
+_WORKER_STATE: dict[str, WorkerState | None] = {
+    "heartbeat": None,
+    "memory": None,
+    "log": None,
+    "step": WorkerState.RUNNING,
+    "done": WorkerState.DONE,
+    "error": WorkerState.FAILED,
+}
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    backend: str = "ray"  # "ray" or "inprocess": see sbpflow.actor_workers.api.BACKENDS
+    slots: int | None = None  # capacity in device slots; None: the Ray cluster's CPUs / this machine's
+    ray_address: str | None = None
+    max_job_bytes: int | None = None  # refuse larger Job protobufs at Submit
+    run_timeout: float = 24 * 3600.0  # a run that makes no progress for this long fails
+    return_parameters: bool = True  # keep the trained parameters in the result
+    keep_run_results: bool = False  # keep each RunResult in memory (the embedded `sbpflow run`)
+    trace: bool = False  # record an act trace (with keep_run_results)
+
+
+def job_ranks(job: Job) -> set[int]:
+    """The device ranks a job is placed on: one slot each."""
+    g = job.graph
+    pls = [t.placement for t in g.tensors.values()] + [o.placement for o in g.ops]
+    return {r for pl in pls if pl is not None for r in pl.ranks}
+
+
+def cluster_capacity(config: ManagerConfig) -> int:
+    """Device slots the manager may fill: ``config.slots``, else Ray's CPUs (backend ray), else os CPUs."""
+    if config.slots is not None:
+        if config.slots < 1:
+            raise SbpflowError(f"slots={config.slots}: give at least 1 (one slot per device rank of a job)")
+        return config.slots
+    if config.backend == "ray":
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=config.ray_address, log_to_driver=False, configure_logging=False)
+        return max(1, int(ray.cluster_resources().get("CPU", 0)))
+    return os.cpu_count() or 1
+
+
+@dataclass
+class _Running:
+    job: Job
+    slots: int
+    cancel: threading.Event = field(default_factory=threading.Event)
+    cancel_message: str = ""
+    workers: dict[int, WorkerRecord] = field(default_factory=dict)
+    thread: threading.Thread | None = None
+
+
+class JobManager:
+    """Admission, queue, runner threads and cancellation over one ``JobStore``."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        config: ManagerConfig,
+        metrics: Metrics | None = None,
+        report_hub: Any = None,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.metrics = metrics
+        self.report_hub = report_hub
+        self.capacity = cluster_capacity(config)
+        self.changed = threading.Condition()
+        self.version = 0  # grows on every change that a stream may be waiting for
+        self._lock = threading.RLock()
+        self._queue: list[str] = []  # PENDING job ids, oldest first
+        self._running: dict[str, _Running] = {}
+        self._jobs: dict[str, Job] = {}  # parsed jobs of the queue, so they are not parsed twice
+        self.run_results: dict[str, RunResult] = {}
+        self.ready = False
+        self._closed = False
+
+    # ---- lifecycle of the manager -----------------------------------------------------------------
+
+    def start(self) -> list[JobRecord]:
+        """Reconcile the store after a restart (jobs in flight -> FAILED) and re-queue PENDING jobs;
+        returns the reconciled records."""
+        from sbpflow import wire
+        from sbpflow.v1 import job_pb2
+
+        reconciled = self.store.reconcile_after_restart()
+        pending = sorted(self.store.list([JobState.PENDING], limit=1 << 30), key=lambda r: r.created)
+        with self._lock:
+            for rec in pending:
+                self._jobs[rec.id] = wire.job_from_proto(job_pb2.Job.FromString(rec.job_proto))
+                self._queue.append(rec.id)
+            self.ready = True
+        self._schedule()
+        self._notify()
+        return reconciled
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop admitting, cancel every running job and wait for their threads (at most ``timeout`` s)."""
+        with self._lock:
+            self.ready, self._closed = False, True
+            running = list(self._running.items())
+        for _, r in running:
+            r.cancel_message = "the control plane is shutting down"
+            r.cancel.set()
+        deadline = time.monotonic() + timeout
+        for _, r in running:
+            if r.thread is not None:
+                r.thread.join(max(0.0, deadline - time.monotonic()))
+
+    # ---- the API ----------------------------------------------------------------------------------
+
+    def submit(self, job_bytes: bytes, client_id: str = "", idempotency_key: str = "") -> JobRecord:
+        """Validate and store a job (PENDING), then schedule; raises ``ValidationError`` for bad input."""
+        if self._closed:
+            raise SbpflowError("the control plane is shutting down; submit to another or retry later")
+        job = validate_submit(job_bytes, self.capacity, self.config.max_job_bytes)
+        slots = len(job_ranks(job))
+        if slots > self.capacity:
+            raise ValidationError(
+                f"job {job.name!r} is placed on {slots} ranks, but the cluster has {self.capacity} slot(s); "
+                f"place it on at most {self.capacity} ranks or add workers to the cluster",
+                kind="compile",
+                field="job.graph",
+            )
+        with self._lock:
+            rec = self.store.create(
+                job_bytes,
+                job.name,
+                client_id=client_id,
+                idempotency_key=idempotency_key,
+                total_steps=job.config.steps,
+                slots=slots,
+            )
+            if rec.state == JobState.PENDING and rec.id not in self._queue and rec.id not in self._running:
+                self._jobs[rec.id] = job
+                self._queue.append(rec.id)
+        self._schedule()
+        self._notify()
+        return self.store.get(rec.id)
+
+    def cancel(self, job_id: str, reason: str = "") -> JobRecord:
+        """Cancel a job: a queued one at once, a running one by stopping its run. A finished job is
+        returned as it is."""
+        message = reason or "cancelled by the user"
+        with self._lock:
+            rec = self.store.get(job_id)
+            if rec.id in self._queue:
+                self._queue.remove(rec.id)
+                self._jobs.pop(rec.id, None)
+                rec = self.store.transition(job_id, JobState.CANCELLED, CANCELLED_BY_USER, message)
+            elif rec.id in self._running:
+                self._running[rec.id].cancel_message = message
+                self._running[rec.id].cancel.set()
+        self._schedule()
+        self._notify()
+        return self.store.get(job_id)
+
+    def workers(self, job_id: str) -> list[WorkerRecord]:
+        """Per-worker rows: live ones for a running job, else the stored ones."""
+        with self._lock:
+            r = self._running.get(job_id)
+            if r is not None:
+                return [r.workers[k] for k in sorted(r.workers)]
+        return self.store.workers(job_id)
+
+    def wait_changed(self, seen: int, timeout: float) -> int:
+        """Block until ``version`` is no longer ``seen`` (something changed) or ``timeout`` seconds
+        pass; returns the version now. Read ``version`` before reading the store, then wait on it."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.version != seen, timeout)
+            return self.version
+
+    @property
+    def used_slots(self) -> int:
+        with self._lock:
+            return sum(r.slots for r in self._running.values())
+
+    # ---- scheduling -------------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        with self.changed:
+            self.version += 1
+            self.changed.notify_all()
+
+    def _schedule(self) -> None:
+        """Start queued jobs, oldest first, while they fit; mark the rest as waiting."""
+        with self._lock:
+            if not self.ready:
+                return
+            free = self.capacity - sum(r.slots for r in self._running.values())
+            while self._queue:
+                job_id = self._queue[0]
+                job = self._jobs[job_id]
+                slots = len(job_ranks(job))
+                if slots > free:
+                    break
+                self._queue.pop(0)
+                del self._jobs[job_id]
+                free -= slots
+                self._start(job_id, job, slots)
+            for job_id in self._queue:
+                slots = len(job_ranks(self._jobs[job_id]))
+                self.store.set_reason(
+                    job_id,
+                    WAITING,
+                    f"needs {slots} of the cluster's {self.capacity} slot(s); waits for running or "
+                    "earlier jobs to finish",
+                )
+
+    def _start(self, job_id: str, job: Job, slots: int) -> None:
+        r = _Running(job, slots)
+        self._running[job_id] = r
+        r.thread = threading.Thread(target=self._run, args=(job_id, r), name=f"job-{job_id}", daemon=True)
+        r.thread.start()
+
+    # ---- one job's run ----------------------------------------------------------------------------
+
+    def _run(self, job_id: str, r: _Running) -> None:
+        from sbpflow.actor_workers.api import RunCancelled, run
+        from sbpflow.actor_workers.runtime import RuntimeFailure
+
+        rec = self.store.get(job_id)
+        listeners = _Listeners(self, job_id, r)
+        try:
+            listeners.on_state("COMPILING")
+            result = run(
+                r.job,
+                backend=self.config.backend,
+                return_parameters=self.config.return_parameters,
+                trace=self.config.trace,
+                timeout=self.config.run_timeout,
+                ray_address=self.config.ray_address,
+                on_state=listeners.on_state,
+                on_step=listeners.on_step,
+                on_report=listeners.on_report,
+                cancel=r.cancel,
+                report_hub=self.report_hub,
+                job_id=job_id,
+                attempt=rec.attempt,
+            )
+        except RunCancelled:
+            reason = SHUTDOWN if self._closed else CANCELLED_BY_USER
+            self._finish(job_id, JobState.CANCELLED, reason, r.cancel_message)
+        except RuntimeFailure as e:
+            self._finish(job_id, JobState.FAILED, "WORKER_ERROR", str(e))
+        except SbpflowError as e:
+            self._finish(job_id, JobState.FAILED, "RUN_ERROR", str(e))
+        except Exception as e:  # a bug: keep the traceback in the job's log, never lose the job
+            self.store.append_log(job_id, -1, "ERROR", traceback.format_exc())
+            self._finish(job_id, JobState.FAILED, "INTERNAL", f"{type(e).__name__}: {e}")
+        else:
+            from sbpflow.control_plane.status import result_proto
+
+            self.store.save_result(job_id, result_proto(job_id, result).SerializeToString())
+            if self.config.keep_run_results:
+                self.run_results[job_id] = result
+            self._finish(
+                job_id, JobState.SUCCEEDED, "", f"{len(result.losses)} steps in {result.seconds:.2f} s"
+            )
+        finally:
+            with self._lock:
+                for w in r.workers.values():
+                    self.store.upsert_worker(w)
+                del self._running[job_id]
+            self._schedule()
+            self._notify()
+
+    def _finish(self, job_id: str, state: JobState, reason: str, message: str) -> None:
+        level = "INFO" if state == JobState.SUCCEEDED else "ERROR"
+        self.store.append_log(job_id, -1, level, f"{state.name} {reason}: {message}".replace(" :", ":"))
+        self.store.transition(job_id, state, reason, message)  # last: a stream that sees it has every line
+        if self.metrics is not None:
+            self.metrics.finished(state)
+
+
+class _Listeners:
+    """``run``'s listeners for one job: each turns what the run says into store writes."""
+
+    def __init__(self, manager: JobManager, job_id: str, running: _Running) -> None:
+        self.m, self.job_id, self.r = manager, job_id, running
+        self._state_since = time.monotonic()
+
+    def on_state(self, name: str) -> None:
+        new = JobState[name]
+        if self.m.store.get(self.job_id).state == new:
+            return
+        now = time.monotonic()
+        if new == JobState.STARTING and self.m.metrics is not None:
+            self.m.metrics.compile_seconds.observe(now - self._state_since)
+        self._state_since = now
+        self.m.store.transition(self.job_id, new)
+        if new == JobState.STARTING:
+            self._log(f"compiled; starting {self.r.slots} worker(s) on backend {self.m.config.backend}")
+        self.m._notify()
+
+    def on_step(self, s: sp.StepMetrics) -> None:
+        self.m.store.record_step(self.job_id, s.step, s.loss, s.samples_per_second, s.step_seconds)
+        if self.m.metrics is not None:
+            self.m.metrics.step_seconds.observe(s.step_seconds)
+        self.m._notify()
+
+    def on_report(self, rep: sp.WorkerReport) -> None:
+        kind = rep.WhichOneof("payload") or "heartbeat"
+        old = self.r.workers.get(rep.rank)
+        when = rep.time.ToNanoseconds() / 1e9 if rep.HasField("time") else time.time()
+        state = _WORKER_STATE.get(kind) or (old.state if old else WorkerState.STARTING)
+        step = rep.step.step if kind == "step" else (old.step if old else 0)
+        self.r.workers[rep.rank] = WorkerRecord(
+            self.job_id, rep.rank, rep.worker_id or (old.worker_id if old else ""), state,
+            old.host if old else "", step, when,
+        )  # fmt: skip
+        if kind == "log":
+            self.m.store.append_log(self.job_id, rep.rank, rep.log.level or "INFO", rep.log.text, when)
+        elif kind == "error":
+            e = rep.error
+            where = f"op {e.op_name} ({e.op_type}): " if e.op_name else ""
+            self.m.store.append_log(
+                self.job_id, rep.rank, "ERROR", f"{where}{e.cause}\n{e.traceback}".rstrip()
+            )
+        if kind in ("log", "error", "done"):
+            self.m._notify()
+
+    def _log(self, text: str) -> None:
+        self.m.store.append_log(self.job_id, -1, "INFO", text)

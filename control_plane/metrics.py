@@ -1,0 +1,95 @@
+"""The control plane's Prometheus metrics (``/metrics``), through prometheus-client.
+
+Each server has its own ``CollectorRegistry`` (two servers in one process, as in tests, do not
+collide). Histograms are observed as things happen; the gauges are read from the store (and the job
+manager's live worker rows) at scrape time, so they are never stale:
+
+| metric | labels | what |
+|---|---|---|
+| ``sbpflow_jobs`` | state | jobs in each lifecycle state |
+| ``sbpflow_job_step`` | job_id, name | last completed step |
+| ``sbpflow_job_loss`` | job_id, name | loss of the last completed step |
+| ``sbpflow_job_samples_per_second`` | job_id, name | throughput of the last step |
+| ``sbpflow_worker_up`` | job_id, rank | 1 while the worker is starting or running, else 0 |
+| ``sbpflow_compile_seconds`` | | time from COMPILING to STARTING |
+| ``sbpflow_step_seconds`` | | wall time of each step |
+| ``sbpflow_jobs_finished_total`` | state | jobs that ended, by terminal state |
+
+Per-job series cover the jobs in flight and the ``RECENT`` newest others, so the series count stays
+bounded on a long-lived server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from sbpflow.control_plane.store import IN_FLIGHT, JobState, JobStore, WorkerRecord, WorkerState
+
+RECENT = 50
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_UP = frozenset({WorkerState.STARTING, WorkerState.RUNNING})
+_STEP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_COMPILE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class _StoreCollector(Collector):
+    def __init__(self, store: JobStore, workers: Callable[[str], Sequence[WorkerRecord]]) -> None:
+        self._store, self._workers = store, workers
+
+    def collect(self) -> Iterator[Metric]:
+        jobs = GaugeMetricFamily("sbpflow_jobs", "Jobs in each lifecycle state", labels=["state"])
+        for s in JobState:
+            jobs.add_metric([s.name], self._store.count([s]))
+        yield jobs
+        labels = ["job_id", "name"]
+        step = GaugeMetricFamily("sbpflow_job_step", "Last completed step of a job", labels=labels)
+        loss = GaugeMetricFamily("sbpflow_job_loss", "Loss of a job's last completed step", labels=labels)
+        sps = GaugeMetricFamily(
+            "sbpflow_job_samples_per_second", "Throughput of a job's last step", labels=labels
+        )
+        up = GaugeMetricFamily(
+            "sbpflow_worker_up", "1 while a worker starts or runs", labels=["job_id", "rank"]
+        )
+        recs = {r.id: r for r in self._store.list(limit=RECENT)}
+        recs.update((r.id, r) for r in self._store.list(IN_FLIGHT, limit=1 << 30))
+        for r in recs.values():
+            step.add_metric([r.id, r.name], r.step)
+            if r.loss is not None:
+                loss.add_metric([r.id, r.name], r.loss)
+            sps.add_metric([r.id, r.name], r.samples_per_second or 0.0)
+            if r.state in IN_FLIGHT:
+                for w in self._workers(r.id):
+                    up.add_metric([r.id, str(w.rank)], 1.0 if w.state in _UP else 0.0)
+        yield from (step, loss, sps, up)
+
+
+class Metrics:
+    """One server's metrics: observe with ``compile_seconds``/``step_seconds``/``finished``; scrape with
+    ``exposition()``."""
+
+    def __init__(self, store: JobStore, workers: Callable[[str], Sequence[WorkerRecord]]) -> None:
+        self.registry = CollectorRegistry()
+        self.compile_seconds = Histogram(
+            "sbpflow_compile_seconds", "Time from COMPILING to STARTING", buckets=_COMPILE_BUCKETS,
+            registry=self.registry,
+        )  # fmt: skip
+        self.step_seconds = Histogram(
+            "sbpflow_step_seconds",
+            "Wall time of a training step",
+            buckets=_STEP_BUCKETS,
+            registry=self.registry,
+        )
+        self._finished = Counter(
+            "sbpflow_jobs_finished", "Jobs that ended, by terminal state", ["state"], registry=self.registry
+        )
+        self.registry.register(_StoreCollector(store, workers))
+
+    def finished(self, state: JobState) -> None:
+        self._finished.labels(state.name).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,327 @@
+"""The control-plane server: JobService over gRPC, the standard health service, server reflection, the
+WorkerService for Ray workers, and the HTTP status endpoint, all over one job store and job manager.
+
+    plane = ControlPlane(ServerConfig(port=0, http_port=0, store="jobs.db", backend="inprocess", slots=4))
+    plane.start()          # binds; plane.address ("127.0.0.1:PORT"), plane.http_address
+    ...
+    plane.stop()
+
+``sbpflow server`` runs ``serve(config)``, which blocks until SIGINT/SIGTERM. Rules:
+- errors map to gRPC codes by the table ``_CODES`` (bad input INVALID_ARGUMENT with validate_submit's
+  message; unknown id NOT_FOUND; shutting down UNAVAILABLE), every message saying what to do;
+- Submit reads its request bytes itself, so a malformed protobuf is INVALID_ARGUMENT, not INTERNAL;
+- messages over ``max_message_bytes`` are refused by gRPC (RESOURCE_EXHAUSTED) and the job inside by
+  validation; with a token every call but the health service needs it (``auth.py``); with a
+  certificate and key both gRPC and HTTP use TLS.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sbpflow.control_plane import status
+from sbpflow.control_plane.auth import AuthInterceptor, TokenCheck
+from sbpflow.control_plane.jobs import JobManager, ManagerConfig
+from sbpflow.control_plane.metrics import Metrics
+from sbpflow.control_plane.store import JobState, JobStore, StoreError, UnknownJobError
+from sbpflow.control_plane.validation import ValidationError
+from sbpflow.errors import SbpflowError
+from sbpflow.v1 import service_pb2 as sp
+
+T = TypeVar("T")
+SERVICE = "sbpflow.v1.JobService"
+DEFAULT_PAGE, MAX_PAGE = 100, 1000
+POLL_SECONDS = 1.0  # streams re-check their client at least this often
+
+# Exception type -> gRPC status code; the first matching row wins (subclasses before their bases).
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
+    (UnknownJobError, grpc.StatusCode.NOT_FOUND),
+    (StoreError, grpc.StatusCode.INVALID_ARGUMENT),
+    (SbpflowError, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    http_port: int | None = 0  # None: no HTTP status endpoint
+    store: str = "sbpflow-jobs.db"
+    backend: str = "ray"
+    ray_address: str | None = None
+    slots: int | None = None
+    auth_token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    max_message_bytes: int = 64 * 1024 * 1024
+    threads: int = 64  # gRPC handler threads; each open Watch or Logs stream holds one
+
+
+def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+    """Run ``fn``; an sbpflow error aborts the call with the code of its row in ``_CODES``."""
+    try:
+        return fn()
+    except SbpflowError as e:
+        code = next(c for t, c in _CODES if isinstance(e, t))
+        context.abort(code, str(e))
+        raise  # unreachable: abort raises
+
+
+class JobServicer:
+    """JobService's methods over a ``JobManager``."""
+
+    def __init__(self, manager: JobManager) -> None:
+        self.manager = manager
+        self.store = manager.store
+
+    def status_of(self, job_id: str) -> sp.JobStatus:
+        return status.job_status(self.store.get(job_id), self.manager.workers(job_id))
+
+    def Submit(self, request: bytes, context: grpc.ServicerContext) -> sp.SubmitJobResponse:  # noqa: N802
+        try:
+            req = sp.SubmitJobRequest.FromString(request)
+        except DecodeError as e:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"malformed SubmitJobRequest protobuf: {e}; send sbpflow.v1.SubmitJobRequest(job=...)",
+            )
+        if not req.HasField("job"):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "SubmitJobRequest.job is missing; set it to sbpflow.wire.job_to_proto(job)",
+            )
+        blob = req.job.SerializeToString()
+        rec = _guard(context, lambda: self.manager.submit(blob, req.client_id, req.idempotency_key))
+        return sp.SubmitJobResponse(job_id=rec.id, status=self.status_of(rec.id))
+
+    def Get(self, request: sp.GetJobRequest, context: grpc.ServicerContext) -> sp.JobStatus:  # noqa: N802
+        return _guard(context, lambda: self.status_of(request.job_id))
+
+    def List(self, request: sp.ListJobsRequest, context: grpc.ServicerContext) -> sp.ListJobsResponse:  # noqa: N802
+        size = request.page_size or DEFAULT_PAGE
+        token = request.page_token or "0"
+        if not token.isdigit() or not 0 < size <= MAX_PAGE:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"page_size={request.page_size}, page_token={request.page_token!r}: give a page size of 1.."
+                f"{MAX_PAGE} (0 = {DEFAULT_PAGE}) and a token from a previous ListJobsResponse",
+            )
+        states = [JobState(sp.JobState.Name(s)) for s in request.states if s] or None
+        offset = int(token)
+        recs = _guard(context, lambda: self.store.list(states, limit=size + 1, offset=offset))
+        more = len(recs) > size
+        return sp.ListJobsResponse(
+            jobs=[status.job_status(r) for r in recs[:size]],
+            next_page_token=str(offset + size) if more else "",
+        )
+
+    def Watch(self, request: sp.WatchJobRequest, context: grpc.ServicerContext) -> Iterator[sp.JobEvent]:  # noqa: N802
+        _guard(context, lambda: self.store.get(request.job_id))
+        seq, last = request.after_seq, None
+        while context.is_active():
+            seen = self.manager.version
+            rec = self.store.get(request.job_id)
+            for ev in status.job_events(rec, self.store.events(request.job_id, seq), last):
+                yield ev
+                seq, last = ev.seq, ev.status
+                if ev.HasField("state_change") and JobState(sp.JobState.Name(ev.status.state)).terminal:
+                    return
+            if rec.state.terminal:
+                return  # read before its events: they were all sent (or were before after_seq)
+            self.manager.wait_changed(seen, POLL_SECONDS)
+
+    def Cancel(self, request: sp.CancelJobRequest, context: grpc.ServicerContext) -> sp.JobStatus:  # noqa: N802
+        _guard(context, lambda: self.manager.cancel(request.job_id, request.reason))
+        return self.status_of(request.job_id)
+
+    def Logs(self, request: sp.LogsRequest, context: grpc.ServicerContext) -> Iterator[sp.LogLine]:  # noqa: N802
+        _guard(context, lambda: self.store.get(request.job_id))
+        seq = 0
+        while context.is_active():
+            seen = self.manager.version
+            terminal = self.store.get(request.job_id).state.terminal
+            for line in self.store.logs(request.job_id, int(request.rank), seq):
+                seq = line.seq
+                if request.rank < 0 or line.rank == request.rank:
+                    yield status.log_line(line)
+            if not request.follow or terminal:
+                return
+            self.manager.wait_changed(seen, POLL_SECONDS)
+
+    def GetResult(self, request: sp.GetResultRequest, context: grpc.ServicerContext) -> sp.JobResult:  # noqa: N802
+        rec = _guard(context, lambda: self.store.get(request.job_id))
+        if not rec.state.terminal:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"job {rec.id} is {rec.state.name}; its result exists once it has ended: wait for it "
+                "(JobHandle.wait() or `sbpflow watch ID`)",
+            )
+        saved = self.store.result(rec.id)
+        result = sp.JobResult.FromString(saved) if saved else sp.JobResult(job_id=rec.id)
+        result.state = sp.JobState.Value(str(rec.state))
+        if not saved:
+            result.losses.extend(p.loss for p in self.store.losses(rec.id))
+        missing = sorted(set(request.parameters) - set(result.parameters))
+        if missing:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"job {rec.id} has no parameters {missing}; it has {sorted(result.parameters) or 'none'}",
+            )
+        for name in [n for n in result.parameters if request.parameters and n not in request.parameters]:
+            del result.parameters[name]
+        return result
+
+
+def _job_service_handler(servicer: JobServicer) -> grpc.GenericRpcHandler:
+    """JobService's handlers; Submit receives raw bytes (see JobServicer.Submit)."""
+    unary, stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
+    # name: (kind, request type or None for raw bytes)
+    methods: dict[str, tuple[Callable[..., Any], Any]] = {
+        "Submit": (unary, None),
+        "Get": (unary, sp.GetJobRequest),
+        "List": (unary, sp.ListJobsRequest),
+        "Watch": (stream, sp.WatchJobRequest),
+        "Cancel": (unary, sp.CancelJobRequest),
+        "Logs": (stream, sp.LogsRequest),
+        "GetResult": (unary, sp.GetResultRequest),
+    }
+    handlers = {
+        name: kind(
+            getattr(servicer, name),
+            request_deserializer=(req.FromString if req is not None else None),
+            response_serializer=lambda m: m.SerializeToString(),
+        )
+        for name, (kind, req) in methods.items()
+    }
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+class ControlPlane:
+    """One server: store, job manager, gRPC services and (optionally) the HTTP status endpoint."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.store = JobStore(config.store)
+        manager_config = ManagerConfig(
+            backend=config.backend,
+            slots=config.slots,
+            ray_address=config.ray_address,
+            max_job_bytes=config.max_message_bytes,
+        )
+        self.hub = _report_hub(config)
+        self.manager = JobManager(self.store, manager_config, report_hub=self.hub)
+        self.manager.metrics = Metrics(self.store, self.manager.workers)
+        self.check = TokenCheck(config.auth_token)
+        self.health = health.HealthServicer()
+        self.port = 0
+        self.http_port: int | None = None
+        self._grpc: grpc.Server | None = None
+        self._http: Any = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    @property
+    def http_address(self) -> str | None:
+        scheme = "https" if self.config.tls_cert else "http"
+        return None if self.http_port is None else f"{scheme}://{self.config.host}:{self.http_port}"
+
+    def start(self) -> ControlPlane:
+        cfg = self.config
+        limit = cfg.max_message_bytes
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=cfg.threads, thread_name_prefix="sbpflow-grpc"),
+            interceptors=[AuthInterceptor(self.check)],
+            options=options,
+        )
+        server.add_generic_rpc_handlers([_job_service_handler(JobServicer(self.manager))])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if self.hub is not None:
+            self.hub.add_to(server)
+        names = (SERVICE, "sbpflow.v1.WorkerService", health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        where = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert or cfg.tls_key:
+            key, cert = _tls_pair(cfg)
+            self.port = server.add_secure_port(where, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            self.port = server.add_insecure_port(where)
+        if self.port == 0:
+            raise SbpflowError(f"cannot bind gRPC to {where}; pick another --port (0 = any free port)")
+        if self.hub is not None:
+            self.hub.address = f"{_advertised(cfg.host)}:{self.port}"
+        self.manager.start()
+        server.start()
+        self._grpc = server
+        if cfg.http_port is not None:
+            from sbpflow.control_plane.http import StatusEndpoint
+
+            self._http = StatusEndpoint(
+                self.manager, self.check, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key
+            )
+            self.http_port = self._http.start()
+        for name in ("", SERVICE):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Stop taking calls, cancel running jobs (reason CONTROL_PLANE_SHUTDOWN), close the store."""
+        self.health.enter_graceful_shutdown()
+        self.manager.shutdown(timeout=grace + 10.0)
+        if self._http is not None:
+            self._http.stop()
+        if self._grpc is not None:
+            self._grpc.stop(grace).wait()
+        self.store.close()
+
+
+def _tls_pair(cfg: ServerConfig) -> tuple[bytes, bytes]:
+    if not (cfg.tls_cert and cfg.tls_key):
+        raise SbpflowError("TLS needs both --tls-cert and --tls-key (PEM files); give both or neither")
+    return Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes()
+
+
+def _advertised(host: str) -> str:
+    """An address workers can reach for a server bound to ``host`` (a wildcard becomes this host's IP)."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        return socket.gethostbyname(socket.gethostname())
+    return host
+
+
+def _report_hub(cfg: ServerConfig) -> Any:
+    """The WorkerService for Ray workers, on this server; None (the run serves its own) for the
+    in-process backend, or when a token or TLS guards the port (workers do not send credentials yet)."""
+    if cfg.backend != "ray" or cfg.auth_token or cfg.tls_cert:
+        return None
+    from sbpflow.control_plane.reports import ReportHub
+
+    return ReportHub()
+
+
+def serve(config: ServerConfig, announce: Callable[[str], None] = print) -> None:
+    """Run a control plane until SIGINT or SIGTERM."""
+    plane = ControlPlane(config).start()
+    announce(f"sbpflow control plane: gRPC on {plane.address}" + (" (TLS)" if config.tls_cert else ""))
+    if plane.http_address:
+        announce(f"status endpoint: {plane.http_address}/  (/healthz /readyz /v1/jobs /metrics)")
+    announce(f"store: {config.store}; backend: {config.backend}; {plane.manager.capacity} slot(s)")
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    plane.stop()

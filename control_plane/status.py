@@ -1,0 +1,118 @@
+"""The store's records as service.proto messages (``JobStatus``, ``JobEvent``, ``LogLine``) and as JSON.
+
+The gRPC servicer and the HTTP status endpoint both answer through these functions, so a job reads
+the same on both. A ``JobEvent``'s status is rebuilt from the event itself (state, reason, message)
+over the job's current record, carrying forward the step and loss of the events before it: that is
+what the job looked like right after the event, without storing a snapshot per event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from google.protobuf import json_format
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from sbpflow.control_plane.store import JobEvent, JobRecord, LogRecord, WorkerRecord
+from sbpflow.v1 import service_pb2 as sp
+
+if TYPE_CHECKING:
+    from sbpflow.actor_workers.api import RunResult
+
+
+def timestamp(t: float | None) -> Timestamp | None:
+    if t is None:
+        return None
+    ts = Timestamp()
+    ts.FromNanoseconds(int(t * 1e9))
+    return ts
+
+
+def job_status(rec: JobRecord, workers: Sequence[WorkerRecord] = ()) -> sp.JobStatus:
+    """The JobStatus message of a stored job."""
+    m = sp.JobStatus(
+        job_id=rec.id,
+        name=rec.name,
+        state=sp.JobState.Value(str(rec.state)),
+        reason=rec.reason,
+        message=rec.message,
+        attempt=rec.attempt,
+        step=rec.step,
+        total_steps=rec.total_steps,
+        samples_per_second=rec.samples_per_second or 0.0,
+        created=timestamp(rec.created),
+        started=timestamp(rec.started),
+        finished=timestamp(rec.finished),
+        workers=[worker_status(w) for w in workers],
+    )
+    if rec.loss is not None:
+        m.loss = rec.loss
+    return m
+
+
+def worker_status(w: WorkerRecord) -> sp.WorkerStatus:
+    return sp.WorkerStatus(
+        rank=w.rank,
+        worker_id=w.worker_id,
+        state=sp.WorkerState.Value(str(w.state)),
+        host=w.host,
+        step=w.step,
+        last_heartbeat=timestamp(w.last_heartbeat),
+    )
+
+
+def job_events(
+    rec: JobRecord, events: Iterable[JobEvent], before: sp.JobStatus | None = None
+) -> Iterator[sp.JobEvent]:
+    """JobEvent messages for stored events of ``rec``'s job, in order; ``before`` is the status of the
+    event before the first of them (None when replaying from the start)."""
+    step, sps = (before.step, before.samples_per_second) if before is not None else (0, 0.0)
+    loss: float | None = before.loss if before is not None and before.HasField("loss") else None
+    for e in events:
+        status = job_status(rec)
+        status.state, status.reason, status.message = sp.JobState.Value(str(e.state)), e.reason, e.message
+        out = sp.JobEvent(job_id=e.job_id, seq=e.seq, time=timestamp(e.time))
+        if e.kind == "step":
+            step = int(e.data["step"])  # type: ignore[call-overload]
+            loss = float(e.data["loss"])  # type: ignore[arg-type]
+            sps = float(e.data["samples_per_second"])  # type: ignore[arg-type]
+            seconds = float(e.data.get("step_seconds", 0.0))  # type: ignore[arg-type]
+            out.step.CopyFrom(
+                sp.StepMetrics(step=step, loss=loss, samples_per_second=sps, step_seconds=seconds)
+            )
+        else:
+            previous = str(e.data.get("from", "JOB_STATE_UNSPECIFIED"))
+            out.state_change.CopyFrom(
+                sp.StateChange(previous=sp.JobState.Value(previous), current=status.state, reason=e.reason)
+            )
+        status.step, status.samples_per_second = max(step, 0), sps
+        if loss is None:
+            status.ClearField("loss")
+        else:
+            status.loss = loss
+        out.status.CopyFrom(status)
+        yield out
+
+
+def log_line(r: LogRecord) -> sp.LogLine:
+    return sp.LogLine(job_id=r.job_id, rank=r.rank, time=timestamp(r.time), level=r.level, text=r.text)
+
+
+def result_proto(job_id: str, result: RunResult) -> sp.JobResult:
+    """The JobResult of a finished run: its losses and its trained parameters (when it kept them)."""
+    from sbpflow.wire import array_to_proto
+
+    m = sp.JobResult(job_id=job_id, state=sp.JOB_STATE_SUCCEEDED, losses=result.losses)
+    for name, value in (result.parameters or {}).items():
+        host = value.get() if hasattr(value, "get") and not isinstance(value, np.ndarray) else value  # cupy
+        m.parameters[name].CopyFrom(array_to_proto(np.asarray(host)))
+    return m
+
+
+def as_json(m: Any) -> dict[str, Any]:
+    """A message as the JSON the HTTP endpoint serves: proto field names, enums by name, defaults kept."""
+    return json_format.MessageToDict(
+        m, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )

@@ -1,0 +1,252 @@
+"""What the job store holds: the lifecycle, the records it returns, and the SQLite schema with its migrations.
+
+The store (``store.py``) does the transactions; this module only says what the rows are. Schema
+version 2 added, per job, the submitter (``client_id``, ``idempotency_key`` — a retried Submit with the
+same pair returns the first job), ``total_steps`` and ``slots`` (devices it needs), and the tables
+``workers`` (one row per rank), ``logs`` and ``results`` (the JobResult protobuf of a finished job).
+A version-1 file is migrated in place on open by ``MIGRATIONS[1]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+SCHEMA_VERSION = 2
+
+
+class JobState(StrEnum):
+    """The lifecycle states; values are service.proto's ``JobState`` names."""
+
+    PENDING = "JOB_STATE_PENDING"
+    COMPILING = "JOB_STATE_COMPILING"
+    STARTING = "JOB_STATE_STARTING"
+    RUNNING = "JOB_STATE_RUNNING"
+    SUCCEEDED = "JOB_STATE_SUCCEEDED"
+    FAILED = "JOB_STATE_FAILED"
+    CANCELLED = "JOB_STATE_CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+IN_FLIGHT = (JobState.COMPILING, JobState.STARTING, JobState.RUNNING)
+
+# The forward path; from any non-final state a job may also go to FAILED or CANCELLED.
+_NEXT = {
+    JobState.PENDING: JobState.COMPILING,
+    JobState.COMPILING: JobState.STARTING,
+    JobState.STARTING: JobState.RUNNING,
+    JobState.RUNNING: JobState.SUCCEEDED,
+}
+
+
+def allowed(old: JobState, new: JobState) -> bool:
+    """Whether the lifecycle lets a job go from ``old`` to ``new``."""
+    if old in TERMINAL:
+        return False
+    return new in (JobState.FAILED, JobState.CANCELLED) or _NEXT.get(old) == new
+
+
+def legal_next(old: JobState) -> str:
+    """The states ``old`` may go to, in words, for an error message."""
+    if old in TERMINAL:
+        return "none: it is final"
+    return f"{_NEXT[old].name}, FAILED or CANCELLED"
+
+
+class WorkerState(StrEnum):
+    """A worker's lifecycle; values are service.proto's ``WorkerState`` names."""
+
+    STARTING = "WORKER_STATE_STARTING"
+    RUNNING = "WORKER_STATE_RUNNING"
+    DONE = "WORKER_STATE_DONE"
+    FAILED = "WORKER_STATE_FAILED"
+    LOST = "WORKER_STATE_LOST"
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    id: str
+    name: str
+    state: JobState
+    reason: str
+    message: str
+    attempt: int
+    step: int
+    loss: float | None
+    samples_per_second: float | None
+    created: float
+    updated: float
+    started: float | None
+    finished: float | None
+    job_proto: bytes
+    client_id: str = ""
+    total_steps: int = 0
+    slots: int = 0
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    job_id: str
+    seq: int
+    time: float
+    kind: str  # "created", "state", "reason", "step"
+    state: JobState
+    reason: str
+    message: str
+    data: dict[str, object]
+
+
+@dataclass(frozen=True)
+class LossPoint:
+    step: int
+    loss: float
+    samples_per_second: float
+    time: float
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    job_id: str
+    rank: int
+    worker_id: str
+    state: WorkerState
+    host: str
+    step: int
+    last_heartbeat: float
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    job_id: str
+    seq: int  # position in the job's log, 1-based
+    rank: int  # -1: the control plane
+    time: float
+    level: str
+    text: str
+
+
+_JOBS = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    message TEXT NOT NULL DEFAULT '',
+    attempt INTEGER NOT NULL DEFAULT 1,
+    step INTEGER NOT NULL DEFAULT 0,
+    loss REAL,
+    samples_per_second REAL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL,
+    started REAL,
+    finished REAL,
+    job_proto BLOB NOT NULL,
+    last_seq INTEGER NOT NULL DEFAULT 0,
+    client_id TEXT NOT NULL DEFAULT '',
+    idempotency_key TEXT NOT NULL DEFAULT '',
+    total_steps INTEGER NOT NULL DEFAULT 0,
+    slots INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
+CREATE INDEX IF NOT EXISTS jobs_created ON jobs(created);
+CREATE TABLE IF NOT EXISTS events (
+    job_id TEXT NOT NULL REFERENCES jobs(id),
+    seq INTEGER NOT NULL,
+    time REAL NOT NULL,
+    kind TEXT NOT NULL,
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    message TEXT NOT NULL DEFAULT '',
+    data TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (job_id, seq)
+);
+CREATE TABLE IF NOT EXISTS losses (
+    job_id TEXT NOT NULL REFERENCES jobs(id),
+    step INTEGER NOT NULL,
+    loss REAL NOT NULL,
+    samples_per_second REAL NOT NULL,
+    time REAL NOT NULL,
+    PRIMARY KEY (job_id, step)
+);
+"""
+
+# Version 2's additions; also run (after MIGRATIONS[1]) on a version-1 file.
+_V2 = """
+CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs(client_id, idempotency_key)
+    WHERE idempotency_key != '';
+CREATE TABLE IF NOT EXISTS workers (
+    job_id TEXT NOT NULL REFERENCES jobs(id),
+    rank INTEGER NOT NULL,
+    worker_id TEXT NOT NULL DEFAULT '',
+    state TEXT NOT NULL,
+    host TEXT NOT NULL DEFAULT '',
+    step INTEGER NOT NULL DEFAULT 0,
+    last_heartbeat REAL NOT NULL,
+    PRIMARY KEY (job_id, rank)
+);
+CREATE TABLE IF NOT EXISTS logs (
+    job_id TEXT NOT NULL REFERENCES jobs(id),
+    seq INTEGER NOT NULL,
+    rank INTEGER NOT NULL,
+    time REAL NOT NULL,
+    level TEXT NOT NULL,
+    text TEXT NOT NULL,
+    PRIMARY KEY (job_id, seq)
+);
+CREATE TABLE IF NOT EXISTS results (
+    job_id TEXT PRIMARY KEY REFERENCES jobs(id),
+    data BLOB NOT NULL
+);
+"""
+
+SCHEMA = _JOBS + _V2
+
+# from-version -> statements that bring a file of that version to the next one.
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: (
+        "ALTER TABLE jobs ADD COLUMN client_id TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE jobs ADD COLUMN idempotency_key TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE jobs ADD COLUMN total_steps INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN slots INTEGER NOT NULL DEFAULT 0",
+    ),
+}
+
+COLUMNS = (
+    "id, name, state, reason, message, attempt, step, loss, samples_per_second, created, updated, "
+    "started, finished, job_proto, client_id, total_steps, slots"
+)
+
+
+def _opt(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+def record_from_row(row: Sequence[Any]) -> JobRecord:
+    """A ``JobRecord`` from a row of ``SELECT {COLUMNS} FROM jobs``."""
+    (id_, name, state, reason, message, attempt, step, loss, sps, created, updated, started, finished,
+     blob, client_id, total_steps, slots) = row  # fmt: skip
+    return JobRecord(
+        id=str(id_),
+        name=str(name),
+        state=JobState(str(state)),
+        reason=str(reason),
+        message=str(message),
+        attempt=int(attempt),
+        step=int(step),
+        loss=_opt(loss),
+        samples_per_second=_opt(sps),
+        created=float(created),
+        updated=float(updated),
+        started=_opt(started),
+        finished=_opt(finished),
+        job_proto=bytes(blob),
+        client_id=str(client_id),
+        total_steps=int(total_steps),
+        slots=int(slots),
+    )
