@@ -1,0 +1,347 @@
+"""The wire of the CPU transport: frames, and one-way links that carry them between two ranks.
+
+Every ordered pair of ranks (a, b) has its own connection, opened by a and read only by b's receive
+thread, so a sender never waits on a reader that is itself sending. A connection carries frames:
+
+    header <type:u8, meta_len:u32, payload_len:u64, flags:u8> | meta (JSON) | payload
+
+- Between hosts (TCP) the payload follows its header on the socket and is read with ``recv_into``
+  straight into the destination array.
+- On one host (unix socket) a payload above ``INLINE_BYTES`` travels through a ring of ``SLOTS`` slots in
+  a ``memfd`` that the sender created and passed to the reader with ``SCM_RIGHTS`` when the link opened:
+  the sender copies a chunk into a free slot and sends a CHUNK frame naming it; the reader copies (or
+  adds) it into the destination and writes the slot number back on the same socket (the only bytes that
+  ever flow against a link's direction). No file exists in /dev/shm, and the kernel frees the memory
+  when the last process holding it exits, SIGKILL included.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sbpflow.actor_workers.transport.base import TransportError
+
+HEADER = struct.Struct("<BIQB")
+CHUNK = struct.Struct("<IQ")  # slot, bytes
+CREDIT = struct.Struct("<I")
+DATA, ABORT, BYE = 1, 2, 3
+CHUNKED = 1  # header flag: the payload comes as CHUNK frames through the ring
+
+SLOT_BYTES = 4 << 20  # one ring slot; a multiple of every itemsize so chunks never cut an element
+SLOTS = 4
+INLINE_BYTES = 64 << 10  # below this a same-host payload rides on the socket itself
+TCP_CHUNK = 4 << 20  # scratch used only when a TCP payload is added (not copied) into its destination
+POLL_S = 0.2  # how often a waiting sender looks at the deadline and the transport's state
+
+Sink = Callable[[int, np.ndarray], None]  # (byte offset, chunk of raw bytes) -> copy/add it in place
+
+
+class LinkClosed(Exception):
+    """The connection ended (EOF, reset, shutdown); the reader turns it into 'rank X lost'."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: int
+    meta: dict[str, Any]
+    nbytes: int
+    chunked: bool
+
+
+def encode(kind: int, meta: dict[str, Any], nbytes: int = 0, chunked: bool = False) -> bytes:
+    body = json.dumps(meta, separators=(",", ":")).encode()
+    return HEADER.pack(kind, len(body), nbytes, CHUNKED if chunked else 0) + body
+
+
+def set_send_timeout(sock: socket.socket, seconds: float) -> None:
+    """A blocking send that cannot finish in ``seconds`` fails instead of hanging (SO_SNDTIMEO)."""
+    sec = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, int((seconds - sec) * 1e6)))
+
+
+def read_exact(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except OSError as e:
+            raise LinkClosed(f"{e.strerror or e}") from e
+        if k == 0:
+            raise LinkClosed("connection closed")
+        got += k
+
+
+def read_frame(sock: socket.socket, head: bytearray) -> Frame:
+    read_exact(sock, memoryview(head))
+    kind, meta_len, nbytes, flags = HEADER.unpack(head)
+    body = bytearray(meta_len)
+    read_exact(sock, memoryview(body))
+    return Frame(kind, json.loads(body) if meta_len else {}, nbytes, bool(flags & CHUNKED))
+
+
+def as_bytes(a: np.ndarray) -> np.ndarray:
+    """The raw bytes of a C-contiguous array as a flat uint8 view (0-d and empty arrays included)."""
+    return a.reshape(-1).view(np.uint8)
+
+
+# -- the sending end --------------------------------------------------------------------------------
+
+
+class OutLink:
+    """This rank's end of the connection to ``peer``; callers send whole messages under ``lock``."""
+
+    def __init__(self, peer: int, sock: socket.socket, ring: mmap.mmap | None, timeout: float) -> None:
+        self.peer = peer
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.timeout = timeout
+        self.ring = ring
+        self.slots = None if ring is None else np.frombuffer(ring, np.uint8).reshape(SLOTS, SLOT_BYTES)
+        self.free: deque[int] = deque(range(SLOTS))
+        self.credit_buf = bytearray()
+        self.broken: str | None = None
+
+    def send(self, kind: int, meta: dict[str, Any], payload: np.ndarray | None = None) -> None:
+        """Send one frame (and its payload, raw bytes); the caller holds no lock."""
+        if not self.lock.acquire(timeout=self.timeout):
+            raise TransportError(
+                f"could not send to rank {self.peer} for {self.timeout:g} s: its link is busy"
+            )
+        try:
+            if self.broken is not None:
+                raise LinkClosed(self.broken)
+            try:
+                self._send_locked(kind, meta, payload)
+            except (OSError, LinkClosed) as e:
+                self.broken = f"{e}"
+                raise LinkClosed(self.broken) from e
+        finally:
+            self.lock.release()
+
+    def _send_locked(self, kind: int, meta: dict[str, Any], payload: np.ndarray | None) -> None:
+        n = 0 if payload is None else payload.size
+        chunked = self.slots is not None and n > INLINE_BYTES
+        head = encode(kind, meta, n, chunked)
+        if payload is None or n == 0:
+            self.sock.sendall(head)
+        elif not chunked:
+            if n <= INLINE_BYTES:
+                self.sock.sendall(head + payload.tobytes())
+            else:
+                self.sock.sendall(head)
+                self.sock.sendall(memoryview(payload))  # type: ignore[arg-type]
+        else:
+            self.sock.sendall(head)
+            assert self.slots is not None
+            for off in range(0, n, SLOT_BYTES):
+                m = min(SLOT_BYTES, n - off)
+                slot = self._take_slot()
+                np.copyto(self.slots[slot, :m], payload[off : off + m])
+                self.sock.sendall(CHUNK.pack(slot, m))
+
+    def _take_slot(self) -> int:
+        """A free ring slot, reading the reader's credits (blocking, with the deadline) when none is."""
+        deadline = time.monotonic() + self.timeout
+        while not self.free:
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                raise LinkClosed(f"rank {self.peer} freed no shared-memory slot for {self.timeout:g} s")
+            readable, _, _ = select.select([self.sock], [], [], min(wait, POLL_S))
+            if not readable:
+                continue
+            data = self.sock.recv(CREDIT.size * SLOTS)
+            if not data:
+                raise LinkClosed("connection closed")
+            self.credit_buf += data
+            usable = len(self.credit_buf) - len(self.credit_buf) % CREDIT.size
+            for (slot,) in CREDIT.iter_unpack(bytes(self.credit_buf[:usable])):
+                self.free.append(slot)
+            del self.credit_buf[:usable]
+        return self.free.popleft()
+
+    def close(self, goodbye: bool) -> None:
+        if goodbye and self.lock.acquire(timeout=min(1.0, self.timeout)):
+            try:
+                if self.broken is None:
+                    self.sock.sendall(encode(BYE, {}))
+            except OSError:
+                pass
+            finally:
+                self.lock.release()
+        shutdown(self.sock)
+        self.sock.close()
+        self.slots = None
+        if self.ring is not None:
+            self.ring.close()
+
+
+# -- the receiving end ------------------------------------------------------------------------------
+
+
+class InLink:
+    """``peer``'s connection to this rank, read by one receive thread."""
+
+    def __init__(self, peer: int, sock: socket.socket, ring: mmap.mmap | None) -> None:
+        self.peer = peer
+        self.sock = sock
+        self.ring = ring
+        self.slots = None if ring is None else np.frombuffer(ring, np.uint8).reshape(SLOTS, SLOT_BYTES)
+        self.head = bytearray(HEADER.size)
+        self.chunk_head = bytearray(CHUNK.size)
+        self.scratch: np.ndarray | None = None
+
+    def frame(self) -> Frame:
+        return read_frame(self.sock, self.head)
+
+    def payload(self, frame: Frame, dest: np.ndarray | None, sink: Sink | None) -> None:
+        """Read ``frame``'s payload into ``dest`` (raw bytes, contiguous) or hand it chunk by chunk to
+        ``sink`` (which adds it somewhere); exactly one of the two is given."""
+        if frame.nbytes == 0:
+            return
+        if frame.chunked:
+            self._from_ring(frame.nbytes, dest, sink)
+        elif dest is not None:
+            read_exact(self.sock, memoryview(dest))  # type: ignore[arg-type]
+        else:
+            assert sink is not None
+            if self.scratch is None:
+                self.scratch = np.empty(TCP_CHUNK, np.uint8)
+            for off in range(0, frame.nbytes, TCP_CHUNK):
+                m = min(TCP_CHUNK, frame.nbytes - off)
+                read_exact(self.sock, memoryview(self.scratch[:m]))  # type: ignore[arg-type]
+                sink(off, self.scratch[:m])
+
+    def _from_ring(self, nbytes: int, dest: np.ndarray | None, sink: Sink | None) -> None:
+        if self.slots is None:
+            raise LinkClosed(f"rank {self.peer} sent a shared-memory chunk over a link without a ring")
+        off = 0
+        while off < nbytes:
+            read_exact(self.sock, memoryview(self.chunk_head))
+            slot, m = CHUNK.unpack(self.chunk_head)
+            if slot >= SLOTS or m > SLOT_BYTES or off + m > nbytes:
+                raise LinkClosed(f"rank {self.peer} sent a malformed chunk (slot {slot}, {m} bytes)")
+            if dest is not None:
+                np.copyto(dest[off : off + m], self.slots[slot, :m])
+            else:
+                assert sink is not None
+                sink(off, self.slots[slot, :m])
+            try:
+                self.sock.sendall(CREDIT.pack(slot))
+            except OSError as e:
+                raise LinkClosed(f"{e.strerror or e}") from e
+            off += m
+
+    def close(self) -> None:
+        self.sock.close()
+        self.slots = None
+        if self.ring is not None:
+            self.ring.close()
+
+
+def shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def new_ring(rank: int, peer: int) -> tuple[int, mmap.mmap]:
+    """A fresh anonymous ring (memfd) for the link rank -> peer: its fd (to pass) and this side's map."""
+    fd = os.memfd_create(f"sbpflow-ring-{rank}-to-{peer}", os.MFD_CLOEXEC)
+    os.ftruncate(fd, SLOTS * SLOT_BYTES)
+    return fd, mmap.mmap(fd, SLOTS * SLOT_BYTES)
+
+
+def map_ring(fd: int) -> mmap.mmap:
+    try:
+        size = os.fstat(fd).st_size
+        if size != SLOTS * SLOT_BYTES:
+            raise TransportError(
+                f"a peer's shared-memory ring has {size} bytes, this side expects {SLOTS * SLOT_BYTES}: "
+                "both ranks must run the same sbpflow version"
+            )
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+# -- opening a link ---------------------------------------------------------------------------------
+
+HELLO = struct.Struct("<I")
+MAGIC = "sbpflow-cpu/1"
+
+
+def send_hello(sock: socket.socket, hello: dict[str, Any], fds: list[int]) -> None:
+    body = json.dumps({"magic": MAGIC, **hello}).encode()
+    data = HELLO.pack(len(body)) + body
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.sendall(data)
+
+
+def recv_hello(sock: socket.socket, unix: bool) -> tuple[dict[str, Any], list[int]]:
+    """The peer's hello (and the ring fd it passed), read under the socket's current timeout."""
+    if unix:
+        data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+    else:
+        data, fds = sock.recv(4096), []
+    if len(data) < HELLO.size:
+        data += _read_n(sock, HELLO.size - len(data))
+    (n,) = HELLO.unpack(data[: HELLO.size])
+    body = data[HELLO.size :]
+    if len(body) < n:
+        body += _read_n(sock, n - len(body))
+    try:
+        hello = json.loads(body)
+    except ValueError:
+        hello = {}
+    if not isinstance(hello, dict) or hello.get("magic") != MAGIC:
+        for fd in fds:
+            os.close(fd)
+        raise LinkClosed(f"not an sbpflow CPU transport peer (expected {MAGIC!r})")
+    return hello, list(fds)
+
+
+def _read_n(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    read_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+# -- element types on the wire ----------------------------------------------------------------------
+
+
+def encode_dtype(dtype: np.dtype[Any]) -> str:
+    """numpy's type string ('<f4', '|b1'); bfloat16 (ml_dtypes, a void type to numpy) by name."""
+    if dtype.name == "bfloat16":
+        return "bfloat16"
+    if dtype.kind in "OV" or dtype.hasobject:
+        raise TransportError(
+            f"the CPU transport moves plain numeric arrays; got dtype {dtype}: convert it to one of "
+            "float16, float32, float64, int32, int64 or bool"
+        )
+    return dtype.str
+
+
+def decode_dtype(name: str) -> np.dtype[Any]:
+    if name == "bfloat16":
+        try:
+            import ml_dtypes  # type: ignore[import-not-found]
+        except ImportError:
+            raise LinkClosed("a peer sent bfloat16 but ml_dtypes is not installed here") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
