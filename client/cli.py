@@ -1,5 +1,5 @@
-"""The ``sbpflow`` command line: ``trace``, ``plan``, ``ops``, ``version``. Later issues add ``server``,
-``submit``, ``run``, ``status`` and more."""
+"""The ``sbpflow`` command line: ``run``, ``plan``, ``trace``, ``ops``, ``version``, and the job commands
+of ``cli_jobs.py``: ``server``, ``submit``, ``status``, ``watch``, ``cancel``, ``logs``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sbpflow.client.cli_jobs import JOB_COMMANDS, _client_flags, cmd_run
 from sbpflow.errors import SbpflowError
 
 
@@ -79,27 +80,6 @@ def _job_from_args(args: argparse.Namespace) -> Any:
     return make_job(**kw)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    """Train an example on the actor runtime and print the loss of every step."""
-    import json
-
-    from sbpflow.actor_workers.api import run
-    from sbpflow.actor_workers.runtime import chrome_trace
-
-    job = _job_from_args(args)
-    result = run(job, backend=args.backend, steps=args.steps, trace=bool(args.trace))
-    for step, loss in enumerate(result.losses):
-        print(f"step {step:4d}  loss {loss:.6f}")
-    n = len(result.losses)
-    print(
-        f"{n} steps in {result.seconds:.2f} s ({n / max(result.seconds, 1e-9):.2f} steps/s, {args.backend})"
-    )
-    if args.trace:
-        Path(args.trace).write_text(json.dumps(chrome_trace(result.trace or [])), encoding="utf-8")
-        print(f"wrote {args.trace} (open it in https://ui.perfetto.dev)")
-    return 0
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     """Compile an example; print the plan summary and write the Plan protobuf and/or an HTML picture."""
     from sbpflow.control_plane.compiler import render
@@ -142,10 +122,11 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "trace": (cmd_trace, "trace an example file into a Job and print or save it"),
-    "run": (cmd_run, "train an example on the actor runtime and print the loss of every step"),
+    "run": (cmd_run, "train an example through an embedded control plane, with a progress bar"),
     "plan": (cmd_plan, "compile an example file and print its plan summary; write the plan and a picture"),
     "ops": (cmd_ops, "list the op library"),
     "version": (cmd_version, "print the installed version"),
+    **{name: (fn, help_text) for name, (fn, help_text, _, _) in JOB_COMMANDS.items()},
 }
 
 
@@ -158,20 +139,28 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("example", help="a Python file defining make_job()")
             p.add_argument("--out", help="write the Job protobuf to this file")
             p.add_argument("--dump", action="store_true", help="print every tensor and op")
-        if name in ("plan", "run"):
+        if name in JOB_COMMANDS:
+            _, _, flags, is_client = JOB_COMMANDS[name]
+            if is_client:
+                _client_flags(p)
+            if flags is not None:
+                flags(p)
+        if name in ("plan", "run", "submit"):
             p.add_argument("example", help="a Python file defining make_job()")
             p.add_argument("--ranks", type=int, help="number of ranks (make_job's ranks=)")
             p.add_argument("--tp", action="store_true", help="tensor parallel (make_job's tp=True)")
             p.add_argument("--dp", type=int, help="data-parallel groups of a 2-d mesh (make_job's dp=)")
             p.add_argument("--layers", type=int, help="make_job's layers=")
             p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other make_job argument")
+        if name == "submit":
+            p.add_argument("--watch", action="store_true", help="follow the job with a progress bar")
         if name == "run":
             p.add_argument("--steps", type=int, help="train this many steps (default: the job's own)")
             p.add_argument(
                 "--backend",
                 default="inprocess",
                 choices=("inprocess", "ray"),
-                help="inprocess: every rank a thread of this process; ray: issue 5",
+                help="inprocess: every rank a thread of this process; ray: one Ray worker per rank",
             )
             p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every act (Perfetto)")
         if name == "plan":

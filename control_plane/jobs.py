@@ -23,6 +23,7 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 WAITING = "WAITING_FOR_RESOURCES"
 CANCELLED_BY_USER = "CANCELLED_BY_USER"
 SHUTDOWN = "CONTROL_PLANE_SHUTDOWN"
+
+_TERMINAL_CODES = frozenset({sp.JOB_STATE_SUCCEEDED, sp.JOB_STATE_FAILED, sp.JOB_STATE_CANCELLED})
 
 # What each kind of WorkerReport payload says about the worker's state (None: leaves it as it is).
 _WORKER_STATE: dict[str, WorkerState | None] = {
@@ -214,6 +217,27 @@ class JobManager:
         with self.changed:
             self.changed.wait_for(lambda: self.version != seen, timeout)
             return self.version
+
+    def follow(
+        self, job_id: str, after_seq: int = 0, active: Callable[[], bool] = lambda: True, poll: float = 1.0
+    ) -> Iterator[sp.JobEvent]:
+        """The job's events after ``after_seq`` as ``JobEvent`` messages, then new ones as they happen,
+        until the one that ends the job (or ``active()`` turns false; checked every ``poll`` s)."""
+        from sbpflow.control_plane.status import job_events
+
+        self.store.get(job_id)
+        seq, last = after_seq, None
+        while active():
+            seen = self.version
+            rec = self.store.get(job_id)
+            for ev in job_events(rec, self.store.events(job_id, seq), last):
+                yield ev
+                seq, last = ev.seq, ev.status
+                if ev.HasField("state_change") and ev.status.state in _TERMINAL_CODES:
+                    return
+            if rec.state.terminal:
+                return  # read before its events: they were all sent (or were before after_seq)
+            self.wait_changed(seen, poll)
 
     @property
     def used_slots(self) -> int:

@@ -130,18 +130,7 @@ class JobServicer:
 
     def Watch(self, request: sp.WatchJobRequest, context: grpc.ServicerContext) -> Iterator[sp.JobEvent]:  # noqa: N802
         _guard(context, lambda: self.store.get(request.job_id))
-        seq, last = request.after_seq, None
-        while context.is_active():
-            seen = self.manager.version
-            rec = self.store.get(request.job_id)
-            for ev in status.job_events(rec, self.store.events(request.job_id, seq), last):
-                yield ev
-                seq, last = ev.seq, ev.status
-                if ev.HasField("state_change") and JobState(sp.JobState.Name(ev.status.state)).terminal:
-                    return
-            if rec.state.terminal:
-                return  # read before its events: they were all sent (or were before after_seq)
-            self.manager.wait_changed(seen, POLL_SECONDS)
+        yield from self.manager.follow(request.job_id, request.after_seq, context.is_active, POLL_SECONDS)
 
     def Cancel(self, request: sp.CancelJobRequest, context: grpc.ServicerContext) -> sp.JobStatus:  # noqa: N802
         _guard(context, lambda: self.manager.cancel(request.job_id, request.reason))

@@ -1,0 +1,230 @@
+"""The job commands of the ``sbpflow`` CLI: ``server``, ``submit``, ``status``, ``watch``, ``cancel``,
+``logs``, and ``run`` — the embedded default, which runs the job through an in-process control plane
+(job manager and a store in a temporary folder, no network) with the same progress bar as ``watch``.
+
+The client commands find the server with ``--address`` (or ``SBPFLOW_ADDRESS``, default
+``127.0.0.1:50051``), ``--token`` (or ``SBPFLOW_TOKEN``) and ``--tls-ca``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from sbpflow.errors import SbpflowError
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from sbpflow.client.client import Client
+
+    return Client(args.address, token=args.token, tls_ca=args.tls_ca)
+
+
+def _state(code: Any) -> str:
+    from sbpflow.v1 import service_pb2 as sp
+
+    return sp.JobState.Name(code).removeprefix("JOB_STATE_")
+
+
+def _ended(status: Any) -> int:
+    """Exit code of a finished job: 0 if it succeeded, 1 otherwise (its reason printed)."""
+    if _state(status.state) == "SUCCEEDED":
+        return 0
+    print(f"job {status.job_id} {_state(status.state)}: {status.reason}: {status.message}", file=sys.stderr)
+    return 1
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    """Run the control plane until interrupted."""
+    from sbpflow.control_plane.server import ServerConfig, serve
+
+    serve(
+        ServerConfig(
+            host=args.host,
+            port=args.port,
+            http_port=None if args.http_port < 0 else args.http_port,
+            store=args.store,
+            backend=args.backend,
+            ray_address=args.ray_address,
+            slots=args.slots,
+            auth_token=args.auth_token or os.environ.get("SBPFLOW_TOKEN") or None,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            max_message_bytes=args.max_message_bytes,
+        ),
+        announce=lambda line: print(line, flush=True),
+    )
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    """Trace an example and submit it; print its id (and follow it with --watch)."""
+    from sbpflow.client.cli import _job_from_args
+
+    with _client(args) as client:
+        handle = client.submit(_job_from_args(args), client_id=os.environ.get("USER", ""))
+        print(handle.job_id, flush=True)
+        return _ended(handle.watch()) if args.watch else 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """One job in detail, or a table of the newest jobs."""
+    with _client(args) as client:
+        if args.id:
+            st = client.get(args.id)
+            loss = f"{st.loss:.6f}" if st.HasField("loss") else "-"
+            print(f"job {st.job_id} ({st.name}): {_state(st.state)}" + (f" {st.reason}" if st.reason else ""))
+            if st.message:
+                print(f"  {st.message}")
+            print(f"  step {st.step}/{st.total_steps}  loss {loss}  {st.samples_per_second:.1f} samples/s")
+            for w in st.workers:
+                print(f"  rank {w.rank}: {w.state and w.WorkerState.Name(w.state)}  step {w.step}  {w.host}")
+            return 0
+        print(f"{'ID':16}  {'NAME':16}  {'STATE':10}  {'STEP':>11}  {'LOSS':>10}  REASON")
+        for st in client.list(limit=args.limit):
+            loss = f"{st.loss:10.5g}" if st.HasField("loss") else f"{'-':>10}"
+            step = f"{st.step}/{st.total_steps}"
+            print(
+                f"{st.job_id:16}  {st.name[:16]:16}  {_state(st.state):10}  {step:>11}  {loss}  {st.reason}"
+            )
+        return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    """Follow a job to its end with a progress bar."""
+    with _client(args) as client:
+        return _ended(client.handle(args.id).watch())
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        st = client.cancel(args.id, args.reason)
+        print(f"job {st.job_id}: {_state(st.state)}" + (" (stopping)" if st.state in (2, 3, 4) else ""))
+        return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        for line in client.logs(args.id, args.rank, args.follow):
+            who = "control" if line.rank < 0 else f"rank {line.rank}"
+            print(f"{line.time.ToDatetime():%H:%M:%S} {who:>8} {line.level:7} {line.text}", flush=True)
+        return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Train an example through an in-process control plane (no server) with the progress bar."""
+    import dataclasses
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from sbpflow import wire
+    from sbpflow.client.cli import _job_from_args
+    from sbpflow.client.progress import ProgressBar
+    from sbpflow.control_plane.jobs import JobManager, ManagerConfig, job_ranks
+    from sbpflow.control_plane.store import JobStore
+
+    job = _job_from_args(args)
+    if args.steps is not None:
+        job.config = dataclasses.replace(job.config, steps=args.steps)
+    config = ManagerConfig(
+        backend=args.backend,
+        slots=max(1, len(job_ranks(job))),
+        return_parameters=False,
+        keep_run_results=True,
+        trace=bool(args.trace),
+    )
+    with tempfile.TemporaryDirectory(prefix="sbpflow-run-") as tmp, JobStore(Path(tmp) / "jobs.db") as store:
+        manager = JobManager(store, config)
+        manager.start()
+        rec = manager.submit(wire.job_to_proto(job).SerializeToString())
+        bar = ProgressBar(label=f"({rec.name}, {args.backend})")
+        try:
+            for ev in manager.follow(rec.id):
+                bar.update(ev)
+        except KeyboardInterrupt:
+            manager.cancel(rec.id, "interrupted (Ctrl-C)")
+            raise
+        finally:
+            bar.close()
+            manager.shutdown()
+        end = store.get(rec.id)
+        if end.state.name != "SUCCEEDED":
+            raise SbpflowError(f"job {rec.name!r} {end.state.name}: {end.reason}: {end.message}")
+        result = manager.run_results[rec.id]
+    n = len(result.losses)
+    print(
+        f"{n} steps in {result.seconds:.2f} s ({n / max(result.seconds, 1e-9):.2f} steps/s, {args.backend})"
+    )
+    if args.trace:
+        from sbpflow.actor_workers.runtime import chrome_trace
+
+        Path(args.trace).write_text(json.dumps(chrome_trace(result.trace or [])), encoding="utf-8")
+        print(f"wrote {args.trace} (open it in https://ui.perfetto.dev)")
+    return 0
+
+
+def _client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--address",
+        default=os.environ.get("SBPFLOW_ADDRESS", DEFAULT_ADDRESS),
+        help=f"the control plane, host:port (env SBPFLOW_ADDRESS; default {DEFAULT_ADDRESS})",
+    )
+    p.add_argument(
+        "--token", default=os.environ.get("SBPFLOW_TOKEN"), help="bearer token (env SBPFLOW_TOKEN)"
+    )
+    p.add_argument("--tls-ca", help="PEM certificate to trust for a TLS server")  # fmt: skip
+
+
+def _server_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port, printed)")
+    p.add_argument("--http-port", type=int, default=8080, help="status endpoint port (0: any free; -1: none)")
+    p.add_argument("--store", default="sbpflow-jobs.db", help="SQLite job store file")
+    p.add_argument("--backend", choices=("ray", "inprocess"), default="ray", help="how jobs run")
+    p.add_argument("--ray-address", help="join this Ray cluster (auto or host:port); default: a local Ray")
+    p.add_argument("--slots", type=int, help="device slots (default: the Ray cluster's CPUs)")
+    p.add_argument("--auth-token", help="require this bearer token (env SBPFLOW_TOKEN)")
+    p.add_argument("--tls-cert", help="PEM certificate: serve gRPC and HTTP over TLS (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--max-message-bytes", type=int, default=64 * 1024 * 1024, help="largest request")
+
+
+def _id(p: argparse.ArgumentParser) -> None:
+    p.add_argument("id", help="job id (from `sbpflow submit` or `sbpflow status`)")
+
+
+def _status(p: argparse.ArgumentParser) -> None:
+    p.add_argument("id", nargs="?", help="a job id; without one, list the newest jobs")
+    p.add_argument("--limit", type=int, default=20, help="jobs to list")
+
+
+def _cancel(p: argparse.ArgumentParser) -> None:
+    _id(p)
+    p.add_argument("--reason", default="", help="why (kept in the job's message)")
+
+
+def _logs(p: argparse.ArgumentParser) -> None:
+    _id(p)
+    p.add_argument(
+        "--rank", type=int, default=-1, help="only this rank's lines (-1: all and the control plane)"
+    )
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
+
+
+# name -> (command, help, flags beyond the example's, takes an example file, is a client of a server)
+JOB_COMMANDS: dict[
+    str, tuple[Callable[[argparse.Namespace], int], str, Callable[[Any], None] | None, bool]
+] = {
+    "server": (cmd_server, "run the control plane (gRPC JobService, status endpoint)", _server_flags, False),
+    "submit": (cmd_submit, "trace an example and submit it to a control plane", None, True),
+    "status": (cmd_status, "list jobs, or show one", _status, True),
+    "watch": (cmd_watch, "follow a job with a progress bar until it ends", _id, True),
+    "cancel": (cmd_cancel, "cancel a job", _cancel, True),
+    "logs": (cmd_logs, "print a job's log lines", _logs, True),
+}

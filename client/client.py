@@ -1,0 +1,209 @@
+"""``sf.Client``: submit jobs to a control plane over gRPC, watch them, cancel them, fetch their results.
+
+    client = sf.Client("127.0.0.1:50051", token=os.environ.get("SBPFLOW_TOKEN"))
+    handle = client.submit(job)          # a sbpflow.Job (traced), validated by the server
+    handle.watch()                       # progress bar until the job ends; returns its final JobStatus
+    result = handle.result()             # JobOutcome: state, losses, parameters (numpy arrays)
+    client.list(), client.get(job_id)    # JobStatus messages (sbpflow.v1.JobStatus)
+
+Server errors come back as ``ClientError`` with the gRPC status code and the server's message (for a
+refused job, the op, the tensors and the fix). ``tls_ca``: a PEM file to trust (the server's certificate
+or its CA); without it the channel is plaintext.
+"""
+
+from __future__ import annotations
+
+import builtins
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import grpc
+import numpy as np
+
+from sbpflow.errors import SbpflowError
+from sbpflow.v1 import job_pb2
+from sbpflow.v1 import service_pb2 as sp
+from sbpflow.v1 import service_pb2_grpc as sg
+
+TERMINAL = frozenset({sp.JOB_STATE_SUCCEEDED, sp.JOB_STATE_FAILED, sp.JOB_STATE_CANCELLED})
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class ClientError(SbpflowError):
+    """A call the control plane refused or could not answer; ``code`` is the gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.details = message
+
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except grpc.RpcError as e:
+        raise ClientError(e.code(), e.details() or "") from None  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """What a finished job produced: its end state, the loss per step and the trained parameters."""
+
+    job_id: str
+    state: str  # "SUCCEEDED", "FAILED" or "CANCELLED"
+    losses: list[float]
+    parameters: dict[str, np.ndarray]
+
+
+class Client:
+    """A connection to one control plane."""
+
+    def __init__(
+        self, address: str, token: str | None = None, tls_ca: str | None = None, timeout: float = 30.0
+    ) -> None:
+        self.address, self.timeout = address, timeout
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]  # fmt: skip
+        if tls_ca:
+            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = sg.JobServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _unary(self, name: str, request: Any) -> Any:
+        return _call(getattr(self._stub, name), request, metadata=self._metadata, timeout=self.timeout)
+
+    def _stream(self, name: str, request: Any) -> Iterator[Any]:
+        stream = getattr(self._stub, name)(request, metadata=self._metadata)
+        try:
+            yield from stream
+        except grpc.RpcError as e:
+            raise ClientError(e.code(), e.details() or "") from None  # type: ignore[attr-defined]
+        finally:
+            stream.cancel()
+
+    # ---- the API ----------------------------------------------------------------------------------
+
+    def submit(self, job: Any, client_id: str = "", idempotency_key: str = "") -> JobHandle:
+        """Submit a ``sbpflow.Job`` (or its ``sbpflow.v1.Job`` protobuf); returns a handle once stored."""
+        if isinstance(job, job_pb2.Job):
+            proto = job
+        else:
+            from sbpflow.wire import job_to_proto
+
+            proto = job_to_proto(job)
+        req = sp.SubmitJobRequest(job=proto, client_id=client_id, idempotency_key=idempotency_key)
+        resp = self._unary("Submit", req)
+        return JobHandle(self, resp.job_id)
+
+    def get(self, job_id: str) -> sp.JobStatus:
+        return self._unary("Get", sp.GetJobRequest(job_id=job_id))  # type: ignore[no-any-return]
+
+    def handle(self, job_id: str) -> JobHandle:
+        """A handle on a job submitted earlier (checks that it exists)."""
+        self.get(job_id)
+        return JobHandle(self, job_id)
+
+    def list(self, states: builtins.list[str] | None = None, limit: int = 100) -> builtins.list[sp.JobStatus]:
+        """Jobs, newest first; ``states`` like ["RUNNING", "PENDING"]."""
+        codes = [sp.JobState.Value("JOB_STATE_" + s.upper().removeprefix("JOB_STATE_")) for s in states or []]
+        out: builtins.list[sp.JobStatus] = []
+        token = ""
+        while len(out) < limit:
+            req = sp.ListJobsRequest(page_size=min(limit - len(out), 1000), page_token=token, states=codes)
+            page = self._unary("List", req)
+            out.extend(page.jobs)
+            token = page.next_page_token
+            if not token:
+                break
+        return out
+
+    def watch_events(self, job_id: str, after_seq: int = 0) -> Iterator[sp.JobEvent]:
+        return self._stream("Watch", sp.WatchJobRequest(job_id=job_id, after_seq=after_seq))
+
+    def logs(self, job_id: str, rank: int = -1, follow: bool = False) -> Iterator[sp.LogLine]:
+        return self._stream("Logs", sp.LogsRequest(job_id=job_id, rank=rank, follow=follow))
+
+    def cancel(self, job_id: str, reason: str = "") -> sp.JobStatus:
+        return self._unary("Cancel", sp.CancelJobRequest(job_id=job_id, reason=reason))  # type: ignore[no-any-return]
+
+    def result(self, job_id: str, parameters: builtins.list[str] | None = None) -> JobOutcome:
+        from sbpflow.wire import array_from_proto
+
+        r = self._unary("GetResult", sp.GetResultRequest(job_id=job_id, parameters=parameters or []))
+        return JobOutcome(
+            job_id=r.job_id or job_id,
+            state=sp.JobState.Name(r.state).removeprefix("JOB_STATE_"),
+            losses=list(r.losses),
+            parameters={k: array_from_proto(v) for k, v in r.parameters.items()},
+        )
+
+
+class JobHandle:
+    """One submitted job."""
+
+    def __init__(self, client: Client, job_id: str) -> None:
+        self.client, self.job_id = client, job_id
+
+    def __repr__(self) -> str:
+        return f"JobHandle({self.job_id!r} on {self.client.address})"
+
+    def status(self) -> sp.JobStatus:
+        return self.client.get(self.job_id)
+
+    def events(self, after_seq: int = 0) -> Iterator[sp.JobEvent]:
+        """Every event of the job after ``after_seq``, then new ones as they happen, until it ends."""
+        return self.client.watch_events(self.job_id, after_seq)
+
+    def watch(self, stream: TextIO | None = None, progress: bool = True) -> sp.JobStatus:
+        """Follow the job to its end, drawing a progress bar on ``stream`` (stdout); its final status."""
+        from sbpflow.client.progress import ProgressBar
+
+        bar = ProgressBar(stream) if progress else None
+        try:
+            for ev in self.events():
+                if bar is not None:
+                    bar.update(ev)
+        finally:
+            if bar is not None:
+                bar.close()
+        return self.status()
+
+    def wait(self, timeout: float | None = None) -> sp.JobStatus:
+        """Block until the job ends (TimeoutError after ``timeout`` seconds); its final status."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            st = self.status()
+            if st.state in TERMINAL:
+                return st
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"job {self.job_id} is still {sp.JobState.Name(st.state)} after {timeout} s; "
+                    "wait longer or cancel it"
+                )
+            time.sleep(0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic())))
+
+    def cancel(self, reason: str = "") -> sp.JobStatus:
+        return self.client.cancel(self.job_id, reason)
+
+    def result(self, parameters: list[str] | None = None) -> JobOutcome:
+        """Losses and trained parameters; waits for the job to end first."""
+        self.wait()
+        return self.client.result(self.job_id, parameters)
+
+    def logs(self, rank: int = -1, follow: bool = False) -> Iterator[sp.LogLine]:
+        return self.client.logs(self.job_id, rank, follow)
