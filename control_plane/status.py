@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from sbpflow.control_plane.store import JobEvent, JobRecord, LogRecord, WorkerRecord
@@ -111,8 +113,27 @@ def result_proto(job_id: str, result: RunResult) -> sp.JobResult:
     return m
 
 
-def as_json(m: Any) -> dict[str, Any]:
-    """A message as the JSON the HTTP endpoint serves: proto field names, enums by name, defaults kept."""
-    return json_format.MessageToDict(
+_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64}
+
+
+def as_json(m: Message) -> dict[str, Any]:
+    """A message as the JSON the HTTP endpoint serves: proto field names, enums by name, defaults kept,
+    and 64-bit integers as numbers (proto3 JSON writes them as strings; steps and ranks read better)."""
+    d = json_format.MessageToDict(
         m, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
+    _numbers(m.DESCRIPTOR, d)
+    return d
+
+
+def _numbers(desc: Any, d: dict[str, Any]) -> None:
+    for f in desc.fields:
+        value = d.get(f.name)
+        if value is None:
+            continue
+        if f.type in _INT64:
+            d[f.name] = [int(x) for x in value] if isinstance(value, list) else int(value)
+        elif f.message_type is not None:
+            for sub in value if isinstance(value, list) else [value]:
+                if isinstance(sub, dict):
+                    _numbers(f.message_type, sub)
