@@ -35,12 +35,20 @@ _sys.modules.setdefault(f"{__name__}.optim", optim)
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> _Any:
-    if name == "run":  # the runtime and the compiler load on first use, not at ``import sbpflow``
-        from sbpflow.actor_workers.api import run
+# Loaded on first use, not at ``import sbpflow`` (the runtime, the compiler, Ray, gRPC): name -> module.
+_LAZY = {
+    "run": "sbpflow.actor_workers.api",
+    "RunCancelled": "sbpflow.actor_workers.api",
+}
 
-        return run
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __getattr__(name: str) -> _Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
 
 
 __all__ = [

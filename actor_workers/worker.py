@@ -1,0 +1,277 @@
+"""The worker: one process per device, a Ray actor that runs its rank's part of a plan.
+
+The scheduler (:mod:`sbpflow.control_plane.scheduler`) creates one :class:`Worker` per rank inside a
+placement group, then drives it in three calls:
+
+1. ``endpoint()`` — where this rank's data plane listens (the scheduler gathers every rank's);
+2. ``setup(plan, steps, endpoints)`` — connect the data plane to every peer and build the rank's actors
+   from the plan (the compiled job travels inside it, as protobuf data, never code);
+3. ``run(timeout)`` — run the actor engine to the end and return a :class:`WorkerOutcome`: this rank's
+   fetched losses, or the failure (rank, actor, op, cause) — failures are values, not Ray exceptions, so
+   the driver can name them exactly.
+
+``abort(reason)`` may come at any time from another thread of the actor (it has several), and stops the
+engine and the transport; so does a ``ReportAck`` with ``cancel`` set. While it runs, the worker sends
+``WorkerReport`` protobufs to the control plane's WorkerService — each step, a heartbeat when idle, its
+error, done — from a background thread, so a slow control plane never stalls a step.
+
+The class is plain Python; :func:`remote_class` wraps it for Ray, so this module imports without Ray.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import resource
+import threading
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sbpflow.actor_workers.progress import report
+from sbpflow.v1 import plan_pb2 as pp
+from sbpflow.v1 import service_pb2 as sp
+
+HEARTBEAT_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """Why a worker's run stopped: the parts of a RuntimeFailure, as plain data."""
+
+    rank: int
+    actor: str | None
+    op: str | None
+    cause_type: str
+    cause: str
+    traceback: str = ""
+    iteration: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkerOutcome:
+    """What ``run`` returns: this rank's losses per step (when it holds the loss), timings, or the failure."""
+
+    rank: int
+    losses: dict[int, Any] = field(default_factory=dict)  # step -> this rank's share of the loss
+    seconds: float = 0.0
+    acts: int = 0
+    peak_rss_bytes: int = 0
+    trace: list[Any] = field(default_factory=list)
+    failure: WorkerFailure | None = None
+
+
+class Reporter:
+    """Sends WorkerReports to the control plane from a background thread; a lost control plane never
+    stalls the worker (reports that cannot be sent are dropped after a short retry). Calls ``on_cancel``
+    when an ack says the job must stop."""
+
+    def __init__(
+        self,
+        address: str,
+        job_id: str,
+        attempt: int,
+        rank: int,
+        worker_id: str,
+        token: str = "",
+        on_cancel: Any = None,
+    ) -> None:
+        import grpc
+
+        from sbpflow.v1 import service_pb2_grpc as sg
+
+        self._ids = (job_id, attempt, rank, worker_id)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel = grpc.insecure_channel(address) if address else None
+        self._stub = sg.WorkerServiceStub(self._channel) if self._channel is not None else None
+        self._queue: queue.Queue[sp.WorkerReport | None] = queue.Queue()
+        self._on_cancel = on_cancel
+        self._thread = threading.Thread(target=self._loop, name=f"sbpflow-reporter-r{rank}", daemon=True)
+        self._thread.start()
+
+    def send(self, **payload: Any) -> None:
+        self._queue.put(report(*self._ids, **payload))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued (up to ``timeout``), then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._channel is not None:
+            self._channel.close()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                msg = self._queue.get(timeout=HEARTBEAT_SECONDS)
+            except queue.Empty:
+                msg = report(*self._ids, heartbeat=sp.Heartbeat())
+            if msg is None:
+                return
+            if self._stub is None:
+                continue
+            try:
+                ack = self._stub.Report(msg, timeout=5.0, metadata=self._metadata)
+            except Exception:  # noqa: BLE001 - the control plane may be restarting; the run goes on
+                continue
+            if ack.cancel and self._on_cancel is not None and msg.WhichOneof("payload") != "done":
+                self._on_cancel("the control plane cancelled the job")
+
+
+class Worker:
+    """One rank of one job attempt."""
+
+    def __init__(
+        self,
+        job_id: str,
+        attempt: int,
+        rank: int,
+        report_address: str = "",
+        token: str = "",
+        host: str | None = None,
+        host_id: str | None = None,
+        shared_memory: bool = True,
+    ) -> None:
+        from sbpflow.actor_workers.transport.cpu import CpuTransport
+
+        self.rank = rank
+        self.worker_id = _actor_id()
+        node_ip, node_id = _node()
+        self.transport = CpuTransport(
+            rank, host=host or node_ip, host_id=host_id or node_id, shared_memory=shared_memory
+        )
+        self.reporter = Reporter(report_address, job_id, attempt, rank, self.worker_id, token, self.abort)
+        self._engine: Any = None
+        self._program: Any = None
+        self._aborted: str | None = None
+        self._lock = threading.Lock()
+
+    def endpoint(self) -> Any:
+        return self.transport.endpoint
+
+    def info(self) -> dict[str, Any]:
+        """Who and where this worker is (for status and for tests that kill it)."""
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "worker_id": self.worker_id,
+            "host": self.transport.endpoint.host,
+        }
+
+    def setup(
+        self,
+        plan_bytes: bytes,
+        steps: int,
+        endpoints: Sequence[Any],
+        timeout: float = 60.0,
+        trace: bool = False,
+    ) -> None:
+        """Connect to every peer, then build this rank's actors from the plan."""
+        from sbpflow.actor_workers.runtime import executor
+
+        self.transport.connect(endpoints, timeout=timeout)
+        plan = pp.Plan.FromString(plan_bytes)
+        self._program = executor.build(plan, steps, {self.rank: self.transport}, ranks=(self.rank,))
+        rp = self._program.ranks[self.rank]
+        loss = self._program.job.loss
+        self._loss = loss
+
+        def fetched(name: str, micro_batch: int, step: int, value: Any) -> None:
+            if name == loss and micro_batch < 0:
+                v = float(np.asarray(value))
+                self.reporter.send(step=sp.StepReport(step=step + 1, losses=[v], loss=v))
+
+        rp.context.on_fetch = fetched
+        with self._lock:
+            self._engine = executor.engine(rp, trace=trace)
+            if self._aborted is not None:
+                self._engine.abort(self._aborted)
+
+    def run(self, timeout: float) -> WorkerOutcome:
+        """Run to the end; a failure comes back as ``WorkerOutcome.failure``, after the peers are told."""
+        from sbpflow.actor_workers.runtime import RuntimeFailure
+
+        if self._engine is None:
+            raise RuntimeError(f"rank {self.rank}: call setup() before run()")
+        self._engine.add_abort_hook(self.transport.abort)
+        self.reporter.send(log=sp.LogLine(rank=self.rank, level="INFO", text=f"rank {self.rank} running"))
+        try:
+            result = self._engine.run(timeout)
+        except RuntimeFailure as f:
+            failure = WorkerFailure(
+                self.rank if f.rank is None else f.rank,
+                f.actor,
+                f.op,
+                type(f.cause).__name__,
+                str(f.cause),
+                "".join(traceback.format_exception(f.cause)),
+                f.iteration,
+            )
+            self.reporter.send(
+                error=sp.ErrorReport(
+                    op_name=f.actor or "",
+                    op_type=f.op or "",
+                    cause=f"{failure.cause_type}: {failure.cause}",
+                    traceback=failure.traceback,
+                )
+            )
+            self.reporter.close()
+            return WorkerOutcome(self.rank, failure=failure, peak_rss_bytes=_peak_rss())
+        rc = self._program.ranks[self.rank].context
+        losses = dict(rc.fetched.get((self._loss, -1), {})) if self._loss else {}
+        self.reporter.send(memory=sp.MemoryReport(peak_bytes=_peak_rss()))
+        self.reporter.send(done=sp.Done())
+        self.reporter.close()
+        return WorkerOutcome(self.rank, losses, result.seconds, result.acts, _peak_rss(), result.trace)
+
+    def shards(self, names: Sequence[str]) -> dict[str, Any]:
+        """This rank's shard of each variable in ``names`` that it holds."""
+        store = self._program.ranks[self.rank].context.store
+        return {n: np.asarray(store[n]) for n in names if n in store}
+
+    def abort(self, reason: str) -> None:
+        with self._lock:
+            self._aborted = reason
+            engine = self._engine
+        if engine is not None:
+            engine.abort(reason)
+        self.transport.abort(reason)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def _peak_rss() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _node() -> tuple[str, str | None]:
+    """This process's node address and id under Ray (loopback and None outside it)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address(), str(ray.get_runtime_context().get_node_id())
+    except Exception:  # noqa: BLE001 - not inside Ray
+        pass
+    return "127.0.0.1", None
+
+
+def _actor_id() -> str:
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_actor_id() or "")
+    except Exception:  # noqa: BLE001 - not inside Ray (a test builds a Worker directly)
+        return f"pid-{os.getpid()}"
+
+
+@functools.cache
+def remote_class() -> Any:
+    """:class:`Worker` as a Ray actor class (several threads, so ``abort`` runs beside ``run``)."""
+    import ray
+
+    return ray.remote(max_concurrency=4)(Worker)  # type: ignore[call-overload]

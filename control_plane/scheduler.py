@@ -1,0 +1,358 @@
+"""The scheduler: a compiled plan onto Ray worker processes, one per device, and back.
+
+``run_on_ray`` is the ``"ray"`` backend of ``sf.run``. For one attempt of a job it
+
+1. makes sure Ray is up: the cluster at ``ray_address``, or a local Ray started on demand with a CPU
+   per rank (at least the machine's cores) and kept for later runs of this process;
+2. reserves a placement group with one bundle per rank (``{"CPU": 1}`` for cpu devices, ``{"GPU": 1}``
+   for cuda), ``PACK``: packed on as few hosts as fit, spread over more when one cannot hold them;
+3. starts a :class:`~sbpflow.actor_workers.worker.Worker` actor per rank in its bundle; gathers every
+   rank's data-plane endpoint and hands the full list, with the plan, to every worker (connections are
+   set up through the control plane: no worker needs to know where another runs in advance);
+4. runs them, watching three things at once: the outcomes as workers finish, a worker process that
+   dies (its Ray actor errors out), and the cancel event. The first failure aborts every other worker
+   and is raised as a RuntimeFailure naming the rank (and, for a dead worker, its pid and host);
+5. assembles the losses (and, on request, the parameters) from the ranks' shares;
+6. always tears down: every worker actor killed, the placement group removed.
+
+Workers report progress in ``WorkerReport`` protobufs to a WorkerService (:mod:`.reports`): the control
+plane's own when it passes its hub, otherwise a hub served on a loopback port for this run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sbpflow.actor_workers.progress import StepTracker, assemble_value
+from sbpflow.actor_workers.runtime.errors import RuntimeAborted, RuntimeFailure, RuntimeTimeout
+from sbpflow.control_plane.reports import ReportHub
+from sbpflow.errors import SbpflowError
+from sbpflow.v1 import job_pb2 as jp
+from sbpflow.v1 import service_pb2 as sp
+
+if TYPE_CHECKING:
+    from sbpflow.actor_workers.api import RunOptions, RunResult
+    from sbpflow.control_plane.compiler.pipeline import Compiled
+
+SETUP_SECONDS = 120.0  # placement group, actor start-up and connections
+SETTLE_SECONDS = 1.0  # after a first failure, how long to wait for the worker that caused it to show
+
+
+class SchedulingError(SbpflowError):
+    """The cluster cannot hold the job (too few CPUs or GPUs), or Ray could not be reached."""
+
+
+class WorkerLost(SbpflowError):
+    """A worker process died (killed, out of memory, its node gone)."""
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """What one rank's worker reserves, per device type (a table, not a branch)."""
+
+    resources: dict[str, float]
+    actor_options: dict[str, float]
+
+
+BUNDLES = {
+    jp.DEVICE_TYPE_CPU: Bundle({"CPU": 1.0}, {"num_cpus": 1.0}),
+    jp.DEVICE_TYPE_CUDA: Bundle({"GPU": 1.0}, {"num_cpus": 0.0, "num_gpus": 1.0}),
+}
+
+
+def ensure_ray(address: str | None, cpus: int) -> None:
+    """Connect to the Ray at ``address``, or start a local one with at least ``cpus`` CPUs."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray advertises 127.0.0.1
+    import ray
+
+    if ray.is_initialized():
+        return
+    try:
+        if address:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+        else:
+            ray.init(
+                num_cpus=max(cpus, os.cpu_count() or 1),
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                log_to_driver=False,
+                configure_logging=False,
+            )
+    except Exception as exc:
+        where = f"the Ray cluster at {address!r}" if address else "a local Ray"
+        raise SchedulingError(f"could not start or reach {where}: {type(exc).__name__}: {exc}") from exc
+
+
+def run_on_ray(compiled: Compiled, options: RunOptions, tracker: StepTracker) -> RunResult:
+    plan = compiled.plan
+    assert plan is not None
+    ranks = [d.rank for d in plan.devices]
+    kinds = {d.device_type for d in plan.devices}
+    ensure_ray(options.ray_address, len(ranks))
+    hub = options.report_hub
+    own_hub = hub is None
+    if hub is None:
+        hub = ReportHub()
+        hub.serve()
+
+    def on_report(r: sp.WorkerReport) -> None:
+        if r.WhichOneof("payload") == "step" and r.step.losses:
+            tracker.add(int(r.rank), int(r.step.step) - 1, r.step.loss)
+        if options.on_report is not None:
+            options.on_report(r)
+
+    job_id = options.job_id or f"run-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        with hub.listen(job_id, options.attempt, on_report):
+            attempt = _Attempt(plan.devices, kinds, job_id, options, hub.address)
+            try:
+                attempt.start(plan.SerializeToString())
+                options.state("RUNNING")
+                tracker.restart_clock()
+                outcomes = attempt.wait()
+                return _result(compiled, options, attempt, outcomes)
+            finally:
+                attempt.teardown()
+    finally:
+        if own_hub:
+            hub.stop()
+
+
+class _Attempt:
+    """The workers of one attempt and their placement group."""
+
+    def __init__(
+        self, devices: Sequence[Any], kinds: set[int], job_id: str, options: RunOptions, address: str
+    ) -> None:
+        self.ranks = [d.rank for d in devices]
+        self.types = {d.rank: d.device_type for d in devices}
+        self.options = options
+        self.job_id = job_id
+        self.address = address
+        self.workers: dict[int, Any] = {}
+        self.info: dict[int, dict[str, Any]] = {}
+        self.pg: Any = None
+        unknown = kinds - set(BUNDLES)
+        if unknown:
+            raise SchedulingError(f"device types {sorted(unknown)} have no Ray resources; use cpu or cuda")
+
+    def start(self, plan_bytes: bytes) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from sbpflow.actor_workers.worker import remote_class
+
+        self.options.state("STARTING")
+        bundles = [BUNDLES[self.types[r]].resources for r in self.ranks]
+        self.pg = placement_group(bundles, strategy="PACK", name=f"sbpflow-{self.job_id}")
+        ready, _ = ray.wait([self.pg.ready()], timeout=SETUP_SECONDS)
+        if not ready:
+            have = ray.cluster_resources()
+            raise SchedulingError(
+                f"the cluster cannot hold {len(bundles)} workers ({_total(bundles)}) within {SETUP_SECONDS:.0f} s; "
+                f"it has { ({k: v for k, v in have.items() if k in ('CPU', 'GPU')}) }; use fewer ranks or a bigger cluster"
+            )
+        Worker = remote_class()
+        for i, rank in enumerate(self.ranks):
+            strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
+            self.workers[rank] = Worker.options(
+                scheduling_strategy=strategy,
+                name=f"sbpflow-{self.job_id}-a{self.options.attempt}-r{rank}",
+                **BUNDLES[self.types[rank]].actor_options,
+            ).remote(self.job_id, self.options.attempt, rank, self.address)
+        # each worker's own node address and id (a worker on another node listens there)
+        self.info = self._get("start", {r: w.info.remote() for r, w in self.workers.items()})
+        endpoints = list(
+            self._get("start", {r: w.endpoint.remote() for r, w in self.workers.items()}).values()
+        )
+        plan_ref = ray.put(plan_bytes)
+        args = (plan_ref, self.options.steps, endpoints, SETUP_SECONDS, self.options.trace)
+        self._get("set up", {r: w.setup.remote(*args) for r, w in self.workers.items()})
+
+    def _get(self, what: str, refs: dict[int, Any]) -> dict[int, Any]:
+        """Every rank's result of a set-up call; a worker that fails or dies there becomes a RuntimeFailure
+        naming its rank, one that does not answer in time a SchedulingError."""
+        import ray
+
+        out: dict[int, Any] = {}
+        deadline = time.monotonic() + SETUP_SECONDS
+        for rank, ref in refs.items():
+            try:
+                out[rank] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                raise SchedulingError(
+                    f"the worker of rank {rank} did not {what} within {SETUP_SECONDS:.0f} s; is the cluster overloaded?"
+                ) from None
+            except ray.exceptions.RayActorError as exc:
+                raise self._lost(rank, exc) from exc
+            except ray.exceptions.RayTaskError as exc:
+                cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+                raise RuntimeFailure(
+                    rank,
+                    None,
+                    None,
+                    WorkerError(f"{what} failed: {type(cause).__name__}: {cause}", type(cause).__name__),
+                ) from exc
+        return out
+
+    def wait(self) -> dict[int, Any]:
+        """Every rank's outcome; the first failure (a failed act, a dead worker, a cancel, the timeout)
+        aborts the others and is raised."""
+        import ray
+
+        refs = {w.run.remote(self.options.timeout): rank for rank, w in self.workers.items()}
+        outcomes: dict[int, Any] = {}
+        failures: list[RuntimeFailure] = []
+        deadline = time.monotonic() + self.options.timeout
+        settle_until: float | None = None
+        cancel = self.options.cancel
+        while refs:
+            done, _ = ray.wait(list(refs), num_returns=1, timeout=0.05)
+            for ref in done:
+                rank = refs.pop(ref)
+                try:
+                    outcome = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    failures.append(self._lost(rank, exc))
+                    continue
+                outcomes[rank] = outcome
+                if outcome.failure is not None:
+                    failures.append(_failure(outcome.failure))
+            now = time.monotonic()
+            if failures and settle_until is None:
+                settle_until = now + SETTLE_SECONDS
+                self.abort(str(failures[0]))
+            if settle_until is not None and now >= settle_until:
+                break
+            if cancel is not None and cancel.is_set() and settle_until is None:
+                failures.append(RuntimeFailure(None, None, None, RuntimeAborted("cancelled")))
+                settle_until = now
+                self.abort("cancelled")
+            if now >= deadline and settle_until is None:
+                failures.append(
+                    RuntimeTimeout(
+                        None,
+                        None,
+                        None,
+                        TimeoutError(
+                            f"workers of ranks {sorted(refs.values())} did not finish within {self.options.timeout:.0f} s"
+                        ),
+                    )
+                )
+                settle_until = now
+                self.abort("timed out")
+        if failures:
+            raise _primary(failures)
+        return outcomes
+
+    def _lost(self, rank: int, exc: BaseException) -> RuntimeFailure:
+        info = self.info.get(rank, {})
+        where = f" (pid {info['pid']} on {info['host']})" if info else ""
+        return RuntimeFailure(
+            rank, None, None, WorkerLost(f"the worker of rank {rank}{where} died: {type(exc).__name__}")
+        )
+
+    def abort(self, reason: str) -> None:
+        for w in self.workers.values():
+            try:
+                w.abort.remote(reason)
+            except Exception:  # noqa: BLE001 - a dead worker cannot be told
+                pass
+
+    def gather(self, names: Sequence[str]) -> dict[int, dict[str, Any]]:
+        import ray
+
+        ranks = list(self.workers)
+        shards = ray.get([self.workers[r].shards.remote(list(names)) for r in ranks], timeout=SETUP_SECONDS)
+        return dict(zip(ranks, shards, strict=True))
+
+    def teardown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for w in self.workers.values():
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.workers.clear()
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+            self.pg = None
+
+
+def _failure(f: Any) -> RuntimeFailure:
+    cause = WorkerError(f"{f.cause_type}: {f.cause}", f.cause_type, f.traceback)
+    return RuntimeFailure(f.rank, f.actor, f.op, cause, f.iteration)
+
+
+class WorkerError(SbpflowError):
+    """An exception raised in a worker process, carried back as text (type, message, traceback)."""
+
+    def __init__(self, message: str, cause_type: str = "", remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.cause_type = cause_type
+        self.remote_traceback = remote_traceback
+
+
+# The failure to report when several ranks fail: the one that caused the others.
+_ECHO_CAUSES = ("TransportError", "TransportAborted", "RuntimeAborted")
+
+
+def _primary(failures: list[RuntimeFailure]) -> RuntimeFailure:
+    def rank(f: RuntimeFailure) -> int:
+        if isinstance(f.cause, WorkerLost):
+            return 0
+        cause_type = getattr(f.cause, "cause_type", type(f.cause).__name__)
+        return 2 if cause_type in _ECHO_CAUSES else 1
+
+    return min(failures, key=rank)
+
+
+def _total(bundles: Sequence[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _result(
+    compiled: Compiled, options: RunOptions, attempt: _Attempt, outcomes: dict[int, Any]
+) -> RunResult:
+    from sbpflow.actor_workers.api import RunResult
+
+    graph, job = compiled.state.graph, compiled.state.job
+    losses: list[float] = []
+    if job.loss:
+        decl = graph.tensors[job.loss]
+        assert decl.placement is not None
+        per_rank = {r: outcomes[r].losses for r in decl.placement.ranks}
+        losses = [
+            float(assemble_value(decl, {r: np.asarray(v[s]) for r, v in per_rank.items()}))
+            for s in range(options.steps)
+        ]
+    parameters = None
+    if options.return_parameters:
+        names = [p.tensor for p in job.parameters]
+        shards = attempt.gather(names)
+        parameters = {}
+        for name in names:
+            decl = graph.tensors[name]
+            assert decl.placement is not None
+            parameters[name] = assemble_value(decl, {r: shards[r][name] for r in decl.placement.ranks})
+    trace = None
+    if options.trace:
+        trace = sorted((e for o in outcomes.values() for e in o.trace), key=lambda e: e.start)
+    seconds = max((o.seconds for o in outcomes.values()), default=0.0)
+    return RunResult(losses, parameters, trace, seconds)
