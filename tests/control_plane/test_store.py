@@ -262,3 +262,40 @@ def test_contended_transitions_allow_exactly_one_winner(store: JobStore) -> None
     for t in threads:
         t.join()
     assert len(wins) == 1 and store.get(rec.id).state == wins[0]
+
+
+def test_idempotency_key_returns_the_first_job(store: JobStore) -> None:
+    a = store.create(b"j", "a", client_id="me", idempotency_key="k", total_steps=5, slots=2)
+    assert store.create(b"other", "b", client_id="me", idempotency_key="k") == a
+    assert store.create(b"j", "c", client_id="you", idempotency_key="k").id != a.id
+    assert a.total_steps == 5 and a.slots == 2 and a.client_id == "me" and store.count() == 2
+
+
+def test_set_reason_keeps_the_state_and_logs_once(store: JobStore) -> None:
+    rec = store.create(b"", "j")
+    store.set_reason(rec.id, "WAITING_FOR_RESOURCES", "needs 4")
+    store.set_reason(rec.id, "WAITING_FOR_RESOURCES", "needs 4")
+    out = store.get(rec.id)
+    assert out.state == S.PENDING and out.reason == "WAITING_FOR_RESOURCES" and out.message == "needs 4"
+    assert [e.kind for e in store.events(rec.id)] == ["created", "reason"]
+
+
+def test_workers_logs_and_results(store: JobStore) -> None:
+    from sbpflow.control_plane.store import WorkerRecord, WorkerState
+
+    rec = store.create(b"", "j")
+    for rank in (1, 0):
+        store.upsert_worker(WorkerRecord(rec.id, rank, f"w{rank}", WorkerState.RUNNING, "h", 3, 1.0))
+    store.upsert_worker(WorkerRecord(rec.id, 1, "w1", WorkerState.DONE, "h", 4, 2.0))
+    assert [(w.rank, w.state, w.step) for w in store.workers(rec.id)] == [
+        (0, WorkerState.RUNNING, 3),
+        (1, WorkerState.DONE, 4),
+    ]
+    assert [store.append_log(rec.id, r, "INFO", f"line {r}") for r in (-1, 0, 1)] == [1, 2, 3]
+    assert [line.text for line in store.logs(rec.id, rank=0)] == ["line 0"]
+    assert [line.seq for line in store.logs(rec.id, after_seq=1)] == [2, 3]
+    assert store.result(rec.id) is None
+    store.save_result(rec.id, b"result")
+    assert store.result(rec.id) == b"result"
+    with pytest.raises(UnknownJobError):
+        store.append_log("nope", 0, "INFO", "x")
