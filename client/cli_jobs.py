@@ -74,6 +74,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """One job in detail, or a table of the newest jobs."""
+    from sbpflow.v1 import service_pb2 as sp
+
     with _client(args) as client:
         if args.id:
             st = client.get(args.id)
@@ -83,7 +85,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 print(f"  {st.message}")
             print(f"  step {st.step}/{st.total_steps}  loss {loss}  {st.samples_per_second:.1f} samples/s")
             for w in st.workers:
-                print(f"  rank {w.rank}: {w.state and w.WorkerState.Name(w.state)}  step {w.step}  {w.host}")
+                state = sp.WorkerState.Name(w.state).removeprefix("WORKER_STATE_")
+                print(f"  rank {w.rank}: {state}  step {w.step}  {w.host}".rstrip())
             return 0
         print(f"{'ID':16}  {'NAME':16}  {'STATE':10}  {'STEP':>11}  {'LOSS':>10}  REASON")
         for st in client.list(limit=args.limit):
