@@ -280,6 +280,12 @@ class _Call:
     def pos(self) -> int:
         return self.comm.pos
 
+    def launch(self, count: int, keep: tuple[Any, ...], enqueue: Callable[[Any, int], None]) -> None:
+        """Enqueue one NCCL call moving ``count`` elements; none for an empty array (members agree on
+        ``count``: the header round checked their shapes)."""
+        if count:
+            self.t.launch(self.comm, keep, enqueue)
+
 
 def _contiguous(a: Any) -> Any:
     return a if a.flags.c_contiguous else a.copy()
@@ -294,8 +300,8 @@ def _all_reduce(c: _Call) -> Any:
     cp, x = c.t.cp, _contiguous(c.array)
     out = cp.empty_like(x)
     kind = nccl_type(x.dtype)
-    c.t.launch(
-        c.comm,
+    c.launch(
+        x.size,
         (x, out),
         lambda h, s: h.allReduce(x.data.ptr, out.data.ptr, x.size, kind.code, kind.reduce, s),
     )
@@ -317,8 +323,8 @@ def _reduce_scatter(c: _Call) -> Any:
     recv = cp.empty((m, *rest), rows.dtype)
     kind = nccl_type(rows.dtype)
     count = recv.size
-    c.t.launch(
-        c.comm,
+    c.launch(
+        count,
         (send, recv),
         lambda h, s: h.reduceScatter(send.data.ptr, recv.data.ptr, count, kind.code, kind.reduce, s),
     )
@@ -337,9 +343,7 @@ def _all_gather(c: _Call) -> Any:
         send[: rows.shape[0]] = rows
     recv = cp.empty((c.size, m, *rest), rows.dtype)
     kind, count = nccl_type(rows.dtype), send.size
-    c.t.launch(
-        c.comm, (send, recv), lambda h, s: h.allGather(send.data.ptr, recv.data.ptr, count, kind.code, s)
-    )
+    c.launch(count, (send, recv), lambda h, s: h.allGather(send.data.ptr, recv.data.ptr, count, kind.code, s))
     if all(n == m for n in sizes):
         gathered = recv.reshape(c.size * m, *rest)
     else:
@@ -382,8 +386,8 @@ def _broadcast(c: _Call) -> Any:
     out = cp.empty(h0.shape, h0.dtype)
     send = _contiguous(c.array) if c.pos == root_pos else out
     kind = nccl_type(out.dtype)
-    c.t.launch(
-        c.comm,
+    c.launch(
+        out.size,
         (send, out),
         lambda h, s: h.broadcast(send.data.ptr, out.data.ptr, out.size, kind.code, root_pos, s),
     )
@@ -444,9 +448,11 @@ class NcclTransport:
         self._lock = threading.Lock()
         self._making: dict[CommKey, threading.Lock] = {}
         self._comms: dict[CommKey, _Comm] = {}
-        self._stash: dict[
-            tuple[int, int], deque[Any]
-        ] = {}  # (src, tag hash): arrived while we waited for another tag
+        # (src, tag hash) -> messages that arrived while a recv waited for another tag
+        self._stash: dict[tuple[int, int], deque[Any]] = {}
+        # p2p key -> (ready event, tag, array) sends queued while a thread makes the communicator
+        self._outbox: dict[CommKey, deque[tuple[Any, str, Any]]] = {}
+        self._makers: list[threading.Thread] = []
         self._self_box: dict[str, deque[Any]] = {}  # messages this rank sent to itself
         self._self_cond = threading.Condition()
 
@@ -467,18 +473,52 @@ class NcclTransport:
                     self._self_box.setdefault(tag, deque()).append(x)
                     self._self_cond.notify_all()
                 return
-            comm = self._comm(CommKey("p2p", (self.rank, dst)))
+            key = CommKey("p2p", (self.rank, dst))
+            with self._lock:
+                comm = None if key in self._outbox else self._comms.get(key)
+                if comm is None:  # not made yet: queue the message; a thread makes the communicator
+                    ready = self.cp.cuda.Event(disable_timing=True)
+                    ready.record(self.cp.cuda.get_current_stream())
+                    if key not in self._outbox:
+                        self._outbox[key] = deque()
+                        maker = threading.Thread(target=self._flush_outbox, args=(key,), daemon=True)
+                        self._makers.append(maker)
+                        maker.start()
+                    self._outbox[key].append((ready, tag, x))
+                    return
             with comm.lock:
-                comm.calls += 1
-                head = self.cp.asarray(encode("send", tag, (), x.dtype, x.shape, comm.calls))
-                kind = nccl_type(x.dtype)
+                self._send_on(comm, tag, x, None)
 
-                def launch(h: Any, s: int) -> None:
-                    h.send(head.data.ptr, HEADER_WORDS, NCCL_TYPES[np.dtype(np.int64)].code, 1, s)
-                    if x.size:
-                        h.send(x.data.ptr, x.size, kind.code, 1, s)
+    def _send_on(self, comm: _Comm, tag: str, x: Any, ready: Any) -> None:
+        """A header, then the payload, to the peer of a p2p communicator (after ``ready``, if given)."""
+        comm.calls += 1
+        head = self.cp.asarray(encode("send", tag, (), x.dtype, x.shape, comm.calls))
+        kind, code = nccl_type(x.dtype), NCCL_TYPES[np.dtype(np.int64)].code
 
-                self.launch(comm, (head, x), launch)
+        def launch(h: Any, s: int) -> None:
+            h.send(head.data.ptr, HEADER_WORDS, code, 1, s)
+            if x.size:
+                h.send(x.data.ptr, x.size, kind.code, 1, s)
+
+        self.launch(comm, (head, x), launch, ready=ready, wait=False)
+
+    def _flush_outbox(self, key: CommKey) -> None:
+        """Make a p2p communicator, then send what was queued for it, in order, until the queue is empty;
+        later sends go straight to it. Runs in its own thread: the peer joins only at its first recv."""
+        try:
+            with self.cp.cuda.Device(self.device):
+                comm = self._comm(key)
+                with comm.lock:
+                    while True:
+                        with self._lock:
+                            queue = self._outbox[key]
+                            if not queue:
+                                del self._outbox[key]
+                                return
+                            ready, tag, x = queue.popleft()
+                        self._send_on(comm, tag, x, ready)
+        except Exception as e:
+            self.abort(f"rank {self.rank}: sending on {key} failed: {e}")
 
     def recv(self, src: int, tag: str) -> Any:
         self._check_open()
@@ -604,6 +644,9 @@ class NcclTransport:
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + self.timeout
+        for maker in self._makers:  # queued sends go out before the communicators are torn down
+            maker.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             comms, self._comms = list(self._comms.values()), {}
         with self.cp.cuda.Device(self.device):
@@ -623,18 +666,28 @@ class NcclTransport:
 
     # -- the stream discipline ------------------------------------------------------------------------
 
-    def launch(self, comm: _Comm, keep: tuple[Any, ...], enqueue: Callable[[Any, int], None]) -> Any:
-        """Run ``enqueue(handle, stream_ptr)`` on ``comm``'s stream after the caller's stream's work so far,
-        make the caller's stream wait for it, and keep ``keep`` alive until it is done. Returns its event."""
+    def launch(
+        self,
+        comm: _Comm,
+        keep: tuple[Any, ...],
+        enqueue: Callable[[Any, int], None],
+        ready: Any = None,
+        wait: bool = True,
+    ) -> Any:
+        """Run ``enqueue(handle, stream_ptr)`` on ``comm``'s stream after ``ready`` (default: the caller's
+        stream's work so far), make the caller's stream wait for it (unless ``wait`` is false: nothing on
+        the caller's side reads a send), and keep ``keep`` alive until it is done. Returns its event."""
         cuda = self.cp.cuda
         caller = cuda.get_current_stream()
-        ready = cuda.Event(disable_timing=True)
-        ready.record(caller)
+        if ready is None:
+            ready = cuda.Event(disable_timing=True)
+            ready.record(caller)
         comm.stream.wait_event(ready)
         enqueue(comm.handle, comm.stream.ptr)
         done = cuda.Event(disable_timing=True)
         done.record(comm.stream)
-        caller.wait_event(done)
+        if wait:
+            caller.wait_event(done)
         while comm.inflight and comm.inflight[0][0].done:
             comm.inflight.popleft()
         comm.inflight.append((done, keep))
