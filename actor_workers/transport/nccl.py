@@ -25,7 +25,8 @@ One :class:`NcclTransport` per rank (one process or thread per GPU). Rules and d
   (``groupStart``/``groupEnd``), which takes parts of any size without padding.
 - **Send/recv.** A message is a header then its payload on the ``p2p:src->dst`` communicator, one per
   direction, so a send from a to b never waits behind a recv from b. ``send`` copies the array and
-  returns at once; ``recv`` waits for the header, keeps messages of other tags aside (FIFO per
+  returns at once (making a communicator is a rendezvous the peer joins at its first recv, so a send to a
+  peer with none yet queues, and a thread makes it and sends the queue in order); ``recv`` waits for the header, keeps messages of other tags aside (FIFO per
   (src, tag), as the contract says), and returns without waiting for the payload. A rank sending to
   itself goes through a local mailbox (NCCL has no one-member pair).
 - **Abort.** ``abort(reason)`` aborts every communicator of this rank (ncclCommAbort ends its kernels),
