@@ -64,6 +64,7 @@ class RunOptions:
     on_report: ReportListener | None = None
     cancel: threading.Event | None = None
     report_hub: ReportHub | None = None
+    report_token: str = ""
     job_id: str = ""
     attempt: int = 1
 
@@ -93,6 +94,7 @@ def run(
     on_report: ReportListener | None = None,
     cancel: threading.Event | None = None,
     report_hub: ReportHub | None = None,
+    report_token: str = "",
     job_id: str = "",
     attempt: int = 1,
 ) -> RunResult:
@@ -110,17 +112,18 @@ def run(
     if steps < 1:
         raise SbpflowError(f"steps={steps}: a run trains for at least one step")
     options = RunOptions(
-        steps,
-        return_parameters,
-        trace,
-        timeout,
-        ray_address,
-        on_state,
-        on_report,
-        cancel,
-        report_hub,
-        job_id,
-        attempt,
+        steps=steps,
+        return_parameters=return_parameters,
+        trace=trace,
+        timeout=timeout,
+        ray_address=ray_address,
+        on_state=on_state,
+        on_report=on_report,
+        cancel=cancel,
+        report_hub=report_hub,
+        report_token=report_token,
+        job_id=job_id,
+        attempt=attempt,
     )
     options.state("COMPILING")
     compiled = compile_for_run(job)

@@ -30,9 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from sbpflow.actor_workers.progress import report
+from sbpflow.device import asnumpy
 from sbpflow.v1 import plan_pb2 as pp
 from sbpflow.v1 import service_pb2 as sp
 
@@ -134,15 +133,17 @@ class Worker:
         host: str | None = None,
         host_id: str | None = None,
         shared_memory: bool = True,
+        device_type: str = "cpu",
     ) -> None:
-        from sbpflow.actor_workers.transport.cpu import CpuTransport
+        from sbpflow.actor_workers.planes import PLANES
 
         self.rank = rank
         self.worker_id = _actor_id()
         node_ip, node_id = _node()
-        self.transport = CpuTransport(
-            rank, host=host or node_ip, host_id=host_id or node_id, shared_memory=shared_memory
-        )
+        self.host = host or node_ip
+        if device_type not in PLANES:
+            raise ValueError(f"device type {device_type!r} has no data plane; use one of {sorted(PLANES)}")
+        self.plane = PLANES[device_type](rank, self.host, host_id or node_id, shared_memory)
         self.reporter = Reporter(report_address, job_id, attempt, rank, self.worker_id, token, self.abort)
         self._engine: Any = None
         self._program: Any = None
@@ -150,7 +151,8 @@ class Worker:
         self._lock = threading.Lock()
 
     def endpoint(self) -> Any:
-        return self.transport.endpoint
+        """What this rank's peers need to reach its data plane (None where the plane needs nothing)."""
+        return self.plane.address()
 
     def info(self) -> dict[str, Any]:
         """Who and where this worker is (for status and for tests that kill it)."""
@@ -158,7 +160,7 @@ class Worker:
             "rank": self.rank,
             "pid": os.getpid(),
             "worker_id": self.worker_id,
-            "host": self.transport.endpoint.host,
+            "host": self.host,
         }
 
     def setup(
@@ -168,20 +170,23 @@ class Worker:
         endpoints: Sequence[Any],
         timeout: float = 60.0,
         trace: bool = False,
+        uids: Any = None,
     ) -> None:
         """Connect to every peer, then build this rank's actors from the plan."""
         from sbpflow.actor_workers.runtime import executor
 
-        self.transport.connect(endpoints, timeout=timeout)
         plan = pp.Plan.FromString(plan_bytes)
-        self._program = executor.build(plan, steps, {self.rank: self.transport}, ranks=(self.rank,))
+        transport = self.plane.connect(endpoints, [d.rank for d in plan.devices], uids, timeout)
+        self._program = executor.build(
+            plan, steps, {self.rank: transport}, ranks=(self.rank,), xp=self.plane.xp
+        )
         rp = self._program.ranks[self.rank]
         loss = self._program.job.loss
         self._loss = loss
 
         def fetched(name: str, micro_batch: int, step: int, value: Any) -> None:
             if name == loss and micro_batch < 0:
-                v = float(np.asarray(value))
+                v = float(asnumpy(value))
                 self.reporter.send(step=sp.StepReport(step=step + 1, losses=[v], loss=v))
 
         rp.context.on_fetch = fetched
@@ -196,7 +201,7 @@ class Worker:
 
         if self._engine is None:
             raise RuntimeError(f"rank {self.rank}: call setup() before run()")
-        self._engine.add_abort_hook(self.transport.abort)
+        self._engine.add_abort_hook(self.plane.transport.abort)
         self.reporter.send(log=sp.LogLine(rank=self.rank, level="INFO", text=f"rank {self.rank} running"))
         try:
             result = self._engine.run(timeout)
@@ -221,7 +226,7 @@ class Worker:
             self.reporter.close()
             return WorkerOutcome(self.rank, failure=failure, peak_rss_bytes=_peak_rss())
         rc = self._program.ranks[self.rank].context
-        losses = dict(rc.fetched.get((self._loss, -1), {})) if self._loss else {}
+        losses = {s: asnumpy(v) for s, v in rc.fetched.get((self._loss, -1), {}).items()} if self._loss else {}
         self.reporter.send(memory=sp.MemoryReport(peak_bytes=_peak_rss()))
         self.reporter.send(done=sp.Done())
         self.reporter.close()
@@ -230,7 +235,7 @@ class Worker:
     def shards(self, names: Sequence[str]) -> dict[str, Any]:
         """This rank's shard of each variable in ``names`` that it holds."""
         store = self._program.ranks[self.rank].context.store
-        return {n: np.asarray(store[n]) for n in names if n in store}
+        return {n: asnumpy(store[n]) for n in names if n in store}
 
     def abort(self, reason: str) -> None:
         with self._lock:
@@ -238,10 +243,12 @@ class Worker:
             engine = self._engine
         if engine is not None:
             engine.abort(reason)
-        self.transport.abort(reason)
+        if self.plane.transport is not None:
+            self.plane.transport.abort(reason)
 
     def close(self) -> None:
-        self.transport.close()
+        if self.plane.transport is not None:
+            self.plane.transport.close()
 
 
 def _peak_rss() -> int:

@@ -158,9 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--steps", type=int, help="train this many steps (default: the job's own)")
             p.add_argument(
                 "--backend",
-                default="inprocess",
-                choices=("inprocess", "ray"),
-                help="inprocess: every rank a thread of this process; ray: one Ray worker per rank",
+                default="ray",
+                choices=("ray", "inprocess"),
+                help="ray (default): one Ray worker process per rank on a local Ray; inprocess: every rank a thread",
             )
             p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every act (Perfetto)")
         if name == "plan":

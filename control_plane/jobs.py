@@ -64,6 +64,7 @@ class ManagerConfig:
     return_parameters: bool = True  # keep the trained parameters in the result
     keep_run_results: bool = False  # keep each RunResult in memory (the embedded `sbpflow run`)
     trace: bool = False  # record an act trace (with keep_run_results)
+    report_token: str = ""  # the bearer token Ray workers send with their reports (the server's own)
 
 
 def job_ranks(job: Job) -> set[int]:
@@ -82,8 +83,9 @@ def cluster_capacity(config: ManagerConfig) -> int:
     if config.backend == "ray":
         import ray
 
-        if not ray.is_initialized():
-            ray.init(address=config.ray_address, log_to_driver=False, configure_logging=False)
+        from sbpflow.control_plane.scheduler import ensure_ray
+
+        ensure_ray(config.ray_address, 1)
         return max(1, int(ray.cluster_resources().get("CPU", 0)))
     return os.cpu_count() or 1
 
@@ -131,6 +133,10 @@ class JobManager:
         from sbpflow import wire
         from sbpflow.v1 import job_pb2
 
+        if self.config.backend == "ray":  # on the caller's (main) thread: Ray sets signal handlers there
+            from sbpflow.control_plane.scheduler import ensure_ray
+
+            ensure_ray(self.config.ray_address, self.capacity)
         reconciled = self.store.reconcile_after_restart()
         pending = sorted(self.store.list([JobState.PENDING], limit=1 << 30), key=lambda r: r.created)
         with self._lock:
@@ -304,6 +310,7 @@ class JobManager:
                 on_report=listeners.on_report,
                 cancel=r.cancel,
                 report_hub=self.report_hub,
+                report_token=self.config.report_token,
                 job_id=job_id,
                 attempt=rec.attempt,
             )

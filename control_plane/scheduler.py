@@ -60,6 +60,7 @@ class Bundle:
     actor_options: dict[str, float]
 
 
+DEVICE_TYPES = {jp.DEVICE_TYPE_CPU: "cpu", jp.DEVICE_TYPE_CUDA: "cuda"}
 BUNDLES = {
     jp.DEVICE_TYPE_CPU: Bundle({"CPU": 1.0}, {"num_cpus": 1.0}),
     jp.DEVICE_TYPE_CUDA: Bundle({"GPU": 1.0}, {"num_cpus": 0.0, "num_gpus": 1.0}),
@@ -138,6 +139,7 @@ class _Attempt:
         self.workers: dict[int, Any] = {}
         self.info: dict[int, dict[str, Any]] = {}
         self.pg: Any = None
+        self.uids: Any = None
         unknown = kinds - set(BUNDLES)
         if unknown:
             raise SchedulingError(f"device types {sorted(unknown)} have no Ray resources; use cpu or cuda")
@@ -166,14 +168,25 @@ class _Attempt:
                 scheduling_strategy=strategy,
                 name=f"sbpflow-{self.job_id}-a{self.options.attempt}-r{rank}",
                 **BUNDLES[self.types[rank]].actor_options,
-            ).remote(self.job_id, self.options.attempt, rank, self.address)
+            ).remote(
+                self.job_id,
+                self.options.attempt,
+                rank,
+                self.address,
+                self.options.report_token,
+                device_type=DEVICE_TYPES[self.types[rank]],
+            )
         # each worker's own node address and id (a worker on another node listens there)
         self.info = self._get("start", {r: w.info.remote() for r, w in self.workers.items()})
         endpoints = list(
             self._get("start", {r: w.endpoint.remote() for r, w in self.workers.items()}).values()
         )
         plan_ref = ray.put(plan_bytes)
-        args = (plan_ref, self.options.steps, endpoints, SETUP_SECONDS, self.options.trace)
+        if jp.DEVICE_TYPE_CUDA in self.types.values():  # NCCL ids: get-or-create for this attempt
+            from sbpflow.actor_workers.planes import UidStore
+
+            self.uids = ray.remote(UidStore).options(num_cpus=0).remote()
+        args = (plan_ref, self.options.steps, endpoints, SETUP_SECONDS, self.options.trace, self.uids)
         self._get("set up", {r: w.setup.remote(*args) for r, w in self.workers.items()})
 
     def _get(self, what: str, refs: dict[int, Any]) -> dict[int, Any]:
@@ -277,7 +290,7 @@ class _Attempt:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for w in self.workers.values():
+        for w in [*self.workers.values(), *([self.uids] if self.uids is not None else [])]:
             try:
                 ray.kill(w, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone

@@ -209,6 +209,7 @@ class ControlPlane:
             slots=config.slots,
             ray_address=config.ray_address,
             max_job_bytes=config.max_message_bytes,
+            report_token=config.auth_token or "",
         )
         self.hub = _report_hub(config)
         self.manager = JobManager(self.store, manager_config, report_hub=self.hub)
@@ -293,9 +294,10 @@ def _advertised(host: str) -> str:
 
 
 def _report_hub(cfg: ServerConfig) -> Any:
-    """The WorkerService for Ray workers, on this server; None (the run serves its own) for the
-    in-process backend, or when a token or TLS guards the port (workers do not send credentials yet)."""
-    if cfg.backend != "ray" or cfg.auth_token or cfg.tls_cert:
+    """The WorkerService for Ray workers, on this server (workers send the server's token with their
+    reports); None (the run serves its own, on loopback) for the in-process backend, or when TLS guards
+    the port (workers do not carry the CA yet)."""
+    if cfg.backend != "ray" or cfg.tls_cert:
         return None
     from sbpflow.control_plane.reports import ReportHub
 

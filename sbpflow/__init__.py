@@ -12,7 +12,7 @@ compiler and the runtime on first use).
 import sys as _sys
 from typing import Any as _Any
 
-from sbpflow import data, random, sbp
+from sbpflow import corpus, data, random, sbp
 from sbpflow.client import functional as _functional
 from sbpflow.client import nn, optim
 from sbpflow.client.context import TracingError
@@ -39,6 +39,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "run": "sbpflow.actor_workers.api",
     "RunCancelled": "sbpflow.actor_workers.api",
+    "Client": "sbpflow.client.client",
 }
 
 
@@ -67,6 +68,7 @@ __all__ = [
     "TracingError",
     "bfloat16",
     "bool_",
+    "corpus",
     "data",
     "float16",
     "float32",

@@ -84,7 +84,9 @@ def test_plan_runs_as_a_module(tmp_path: Path) -> None:
     assert "wrote" in r.stdout and (tmp_path / "p.html").is_file()
 
 
-def test_run_trains_an_example_and_writes_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_trains_an_example_and_writes_a_trace(
+    ray_local: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import json
 
     trace = tmp_path / "trace.json"
@@ -96,6 +98,7 @@ def test_run_trains_an_example_and_writes_a_trace(tmp_path: Path, capsys: pytest
     assert any(e.get("ph") == "X" for e in events)
 
 
-def test_run_with_the_ray_backend_says_it_is_not_there_yet(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["run", str(EXAMPLES / "mlp.py"), "--steps", "1", "--backend", "ray"]) == 2
-    assert "issue 5" in capsys.readouterr().err
+def test_run_in_process_on_request(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(EXAMPLES / "mlp.py"), "--ranks", "2", "--steps", "2", "--backend", "inprocess"]) == 0
+    out = capsys.readouterr().out
+    assert "2 steps in" in out and "inprocess" in out

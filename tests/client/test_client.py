@@ -77,7 +77,8 @@ def test_client_errors_name_the_problem(plane: ControlPlane, capsys: pytest.Capt
     assert "'nope'" in str(e.value)
 
 
-def test_embedded_run_prints_the_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:
+def test_embedded_run_prints_the_progress_bar(ray_local: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``sbpflow run``'s default: a local Ray, an in-process control plane, one worker process per rank."""
     assert main(["run", MLP, "--ranks", "2", "--steps", "3"]) == 0
     out = capsys.readouterr().out
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]

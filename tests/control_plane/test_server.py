@@ -310,3 +310,22 @@ def test_the_store_holds_what_the_server_said(tmp_path: Path, mlp: ModuleType) -
         rec = s.get(h.job_id)
         assert rec.state.name == "SUCCEEDED" and rec.total_steps == 3 and rec.slots == 2
         assert [w.rank for w in s.workers(h.job_id)] == [0, 1] and s.result(h.job_id)
+
+
+def test_a_job_on_ray_workers_reports_through_the_servers_own_worker_service_with_the_token(
+    ray_local: str, tmp_path: Path, mlp: ModuleType
+) -> None:
+    """The whole path: Submit with a token -> compile -> 2 Ray worker processes -> their WorkerReports
+    (sent with the server's token) to this server's WorkerService -> per-worker states and losses."""
+    plane = start(tmp_path, backend="ray", auth_token="s3cret", slots=2)
+    try:
+        assert plane.hub is not None and plane.hub.address.endswith(f":{plane.port}")
+        with Client(plane.address, token="s3cret") as c:
+            h = c.submit(mlp.make_job(steps=3, ranks=2))
+            final = h.wait(timeout=120)
+            assert sp.JobState.Name(final.state) == "JOB_STATE_SUCCEEDED", final.message
+            assert [w.rank for w in final.workers] == [0, 1]
+            assert all(sp.WorkerState.Name(w.state) == "WORKER_STATE_DONE" for w in final.workers)
+            assert len(h.result().losses) == 3
+    finally:
+        plane.stop()
