@@ -69,7 +69,12 @@ def make_job(
     micro_batches: int = 1,
     grad_accum: int = 1,
     schedule: str = "1f1b",
+    text: str = "synthetic",
 ) -> sf.Job:
+    if text not in TEXTS:
+        raise SystemExit(f"--text {text!r}: use one of {sorted(TEXTS)}")
+    if text == "pysrc":
+        vocab = max(vocab, sf.corpus.VOCAB)
     cfg = sf.nn.GPTConfig(
         vocab_size=vocab, seq_len=seq_len, n_layer=layers, n_head=heads, n_embd=width, dropout=dropout
     )
@@ -92,14 +97,22 @@ def make_job(
         head = LossHead()
         where = stage_blocks(model, head, stage_placements(ranks, pp, stage_ranks))
         input_sbp = (sf.sbp.split(0),)
-    data = SyntheticSource(
-        batch_size=batch_size, kind="tokens", params={"seq_len": seq_len, "vocab": vocab}, seed=seed
-    )
+    data = TEXTS[text](seq_len, batch_size, vocab, seed)
     graph = TrainGPT(model, lr, steps, warmup, head)
     graph.config.seed = seed
     graph.config.micro_batches, graph.config.gradient_accumulation_steps = micro_batches, grad_accum
     graph.config.pipeline_schedule = schedule
     return graph.trace(data, placement=where, input_sbp=input_sbp)
+
+
+# Where the tokens come from: random ids (no file, any size), or a real character-level corpus (the
+# Python standard library's sources, available offline on every machine; vocabulary 128).
+TEXTS = {
+    "synthetic": lambda seq_len, batch_size, vocab, seed: SyntheticSource(
+        batch_size=batch_size, kind="tokens", params={"seq_len": seq_len, "vocab": vocab}, seed=seed
+    ),
+    "pysrc": lambda seq_len, batch_size, vocab, seed: sf.corpus.char_source(seq_len, batch_size, seed),
+}
 
 
 def stage_placements(ranks: int, pp: int, sizes: tuple[int, ...] = ()) -> list[sf.Placement]:
@@ -146,6 +159,7 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=1)
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    ap.add_argument("--text", choices=sorted(TEXTS), default="synthetic", help="pysrc: Python's own sources")
     job = make_job(**vars(ap.parse_args()))
     print(summarize(job, show_parameters=False))
 
