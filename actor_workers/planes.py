@@ -62,14 +62,23 @@ class NcclPlane:
         from sbpflow.actor_workers.transport.nccl import CommKey, NcclTransport
 
         if uids is None:
-            raise ValueError("a cuda worker needs the control plane's UidStore to make its NCCL communicators")
+            raise ValueError(
+                "a cuda worker needs the control plane's UidStore to make its NCCL communicators"
+            )
 
         def uid_for(key: CommKey) -> bytes:
-            return bytes(ray.get(uids.get_or_set.remote(str(key), NcclTransport.unique_id()), timeout=timeout))
+            return bytes(
+                ray.get(uids.get_or_set.remote(str(key), NcclTransport.unique_id()), timeout=timeout)
+            )
 
         world = tuple(int(r) for r in ranks)
         self.transport = NcclTransport(
-            self.rank, world, uid_for(CommKey("collective", world)), device=0, uid_for=uid_for, timeout=timeout
+            self.rank,
+            world,
+            uid_for(CommKey("collective", world)),
+            device=0,
+            uid_for=uid_for,
+            timeout=timeout,
         )
         return self.transport
 

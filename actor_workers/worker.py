@@ -226,7 +226,9 @@ class Worker:
             self.reporter.close()
             return WorkerOutcome(self.rank, failure=failure, peak_rss_bytes=_peak_rss())
         rc = self._program.ranks[self.rank].context
-        losses = {s: asnumpy(v) for s, v in rc.fetched.get((self._loss, -1), {}).items()} if self._loss else {}
+        losses = (
+            {s: asnumpy(v) for s, v in rc.fetched.get((self._loss, -1), {}).items()} if self._loss else {}
+        )
         self.reporter.send(memory=sp.MemoryReport(peak_bytes=_peak_rss()))
         self.reporter.send(done=sp.Done())
         self.reporter.close()

@@ -99,6 +99,8 @@ def test_run_trains_an_example_and_writes_a_trace(
 
 
 def test_run_in_process_on_request(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["run", str(EXAMPLES / "mlp.py"), "--ranks", "2", "--steps", "2", "--backend", "inprocess"]) == 0
+    assert (
+        main(["run", str(EXAMPLES / "mlp.py"), "--ranks", "2", "--steps", "2", "--backend", "inprocess"]) == 0
+    )
     out = capsys.readouterr().out
     assert "2 steps in" in out and "inprocess" in out
