@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from sbpflow.graph import TensorDecl
 from sbpflow.sharding import assemble
 from sbpflow.v1 import service_pb2 as sp
 
+WINDOW = 8  # samples/s is measured over the last WINDOW steps: reports arrive in bursts, steps do not
 StepListener = Callable[[sp.StepMetrics], None]
 ReportListener = Callable[[sp.WorkerReport], None]
 StateListener = Callable[[str], None]
@@ -59,11 +61,14 @@ class StepTracker:
         self._lock = threading.Lock()
         self._pending: dict[int, dict[int, Any]] = {}
         self._last = time.monotonic()
+        self._recent: deque[float] = deque(maxlen=WINDOW + 1)  # completion times of the recent steps
         self.losses: list[float] = []
 
     def restart_clock(self) -> None:
         """Time the first step from now (the run starts after compile and set-up)."""
         self._last = time.monotonic()
+        self._recent.clear()
+        self._recent.append(self._last)
 
     def add(self, rank: int, step: int, value: Any) -> None:
         """Rank ``rank``'s share of the loss of (0-based) ``step``."""
@@ -78,12 +83,14 @@ class StepTracker:
                 loss = float(assemble_value(self._decl, shares))
                 now = time.monotonic()
                 seconds, self._last = now - self._last, now
+                self._recent.append(now)
                 self.losses.append(loss)
+                span = now - self._recent[0]
                 done.append(
                     sp.StepMetrics(
                         step=len(self.losses),
                         loss=loss,
-                        samples_per_second=self._samples / max(seconds, 1e-9),
+                        samples_per_second=self._samples * (len(self._recent) - 1) / max(span, 1e-9),
                         step_seconds=seconds,
                     )
                 )
