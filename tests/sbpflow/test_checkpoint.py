@@ -1,0 +1,179 @@
+"""The checkpoint format without a runtime: safetensors bytes as the spec lays them out, shards written
+under one layout and read back under another (splits, replicas, partial sums, uneven), completeness
+(no manifest, no checkpoint; a dead attempt's files never mixed in), damage detected, export/import."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sbpflow import checkpoint as ck
+from sbpflow.placement import placement
+from sbpflow.sbp import B, P, S
+from sbpflow.sharding import shard, shard_index
+
+LAYOUTS = {
+    "1": (placement("cpu", [0]), (B,)),
+    "dp4": (placement("cpu", [0, 1, 2, 3]), (B,)),
+    "s0x4": (placement("cpu", [0, 1, 2, 3]), (S(0),)),
+    "s1x3": (placement("cpu", [0, 1, 2]), (S(1),)),
+    "2x2-s0-s1": (placement("cpu", [[0, 1], [2, 3]]), (S(0), S(1))),
+    "2x2-b-s1": (placement("cpu", [[0, 1], [2, 3]]), (B, S(1))),
+    "2x2-s0-s0": (placement("cpu", [[0, 1], [2, 3]]), (S(0), S(0))),
+    "p2": (placement("cpu", [0, 1]), (P,)),
+    "2x2-p-s0": (placement("cpu", [[0, 1], [2, 3]]), (P, S(0))),
+}
+
+
+def save(
+    root: Path, step: int, value: np.ndarray, layout: str, token: str = "a1", name: str = "w"
+) -> list[int]:
+    where, sbp = LAYOUTS[layout]
+    locals_ = shard(value, where, sbp)
+    for rank in where.ranks:
+        shards = [ck.shard_of(name, "parameter", locals_[rank], where, sbp, rank, value.shape)]
+        ck.write_rank(root, step, rank, token, [s for s in shards if ck.writes(name, where, sbp, rank)])
+    return list(where.ranks)
+
+
+def test_safetensors_bytes_follow_the_spec(tmp_path: Path) -> None:
+    tensors = {
+        "a": np.arange(6, dtype=np.float64).reshape(2, 3),
+        "b": np.array([1, -2, 3], dtype=np.int32),
+        "c": np.array([True, False]),
+        "d": np.zeros((0, 4), np.float32),
+        "e": np.arange(5, dtype=np.float16),
+    }
+    path = tmp_path / "x.safetensors"
+    n = ck.write_safetensors(path, tensors, {"k": "v"})
+    raw = path.read_bytes()
+    assert n == len(raw)
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    assert (8 + hlen) % 8 == 0, "data must start 8-byte aligned"
+    header = json.loads(raw[8 : 8 + hlen])
+    assert header.pop("__metadata__") == {"k": "v"}
+    codes = {"a": "F64", "b": "I32", "c": "BOOL", "d": "F32", "e": "F16"}
+    end = 0
+    for name, want in tensors.items():
+        e = header[name]
+        assert e["dtype"] == codes[name] and e["shape"] == list(want.shape)
+        lo, hi = e["data_offsets"]
+        assert lo == end, "entries are contiguous, in order"
+        end = hi
+        got = np.frombuffer(raw[8 + hlen + lo : 8 + hlen + hi], dtype=want.dtype).reshape(want.shape)
+        np.testing.assert_array_equal(got, want)
+    assert 8 + hlen + end == len(raw)
+    f = ck.SafetensorsFile(path)
+    for name, want in tensors.items():
+        np.testing.assert_array_equal(f[name], want)
+        assert f[name].dtype == want.dtype
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("src", list(LAYOUTS))
+@pytest.mark.parametrize("dst", ["1", "s0x4", "2x2-b-s1", "s1x3", "2x2-s0-s0"])
+def test_saved_under_one_layout_every_rank_of_another_reads_its_shard(
+    tmp_path: Path, src: str, dst: str
+) -> None:
+    value = np.random.default_rng(0).standard_normal((10, 7))  # uneven under 4 and 3
+    ranks = save(tmp_path, 4, value, src)
+    assert ck.try_complete(tmp_path, 4, "a1", ranks, "job", seed=3)
+    r = ck.CheckpointReader(tmp_path)
+    assert r.step == 4 and r.manifest.seed == 3 and r.manifest.data_position == 4
+    where, sbp = LAYOUTS[dst]
+    for coord in where.coords():
+        index = shard_index(value.shape, where.shape, sbp, coord)
+        got = r.read("w", index)
+        np.testing.assert_allclose(
+            got, value[index], rtol=1e-15, atol=1e-15 if LAYOUTS[src][1][0] == P else 0
+        )
+    entry = r.manifest.tensor("w")
+    assert entry.partial == (P in LAYOUTS[src][1])
+
+
+def test_replicas_are_written_once_and_spread_over_the_replicas(tmp_path: Path) -> None:
+    where, sbp = LAYOUTS["dp4"]
+    writers = {
+        n: [r for r in where.ranks if ck.writes(n, where, sbp, r)] for n in (f"t{i}" for i in range(16))
+    }
+    assert all(len(w) == 1 for w in writers.values())
+    assert len({w[0] for w in writers.values()}) > 1, "every replicated tensor written by one rank"
+    where, sbp = LAYOUTS["2x2-b-s1"]
+    assert sorted(len([r for r in where.ranks if ck.writes("x", where, sbp, r)]) for _ in range(1)) == [2]
+
+
+def test_reading_touches_only_the_pieces_that_overlap(tmp_path: Path) -> None:
+    value = np.arange(40.0).reshape(8, 5)
+    ranks = save(tmp_path, 1, value, "s0x4")
+    ck.try_complete(tmp_path, 1, "a1", ranks, "job", 0)
+    r = ck.CheckpointReader(tmp_path)
+    np.testing.assert_array_equal(r.read("w", (slice(0, 2), slice(0, 5))), value[:2])
+    assert list(r._files) == ["rank-00000.a1.safetensors"], "a rank's slice opened other ranks' files"
+
+
+def test_a_checkpoint_is_listed_only_when_every_rank_has_written(tmp_path: Path) -> None:
+    value = np.ones((4, 4))
+    save(tmp_path, 5, value, "s0x4")
+    ck.try_complete(tmp_path, 5, "a1", [0, 1, 2, 3], "job", 0)
+    where, sbp = LAYOUTS["s0x4"]
+    parts = shard(value * 2, where, sbp)
+    for rank in (0, 1):  # step 10 of attempt a1: two ranks wrote, then the attempt died
+        ck.write_rank(
+            tmp_path, 10, rank, "a1", [ck.shard_of("w", "parameter", parts[rank], where, sbp, rank, (4, 4))]
+        )
+    assert not ck.try_complete(tmp_path, 10, "a1", [0, 1, 2, 3], "job", 0)
+    (ck.step_dir(tmp_path, 10) / "rank-00002.a1.safetensors.tmp").write_bytes(b"half")
+    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [5]
+    assert ck.latest(tmp_path).step == 5  # type: ignore[union-attr]
+    np.testing.assert_array_equal(ck.read_logical(tmp_path)["w"], value)
+    # attempt a2 writes ranks 2 and 3 of step 10: a1's files must not complete it
+    for rank in (2, 3):
+        ck.write_rank(
+            tmp_path, 10, rank, "a2", [ck.shard_of("w", "parameter", parts[rank], where, sbp, rank, (4, 4))]
+        )
+    assert not ck.try_complete(tmp_path, 10, "a2", [0, 1, 2, 3], "job", 0)
+    gone = ck.prune(tmp_path)
+    assert ck.step_dir(tmp_path, 10) in gone and not ck.step_dir(tmp_path, 10).exists()
+    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [5]
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path: Path) -> None:
+    ranks = save(tmp_path, 2, np.ones((8, 2)), "s0x4")
+    ck.try_complete(tmp_path, 2, "a1", ranks, "job", 0)
+    f = ck.step_dir(tmp_path, 2) / "rank-00001.a1.safetensors"
+    f.write_bytes(f.read_bytes()[:-8])
+    with pytest.raises(ck.CheckpointError, match="rank-00001.a1.safetensors has .* bytes"):
+        ck.CheckpointReader(tmp_path)
+    with pytest.raises(ck.CheckpointError, match="no complete checkpoint"):
+        ck.CheckpointReader(tmp_path / "nowhere")
+    with pytest.raises(ck.CheckpointError, match="has no tensor 'v'"):
+        save(tmp_path, 3, np.ones(2), "1")
+        ck.try_complete(tmp_path, 3, "a1", [0], "job", 0)
+        ck.CheckpointReader(ck.step_dir(tmp_path, 3)).read("v")
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_export_then_import_gives_the_logical_tensors(tmp_path: Path, fmt: str) -> None:
+    rng = np.random.default_rng(1)
+    w, b = rng.standard_normal((6, 5)), rng.standard_normal(5).astype(np.float32)
+    save(tmp_path, 3, w, "2x2-s0-s1", name="w")
+    ranks = save(tmp_path, 3, b, "p2", name="b")  # ranks 0, 1 rewrite their files with b only
+    for rank in (0, 1):  # so give ranks 0 and 1 both tensors
+        where, sbp = LAYOUTS["2x2-s0-s1"]
+        shards = [ck.shard_of("w", "parameter", shard(w, where, sbp)[rank], where, sbp, rank, w.shape)]
+        pw, psbp = LAYOUTS["p2"]
+        shards.append(ck.shard_of("b", "parameter", shard(b, pw, psbp)[rank], pw, psbp, rank, b.shape))
+        ck.write_rank(tmp_path, 3, rank, "a1", shards)
+    assert ranks == [0, 1] and ck.try_complete(tmp_path, 3, "a1", [0, 1, 2, 3], "job", 0)
+    out = ck.export(tmp_path, tmp_path / f"model.{fmt}", fmt)
+    back = ck.open_tensors(out)
+    assert sorted(back.names()) == ["b", "w"]
+    np.testing.assert_array_equal(back.read("w"), w)
+    np.testing.assert_allclose(back.read("b"), b, rtol=1e-6)
+    np.testing.assert_array_equal(back.read("w", (slice(1, 3), slice(0, 5))), w[1:3])
+    with pytest.raises(ck.CheckpointError, match="unknown; use one of"):
+        ck.export(tmp_path, tmp_path / "x", "pickle")
