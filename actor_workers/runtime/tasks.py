@@ -55,6 +55,8 @@ class RankContext:
     fetched: dict[tuple[str, int], dict[int, Any]] = field(default_factory=dict)
     # called by every SINK fetch act with (tensor, micro-batch, step, value): progress reports
     on_fetch: Callable[[str, int, int, Any], None] | None = None
+    # called by every SINK assign act with (variable, step) once the store holds the new value
+    on_assign: Callable[[str, int], None] | None = None
     _batches: dict[tuple[int, int, int], dict[str, Any]] = field(default_factory=dict)
 
     def random_step(self, step: int, micro_batch: int) -> int:
@@ -193,6 +195,8 @@ def source_act(rc: RankContext, name: str, looped: bool) -> Act:
 def assign_act(rc: RankContext, name: str, looped: bool) -> Act:
     def act(step: int, values: list[Any]) -> list[Any]:
         rc.store[name] = values[0]
+        if rc.on_assign is not None:
+            rc.on_assign(name, step)
         return [values[0]] if looped else []
 
     return act
