@@ -49,6 +49,8 @@ class RunResult:
     parameters: dict[str, Any] | None = None
     trace: list[Any] | None = None
     seconds: float = 0.0  # wall time of the run, compile excluded
+    first_step: int = 0  # the step the run started at (a resume's checkpoint step): losses[0] is its loss
+    attempts: int = 1  # attempts it took (a restart after a lost worker makes another)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,11 @@ class RunOptions:
     report_token: str = ""
     job_id: str = ""
     attempt: int = 1
+    first_step: int = 0  # ``steps`` steps run from here: a resume's checkpoint step
+    checkpoint_dir: str | None = None  # checkpoints every job.config.checkpoint_every steps go here
+    resume_from: str | None = None  # a checkpoint directory: every variable starts from it
+    init_from: str | None = None  # safetensors/.npz/checkpoint: the parameters it holds start from it
+    max_restarts: int = 0  # a lost worker restarts the job from its last checkpoint this many times
 
     def state(self, name: str) -> None:
         if self.on_state is not None:
@@ -97,6 +104,10 @@ def run(
     report_token: str = "",
     job_id: str = "",
     attempt: int = 1,
+    checkpoint_dir: str | None = None,
+    resume_from: str | None = None,
+    init_from: str | None = None,
+    max_restarts: int = 0,
 ) -> RunResult:
     """Compile ``job`` and train it for ``steps`` (default ``job.config.steps``).
 
@@ -104,6 +115,12 @@ def run(
     and raises :class:`~sbpflow.actor_workers.runtime.RuntimeFailure` naming the rank, the op and the
     cause; a run that does not finish within ``timeout`` seconds raises its RuntimeTimeout subclass with
     the actors that stalled; a set ``cancel`` raises :class:`RunCancelled`.
+
+    Checkpoints (:mod:`sbpflow.checkpoint`): with ``checkpoint_dir`` and ``job.config.checkpoint_every``
+    each rank saves its shards every that many steps; ``resume_from`` (a checkpoint, or a directory of
+    them: the latest) starts every variable from it, under this job's layout, and trains the steps left
+    of ``steps``; ``init_from`` starts the parameters from a safetensors/.npz file (or a checkpoint).
+    On Ray, a lost worker restarts the job from its last checkpoint up to ``max_restarts`` times.
     """
     runner = BACKENDS.get(backend)
     if runner is None:
@@ -111,8 +128,19 @@ def run(
     steps = job.config.steps if steps is None else steps
     if steps < 1:
         raise SbpflowError(f"steps={steps}: a run trains for at least one step")
+    first_step = 0
+    if resume_from is not None:
+        from sbpflow import checkpoint
+
+        resume_from = str(checkpoint.resolve(resume_from))
+        first_step = checkpoint.CheckpointReader(resume_from).step
+        if first_step >= steps:
+            raise SbpflowError(
+                f"the checkpoint {resume_from} is at step {first_step} and the job trains {steps} steps: "
+                "nothing is left to train; pass a larger steps="
+            )
     options = RunOptions(
-        steps=steps,
+        steps=steps - first_step,
         return_parameters=return_parameters,
         trace=trace,
         timeout=timeout,
@@ -124,6 +152,11 @@ def run(
         report_token=report_token,
         job_id=job_id,
         attempt=attempt,
+        first_step=first_step,
+        checkpoint_dir=checkpoint_dir,
+        resume_from=resume_from,
+        init_from=init_from,
+        max_restarts=max_restarts,
     )
     options.state("COMPILING")
     compiled = compile_for_run(job)
@@ -152,6 +185,7 @@ def compile_for_run(job: Job) -> Compiled:
 
 
 def _run_inprocess(compiled: Compiled, options: RunOptions, tracker: StepTracker) -> RunResult:
+    from sbpflow.actor_workers import checkpointing
     from sbpflow.actor_workers.runtime import executor
     from sbpflow.actor_workers.transport import InProcessWorld
 
@@ -162,7 +196,7 @@ def _run_inprocess(compiled: Compiled, options: RunOptions, tracker: StepTracker
     def on_fetch(rank: int) -> Callable[[str, int, int, Any], None]:
         def fetched(name: str, micro_batch: int, step: int, value: Any) -> None:
             if name == loss and micro_batch < 0:
-                tracker.add(rank, step, value)
+                tracker.add(rank, step - options.first_step, value)
                 v = float(value)
                 options.report(rank, step=sp.StepReport(step=step + 1, losses=[v], loss=v))
 
@@ -177,14 +211,24 @@ def _run_inprocess(compiled: Compiled, options: RunOptions, tracker: StepTracker
             {r: world.transport(r) for r in ranks},
             job=dataclasses.replace(job, graph=compiled.state.graph),
             boxings=compiled.state.boxings,
+            first_step=options.first_step,
+            source=checkpointing.source_for(options.resume_from, options.init_from),
         )
         for rank, rp in program.ranks.items():
             rp.context.on_fetch = on_fetch(rank)
+        writers = checkpointing.attach_all(
+            checkpointing.options_for(job, options.checkpoint_dir, plan, options.attempt),
+            program,
+            plan,
+            range(options.first_step, options.first_step + options.steps),
+        )
         options.state("RUNNING")
         tracker.restart_clock()
         try:
             results = executor.execute(program, options.timeout, options.trace, [world.abort], options.cancel)
+            checkpointing.close_all(writers)
         except RuntimeFailure as failure:
+            checkpointing.close_all(writers, raise_errors=False)
             cause = f"{type(failure.cause).__name__}: {failure.cause}"
             options.report(
                 failure.rank if failure.rank is not None else -1,
@@ -193,7 +237,10 @@ def _run_inprocess(compiled: Compiled, options: RunOptions, tracker: StepTracker
             raise
     for rank in ranks:
         options.report(rank, done=sp.Done())
-    losses = [float(x) for x in executor.fetched(program, loss, options.steps)] if loss else []
+    first = options.first_step
+    losses = (
+        [float(x) for x in executor.fetched(program, loss, options.steps, first_step=first)] if loss else []
+    )
     parameters = None
     if options.return_parameters:
         parameters = executor.variables(program, [p.tensor for p in job.parameters])
@@ -205,7 +252,7 @@ def _run_inprocess(compiled: Compiled, options: RunOptions, tracker: StepTracker
     # store; free a finished run's memory now rather than whenever the cycle collector next runs.
     del program, results, world
     gc.collect()
-    return RunResult(losses, parameters, events, seconds)
+    return RunResult(losses, parameters, events, seconds, first_step=first)
 
 
 def _run_ray(compiled: Compiled, options: RunOptions, tracker: StepTracker) -> RunResult:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import struct
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -317,7 +318,7 @@ def try_complete(root: str | Path, step: int, token: str, ranks: Sequence[int], 
         for k, e in sorted(entries.items())
     )
     manifest = Manifest(job, step, seed, tensors, files, tuple(ranks))
-    tmp = d / f"{MANIFEST}.{token}.{os.getpid()}.tmp"
+    tmp = d / f"{MANIFEST}.{token}.{os.getpid()}-{secrets.token_hex(4)}.tmp"  # racers: own names
     with open(tmp, "w") as out:
         out.write(manifest.to_json())
         out.flush()

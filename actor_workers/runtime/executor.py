@@ -35,7 +35,7 @@ from sbpflow.actor_workers.runtime.actor import ActorSpec
 from sbpflow.actor_workers.runtime.engine import AbortHook, Engine, RunResult
 from sbpflow.actor_workers.runtime.group import EngineGroup
 from sbpflow.actor_workers.runtime.register import RegisterSpec
-from sbpflow.actor_workers.runtime.store import Store, init_store
+from sbpflow.actor_workers.runtime.store import Store, StoreSource, init_store
 from sbpflow.actor_workers.runtime.tasks import Act, RankContext
 from sbpflow.control_plane.compiler.boxing import BoxingPlan, Collective, plan_boxing
 from sbpflow.errors import SbpflowError
@@ -92,12 +92,16 @@ def build(
     boxings: Mapping[str, BoxingPlan] | None = None,
     xp: ModuleType = np,
     ranks: Collection[int] | None = None,
+    first_step: int = 0,
+    source: StoreSource | None = None,
 ) -> Program:
     """One :class:`RankProgram` per device of ``plan`` (or of ``ranks`` only: a worker builds its own),
-    each acting ``steps`` times.
+    each acting ``steps`` times, as steps ``first_step, first_step + 1, ...`` (a resumed run: the acts see
+    the global step, which keys the data batch, the random draws and the learning-rate schedule).
 
     ``job`` is the compiled job (default: decoded from ``plan.job``); ``boxings`` the compiler's boxing
-    plans by node name (default: re-planned). ``transports`` maps rank -> Transport.
+    plans by node name (default: re-planned). ``transports`` maps rank -> Transport. ``source`` gives
+    the variables' starting shards (a checkpoint; default: the initializers).
     """
     job = job if job is not None else compiled_job(plan)
     nodes = {o.name: o for o in job.graph.ops}
@@ -110,11 +114,11 @@ def build(
             device.rank,
             job,
             micro_batches(job),
-            init_store(job, job.graph, device.rank, xp),
+            init_store(job, job.graph, device.rank, xp, source),
             (transports or {}).get(device.rank),
             xp,
         )
-        out.ranks[device.rank] = _build_rank(device, rc, steps, nodes, boxings or {}, comm_ranks)
+        out.ranks[device.rank] = _build_rank(device, rc, steps, nodes, boxings or {}, comm_ranks, first_step)
     return out
 
 
@@ -125,6 +129,7 @@ def _build_rank(
     nodes: Mapping[str, OpNode],
     boxings: Mapping[str, BoxingPlan],
     comm_ranks: Mapping[str, tuple[int, ...]],
+    first_step: int = 0,
 ) -> RankProgram:
     registers = [
         RegisterSpec(r.id, r.producer_task, tuple(dict.fromkeys(r.consumer_tasks)), r.count)
@@ -153,7 +158,7 @@ def _build_rank(
                 stream="compute" if task.id in no_ops else STREAMS[task.stream],
                 inputs=inputs,
                 outputs=outputs,
-                act=tasks.spread(act, [inputs.index(r) for r in reads], len(inputs)),
+                act=_offset(tasks.spread(act, [inputs.index(r) for r in reads], len(inputs)), first_step),
                 iterations=steps,
                 initial=initial,
                 priority=priority,
@@ -162,6 +167,13 @@ def _build_rank(
             )
         )
     return RankProgram(device.rank, actors, registers, rc)
+
+
+def _offset(act: Act, first_step: int) -> Act:
+    """``act`` seeing the global step: the engine counts its iterations from 0."""
+    if not first_step:
+        return act
+    return lambda it, values: act(it + first_step, values)
 
 
 @dataclass(frozen=True)
@@ -368,14 +380,15 @@ def gather(program: Program, name: str, values: Mapping[int, Any], xp: ModuleTyp
     return assemble_value(program.graph.tensors[name], dict(values), xp)
 
 
-def fetched(program: Program, name: str, steps: int, micro_batch: int = -1) -> list[Any]:
-    """Per step, the logical value the SINK ``fetch`` tasks of ``name`` recorded."""
+def fetched(program: Program, name: str, steps: int, micro_batch: int = -1, first_step: int = 0) -> list[Any]:
+    """Per step from ``first_step`` on, the logical value the SINK ``fetch`` tasks of ``name`` recorded."""
     decl = program.graph.tensors[name]
     assert decl.placement is not None
     per_rank = {
         r: program.ranks[r].context.fetched.get((name, micro_batch), {}) for r in decl.placement.ranks
     }
-    return [gather(program, name, {r: v[s] for r, v in per_rank.items()}) for s in range(steps)]
+    steps_run = range(first_step, first_step + steps)
+    return [gather(program, name, {r: v[s] for r, v in per_rank.items()}) for s in steps_run]
 
 
 def variables(program: Program, names: Sequence[str]) -> dict[str, Any]:

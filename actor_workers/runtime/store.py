@@ -12,7 +12,7 @@ after the run the store holds the trained values (``values()``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -23,9 +23,12 @@ from sbpflow.graph import Graph, TensorDecl, TensorKind
 from sbpflow.job import Job
 from sbpflow.random import RandomKey
 from sbpflow.sbp import PartialSum
-from sbpflow.sharding import shard_index
+from sbpflow.sharding import Index, shard_index
 
 VARIABLE_KINDS = (TensorKind.parameter, TensorKind.optimizer_state, TensorKind.constant)
+
+# (variable, this rank's slice of it) -> its starting value, or None to draw it as usual: a checkpoint
+StoreSource = Callable[[TensorDecl, Index], Any]
 
 
 class StoreError(SbpflowError, KeyError):
@@ -66,8 +69,11 @@ def is_partial_elsewhere(decl: TensorDecl, coord: tuple[int, ...]) -> bool:
     return any(isinstance(s, PartialSum) and c != 0 for s, c in zip(decl.sbp, coord, strict=True))
 
 
-def init_store(job: Job, graph: Graph, rank: int, xp: ModuleType = np) -> Store:
-    """This rank's shard of every variable of ``graph`` (the compiled graph) placed on ``rank``."""
+def init_store(
+    job: Job, graph: Graph, rank: int, xp: ModuleType = np, source: StoreSource | None = None
+) -> Store:
+    """This rank's shard of every variable of ``graph`` (the compiled graph) placed on ``rank``; where
+    ``source`` gives a value (a checkpoint, imported parameters) it is used instead of the initializer."""
     specs = {p.tensor: p for p in job.parameters}
     store = Store(rank)
     for decl in graph.tensors.values():
@@ -79,6 +85,10 @@ def init_store(job: Job, graph: Graph, rank: int, xp: ModuleType = np) -> Store:
         shape = tuple(s.stop - s.start for s in index)
         dtype = decl.meta.dtype.to_numpy()
         spec = specs.get(decl.name)
+        given = None if source is None or is_partial_elsewhere(decl, coord) else source(decl, index)
+        if given is not None:
+            store[decl.name] = xp.asarray(given)
+            continue
         if spec is None and decl.kind is not TensorKind.optimizer_state:
             raise StoreError(
                 f"{decl.kind.value} {decl.name!r} {decl.meta} has no initializer: the job's parameters do not "

@@ -1,0 +1,190 @@
+"""Checkpoints on the actor runtime (in-process backend): every ``checkpoint_every`` steps each rank saves
+its shards; a run resumed from one — under the same layout, DP2xTP2, 2 devices, 1 device — trains on
+exactly as the uninterrupted run (float64; bit for bit under the same layout); ZeRO state is saved
+sharded; parameters exported to safetensors start a fresh job with identical values; a writer killed in
+the middle of a checkpoint leaves the previous one loadable and no partial one listed."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import sbpflow as sf
+from sbpflow import checkpoint as ck
+from sbpflow.actor_workers import checkpointing
+from sbpflow.actor_workers.api import compile_for_run
+from sbpflow.actor_workers.runtime import executor
+from sbpflow.actor_workers.transport import InProcessWorld
+from sbpflow.job import Job
+from tests.actor_workers.test_equivalence import mlp_dp2xtp2, mlp_job
+from tests.control_plane.compiler.test_autodiff import as_float64
+
+STEPS = 6
+
+
+def f64(job: Job, **config: Any) -> Job:
+    job = as_float64(job, batches=STEPS)
+    return dataclasses.replace(job, config=dataclasses.replace(job.config, steps=STEPS, **config))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, sf.RunResult]:
+    """An uninterrupted DP 4 run of STEPS steps that checkpoints every 2 steps."""
+    root = tmp_path_factory.mktemp("dp4")
+    job = f64(mlp_job(ranks=4), checkpoint_every=2)
+    result = sf.run(job, backend="inprocess", return_parameters=True, checkpoint_dir=str(root), timeout=60)
+    return root, result
+
+
+def test_checkpoints_are_written_every_k_steps_complete_and_alone(saved: tuple[Path, sf.RunResult]) -> None:
+    root, _ = saved
+    assert [c.step for c in ck.list_checkpoints(root)] == [2, 4, 6]
+    m = ck.CheckpointReader(ck.step_dir(root, 4)).manifest
+    assert m.step == 4 and m.data_position == 4 and m.ranks == (0, 1, 2, 3)
+    kinds = {t.kind for t in m.tensors}
+    assert kinds == {"parameter", "optimizer_state"}
+    assert all(len(t.pieces) == 1 for t in m.tensors), "a replicated tensor was written more than once"
+    assert len({p.file for t in m.tensors for p in t.pieces}) > 1, "replicas did not share the writing"
+    assert not list(root.rglob("*.tmp"))
+
+
+def test_the_last_checkpoint_holds_the_final_parameters(saved: tuple[Path, sf.RunResult]) -> None:
+    root, result = saved
+    assert result.parameters is not None
+    got = ck.read_logical(root)
+    assert set(got) == set(result.parameters)
+    for name, value in result.parameters.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def resume(job: Job, root: Path, step: int, **kw: Any) -> sf.RunResult:
+    return sf.run(
+        job,
+        backend="inprocess",
+        return_parameters=True,
+        resume_from=str(ck.step_dir(root, step)),
+        timeout=60,
+        **kw,
+    )
+
+
+def test_resuming_under_the_same_layout_continues_bit_for_bit(saved: tuple[Path, sf.RunResult]) -> None:
+    root, want = saved
+    got = resume(f64(mlp_job(ranks=4)), root, 2)
+    assert got.first_step == 2 and len(got.losses) == STEPS - 2
+    assert got.losses == want.losses[2:]
+    assert got.parameters is not None and want.parameters is not None
+    for name, value in want.parameters.items():
+        np.testing.assert_array_equal(got.parameters[name], value, err_msg=name)
+
+
+LAYOUTS = {
+    "dp2xtp2": lambda: f64(mlp_dp2xtp2()),
+    "dp2": lambda: f64(mlp_job(ranks=2)),
+    "1": lambda: f64(mlp_job(ranks=1)),
+    "tp4": lambda: f64(mlp_job(ranks=4, tp=True)),
+    "zero2": lambda: f64(mlp_job(ranks=4), zero_stage=2),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resuming_dp4_under_another_layout_continues_as_the_uninterrupted_run(
+    saved: tuple[Path, sf.RunResult], layout: str
+) -> None:
+    root, want = saved
+    got = resume(LAYOUTS[layout](), root, 4)
+    np.testing.assert_allclose(got.losses, want.losses[4:], rtol=1e-9, atol=0)
+    assert got.parameters is not None and want.parameters is not None
+    for name, value in want.parameters.items():
+        scale = float(np.max(np.abs(value)))
+        np.testing.assert_allclose(got.parameters[name], value, rtol=1e-9, atol=1e-9 * scale, err_msg=name)
+
+
+def test_zero_state_is_saved_sharded_and_resumes_on_two_devices(tmp_path: Path) -> None:
+    job = f64(mlp_job(ranks=4), zero_stage=2, checkpoint_every=3)
+    want = sf.run(job, backend="inprocess", return_parameters=True, checkpoint_dir=str(tmp_path), timeout=60)
+    m = ck.CheckpointReader(tmp_path).manifest
+    assert m.step == 6
+    for t in m.tensors:
+        if t.kind == "optimizer_state":
+            assert len(t.pieces) == 4 and len({p.file for p in t.pieces}) == 4, f"{t.name} was gathered"
+    got = resume(f64(mlp_job(ranks=2)), tmp_path, 3)
+    np.testing.assert_allclose(got.losses, want.losses[3:], rtol=1e-9, atol=0)
+
+
+def test_exported_safetensors_start_a_fresh_job_with_identical_parameters(
+    saved: tuple[Path, sf.RunResult], tmp_path: Path
+) -> None:
+    root, want = saved
+    out = ck.export(root, tmp_path / "model.safetensors", "safetensors")
+    job = f64(mlp_dp2xtp2())
+    compiled = compile_for_run(job)
+    assert compiled.plan is not None
+    ranks = [d.rank for d in compiled.plan.devices]
+    with InProcessWorld(ranks, timeout=10) as world:
+        program = executor.build(
+            compiled.plan,
+            1,
+            {r: world.transport(r) for r in ranks},
+            job=dataclasses.replace(compiled.state.job, graph=compiled.state.graph),
+            source=checkpointing.source_for(None, str(out)),
+        )
+        got = executor.variables(program, [p.tensor for p in job.parameters])
+    assert want.parameters is not None
+    for name, value in want.parameters.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    # and a run from it trains: its first loss is the loss of the saved parameters on batch 0
+    run = sf.run(job, backend="inprocess", steps=1, init_from=str(out), timeout=60)
+    assert np.isfinite(run.losses[0])
+
+
+def test_resuming_past_the_end_or_from_nothing_says_what_to_do(
+    saved: tuple[Path, sf.RunResult], tmp_path: Path
+) -> None:
+    root, _ = saved
+    with pytest.raises(sf.SbpflowError, match="nothing is left to train"):
+        resume(f64(mlp_job(ranks=4)), root, 6)
+    with pytest.raises(ck.CheckpointError, match="no complete checkpoint"):
+        sf.run(f64(mlp_job(ranks=4)), backend="inprocess", resume_from=str(tmp_path))
+
+
+KILLED_WRITER = """
+import sys
+import numpy as np
+from sbpflow import checkpoint as ck
+from sbpflow.placement import placement
+from sbpflow.sbp import S
+root, where = sys.argv[1], placement("cpu", [0, 1])
+small, big = np.ones((4, 4)), np.ones((2, 32 * 1024 * 1024))  # 256 MB a rank
+for step, value in ((5, small), (10, big)):
+    for rank in (0, 1):
+        shard = ck.shard_of("w", "parameter", value[rank * value.shape[0] // 2:(rank + 1) * value.shape[0] // 2], where, (S(0),), rank, value.shape)
+        ck.write_rank(root, step, rank, "a1", [shard])
+        ck.try_complete(root, step, "a1", [0, 1], "job", 0)
+"""
+
+
+def test_a_writer_killed_mid_checkpoint_leaves_the_previous_one_and_lists_no_partial(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(tmp_path)])
+    tmp = ck.step_dir(tmp_path, 10) / "rank-00001.a1.safetensors.tmp"
+    deadline = time.monotonic() + 60
+    while (
+        not (tmp.exists() and tmp.stat().st_size > 0) and proc.poll() is None and time.monotonic() < deadline
+    ):
+        time.sleep(0.001)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the writer finished before it could be killed"
+    assert tmp.exists() and not (ck.step_dir(tmp_path, 10) / ck.MANIFEST).exists()
+    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [5]
+    np.testing.assert_array_equal(ck.read_logical(tmp_path)["w"], np.ones((4, 4)))
+    assert ck.CheckpointReader(tmp_path).step == 5
