@@ -51,6 +51,17 @@ class CheckpointOptions:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class Start:
+    """How one attempt's ranks start: at ``first_step``, variables from ``resume_from`` (a checkpoint) or
+    parameters from ``init_from`` (a tensor file), checkpointing as ``checkpoint`` says (None: never)."""
+
+    first_step: int = 0
+    resume_from: str | None = None
+    init_from: str | None = None
+    checkpoint: CheckpointOptions | None = None
+
+
 class CheckpointWriteError(SbpflowError):
     """A rank could not write its part of a checkpoint (disk full, permissions)."""
 

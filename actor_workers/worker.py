@@ -149,6 +149,7 @@ class Worker:
         self.reporter = Reporter(report_address, job_id, attempt, rank, self.worker_id, token, self.abort)
         self._engine: Any = None
         self._program: Any = None
+        self._writers: list[Any] = []
         self._aborted: str | None = None
         self._lock = threading.Lock()
 
@@ -173,14 +174,25 @@ class Worker:
         timeout: float = 60.0,
         trace: bool = False,
         uids: Any = None,
+        start: Any = None,
     ) -> None:
-        """Connect to every peer, then build this rank's actors from the plan."""
+        """Connect to every peer, then build this rank's actors from the plan. ``start`` (a
+        :class:`~sbpflow.actor_workers.checkpointing.Start`): the first step, where the variables start
+        from, and where to checkpoint."""
+        from sbpflow.actor_workers import checkpointing
         from sbpflow.actor_workers.runtime import executor
 
+        start = start or checkpointing.Start()
         plan = pp.Plan.FromString(plan_bytes)
         transport = self.plane.connect(endpoints, [d.rank for d in plan.devices], uids, timeout)
         self._program = executor.build(
-            plan, steps, {self.rank: transport}, ranks=(self.rank,), xp=self.plane.xp
+            plan,
+            steps,
+            {self.rank: transport},
+            ranks=(self.rank,),
+            xp=self.plane.xp,
+            first_step=start.first_step,
+            source=checkpointing.source_for(start.resume_from, start.init_from),
         )
         rp = self._program.ranks[self.rank]
         loss = self._program.job.loss
@@ -215,6 +227,9 @@ class Worker:
 
         rp.context.on_fetch = fetched
         rp.context.on_assign = on_assign
+        self._writers = checkpointing.attach_all(
+            start.checkpoint, self._program, plan, range(start.first_step, start.first_step + steps)
+        )
         with self._lock:
             self._engine = executor.engine(rp, trace=trace)
             if self._aborted is not None:
@@ -228,8 +243,18 @@ class Worker:
             raise RuntimeError(f"rank {self.rank}: call setup() before run()")
         self._engine.add_abort_hook(self.plane.transport.abort)
         self.reporter.send(log=sp.LogLine(rank=self.rank, level="INFO", text=f"rank {self.rank} running"))
+        from sbpflow.actor_workers.checkpointing import close_all
+
         try:
-            result = self._engine.run(timeout)
+            try:
+                result = self._engine.run(timeout)
+            except RuntimeFailure:
+                close_all(self._writers, raise_errors=False)
+                raise
+            try:
+                close_all(self._writers)  # the last checkpoint is on disk before the rank reports done
+            except Exception as exc:  # noqa: BLE001 - a failed write fails the rank, named
+                raise RuntimeFailure(self.rank, None, None, exc) from exc
         except RuntimeFailure as f:
             failure = WorkerFailure(
                 self.rank if f.rank is None else f.rank,

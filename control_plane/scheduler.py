@@ -21,6 +21,7 @@ plane's own when it passes its hub, otherwise a hub served on a loopback port fo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Sequence
@@ -104,25 +105,76 @@ def run_on_ray(compiled: Compiled, options: RunOptions, tracker: StepTracker) ->
 
     def on_report(r: sp.WorkerReport) -> None:
         if r.WhichOneof("payload") == "step" and r.step.losses:
-            tracker.add(int(r.rank), int(r.step.step) - 1, r.step.loss)
+            tracker.add(int(r.rank), int(r.step.step) - 1 - options.first_step, r.step.loss)
         if options.on_report is not None:
             options.on_report(r)
 
     job_id = options.job_id or f"run-{os.getpid()}-{time.monotonic_ns()}"
+    current, restarts = options, 0
     try:
-        with hub.listen(job_id, options.attempt, on_report):
-            attempt = _Attempt(plan.devices, kinds, job_id, options, hub.address)
+        while True:
             try:
-                attempt.start(plan.SerializeToString())
-                options.state("RUNNING")
-                tracker.restart_clock()
-                outcomes = attempt.wait()
-                return _result(compiled, options, attempt, outcomes)
-            finally:
-                attempt.teardown()
+                with hub.listen(job_id, current.attempt, on_report):
+                    attempt = _Attempt(plan.devices, kinds, job_id, current, hub.address)
+                    try:
+                        attempt.start(plan.SerializeToString(), _start(compiled, current))
+                        current.state("RUNNING")
+                        tracker.restart_clock()
+                        outcomes = attempt.wait()
+                        result = _result(compiled, current, attempt, outcomes)
+                    finally:
+                        attempt.teardown()
+            except RuntimeFailure as failure:
+                if not isinstance(failure.cause, WorkerLost) or restarts >= options.max_restarts:
+                    raise
+                restarts += 1
+                current = _restart(options, current, tracker)
+                continue
+            done = current.first_step - options.first_step  # steps earlier attempts trained
+            prefix = (tracker.losses[:done] + [float("nan")] * done)[:done]
+            return dataclasses.replace(
+                result, losses=prefix + result.losses, first_step=options.first_step, attempts=restarts + 1
+            )
     finally:
         if own_hub:
             hub.stop()
+
+
+def _start(compiled: Compiled, options: RunOptions) -> Any:
+    """What every worker of this attempt starts from and where it checkpoints."""
+    from sbpflow.actor_workers import checkpointing
+
+    assert compiled.plan is not None
+    return checkpointing.Start(
+        options.first_step,
+        options.resume_from,
+        options.init_from if options.resume_from is None else None,
+        checkpointing.options_for(compiled.state.job, options.checkpoint_dir, compiled.plan, options.attempt),
+    )
+
+
+def _restart(first: RunOptions, failed: RunOptions, tracker: StepTracker) -> RunOptions:
+    """The options of the attempt after ``failed``: from the latest checkpoint of the run's directory
+    (or from where the run started when none was written), its steps forgotten by the tracker."""
+    from sbpflow import checkpoint
+
+    last = checkpoint.latest(first.checkpoint_dir) if first.checkpoint_dir else None
+    end = failed.first_step + failed.steps
+    if last is not None and first.first_step < last.step < end:
+        at, resume = last.step, str(last.path)
+    else:
+        at, resume = first.first_step, first.resume_from
+    _rewind(tracker, at - first.first_step)
+    return dataclasses.replace(
+        failed, attempt=failed.attempt + 1, first_step=at, steps=end - at, resume_from=resume
+    )
+
+
+def _rewind(tracker: StepTracker, steps: int) -> None:
+    """Forget every step from ``steps`` on: the next attempt trains and reports them again."""
+    with tracker._lock:  # noqa: SLF001 - StepTracker has no rewind yet (asked of its owner)
+        del tracker.losses[steps:]
+        tracker._pending.clear()  # noqa: SLF001
 
 
 class _Attempt:
@@ -144,7 +196,7 @@ class _Attempt:
         if unknown:
             raise SchedulingError(f"device types {sorted(unknown)} have no Ray resources; use cpu or cuda")
 
-    def start(self, plan_bytes: bytes) -> None:
+    def start(self, plan_bytes: bytes, start: Any = None) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -186,7 +238,7 @@ class _Attempt:
             from sbpflow.actor_workers.planes import UidStore
 
             self.uids = ray.remote(UidStore).options(num_cpus=0).remote()
-        args = (plan_ref, self.options.steps, endpoints, SETUP_SECONDS, self.options.trace, self.uids)
+        args = (plan_ref, self.options.steps, endpoints, SETUP_SECONDS, self.options.trace, self.uids, start)
         self._get("set up", {r: w.setup.remote(*args) for r, w in self.workers.items()})
 
     def _get(self, what: str, refs: dict[int, Any]) -> dict[int, Any]:
@@ -353,7 +405,7 @@ def _result(
         per_rank = {r: outcomes[r].losses for r in decl.placement.ranks}
         losses = [
             float(assemble_value(decl, {r: np.asarray(v[s]) for r, v in per_rank.items()}))
-            for s in range(options.steps)
+            for s in range(options.first_step, options.first_step + options.steps)
         ]
     parameters = None
     if options.return_parameters:
@@ -368,4 +420,4 @@ def _result(
     if options.trace:
         trace = sorted((e for o in outcomes.values() for e in o.trace), key=lambda e: e.start)
     seconds = max((o.seconds for o in outcomes.values()), default=0.0)
-    return RunResult(losses, parameters, trace, seconds)
+    return RunResult(losses, parameters, trace, seconds, first_step=options.first_step)

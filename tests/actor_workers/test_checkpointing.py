@@ -188,3 +188,51 @@ def test_a_writer_killed_mid_checkpoint_leaves_the_previous_one_and_lists_no_par
     assert [c.step for c in ck.list_checkpoints(tmp_path)] == [5]
     np.testing.assert_array_equal(ck.read_logical(tmp_path)["w"], np.ones((4, 4)))
     assert ck.CheckpointReader(tmp_path).step == 5
+
+
+# ---- Ray: a worker killed mid-run, the job restarted from its last checkpoint ---------------------------
+
+RAY_STEPS = 20
+
+
+def ray_job(**config: Any) -> Job:
+    """DP 4, wide enough (1024 hidden, ~1 M parameters: 8 MB a tensor) that 20 steps take long enough
+    to kill a worker in the middle."""
+    job = as_float64(mlp_job(ranks=4, hidden=1024, layers=2), batches=RAY_STEPS)
+    return dataclasses.replace(job, config=dataclasses.replace(job.config, steps=RAY_STEPS, **config))
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_killed_worker_restarts_the_job_from_its_last_checkpoint_and_it_ends_as_if_never_killed(
+    tmp_path: Path,
+) -> None:
+    import ray
+
+    want = sf.run(ray_job(), backend="inprocess", return_parameters=True, timeout=300)
+    killed: dict[str, Any] = {}
+    attempts: set[int] = set()
+
+    def kill_rank_2_at_step_7(r: Any) -> None:
+        attempts.add(r.attempt)
+        if r.WhichOneof("payload") == "step" and r.attempt == 1 and r.step.step == 7 and not killed:
+            info = ray.get(ray.get_actor("sbpflow-restart-a1-r2").info.remote())
+            killed.update(info, at=time.monotonic())
+            os.kill(info["pid"], signal.SIGKILL)
+
+    got = sf.run(
+        ray_job(checkpoint_every=5),
+        backend="ray",
+        return_parameters=True,
+        job_id="restart",
+        on_report=kill_rank_2_at_step_7,
+        checkpoint_dir=str(tmp_path),
+        max_restarts=2,
+        timeout=300,
+    )
+    assert killed, "the worker was never killed"
+    assert got.attempts == 2 and attempts == {1, 2}
+    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [5, 10, 15, 20]
+    assert got.losses == want.losses
+    assert got.parameters is not None and want.parameters is not None
+    for name, value in want.parameters.items():
+        np.testing.assert_array_equal(got.parameters[name], value, err_msg=name)
