@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from sbpflow.errors import SbpflowError
@@ -220,6 +221,53 @@ def _logs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
 
 
+def _checkpoint_dir(args: argparse.Namespace) -> Path:
+    """A job's checkpoint folder: ``ID`` under ``--checkpoint-root`` (the server's), or a path."""
+    given = Path(args.id)
+    return given if given.exists() else Path(args.checkpoint_root) / args.id
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    """List a job's complete checkpoints (partial ones are never listed)."""
+    from sbpflow import checkpoint
+
+    where = _checkpoint_dir(args)
+    found = checkpoint.list_checkpoints(where)
+    if not found:
+        print(f"no complete checkpoint in {where}", file=sys.stderr)
+        return 1
+    print(f"{'STEP':>8}  {'MB':>9}  PATH")
+    for c in found:
+        print(f"{c.step:>8}  {c.bytes / 1e6:>9.1f}  {c.path}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a checkpoint's logical parameters to one safetensors or .npz file."""
+    from sbpflow import checkpoint
+
+    src = checkpoint.resolve(_checkpoint_dir(args))
+    out = Path(args.out or f"{Path(args.id).name}-{src.name}.{args.format}")
+    checkpoint.export(src, out, args.format)
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) from {src}")
+    return 0
+
+
+def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("id", help="a job id (its checkpoints under --checkpoint-root), or a checkpoint folder")
+    p.add_argument(
+        "--checkpoint-root",
+        default=os.environ.get("SBPFLOW_CHECKPOINTS", "sbpflow-checkpoints"),
+        help="where the server keeps each job's checkpoints (env SBPFLOW_CHECKPOINTS)",
+    )
+
+
+def _export_flags(p: argparse.ArgumentParser) -> None:
+    _checkpoint_flags(p)
+    p.add_argument("--format", choices=("safetensors", "npz"), default="safetensors")
+    p.add_argument("--out", help="the file to write (default: <id>-step-NNNNNNNN.<format>)")
+
+
 # name -> (command, help, flags beyond the example's, takes an example file, is a client of a server)
 JOB_COMMANDS: dict[
     str, tuple[Callable[[argparse.Namespace], int], str, Callable[[Any], None] | None, bool]
@@ -230,4 +278,6 @@ JOB_COMMANDS: dict[
     "watch": (cmd_watch, "follow a job with a progress bar until it ends", _id, True),
     "cancel": (cmd_cancel, "cancel a job", _cancel, True),
     "logs": (cmd_logs, "print a job's log lines", _logs, True),
+    "checkpoints": (cmd_checkpoints, "list a job's complete checkpoints", _checkpoint_flags, False),
+    "export": (cmd_export, "export a checkpoint's parameters to safetensors or .npz", _export_flags, False),
 }

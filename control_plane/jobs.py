@@ -65,6 +65,8 @@ class ManagerConfig:
     keep_run_results: bool = False  # keep each RunResult in memory (the embedded `sbpflow run`)
     trace: bool = False  # record an act trace (with keep_run_results)
     report_token: str = ""  # the bearer token Ray workers send with their reports (the server's own)
+    checkpoint_root: str | None = None  # job ID's checkpoints go to <root>/<ID> (checkpoint_every > 0)
+    max_restarts: int = 0  # a lost worker restarts a job from its last checkpoint this many times
 
 
 def job_ranks(job: Job) -> set[int]:
@@ -290,6 +292,21 @@ class JobManager:
 
     # ---- one job's run ----------------------------------------------------------------------------
 
+    def _checkpointing(self, job_id: str, steps: int) -> dict[str, Any]:
+        """Where a job checkpoints, and the checkpoint it resumes from when an earlier run of it (before
+        a control-plane restart re-queued it) left one."""
+        if self.config.checkpoint_root is None:
+            return {}
+        from sbpflow import checkpoint
+
+        where = os.path.join(self.config.checkpoint_root, job_id)
+        last = checkpoint.latest(where)
+        return {
+            "checkpoint_dir": where,
+            "resume_from": str(last.path) if last is not None and last.step < steps else None,
+            "max_restarts": self.config.max_restarts,
+        }
+
     def _run(self, job_id: str, r: _Running) -> None:
         from sbpflow.actor_workers.api import RunCancelled, run
         from sbpflow.actor_workers.runtime import RuntimeFailure
@@ -313,6 +330,7 @@ class JobManager:
                 report_token=self.config.report_token,
                 job_id=job_id,
                 attempt=rec.attempt,
+                **self._checkpointing(job_id, r.job.config.steps),
             )
         except RunCancelled:
             reason = SHUTDOWN if self._closed else CANCELLED_BY_USER

@@ -156,9 +156,13 @@ class Manifest:
 
 
 def write_safetensors(
-    path: str | Path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
+    path: str | Path,
+    tensors: Mapping[str, np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+    sync_dir: bool = True,
 ) -> int:
-    """Write ``tensors`` to ``path`` atomically (temp name, fsync, rename); returns the bytes written."""
+    """Write ``tensors`` to ``path`` atomically (temp name, fsync, rename, and with ``sync_dir`` an fsync
+    of the directory so the rename survives a crash); returns the bytes written."""
     path = Path(path)
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     arrays, offset = [], 0
@@ -180,7 +184,8 @@ def write_safetensors(
                 f.write(a.data)
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    if sync_dir:
+        _fsync_dir(path.parent)
     return 8 + len(raw) + offset
 
 
@@ -290,7 +295,9 @@ def write_rank(root: str | Path, step: int, rank: int, token: str, shards: Itera
             "partial": s.partial,
         }
     path = d / f"rank-{rank:05d}.{token}.safetensors"
-    write_safetensors(path, tensors, {META_KEY: json.dumps(meta)})
+    # no directory fsync here: the manifest's, in the same directory after every rank file is there,
+    # makes their renames durable; a crash before it leaves a checkpoint that was never complete
+    write_safetensors(path, tensors, {META_KEY: json.dumps(meta)}, sync_dir=False)
     return path
 
 
