@@ -137,6 +137,7 @@ def _build_rank(
     ]
     loops = _loop_edges(device, rc.store, registers)
     donations = _donations(device)
+    recyclers, guards = _recyclers(device)
     no_ops = _no_op_boxings(device, rc, nodes, boxings)
     actors = []
     for priority, task in enumerate(device.tasks):
@@ -148,9 +149,22 @@ def _build_rank(
             inputs, reads, initial = (loop.register,), [loop.register], {loop.register: loop.initial}
         elif loop is not None:
             outputs = (*outputs, loop.register)
-        act = _act(
-            task, rc, nodes, boxings, comm_ranks, loop is not None, donations.get(task.id, frozenset())
+        act = tasks.spread(
+            _act(
+                task,
+                rc,
+                nodes,
+                boxings,
+                comm_ranks,
+                loop is not None,
+                donations.get(task.id, frozenset()),
+                recyclers.get(task.id),
+            ),
+            [inputs.index(r) for r in reads],
+            len(inputs),
         )
+        for recycler, register in guards.get(task.id, ()):
+            act = tasks.guard_aliases(act, recycler, inputs.index(register), rc.xp)
         actors.append(
             ActorSpec(
                 id=task.id,
@@ -158,7 +172,7 @@ def _build_rank(
                 stream="compute" if task.id in no_ops else STREAMS[task.stream],
                 inputs=inputs,
                 outputs=outputs,
-                act=_offset(tasks.spread(act, [inputs.index(r) for r in reads], len(inputs)), first_step),
+                act=_offset(act, first_step),
                 iterations=steps,
                 initial=initial,
                 priority=priority,
@@ -271,6 +285,43 @@ def _donations(device: pp.DevicePlan) -> dict[int, frozenset[int]]:
     return {t: frozenset(p) for t, p in out.items()}
 
 
+# Readers that never keep a variable's array past their act (a SINK fetch records it: not recyclable).
+_TRANSIENT_READERS = (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER, pp.TASK_KIND_BOXING, pp.TASK_KIND_SEND)
+
+
+def _recyclers(
+    device: pp.DevicePlan,
+) -> tuple[dict[int, tasks.Recycler], dict[int, list[tuple[tasks.Recycler, int]]]]:
+    """Per update task, the :class:`~.tasks.Recycler` of the variable it updates (its input 0), where the
+    variable's SOURCE is looped, emits into one-slot registers only, and only transient readers read them;
+    and per reader task, the (recycler, register) pairs whose outputs to watch for views."""
+    by_id = {t.id: t for t in device.tasks}
+    regs = {r.id: r for r in device.registers}
+    assigned = {
+        str(wire.attr_from_proto(t.attrs["assign"]))
+        for t in device.tasks
+        if t.kind == pp.TASK_KIND_SINK and "assign" in t.attrs
+    }
+    recyclers: dict[int, tasks.Recycler] = {}
+    guards: dict[int, list[tuple[tasks.Recycler, int]]] = {}
+    for update in device.tasks:
+        if update.kind != pp.TASK_KIND_OPTIMIZER or not update.in_registers:
+            continue
+        source = by_id.get(regs[update.in_registers[0]].producer_task)
+        if source is None or source.kind != pp.TASK_KIND_SOURCE or source.op_name not in assigned:
+            continue
+        outs = [regs[r] for r in source.out_registers]
+        readers = {c for r in outs for c in r.consumer_tasks}
+        if any(r.count != 1 for r in outs) or any(by_id[c].kind not in _TRANSIENT_READERS for c in readers):
+            continue
+        recycler = recyclers[update.id] = tasks.Recycler(input=0)
+        for r in outs:
+            for c in dict.fromkeys(r.consumer_tasks):
+                if c != update.id:
+                    guards.setdefault(c, []).append((recycler, r.id))
+    return recyclers, guards
+
+
 def _act(
     task: pp.Task,
     rc: RankContext,
@@ -279,11 +330,12 @@ def _act(
     comm_ranks: Mapping[str, tuple[int, ...]],
     looped: bool,
     donated: frozenset[int] = frozenset(),
+    recycle: tasks.Recycler | None = None,
 ) -> Act:
     g = rc.job.graph
     kind = task.kind
     if kind in (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER):
-        return tasks.kernel_act(rc, _node(nodes, task), task.micro_batch, donated)
+        return tasks.kernel_act(rc, _node(nodes, task), task.micro_batch, donated, recycle)
     if kind == pp.TASK_KIND_DATA_LOAD:
         return tasks.data_load_act(rc, g.tensors[task.op_name], task.micro_batch)
     if kind == pp.TASK_KIND_ACCUMULATE:

@@ -89,14 +89,66 @@ def local_shape(index: Index) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class DonatingKernelContext(KernelContext):
     """A kernel context that gives the kernel the arrays of its inputs at positions ``donated``: no other
-    act reads them, so the kernel may write its results into them (:func:`sbpflow.ops.optim.donated`)."""
+    act reads them, so the kernel may write its results into them (:func:`sbpflow.ops.optim.donated`);
+    and, per output, a retired array of the same shape it may write that output into
+    (``out_buffers``, :func:`sbpflow.ops.optim.out_buffer`)."""
 
     donated: frozenset[int] = frozenset()
+    out_buffers: tuple[Any, ...] = ()
 
 
-def kernel_act(rc: RankContext, node: OpNode, micro_batch: int, donated: frozenset[int] = frozenset()) -> Act:
+@dataclass
+class Recycler:
+    """A variable's update writes each new value into the array of the value two steps back.
+
+    At step ``s`` the update reads ``v_s`` and makes ``v_{s+1}``. Every reader of ``v_{s-1}`` has finished
+    by then: the variable's SOURCE emitted ``v_s`` into a one-slot register, which it could only do once
+    every reader of ``v_{s-1}`` acked, and readers ack after their act. So ``v_{s-1}``'s array is dead —
+    unless a reader passed on a view of it (a reshape, a local slice): :func:`guard_aliases` watches the
+    readers' outputs and turns recycling off for good when one shares memory with the value it read.
+    Only arrays the update itself made are recycled (never the store's initial value, which a caller may
+    own). Saves a fresh allocation, and its page faults, per parameter per step."""
+
+    input: int  # the position of the variable among the update's inputs
+    ok: bool = True
+    prev: Any = None  # v_{s-1}, once the update has seen it
+    started: bool = False
+
+    def take(self, arrays: list[Any]) -> Any:
+        """The buffer the update may write into now; remembers this step's value for the next."""
+        current = arrays[self.input]
+        buffer = self.prev if self.ok and self.prev is not current else None
+        # the first value is the store's initial array (drawn, or given by a checkpoint): never recycled
+        self.prev = current if self.started else None
+        self.started = True
+        return buffer
+
+
+def guard_aliases(act: Act, recycler: Recycler, position: int, xp: ModuleType) -> Act:
+    """``act`` (a reader of a recycled variable at input ``position``), turning recycling off if one of its
+    outputs shares memory with the variable's value."""
+
+    def guarded(step: int, values: list[Any]) -> list[Any]:
+        outs = act(step, values)
+        if recycler.ok:
+            value = values[position]
+            if any(o is value or xp.may_share_memory(o, value) for o in outs if hasattr(o, "shape")):
+                recycler.ok = False
+        return outs
+
+    return guarded
+
+
+def kernel_act(
+    rc: RankContext,
+    node: OpNode,
+    micro_batch: int,
+    donated: frozenset[int] = frozenset(),
+    recycle: Recycler | None = None,
+) -> Act:
     """The kernel of ``node`` on this rank's shards; its outputs are checked against the plan's shapes.
-    ``donated``: positions of inputs no other act reads (see :func:`donations`)."""
+    ``donated``: positions of inputs no other act reads (see :func:`donations`); ``recycle``: the update
+    of a variable whose first output may go into a retired array (:class:`Recycler`)."""
     g = rc.job.graph
     op = get_op(node.op_type)
     attrs = op.normalize_attrs(node.attrs)
@@ -113,11 +165,14 @@ def kernel_act(rc: RankContext, node: OpNode, micro_batch: int, donated: frozens
     base = (rc.xp, attrs, tuple(d.meta for d in ins), tuple(d.meta for d in outs), in_index, out_index)
     seed, kernel = rc.job.config.seed, op.run_kernel
     make: Callable[..., KernelContext] = KernelContext
-    if donated:
+    if donated or recycle is not None:
         make = functools.partial(DonatingKernelContext, donated=donated)
 
     def act(step: int, arrays: list[Any]) -> list[Any]:
-        ctx = make(*base, seed, rc.random_step(step, micro_batch))
+        if recycle is None:
+            ctx = make(*base, seed, rc.random_step(step, micro_batch))
+        else:
+            ctx = make(*base, seed, rc.random_step(step, micro_batch), out_buffers=(recycle.take(arrays),))
         results = kernel(ctx, arrays)
         if len(results) != len(expected) or any(
             tuple(r.shape) != s or r.dtype != t for r, (s, t) in zip(results, expected, strict=False)

@@ -88,7 +88,7 @@ def _sgd_kernel(ctx: KernelContext, param: Any, grad: Any, buf: Any) -> tuple[An
         direction = _axpy(xp, t(momentum), new_buf, d) if a["nesterov"] else new_buf
     else:
         new_buf = direction = d  # 0 * buf + d is d
-    return _axpy(xp, t(-lr_at(a, ctx.step)), direction, param), new_buf
+    return _axpy(xp, t(-lr_at(a, ctx.step)), direction, param, out=out_buffer(ctx, 0, param)), new_buf
 
 
 def _axpy(xp: ModuleType, alpha: Any, x: Any, y: Any, out: Any = None) -> Any:
@@ -96,6 +96,18 @@ def _axpy(xp: ModuleType, alpha: Any, x: Any, y: Any, out: Any = None) -> Any:
     out = xp.empty_like(x) if out is None else out
     xp.multiply(x, alpha, out=out)
     return xp.add(out, y, out=out)
+
+
+def out_buffer(ctx: KernelContext, i: int, like: Any) -> Any:
+    """The retired array the runtime gives output ``i`` to be written into (shaped like ``like``), or None:
+    allocate. Only the actor runtime gives one (its context's ``out_buffers``), and only an array that no
+    act reads any more and that is not ``like`` itself."""
+    buffers = getattr(ctx, "out_buffers", ())
+    b = buffers[i] if i < len(buffers) else None
+    if b is None or b is like or b.shape != like.shape or b.dtype != like.dtype:
+        return None
+    flags = getattr(b, "flags", None)
+    return b if flags is not None and bool(flags.writeable) else None
 
 
 def donated(ctx: KernelContext, i: int, array: Any) -> bool:
@@ -143,7 +155,8 @@ def _adamw_kernel(ctx: KernelContext, param: Any, grad: Any, m: Any, v: Any) -> 
     denom = xp.sqrt(denom, out=_writable(denom))
     denom = xp.add(denom, t(a["eps"]), out=_writable(denom))
     step = xp.divide(step, denom, out=_writable(step))
-    decayed = xp.multiply(param, t(1.0 - lr * float(a["weight_decay"])))  # decoupled: not through the moments
+    decay = t(1.0 - lr * float(a["weight_decay"]))  # decoupled: not through the moments
+    decayed = xp.multiply(param, decay, out=out_buffer(ctx, 0, param))
     return xp.subtract(decayed, step, out=_writable(decayed)), new_m, new_v
 
 
