@@ -109,7 +109,7 @@ def initial_parameters(job: sf.Job) -> dict[str, Any]:
     return _INIT[id(job)]
 
 
-def cached_init_store(job: Job, graph: Graph, rank: int, xp: ModuleType = np) -> Store:
+def cached_init_store(job: Job, graph: Graph, rank: int, xp: ModuleType = np, source: Any = None) -> Store:
     """:func:`init_store`, drawn once per job and copied into each run: drawing 25M parameters with the
     counter-based generator takes seconds, all of it before the engine starts (outside the measured
     time), so this only shortens the benchmark."""
