@@ -70,6 +70,12 @@ class StepTracker:
         self._recent.clear()
         self._recent.append(self._last)
 
+    def rewind(self, steps: int) -> None:
+        """Forget every step from ``steps`` on (a restarted attempt trains and reports them again)."""
+        with self._lock:
+            del self.losses[steps:]
+            self._pending.clear()
+
     def add(self, rank: int, step: int, value: Any) -> None:
         """Rank ``rank``'s share of the loss of (0-based) ``step``."""
         if self._decl is None or rank not in self._ranks:

@@ -164,17 +164,10 @@ def _restart(first: RunOptions, failed: RunOptions, tracker: StepTracker) -> Run
         at, resume = last.step, str(last.path)
     else:
         at, resume = first.first_step, first.resume_from
-    _rewind(tracker, at - first.first_step)
+    tracker.rewind(at - first.first_step)
     return dataclasses.replace(
         failed, attempt=failed.attempt + 1, first_step=at, steps=end - at, resume_from=resume
     )
-
-
-def _rewind(tracker: StepTracker, steps: int) -> None:
-    """Forget every step from ``steps`` on: the next attempt trains and reports them again."""
-    with tracker._lock:  # noqa: SLF001 - StepTracker has no rewind yet (asked of its owner)
-        del tracker.losses[steps:]
-        tracker._pending.clear()  # noqa: SLF001
 
 
 class _Attempt:
