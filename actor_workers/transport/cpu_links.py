@@ -240,8 +240,8 @@ class InLink:
                 sink(off, self.slots[slot, :m])
             try:
                 self.sock.sendall(CREDIT.pack(slot))
-            except OSError as e:
-                raise LinkClosed(f"{e.strerror or e}") from e
+            except OSError:
+                pass  # the sender may close right after its last chunk; a dead one shows as EOF next read
             off += m
 
     def close(self) -> None:

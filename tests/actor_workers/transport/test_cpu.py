@@ -404,6 +404,17 @@ def test_both_directions_at_once_with_large_messages_never_deadlock() -> None:
     assert all(all(v) for v in out.values())
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_message_sent_just_before_close_still_arrives(mode: str) -> None:
+    x = logical((3_000_000,), np.float32)  # 12 MB: more chunks than the ring has slots
+    with mesh((0, 1), mode=mode) as ts:
+        ts[0].send(x, 1, "last")
+        ts[0].close()  # at once: the reader's last credits find the socket closed
+        assert_same_bits([ts[1].recv(0, "last"), x])
+        with pytest.raises(TransportError, match="rank 0 closed its transport"):
+            ts[1].recv(0, "last")
+
+
 def test_recv_waits_for_a_later_send_self_send_works_and_dtypes_shapes_survive() -> None:
     def body(t: Transport) -> Any:
         if t.rank == 0:
