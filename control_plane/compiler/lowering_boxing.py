@@ -1,0 +1,321 @@
+"""Lowering's boxing emission: each step of a boxing plan becomes tasks on its ranks and calls on communicators.
+
+A boxing plan with several steps becomes one task per step per rank (the planner's steps are each one
+group collective; a task per step lets the runtime execute exactly one primitive per actor and lets
+the communicator order name each collective). Between placements, each (source, destination) pair with
+a transfer is a SEND on the source and a RECV on the destination, on the pair's communicator; a
+destination that needs more than that one piece (its own copy, several sources) assembles them in a
+BOXING task marked ``local slice``, and a destination that only holds zeros (P) gets a ``zero fill``.
+Boxing tasks carry the boxing node's name in ``op_name`` so the runtime can re-plan the transfers'
+regions with :func:`plan_boxing` (a cached pure function of the job).
+
+Every call on a communicator is recorded in :class:`CommOrder` at its position in the one global walk;
+a walk that builds only some ranks still visits every group and destination that involves one of them,
+so their positions are exact, and only counts the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from math import prod
+
+from sbpflow.control_plane.compiler.boxing import BoxingPlan, BoxingStep, Collective, Transfer, plan_boxing
+from sbpflow.control_plane.compiler.comm_order import Call, CommOrder, call_kind, pair_ranks
+from sbpflow.control_plane.compiler.lowering_tasks import (
+    K,
+    LoweringError,
+    TaskEmitter,
+    rank_coords,
+    shard_shape,
+)
+from sbpflow.control_plane.compiler.state import CompileState
+from sbpflow.graph import BOXING, Graph, OpNode
+from sbpflow.placement import Placement
+from sbpflow.sbp import B, format_nd
+from sbpflow.sharding import shard_index, split_range
+from sbpflow.v1 import plan_pb2 as pp
+
+COLLECTIVE = {
+    Collective.all_reduce: pp.COLLECTIVE_KIND_ALL_REDUCE,
+    Collective.reduce_scatter: pp.COLLECTIVE_KIND_REDUCE_SCATTER,
+    Collective.all_gather: pp.COLLECTIVE_KIND_ALL_GATHER,
+    Collective.all_to_all: pp.COLLECTIVE_KIND_ALL_TO_ALL,
+    Collective.local_slice: pp.COLLECTIVE_KIND_LOCAL_SLICE,
+    Collective.zero_fill: pp.COLLECTIVE_KIND_ZERO_FILL,
+}
+LOCAL = {Collective.local_slice, Collective.zero_fill}
+
+
+def plan_of(g: Graph, op: OpNode) -> BoxingPlan:
+    src, dst = g.tensors[op.inputs[0]], g.tensors[op.outputs[0]]
+    assert src.placement and src.sbp is not None and dst.placement and dst.sbp is not None
+    return plan_boxing(src.meta, src.placement, src.sbp, dst.placement, dst.sbp)
+
+
+@dataclass(frozen=True)
+class _Dest:
+    """One destination of a point-to-point step: the pieces it gets, by source, in the plan's order."""
+
+    coord: tuple[int, ...]
+    rank: int
+    want: tuple[int, ...]
+    sources: tuple[tuple[int, int, tuple[int, ...]], ...]  # (source rank, bytes, shape the piece arrives in)
+    whole: bool  # one received piece is the whole shard: no assembling task
+
+
+@dataclass(frozen=True)
+class _P2P:
+    """A point-to-point step's destinations, where each starts in the id counters, and who touches which."""
+
+    step: BoxingStep  # kept alive: the lowerer caches this by ``id(step)``
+    dests: list[_Dest]
+    starts: list[tuple[int, int]]  # (tasks, registers) emitted before each destination, over all ranks
+    total: tuple[int, int]
+    touching: dict[int, list[int]]  # rank -> the destinations whose transfers involve it
+
+
+def p2p_layout(plan: BoxingPlan, step: BoxingStep) -> _P2P:
+    meta, dst = plan.meta, plan.dst
+    by_dst: dict[int, dict[int, list[Transfer]]] = {}
+    for tr in step.transfers:
+        by_dst.setdefault(tr.dst, {}).setdefault(tr.src, []).append(tr)
+    dests: list[_Dest] = []
+    starts: list[tuple[int, int]] = []
+    touching: dict[int, list[int]] = {}
+    tasks = registers = 0
+    for coord in rank_coords(dst):
+        d = dst.rank_at(coord)
+        want = shard_shape(meta.shape, dst.shape, step.to_sbp, coord)
+        sources = []
+        for s, trs in by_dst.get(d, {}).items():
+            numel = sum(t.numel for t in trs)
+            # one region arrives in its own shape; several (a shard cut by several source shards) packed
+            shape = tuple(r.stop - r.start for r in trs[0].region) if len(trs) == 1 else (numel,)
+            sources.append((s, numel * meta.dtype.itemsize, shape))
+        whole = len(sources) == 1 and sources[0][0] != d and sources[0][2] == want
+        for r in {d, *(s for s, _, _ in sources)}:
+            touching.setdefault(r, []).append(len(dests))
+        dests.append(_Dest(coord, d, want, tuple(sources), whole))
+        starts.append((tasks, registers))
+        pairs = sum(s != d for s, _, _ in sources)
+        tasks, registers = tasks + 2 * pairs + (not whole), registers + pairs + (not whole)
+    return _P2P(step, dests, starts, (tasks, registers), touching)
+
+
+@dataclass
+class Lowerer(TaskEmitter):
+    """One walk of the lowering: :class:`TaskEmitter` plus the boxing steps and the communicator order."""
+
+    comm: CommOrder = field(default_factory=CommOrder)
+    _groups: dict[tuple[Placement, int], list[list[tuple[int, ...]]]] = field(default_factory=dict)
+    _boxing: dict[tuple[int, int, int], tuple[BoxingStep, pp.Boxing]] = field(default_factory=dict)
+    _p2ps: dict[int, _P2P] = field(default_factory=dict)
+    _visits: dict[int, list[int]] = field(default_factory=dict)  # step -> destinations touching built ranks
+    trail: list[tuple[str, BoxingPlan, int]] | None = None  # every boxing step emitted, in order
+
+    def emit_op(self, op: OpNode, state: CompileState) -> None:
+        if op.op_type == BOXING:
+            self.emit_boxing(op, state.boxings.get(op.name) or plan_of(self.graph, op))
+        else:
+            self.emit_kernel(op)
+
+    def emit_boxing(self, op: OpNode, plan: BoxingPlan) -> None:
+        src, dst = (self.graph.tensors[op.inputs[0]], self.graph.tensors[op.outputs[0]])
+        if (plan.src, plan.src_sbp, plan.dst, plan.dst_sbp) != (
+            src.placement,
+            src.sbp,
+            dst.placement,
+            dst.sbp,
+        ):
+            raise LoweringError(
+                f"boxing op {op.name!r}: its plan {plan!r} does not map {src!r} to {dst!r}; re-plan it"
+            )
+        cur = {r: self.holder(src.name, r, f"boxing op {op.name!r}") for r in self.built(plan.src)}
+        if plan.is_identity:  # a no-op boxing still needs the output register: a local copy
+            step = BoxingStep(Collective.local_slice, 0, plan.src_sbp, plan.dst_sbp, 0)
+            self.collective(op, plan, step, cur, dst.name)
+            return
+        for i, step in enumerate(plan.steps):
+            if self.trail is not None:
+                self.trail.append((op.name, plan, i))
+            name = dst.name if i == len(plan.steps) - 1 else ""
+            if step.collective is Collective.p2p:
+                cur = self.p2p(op, plan, step, cur, name)
+            else:
+                cur = self.collective(op, plan, step, cur, name)
+
+    def built(self, pl: Placement) -> list[int]:
+        return list(pl.ranks) if self.keep is None else [r for r in pl.ranks if r in self.devices]
+
+    def _boxing_task(
+        self, rank: int, op: OpNode, kind: int, step: BoxingStep, collective: int, nbytes: int
+    ) -> pp.Task | None:
+        t = self.task(rank, kind, op.name, op.stage)
+        if t is not None:
+            key = (id(step), collective, nbytes)  # the step is kept alive beside its proto: ids stay unique
+            if key not in self._boxing:
+                proto = pp.Boxing(
+                    from_sbp=format_nd(step.from_sbp),
+                    to_sbp=format_nd(step.to_sbp),
+                    collective=collective,  # type: ignore[arg-type]
+                    bytes_moved=nbytes,
+                )
+                self._boxing[key] = (step, proto)
+            t.boxing.CopyFrom(self._boxing[key][1])
+        return t
+
+    def collective(
+        self, op: OpNode, plan: BoxingPlan, step: BoxingStep, cur: dict[int, int], name: str
+    ) -> dict[int, int]:
+        pl, meta, kind = plan.src, plan.meta, COLLECTIVE[step.collective]
+        out, tasks = {}, {}
+        for coord, rank in self.each(pl, 1, 1):
+            t = self._boxing_task(rank, op, K.TASK_KIND_BOXING, step, kind, step.bytes)
+            self.read(t, cur.get(rank, -1))
+            shape = shard_shape(meta.shape, pl.shape, step.to_sbp, coord)
+            out[rank] = self.produce(t, rank, shape, meta.dtype, name)
+            tasks[coord] = t
+        if step.collective not in LOCAL:
+            assert step.mesh_axis is not None
+            call = Call(op.name, _boxing_name(step), call_kind(kind), step.bytes)
+            for group in self.groups(pl, step.mesh_axis):
+                members = [
+                    (
+                        tasks.get(c),
+                        pl.rank_at(c),
+                        kind,
+                        rank_send_bytes(step, plan, c) if tasks.get(c) is not None else 0,
+                    )
+                    for c in group
+                ]
+                self.comm.add(pl.device_type, [pl.rank_at(c) for c in group], call, members)
+        return out
+
+    def groups(self, pl: Placement, axis: int) -> list[list[tuple[int, ...]]]:
+        """The groups along ``axis`` with a built rank (every group when the calls are logged)."""
+        key = (pl, axis)
+        if key not in self._groups:
+            every = _groups(pl, axis)
+            if self.keep is not None:  # the other groups' communicators have no built rank
+                every = [g for g in every if any(pl.rank_at(c) in self.keep for c in g)]
+            self._groups[key] = every
+        return self._groups[key]
+
+    def p2p(
+        self, op: OpNode, plan: BoxingPlan, step: BoxingStep, cur: dict[int, int], name: str
+    ) -> dict[int, int]:
+        lay = self._p2ps.get(id(step))
+        if lay is None:
+            lay = self._p2ps[id(step)] = p2p_layout(plan, step)
+        visits = self._visits.get(id(step))
+        if visits is None:  # the destinations a built rank takes part in; the others are only counted
+            keep = self.keep
+            visits = (
+                list(range(len(lay.dests)))
+                if keep is None
+                else sorted({i for r in keep for i in lay.touching.get(r, ())})
+            )
+            self._visits[id(step)] = visits
+        t0, r0 = self.next_task, self.next_reg
+        out = {}
+        built, every = self.devices, self.keep is None
+        for i in visits:
+            dest, d = lay.dests[i], lay.dests[i].rank
+            self.seek(t0 + lay.starts[i][0], r0 + lay.starts[i][1])
+            pieces = []
+            for s, nbytes, shape in dest.sources:
+                if s == d:
+                    pieces.append(cur.get(d, -1))
+                elif every or s in built or d in built:
+                    pieces.append(self._send_recv(op, plan, step, cur.get(s, -1), s, d, nbytes, shape))
+                else:  # a transfer between two ranks not built: its send, its receive and its piece counted
+                    self.seek(self.next_task + 2, self.next_reg + 1)
+                    pieces.append(-1)
+            if dest.whole:  # the one received piece is the shard: name its register
+                if d in self.devices:
+                    reg = self.registers[pieces[0]]
+                    reg.tensor = name
+                    out[d] = reg.id
+                    if name:
+                        self.held[(name, d, self.micro_batch)] = reg.id
+                continue
+            collective = Collective.local_slice if pieces else Collective.zero_fill
+            t = self._boxing_task(d, op, K.TASK_KIND_BOXING, step, COLLECTIVE[collective], 0)
+            for p in pieces:
+                self.read(t, p)
+            rid = self.produce(t, d, dest.want, plan.meta.dtype, name)
+            if t is not None:
+                out[d] = rid
+        self.seek(t0 + lay.total[0], r0 + lay.total[1])
+        return out
+
+    def _send_recv(
+        self,
+        op: OpNode,
+        plan: BoxingPlan,
+        step: BoxingStep,
+        source: int,
+        s: int,
+        d: int,
+        nbytes: int,
+        shape: tuple[int, ...],
+    ) -> int:
+        send = self._boxing_task(s, op, K.TASK_KIND_SEND, step, pp.COLLECTIVE_KIND_SEND, nbytes)
+        self.read(send, source)
+        recv = self._boxing_task(d, op, K.TASK_KIND_RECV, step, pp.COLLECTIVE_KIND_RECV, nbytes)
+        piece = self.produce(recv, d, shape, plan.meta.dtype)
+        call = Call(op.name, _boxing_name(step), call_kind(pp.COLLECTIVE_KIND_SEND), nbytes)
+        self.comm.add(
+            plan.src.device_type,
+            pair_ranks(s, d),
+            call,
+            [(send, s, pp.COLLECTIVE_KIND_SEND, nbytes), (recv, d, pp.COLLECTIVE_KIND_RECV, 0)],
+        )
+        return piece
+
+
+def _boxing_name(step: BoxingStep) -> str:
+    return f"{format_nd(step.from_sbp)} -> {format_nd(step.to_sbp)}"
+
+
+def _groups(pl: Placement, axis: int) -> list[list[tuple[int, ...]]]:
+    """The coordinates of each group of ranks along mesh ``axis`` (one group per setting of the others)."""
+    groups: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+    for c in pl.coords():
+        groups.setdefault(c[:axis] + c[axis + 1 :], []).append(c)
+    return list(groups.values())
+
+
+def rank_send_bytes(step: BoxingStep, plan: BoxingPlan, coord: Sequence[int]) -> int:
+    """Bytes the rank at ``coord`` sends in a group collective; summed over all ranks it is ``step.bytes``.
+
+    All-reduce is counted as ring reduce-scatter + all-gather over the flat buffer; the others send
+    exactly the part of their shard that another rank of the group needs.
+    """
+    assert step.mesh_axis is not None
+    k, meta, pl = step.mesh_axis, plan.meta, plan.src
+    group_sbp = tuple(B if i == k else s for i, s in enumerate(step.from_sbp))
+    region = [s.stop - s.start for s in shard_index(meta.shape, pl.shape, group_sbp, coord)]
+    p, me, n = pl.shape[k], coord[k], prod(region)
+
+    def part(axis: int) -> int:  # elements of the region in my slice along ``axis``
+        lo, hi = split_range(region[axis], p, me)
+        return (hi - lo) * (n // region[axis]) if region[axis] else 0
+
+    src, dst = step.from_sbp[k], step.to_sbp[k]
+    table = {
+        Collective.all_reduce: lambda: n + (p - 2) * (split_range(n, p, me)[1] - split_range(n, p, me)[0]),
+        Collective.reduce_scatter: lambda: n - part(dst.axis),  # type: ignore[union-attr]
+        Collective.all_gather: lambda: (p - 1) * part(src.axis),  # type: ignore[union-attr]
+        Collective.all_to_all: lambda: _all_to_all_send(region, p, me, src.axis, dst.axis),  # type: ignore[union-attr]
+    }
+    return table[step.collective]() * meta.dtype.itemsize if step.collective in table else 0
+
+
+def _all_to_all_send(region: list[int], p: int, me: int, i: int, j: int) -> int:
+    ni, nj = region[i], region[j]
+    rest = prod(region) // (ni * nj) if ni * nj else 0
+    mine_i = split_range(ni, p, me)[1] - split_range(ni, p, me)[0]
+    mine_j = split_range(nj, p, me)[1] - split_range(nj, p, me)[0]
+    return mine_i * (nj - mine_j) * rest
