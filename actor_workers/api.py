@@ -14,7 +14,9 @@ Backends (:data:`BACKENDS`):
   and the fastest embedded mode.
 
 Both call the same listeners as the run gets on: ``on_state("COMPILING" | "STARTING" | "RUNNING")``,
-``on_step(StepMetrics)`` once per completed step, ``on_report(WorkerReport)`` for every worker report.
+``on_step(StepMetrics)`` once per completed step, ``on_report(WorkerReport)`` for every worker report,
+and ``on_attempt(attempt, first_step, reason, message)`` when a restart begins attempt ``attempt`` from
+the checkpoint at ``first_step`` (then ``on_state`` says ``"STARTING"`` and ``"RUNNING"`` again).
 Setting ``cancel`` stops every rank promptly and raises :class:`RunCancelled`.
 """
 
@@ -37,7 +39,9 @@ if TYPE_CHECKING:
     from sbpflow.control_plane.compiler.pipeline import Compiled
     from sbpflow.control_plane.reports import ReportHub
 
-__all__ = ["BACKENDS", "RunCancelled", "RunOptions", "RunResult", "run"]
+__all__ = ["BACKENDS", "AttemptListener", "RunCancelled", "RunOptions", "RunResult", "run"]
+
+AttemptListener = Callable[[int, int, str, str], None]  # (attempt, first step, reason, message)
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class RunOptions:
     ray_address: str | None = None
     on_state: StateListener | None = None
     on_report: ReportListener | None = None
+    on_attempt: AttemptListener | None = None
     cancel: threading.Event | None = None
     report_hub: ReportHub | None = None
     report_token: str = ""
@@ -78,6 +83,11 @@ class RunOptions:
     def state(self, name: str) -> None:
         if self.on_state is not None:
             self.on_state(name)
+
+    def new_attempt(self, reason: str, message: str) -> None:
+        """Tell ``on_attempt`` that this attempt (``self.attempt`` from ``self.first_step``) begins."""
+        if self.on_attempt is not None:
+            self.on_attempt(self.attempt, self.first_step, reason, message)
 
     def report(self, rank: int, **payload: Any) -> None:
         if self.on_report is not None:
@@ -99,6 +109,7 @@ def run(
     on_state: StateListener | None = None,
     on_step: StepListener | None = None,
     on_report: ReportListener | None = None,
+    on_attempt: AttemptListener | None = None,
     cancel: threading.Event | None = None,
     report_hub: ReportHub | None = None,
     report_token: str = "",
@@ -147,6 +158,7 @@ def run(
         ray_address=ray_address,
         on_state=on_state,
         on_report=on_report,
+        on_attempt=on_attempt,
         cancel=cancel,
         report_hub=report_hub,
         report_token=report_token,

@@ -129,6 +129,11 @@ def run_on_ray(compiled: Compiled, options: RunOptions, tracker: StepTracker) ->
                     raise
                 restarts += 1
                 current = _restart(options, current, tracker)
+                current.new_attempt(
+                    "WORKER_LOST",
+                    f"{failure}; attempt {current.attempt} (restart {restarts} of at most "
+                    f"{options.max_restarts}) resumes from step {current.first_step}",
+                )
                 continue
             done = current.first_step - options.first_step  # steps earlier attempts trained
             prefix = (tracker.losses[:done] + [float("nan")] * done)[:done]

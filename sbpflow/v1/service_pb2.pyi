@@ -169,6 +169,8 @@ class JobStatus(_message.Message):
     STARTED_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
     LAST_CHECKPOINT_FIELD_NUMBER: _builtins.int
+    RESUMED_FROM_FIELD_NUMBER: _builtins.int
+    RESUME_CHECKPOINT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Id assigned at Submit."""
     name: _builtins.str
@@ -193,6 +195,10 @@ class JobStatus(_message.Message):
     """Throughput over the recent steps."""
     last_checkpoint: _builtins.str
     """Path of the last checkpoint written; empty if none."""
+    resumed_from: _builtins.str
+    """Id of the job whose checkpoint this one started from (a Resume call); empty for a fresh job."""
+    resume_checkpoint: _builtins.str
+    """Path of the checkpoint this job started from (a Resume call); empty for a fresh job."""
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerStatus]:
         """One entry per rank, sorted by rank; empty before STARTING."""
@@ -227,10 +233,12 @@ class JobStatus(_message.Message):
         started: _timestamp_pb2.Timestamp | None = ...,
         finished: _timestamp_pb2.Timestamp | None = ...,
         last_checkpoint: _builtins.str = ...,
+        resumed_from: _builtins.str = ...,
+        resume_checkpoint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "created", b"created", "finished", b"finished", "loss", b"loss", "started", b"started"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "attempt", b"attempt", "created", b"created", "finished", b"finished", "job_id", b"job_id", "last_checkpoint", b"last_checkpoint", "loss", b"loss", "message", b"message", "name", b"name", "reason", b"reason", "samples_per_second", b"samples_per_second", "started", b"started", "state", b"state", "step", b"step", "total_steps", b"total_steps", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "attempt", b"attempt", "created", b"created", "finished", b"finished", "job_id", b"job_id", "last_checkpoint", b"last_checkpoint", "loss", b"loss", "message", b"message", "name", b"name", "reason", b"reason", "resume_checkpoint", b"resume_checkpoint", "resumed_from", b"resumed_from", "samples_per_second", b"samples_per_second", "started", b"started", "state", b"state", "step", b"step", "total_steps", b"total_steps", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
@@ -716,6 +724,84 @@ class JobResult(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JobResult: _TypeAlias = JobResult  # noqa: Y015
+
+@_typing.final
+class ResumeJobRequest(_message.Message):
+    """Resume a job from its latest checkpoint as a new job linked to it (JobStatus.resumed_from): the old
+    job keeps its history and state, the new one has its own id, events and checkpoints. The checkpoint is
+    the old job's latest complete one; a job that wrote none (e.g. itself resumed, then stopped before its
+    first checkpoint) passes on the one it started from.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job to resume; it must have ended (SUCCEEDED, FAILED or CANCELLED): cancel a running one first."""
+    client_id: _builtins.str
+    """As in SubmitJobRequest."""
+    idempotency_key: _builtins.str
+    """As in SubmitJobRequest: a retried Resume with the same (client_id, key) returns the first new job."""
+    @_builtins.property
+    def job(self) -> _job_pb2.Job:
+        """The job to run from the checkpoint, e.g. the same model re-traced under another layout (ranks,
+        tensor/data parallel); absent = the old job as it was submitted. Its variables must match the
+        checkpoint's (names, logical shapes, dtypes) and JobConfig.steps must pass the checkpoint's step,
+        or the call fails with INVALID_ARGUMENT naming the mismatch.
+        """
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        job: _job_pb2.Job | None = ...,
+        client_id: _builtins.str = ...,
+        idempotency_key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "idempotency_key", b"idempotency_key", "job", b"job", "job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeJobRequest: _TypeAlias = ResumeJobRequest  # noqa: Y015
+
+@_typing.final
+class ResumeJobResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """Id of the new job."""
+    checkpoint: _builtins.str
+    """Path of the checkpoint it starts from."""
+    checkpoint_step: _builtins.int
+    """Step of that checkpoint: the new job trains steps checkpoint_step+1 .. JobConfig.steps."""
+    @_builtins.property
+    def status(self) -> Global___JobStatus:
+        """Its status right after Resume (PENDING, resumed_from set)."""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        status: Global___JobStatus | None = ...,
+        checkpoint: _builtins.str = ...,
+        checkpoint_step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "checkpoint_step", b"checkpoint_step", "job_id", b"job_id", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeJobResponse: _TypeAlias = ResumeJobResponse  # noqa: Y015
 
 @_typing.final
 class Heartbeat(_message.Message):

@@ -70,6 +70,11 @@ class JobServiceStub:
                 request_serializer=sbpflow_dot_v1_dot_service__pb2.GetResultRequest.SerializeToString,
                 response_deserializer=sbpflow_dot_v1_dot_service__pb2.JobResult.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/sbpflow.v1.JobService/Resume',
+                request_serializer=sbpflow_dot_v1_dot_service__pb2.ResumeJobRequest.SerializeToString,
+                response_deserializer=sbpflow_dot_v1_dot_service__pb2.ResumeJobResponse.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -125,6 +130,15 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """A new job that continues an ended one from its latest checkpoint, optionally under another layout;
+        NOT_FOUND for an unknown id, FAILED_PRECONDITION while the job runs or when it has no checkpoint
+        (or the server keeps none), INVALID_ARGUMENT when the new job does not match the checkpoint.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +176,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.GetResult,
                     request_deserializer=sbpflow_dot_v1_dot_service__pb2.GetResultRequest.FromString,
                     response_serializer=sbpflow_dot_v1_dot_service__pb2.JobResult.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=sbpflow_dot_v1_dot_service__pb2.ResumeJobRequest.FromString,
+                    response_serializer=sbpflow_dot_v1_dot_service__pb2.ResumeJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +373,33 @@ class JobService:
             '/sbpflow.v1.JobService/GetResult',
             sbpflow_dot_v1_dot_service__pb2.GetResultRequest.SerializeToString,
             sbpflow_dot_v1_dot_service__pb2.JobResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sbpflow.v1.JobService/Resume',
+            sbpflow_dot_v1_dot_service__pb2.ResumeJobRequest.SerializeToString,
+            sbpflow_dot_v1_dot_service__pb2.ResumeJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

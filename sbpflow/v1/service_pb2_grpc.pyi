@@ -49,6 +49,11 @@ class JobServiceStub:
     """Log lines of the job."""
     GetResult: _grpc.UnaryUnaryMultiCallable[_service_pb2.GetResultRequest, _service_pb2.JobResult]
     """Losses and final parameters; FAILED_PRECONDITION while the job is not in a terminal state."""
+    Resume: _grpc.UnaryUnaryMultiCallable[_service_pb2.ResumeJobRequest, _service_pb2.ResumeJobResponse]
+    """A new job that continues an ended one from its latest checkpoint, optionally under another layout;
+    NOT_FOUND for an unknown id, FAILED_PRECONDITION while the job runs or when it has no checkpoint
+    (or the server keeps none), INVALID_ARGUMENT when the new job does not match the checkpoint.
+    """
 
 @_typing.type_check_only
 class JobServiceAsyncStub(JobServiceStub):
@@ -69,6 +74,11 @@ class JobServiceAsyncStub(JobServiceStub):
     """Log lines of the job."""
     GetResult: _aio.UnaryUnaryMultiCallable[_service_pb2.GetResultRequest, _service_pb2.JobResult]  # type: ignore[assignment]
     """Losses and final parameters; FAILED_PRECONDITION while the job is not in a terminal state."""
+    Resume: _aio.UnaryUnaryMultiCallable[_service_pb2.ResumeJobRequest, _service_pb2.ResumeJobResponse]  # type: ignore[assignment]
+    """A new job that continues an ended one from its latest checkpoint, optionally under another layout;
+    NOT_FOUND for an unknown id, FAILED_PRECONDITION while the job runs or when it has no checkpoint
+    (or the server keeps none), INVALID_ARGUMENT when the new job does not match the checkpoint.
+    """
 
 class JobServiceServicer(metaclass=_abc_1.ABCMeta):
     """Submit, observe and control jobs."""
@@ -128,6 +138,17 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_service_pb2.JobResult, _abc.Awaitable[_service_pb2.JobResult]]:
         """Losses and final parameters; FAILED_PRECONDITION while the job is not in a terminal state."""
+
+    @_abc_1.abstractmethod
+    def Resume(
+        self,
+        request: _service_pb2.ResumeJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_service_pb2.ResumeJobResponse, _abc.Awaitable[_service_pb2.ResumeJobResponse]]:
+        """A new job that continues an ended one from its latest checkpoint, optionally under another layout;
+        NOT_FOUND for an unknown id, FAILED_PRECONDITION while the job runs or when it has no checkpoint
+        (or the server keeps none), INVALID_ARGUMENT when the new job does not match the checkpoint.
+        """
 
 def add_JobServiceServicer_to_server(servicer: JobServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
