@@ -6,7 +6,7 @@ opening exchange: every member sends every other member a message carrying a des
 (op, tag, group order, axes, dtype, shape), so any two members that disagree both raise, naming each
 other, before any data is combined. Small arrays ride on that exchange (one round trip):
 
-| op | small (<= ``DIRECT_BYTES``) | large |
+| op | small ((p-1)·|T| <= ``DIRECT_BYTES``) | large |
 |---|---|---|
 | all_reduce | every member's array to every member, summed in group order | ring reduce-scatter + ring all-gather |
 | reduce_scatter | part j to member j, summed in group order | ring reduce-scatter |
@@ -34,7 +34,7 @@ from sbpflow.sharding import split_range
 if TYPE_CHECKING:
     from sbpflow.actor_workers.transport.cpu import CpuTransport
 
-DIRECT_BYTES = 256 << 10
+DIRECT_BYTES = 1 << 20  # bytes a member sends in a direct exchange: (p - 1) x |T|; above it, the ring
 NOTHING = np.empty(0, np.uint8)
 
 
@@ -206,7 +206,7 @@ def all_reduce(t: CpuTransport, array: Array, group: Group, tag: str) -> np.ndar
     n = len(group)
     if n == 1:
         return a.copy()
-    if a.nbytes <= DIRECT_BYTES:
+    if a.nbytes * (n - 1) <= DIRECT_BYTES:
         got = call.exchange(lambda peer: a)
         return _sum_in_order([a if r == t.rank else got[r] for r in group], a)
     call.exchange(None)
@@ -227,7 +227,7 @@ def reduce_scatter(t: CpuTransport, array: Array, group: Group, axis: int, tag: 
     n = len(group)
     if n == 1:
         return a.copy()
-    if a.nbytes <= DIRECT_BYTES:
+    if a.nbytes * (n - 1) <= DIRECT_BYTES:
         got = call.exchange(lambda peer: np.ascontiguousarray(part(a, axis, n, group.index(peer))))
         mine = part(a, axis, n, call.pos)
         return _sum_in_order([mine if r == t.rank else got[r] for r in group], mine)

@@ -33,7 +33,7 @@ JOIN_TIMEOUT = 20.0
 GROUPS = [(0, 1), (0, 1, 2), (0, 1, 2, 3), (2, 0, 3, 1)]
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64, np.bool_]
 MODES = ["shm", "tcp"]
-BIG = (512, 1100)  # float32: 2.2 MB, above the direct limit (the ring path)
+BIG = (512, 1100)  # float32: 2.2 MB, above the direct limit for every group (the ring path)
 assert BIG[0] * BIG[1] * 4 > DIRECT_BYTES
 assert 6_000_000 * 4 > SLOT_BYTES  # the 6 MB arrays below span several shared-memory slots
 
