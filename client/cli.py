@@ -1,5 +1,6 @@
 """The ``sbpflow`` command line: ``run``, ``plan``, ``trace``, ``ops``, ``version``, and the job commands
-of ``cli_jobs.py``: ``server``, ``submit``, ``status``, ``watch``, ``cancel``, ``logs``."""
+of ``cli_jobs.py``: ``server``, ``submit``, ``status``, ``watch``, ``cancel``, ``logs``, ``resume``,
+``checkpoints``, ``export``."""
 
 from __future__ import annotations
 
@@ -77,7 +78,21 @@ def _job_from_args(args: argparse.Namespace) -> Any:
         raise SbpflowError(
             f"{args.example}: make_job() takes no {unknown}; it takes {[p for p in params if p != 'self']}"
         )
-    return make_job(**kw)
+    return _with_config(make_job(**kw), args)
+
+
+# --flag -> the JobConfig field it overrides after tracing (for examples whose make_job does not take it)
+_CONFIG_FLAGS = {"steps": "steps", "checkpoint_every": "checkpoint_every"}
+
+
+def _with_config(job: Any, args: argparse.Namespace) -> Any:
+    """``job`` with the JobConfig fields given on the command line (--steps, --checkpoint-every)."""
+    import dataclasses
+
+    given = {f: getattr(args, a) for a, f in _CONFIG_FLAGS.items() if getattr(args, a, None) is not None}
+    if given:
+        job.config = dataclasses.replace(job.config, **given)
+    return job
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -145,15 +160,28 @@ def build_parser() -> argparse.ArgumentParser:
                 _client_flags(p)
             if flags is not None:
                 flags(p)
-        if name in ("plan", "run", "submit"):
-            p.add_argument("example", help="a Python file defining make_job()")
+        if name in ("plan", "run", "submit", "resume"):
+            if name == "resume":
+                p.add_argument(
+                    "example",
+                    nargs="?",
+                    help="re-trace this file's make_job() (e.g. under another layout); default: the job as submitted",
+                )
+            else:
+                p.add_argument("example", help="a Python file defining make_job()")
             p.add_argument("--ranks", type=int, help="number of ranks (make_job's ranks=)")
             p.add_argument("--tp", action="store_true", help="tensor parallel (make_job's tp=True)")
             p.add_argument("--dp", type=int, help="data-parallel groups of a 2-d mesh (make_job's dp=)")
             p.add_argument("--layers", type=int, help="make_job's layers=")
             p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other make_job argument")
-        if name == "submit":
+        if name in ("submit", "resume"):
             p.add_argument("--watch", action="store_true", help="follow the job with a progress bar")
+            p.add_argument("--steps", type=int, help="train this many steps in all (default: the job's own)")
+            p.add_argument(
+                "--checkpoint-every",
+                type=int,
+                help="checkpoint every N steps (to the server's --checkpoint-root; default: the job's own)",
+            )
         if name == "run":
             p.add_argument("--steps", type=int, help="train this many steps (default: the job's own)")
             p.add_argument(

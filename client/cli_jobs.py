@@ -1,5 +1,7 @@
 """The job commands of the ``sbpflow`` CLI: ``server``, ``submit``, ``status``, ``watch``, ``cancel``,
-``logs``, and ``run`` — the embedded default, which runs the job through an in-process control plane
+``logs``, ``resume`` (a new job from an ended one's latest checkpoint, as it was or re-traced under
+another layout: ``sbpflow resume ID examples/mlp.py --ranks 2 --tp``), ``checkpoints``, ``export``, and
+``run`` — the embedded default, which runs the job through an in-process control plane
 (job manager and a store in a temporary folder, no network) with the same progress bar as ``watch``.
 
 The client commands find the server with ``--address`` (or ``SBPFLOW_ADDRESS``, default
@@ -57,6 +59,8 @@ def cmd_server(args: argparse.Namespace) -> int:
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             max_message_bytes=args.max_message_bytes,
+            checkpoint_root=args.checkpoint_root,
+            max_restarts=args.max_restarts,
         ),
         announce=lambda line: print(line, flush=True),
     )
@@ -73,6 +77,27 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return _ended(handle.watch()) if args.watch else 0
 
 
+def cmd_resume(args: argparse.Namespace) -> int:
+    """Resume an ended job from its latest checkpoint as a new job; print the new job's id (and follow
+    it with --watch). With an example file, the job is re-traced from it (--ranks/--tp/--dp/--set)."""
+    from sbpflow.client.cli import _job_from_args, _make_kwargs
+
+    job = None
+    if args.example:
+        job = _job_from_args(args)
+    elif _make_kwargs(args) or args.steps is not None or args.checkpoint_every is not None:
+        raise SbpflowError(
+            "--ranks/--tp/--dp/--layers/--set/--steps/--checkpoint-every re-trace the job's example: give the "
+            f"example file too, e.g. `sbpflow resume {args.id} examples/mlp.py --ranks 2`"
+        )
+    with _client(args) as client:
+        handle = client.resume(args.id, job, client_id=os.environ.get("USER", ""))
+        st = handle.status()
+        print(handle.job_id, flush=True)
+        print(f"job {handle.job_id} resumes job {args.id} from {st.resume_checkpoint}", file=sys.stderr)
+        return _ended(handle.watch()) if args.watch else 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """One job in detail, or a table of the newest jobs."""
     from sbpflow.v1 import service_pb2 as sp
@@ -84,7 +109,14 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"job {st.job_id} ({st.name}): {_state(st.state)}" + (f" {st.reason}" if st.reason else ""))
             if st.message:
                 print(f"  {st.message}")
-            print(f"  step {st.step}/{st.total_steps}  loss {loss}  {st.samples_per_second:.1f} samples/s")
+            print(
+                f"  step {st.step}/{st.total_steps}  loss {loss}  {st.samples_per_second:.1f} samples/s"
+                f"  attempt {st.attempt}"
+            )
+            if st.resumed_from:
+                print(f"  resumed from job {st.resumed_from} at {st.resume_checkpoint}")
+            if st.last_checkpoint:
+                print(f"  last checkpoint: {st.last_checkpoint}")
             for w in st.workers:
                 state = sp.WorkerState.Name(w.state).removeprefix("WORKER_STATE_")
                 print(f"  rank {w.rank}: {state}  step {w.step}  {w.host}".rstrip())
@@ -122,7 +154,6 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Train an example through an in-process control plane (no server) with the progress bar."""
-    import dataclasses
     import json
     import tempfile
     from pathlib import Path
@@ -134,8 +165,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sbpflow.control_plane.store import JobStore
 
     job = _job_from_args(args)
-    if args.steps is not None:
-        job.config = dataclasses.replace(job.config, steps=args.steps)
     config = ManagerConfig(
         backend=args.backend,
         slots=max(1, len(job_ranks(job))),
@@ -197,6 +226,17 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", help="PEM certificate: serve gRPC and HTTP over TLS (with --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--max-message-bytes", type=int, default=64 * 1024 * 1024, help="largest request")
+    p.add_argument(
+        "--checkpoint-root",
+        default=os.environ.get("SBPFLOW_CHECKPOINTS"),
+        help="keep job ID's checkpoints in DIR/ID, resume jobs from them (env SBPFLOW_CHECKPOINTS; default: none)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart a job whose worker is lost from its last checkpoint up to N times (needs --checkpoint-root)",
+    )
 
 
 def _id(p: argparse.ArgumentParser) -> None:
@@ -277,6 +317,12 @@ JOB_COMMANDS: dict[
     "status": (cmd_status, "list jobs, or show one", _status, True),
     "watch": (cmd_watch, "follow a job with a progress bar until it ends", _id, True),
     "cancel": (cmd_cancel, "cancel a job", _cancel, True),
+    "resume": (
+        cmd_resume,
+        "resume an ended job from its latest checkpoint, maybe under another layout",
+        _id,
+        True,
+    ),
     "logs": (cmd_logs, "print a job's log lines", _logs, True),
     "checkpoints": (cmd_checkpoints, "list a job's complete checkpoints", _checkpoint_flags, False),
     "export": (cmd_export, "export a checkpoint's parameters to safetensors or .npz", _export_flags, False),

@@ -5,6 +5,7 @@
     handle.watch()                       # progress bar until the job ends; returns its final JobStatus
     result = handle.result()             # JobOutcome: state, losses, parameters (numpy arrays)
     client.list(), client.get(job_id)    # JobStatus messages (sbpflow.v1.JobStatus)
+    again = client.resume(job_id, job=make_job(ranks=2, tp=True))  # a new job from its latest checkpoint
 
 Server errors come back as ``ClientError`` with the gRPC status code and the server's message (for a
 refused job, the op, the tensors and the fix). ``tls_ca``: a PEM file to trust (the server's certificate
@@ -46,6 +47,15 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except grpc.RpcError as e:
         raise ClientError(e.code(), e.details() or "") from None  # type: ignore[attr-defined]
+
+
+def _job_proto(job: Any) -> job_pb2.Job:
+    """A ``sbpflow.Job`` as its protobuf (a protobuf as it is)."""
+    if isinstance(job, job_pb2.Job):
+        return job
+    from sbpflow.wire import job_to_proto
+
+    return job_to_proto(job)
 
 
 @dataclass(frozen=True)
@@ -100,14 +110,22 @@ class Client:
 
     def submit(self, job: Any, client_id: str = "", idempotency_key: str = "") -> JobHandle:
         """Submit a ``sbpflow.Job`` (or its ``sbpflow.v1.Job`` protobuf); returns a handle once stored."""
-        if isinstance(job, job_pb2.Job):
-            proto = job
-        else:
-            from sbpflow.wire import job_to_proto
-
-            proto = job_to_proto(job)
-        req = sp.SubmitJobRequest(job=proto, client_id=client_id, idempotency_key=idempotency_key)
+        req = sp.SubmitJobRequest(job=_job_proto(job), client_id=client_id, idempotency_key=idempotency_key)
         resp = self._unary("Submit", req)
+        return JobHandle(self, resp.job_id)
+
+    def resume(
+        self, job_id: str, job: Any = None, client_id: str = "", idempotency_key: str = ""
+    ) -> JobHandle:
+        """A new job that goes on from the ended job ``job_id``'s latest checkpoint: ``job`` (a
+        ``sbpflow.Job`` or its protobuf, e.g. the same model re-traced under another layout) or, if None,
+        the job as it was submitted. The server refuses a job that does not match the checkpoint
+        (INVALID_ARGUMENT, naming the tensors) and a job that runs or has no checkpoint
+        (FAILED_PRECONDITION). The new job's status says ``resumed_from`` and ``resume_checkpoint``."""
+        req = sp.ResumeJobRequest(job_id=job_id, client_id=client_id, idempotency_key=idempotency_key)
+        if job is not None:
+            req.job.CopyFrom(_job_proto(job))
+        resp = self._unary("Resume", req)
         return JobHandle(self, resp.job_id)
 
     def get(self, job_id: str) -> sp.JobStatus:

@@ -4,6 +4,7 @@
     manager.start()                       # reconcile the store after a restart, re-queue PENDING jobs
     rec = manager.submit(job_bytes)       # validated (ValidationError) and stored PENDING, or refused
     manager.cancel(rec.id, "not needed")  # PENDING: CANCELLED at once; in flight: the run is stopped
+    new = manager.resume(rec.id)          # a new job going on from rec's latest checkpoint (resume.py)
 
 Rules:
 - Submit validates first and stores after, so a refused job leaves nothing behind.
@@ -14,6 +15,11 @@ Rules:
 - Each running job has one thread that calls ``sbpflow.actor_workers.api.run`` and turns its listeners
   into store writes: states, steps (loss history), per-worker rows and log lines. Every store write
   wakes the ``changed`` condition, which ``Watch`` and ``Logs`` streams wait on.
+- Checkpoints (``checkpoint_root``): job ID writes them to ``<root>/ID``. A lost worker restarts the run
+  from the latest one (up to ``max_restarts``): the job's attempt grows, with a "state" event (reason
+  ``WORKER_LOST``) naming the rank. After a control-plane restart, a job that was in flight and has a
+  checkpoint is queued again as its next attempt (``RESUMED_AFTER_RESTART``) and goes on from it; one
+  without stays FAILED (``CONTROL_PLANE_RESTARTED``).
 - Reasons are machine-readable words (service.proto's JobStatus.reason); messages say what happened.
 """
 
@@ -27,7 +33,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sbpflow.control_plane.store import JobRecord, JobState, JobStore, WorkerRecord, WorkerState
+from sbpflow.control_plane import resume as resuming
+from sbpflow.control_plane.store import JobRecord, JobState, JobStore, Resumable, WorkerRecord, WorkerState
 from sbpflow.control_plane.validation import ValidationError, validate_submit
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
@@ -40,6 +47,7 @@ if TYPE_CHECKING:
 WAITING = "WAITING_FOR_RESOURCES"
 CANCELLED_BY_USER = "CANCELLED_BY_USER"
 SHUTDOWN = "CONTROL_PLANE_SHUTDOWN"
+WORKER_LOST = "WORKER_LOST"
 
 _TERMINAL_CODES = frozenset({sp.JOB_STATE_SUCCEEDED, sp.JOB_STATE_FAILED, sp.JOB_STATE_CANCELLED})
 
@@ -130,8 +138,9 @@ class JobManager:
     # ---- lifecycle of the manager -----------------------------------------------------------------
 
     def start(self) -> list[JobRecord]:
-        """Reconcile the store after a restart (jobs in flight -> FAILED) and re-queue PENDING jobs;
-        returns the reconciled records."""
+        """Reconcile the store after a restart (jobs in flight -> PENDING as their next attempt when they
+        have a checkpoint to go on from, else FAILED) and re-queue PENDING jobs; returns the reconciled
+        records."""
         from sbpflow import wire
         from sbpflow.v1 import job_pb2
 
@@ -139,7 +148,7 @@ class JobManager:
             from sbpflow.control_plane.scheduler import ensure_ray
 
             ensure_ray(self.config.ray_address, self.capacity)
-        reconciled = self.store.reconcile_after_restart()
+        reconciled = self.store.reconcile_after_restart(self._resumable)
         pending = sorted(self.store.list([JobState.PENDING], limit=1 << 30), key=lambda r: r.created)
         with self._lock:
             for rec in pending:
@@ -167,6 +176,38 @@ class JobManager:
 
     def submit(self, job_bytes: bytes, client_id: str = "", idempotency_key: str = "") -> JobRecord:
         """Validate and store a job (PENDING), then schedule; raises ``ValidationError`` for bad input."""
+        return self._admit(job_bytes, client_id, idempotency_key)
+
+    def resume(
+        self, job_id: str, job_bytes: bytes | None = None, client_id: str = "", idempotency_key: str = ""
+    ) -> JobRecord:
+        """A new job (PENDING, ``resumed_from`` = ``job_id``) that goes on from the ended job's latest
+        checkpoint: ``job_bytes`` (e.g. re-traced under another layout) or, if None, the job as it was
+        submitted. ``NotResumable`` if the job runs or has no checkpoint; ``ValidationError`` if the new
+        job does not match the checkpoint (see :mod:`.resume`)."""
+        from sbpflow import checkpoint
+
+        rec = self.store.get(job_id)
+        found = resuming.checkpoint_to_resume(self.config.checkpoint_root, rec)
+        reader = checkpoint.CheckpointReader(found.path)
+        return self._admit(
+            rec.job_proto if job_bytes is None else job_bytes,
+            client_id,
+            idempotency_key,
+            check=lambda job: resuming.check_compatible(job, reader),
+            resumed_from=rec.id,
+            resume_checkpoint=str(found.path),
+        )
+
+    def _admit(
+        self,
+        job_bytes: bytes,
+        client_id: str,
+        idempotency_key: str,
+        check: Callable[[Job], None] = lambda job: None,
+        resumed_from: str = "",
+        resume_checkpoint: str = "",
+    ) -> JobRecord:
         if self._closed:
             raise SbpflowError("the control plane is shutting down; submit to another or retry later")
         job = validate_submit(job_bytes, self.capacity, self.config.max_job_bytes)
@@ -178,6 +219,7 @@ class JobManager:
                 kind="compile",
                 field="job.graph",
             )
+        check(job)
         with self._lock:
             rec = self.store.create(
                 job_bytes,
@@ -186,10 +228,14 @@ class JobManager:
                 idempotency_key=idempotency_key,
                 total_steps=job.config.steps,
                 slots=slots,
+                resumed_from=resumed_from,
+                resume_checkpoint=resume_checkpoint,
             )
             if rec.state == JobState.PENDING and rec.id not in self._queue and rec.id not in self._running:
                 self._jobs[rec.id] = job
                 self._queue.append(rec.id)
+        if resumed_from and rec.resumed_from == resumed_from:
+            self.store.append_log(rec.id, -1, "INFO", f"resumes job {resumed_from} from {resume_checkpoint}")
         self._schedule()
         self._notify()
         return self.store.get(rec.id)
@@ -216,7 +262,8 @@ class JobManager:
         with self._lock:
             r = self._running.get(job_id)
             if r is not None:
-                return [r.workers[k] for k in sorted(r.workers)]
+                live = dict(r.workers)  # a restart clears it from the run's thread
+                return [live[k] for k in sorted(live)]
         return self.store.workers(job_id)
 
     def wait_changed(self, seen: int, timeout: float) -> int:
@@ -292,18 +339,36 @@ class JobManager:
 
     # ---- one job's run ----------------------------------------------------------------------------
 
-    def _checkpointing(self, job_id: str, steps: int) -> dict[str, Any]:
-        """Where a job checkpoints, and the checkpoint it resumes from when an earlier run of it (before
-        a control-plane restart re-queued it) left one."""
+    def last_checkpoint(self, job_id: str) -> str:
+        """Path of the job's latest complete checkpoint (or of the one it started from); '' if none."""
         if self.config.checkpoint_root is None:
-            return {}
-        from sbpflow import checkpoint
+            return ""
+        found = resuming.start_checkpoint(self.config.checkpoint_root, self.store.get(job_id))
+        return "" if found is None else str(found.path)
 
-        where = os.path.join(self.config.checkpoint_root, job_id)
-        last = checkpoint.latest(where)
+    def _resumable(self, rec: JobRecord) -> Resumable | None:
+        """How a job left in flight by a previous control plane goes on: from its checkpoint, if it has
+        one with steps left after it."""
+        root = self.config.checkpoint_root
+        found = resuming.start_checkpoint(root, rec) if root is not None else None
+        if found is None or found.step >= rec.total_steps:
+            return None
+        return Resumable(
+            found.step,
+            f"the job was {rec.state.name} at step {rec.step} when the control plane stopped; attempt "
+            f"{rec.attempt + 1} resumes from its checkpoint {found.path} (step {found.step})",
+        )
+
+    def _checkpointing(self, rec: JobRecord) -> dict[str, Any]:
+        """Where a job checkpoints, and the checkpoint it goes on from: its own latest (an earlier attempt's,
+        before a control-plane restart re-queued it), else the one a Resume started it from."""
+        root = self.config.checkpoint_root
+        if root is None:
+            return {}
+        found = resuming.start_checkpoint(root, rec)
         return {
-            "checkpoint_dir": where,
-            "resume_from": str(last.path) if last is not None and last.step < steps else None,
+            "checkpoint_dir": str(resuming.job_dir(root, rec.id)),
+            "resume_from": str(found.path) if found is not None and found.step < rec.total_steps else None,
             "max_restarts": self.config.max_restarts,
         }
 
@@ -325,12 +390,13 @@ class JobManager:
                 on_state=listeners.on_state,
                 on_step=listeners.on_step,
                 on_report=listeners.on_report,
+                on_attempt=listeners.on_attempt,
                 cancel=r.cancel,
                 report_hub=self.report_hub,
                 report_token=self.config.report_token,
                 job_id=job_id,
                 attempt=rec.attempt,
-                **self._checkpointing(job_id, r.job.config.steps),
+                **self._checkpointing(rec),
             )
         except RunCancelled:
             reason = SHUTDOWN if self._closed else CANCELLED_BY_USER
@@ -391,6 +457,14 @@ class _Listeners:
         self.m.store.record_step(self.job_id, s.step, s.loss, s.samples_per_second, s.step_seconds)
         if self.m.metrics is not None:
             self.m.metrics.step_seconds.observe(s.step_seconds)
+        self.m._notify()
+
+    def on_attempt(self, attempt: int, first_step: int, reason: str, message: str) -> None:
+        """A restart: the job goes back to STARTING as attempt ``attempt`` from step ``first_step``; the
+        old attempt's worker rows go (the new attempt's workers report afresh)."""
+        self.r.workers.clear()
+        self.m.store.new_attempt(self.job_id, attempt, JobState.STARTING, reason, message, first_step)
+        self.m.store.append_log(self.job_id, -1, "WARNING", f"attempt {attempt}: {reason}: {message}")
         self.m._notify()
 
     def on_report(self, rep: sp.WorkerReport) -> None:

@@ -10,6 +10,7 @@ manager's live worker rows) at scrape time, so they are never stale:
 | ``sbpflow_job_step`` | job_id, name | last completed step |
 | ``sbpflow_job_loss`` | job_id, name | loss of the last completed step |
 | ``sbpflow_job_samples_per_second`` | job_id, name | throughput of the last step |
+| ``sbpflow_job_attempt`` | job_id, name | attempt number, 1-based (grows on each restart) |
 | ``sbpflow_worker_up`` | job_id, rank | 1 while the worker is starting or running, else 0 |
 | ``sbpflow_compile_seconds`` | | time from COMPILING to STARTING |
 | ``sbpflow_step_seconds`` | | wall time of each step |
@@ -51,6 +52,9 @@ class _StoreCollector(Collector):
         sps = GaugeMetricFamily(
             "sbpflow_job_samples_per_second", "Throughput of a job's last step", labels=labels
         )
+        attempt = GaugeMetricFamily(
+            "sbpflow_job_attempt", "Attempt number of a job, 1-based; grows on each restart", labels=labels
+        )
         up = GaugeMetricFamily(
             "sbpflow_worker_up", "1 while a worker starts or runs", labels=["job_id", "rank"]
         )
@@ -61,10 +65,11 @@ class _StoreCollector(Collector):
             if r.loss is not None:
                 loss.add_metric([r.id, r.name], r.loss)
             sps.add_metric([r.id, r.name], r.samples_per_second or 0.0)
+            attempt.add_metric([r.id, r.name], r.attempt)
             if r.state in IN_FLIGHT:
                 for w in self._workers(r.id):
                     up.add_metric([r.id, str(w.rank)], 1.0 if w.state in _UP else 0.0)
-        yield from (step, loss, sps, up)
+        yield from (step, loss, sps, attempt, up)
 
 
 class Metrics:

@@ -8,7 +8,10 @@ WorkerService for Ray workers, and the HTTP status endpoint, all over one job st
 
 ``sbpflow server`` runs ``serve(config)``, which blocks until SIGINT/SIGTERM. Rules:
 - errors map to gRPC codes by the table ``_CODES`` (bad input INVALID_ARGUMENT with validate_submit's
-  message; unknown id NOT_FOUND; shutting down UNAVAILABLE), every message saying what to do;
+  message; unknown id NOT_FOUND; a job that cannot be resumed FAILED_PRECONDITION; shutting down
+  UNAVAILABLE), every message saying what to do;
+- Resume makes a new job from an ended job's latest checkpoint (``control_plane/resume.py``); a job's
+  status carries ``resumed_from``, ``resume_checkpoint`` and ``last_checkpoint``;
 - Submit reads its request bytes itself, so a malformed protobuf is INVALID_ARGUMENT, not INTERNAL;
 - messages over ``max_message_bytes`` are refused by gRPC (RESOURCE_EXHAUSTED) and the job inside by
   validation; with a token every call but the health service needs it (``auth.py``); with a
@@ -35,6 +38,7 @@ from sbpflow.control_plane import status
 from sbpflow.control_plane.auth import AuthInterceptor, TokenCheck
 from sbpflow.control_plane.jobs import JobManager, ManagerConfig
 from sbpflow.control_plane.metrics import Metrics
+from sbpflow.control_plane.resume import NotResumable
 from sbpflow.control_plane.store import JobState, JobStore, StoreError, UnknownJobError
 from sbpflow.control_plane.validation import ValidationError
 from sbpflow.errors import SbpflowError
@@ -49,6 +53,7 @@ POLL_SECONDS = 1.0  # streams re-check their client at least this often
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownJobError, grpc.StatusCode.NOT_FOUND),
+    (NotResumable, grpc.StatusCode.FAILED_PRECONDITION),
     (StoreError, grpc.StatusCode.INVALID_ARGUMENT),
     (SbpflowError, grpc.StatusCode.UNAVAILABLE),
 )
@@ -68,6 +73,8 @@ class ServerConfig:
     tls_key: str | None = None
     max_message_bytes: int = 64 * 1024 * 1024
     threads: int = 64  # gRPC handler threads; each open Watch or Logs stream holds one
+    checkpoint_root: str | None = None  # job ID checkpoints to <root>/ID; None: no checkpoints, no Resume
+    max_restarts: int = 0  # a lost worker restarts a job from its last checkpoint this many times
 
 
 def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
@@ -88,7 +95,11 @@ class JobServicer:
         self.store = manager.store
 
     def status_of(self, job_id: str) -> sp.JobStatus:
-        return status.job_status(self.store.get(job_id), self.manager.workers(job_id))
+        rec = self.store.get(job_id)
+        m = status.job_status(rec, self.manager.workers(job_id))
+        m.resumed_from, m.resume_checkpoint = rec.resumed_from, rec.resume_checkpoint
+        m.last_checkpoint = self.manager.last_checkpoint(job_id)
+        return m
 
     def Submit(self, request: bytes, context: grpc.ServicerContext) -> sp.SubmitJobResponse:  # noqa: N802
         try:
@@ -106,6 +117,24 @@ class JobServicer:
         blob = req.job.SerializeToString()
         rec = _guard(context, lambda: self.manager.submit(blob, req.client_id, req.idempotency_key))
         return sp.SubmitJobResponse(job_id=rec.id, status=self.status_of(rec.id))
+
+    def Resume(self, request: sp.ResumeJobRequest, context: grpc.ServicerContext) -> sp.ResumeJobResponse:  # noqa: N802
+        blob = request.job.SerializeToString() if request.HasField("job") else None
+        rec = _guard(
+            context,
+            lambda: self.manager.resume(request.job_id, blob, request.client_id, request.idempotency_key),
+        )
+        step = 0
+        if rec.resume_checkpoint:
+            from sbpflow import checkpoint
+
+            step = _guard(context, lambda: checkpoint.CheckpointReader(rec.resume_checkpoint).step)
+        return sp.ResumeJobResponse(
+            job_id=rec.id,
+            status=self.status_of(rec.id),
+            checkpoint=rec.resume_checkpoint,
+            checkpoint_step=step,
+        )
 
     def Get(self, request: sp.GetJobRequest, context: grpc.ServicerContext) -> sp.JobStatus:  # noqa: N802
         return _guard(context, lambda: self.status_of(request.job_id))
@@ -186,6 +215,7 @@ def _job_service_handler(servicer: JobServicer) -> grpc.GenericRpcHandler:
         "Cancel": (unary, sp.CancelJobRequest),
         "Logs": (stream, sp.LogsRequest),
         "GetResult": (unary, sp.GetResultRequest),
+        "Resume": (unary, sp.ResumeJobRequest),
     }
     handlers = {
         name: kind(
@@ -210,6 +240,8 @@ class ControlPlane:
             ray_address=config.ray_address,
             max_job_bytes=config.max_message_bytes,
             report_token=config.auth_token or "",
+            checkpoint_root=config.checkpoint_root,
+            max_restarts=config.max_restarts,
         )
         self.hub = _report_hub(config)
         self.manager = JobManager(self.store, manager_config, report_hub=self.hub)
@@ -311,6 +343,9 @@ def serve(config: ServerConfig, announce: Callable[[str], None] = print) -> None
     if plane.http_address:
         announce(f"status endpoint: {plane.http_address}/  (/healthz /readyz /v1/jobs /metrics)")
     announce(f"store: {config.store}; backend: {config.backend}; {plane.manager.capacity} slot(s)")
+    if config.checkpoint_root is not None:
+        announce(f"checkpoints: {config.checkpoint_root}/<job id>; a lost worker restarts a job up to "
+                 f"{config.max_restarts} time(s)")  # fmt: skip
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

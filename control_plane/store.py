@@ -4,8 +4,10 @@ Every change is one transaction that updates the ``jobs`` row and appends to ``e
 sequence number, so ``Watch`` can resume after the last event it sent); ``record_step`` also appends
 to ``losses``. One connection, ``check_same_thread=False``, guarded by a lock: the gRPC server's
 threads share it. The schema is created on open and stamped with ``PRAGMA user_version`` so that a
-later version can migrate it. On restart, ``reconcile_after_restart`` marks the jobs that were in
-flight FAILED with a reason, so none is silently lost. The records and the schema are in
+later version can migrate it. On restart, ``reconcile_after_restart`` puts each job that was in
+flight back in the queue as a new attempt when it can resume from a checkpoint, and marks the others
+FAILED with a reason, so none is silently lost. ``new_attempt`` records a restart (a lost worker): the
+attempt column grows and a "state" event with the reason says why. The records and the schema are in
 ``store_schema.py``.
 """
 
@@ -17,7 +19,8 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from sbpflow.control_plane.store_schema import COLUMNS as _COLUMNS
@@ -41,10 +44,13 @@ from sbpflow.control_plane.store_schema import (
 from sbpflow.errors import SbpflowError
 
 RESTART_REASON = "CONTROL_PLANE_RESTARTED"
+RESUMED_REASON = "RESUMED_AFTER_RESTART"
 
 __all__ = [
     "IN_FLIGHT",
     "RESTART_REASON",
+    "RESUMED_REASON",
+    "Resumable",
     "SCHEMA_VERSION",
     "TERMINAL",
     "IllegalTransitionError",
@@ -75,6 +81,15 @@ class UnknownJobError(StoreError, KeyError):
 
 class IllegalTransitionError(StoreError, ValueError):
     """A state change the lifecycle does not allow; the message names both states."""
+
+
+@dataclass(frozen=True)
+class Resumable:
+    """How a job that was in flight when the control plane stopped goes on: a new attempt from the
+    checkpoint at ``step``; ``message`` says so (kept as the job's message)."""
+
+    step: int
+    message: str
 
 
 class JobStore:
@@ -161,11 +176,14 @@ class JobStore:
         idempotency_key: str = "",
         total_steps: int = 0,
         slots: int = 0,
+        resumed_from: str = "",
+        resume_checkpoint: str = "",
     ) -> JobRecord:
         """Store a new job: a fresh id, PENDING, attempt 1, and its "created" event.
 
         With an ``idempotency_key``, a job already stored under the same (``client_id``, key) is
-        returned instead, and nothing is written.
+        returned instead, and nothing is written. ``resumed_from``/``resume_checkpoint``: the job (which
+        must exist) and the checkpoint a resumed job starts from.
         """
         job_id = uuid.uuid4().hex[:16]
         now = time.time()
@@ -177,13 +195,17 @@ class JobStore:
                 ).fetchone()
                 if row is not None:
                     return record_from_row(row)
+            if resumed_from:
+                self._get(resumed_from)
             self._db.execute(
                 "INSERT INTO jobs (id, name, state, attempt, created, updated, job_proto, client_id, "
-                "idempotency_key, total_steps, slots) VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?)",
+                "idempotency_key, total_steps, slots, resumed_from, resume_checkpoint) "
+                "VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (job_id, name, str(JobState.PENDING), now, now, sqlite3.Binary(job_proto_bytes),
-                 client_id, idempotency_key, total_steps, slots),
+                 client_id, idempotency_key, total_steps, slots, resumed_from, resume_checkpoint),
             )  # fmt: skip
-            self._append_event(job_id, "created", JobState.PENDING, now=now)
+            data: dict[str, object] = {"resumed_from": resumed_from} if resumed_from else {}
+            self._append_event(job_id, "created", JobState.PENDING, data=data, now=now)
             return self._get(job_id)
 
     def set_reason(self, job_id: str, reason: str, message: str = "") -> JobRecord:
@@ -253,6 +275,34 @@ class JobStore:
                 (str(new), reason, message, now, new == JobState.RUNNING, now, new in TERMINAL, now, job_id),
             )
             self._append_event(job_id, "state", new, reason, message, {"from": str(old)}, now=now)
+            return self._get(job_id)
+
+    def new_attempt(
+        self, job_id: str, attempt: int, state: JobState, reason: str, message: str, step: int
+    ) -> JobRecord:
+        """Start attempt ``attempt`` of a job in flight: it goes (back) to ``state`` (STARTING when its
+        run restarts it, PENDING when it waits for the queue) from the checkpoint at ``step``, which
+        becomes its step; one "state" event with ``reason`` and ``message`` says so."""
+        state, now = JobState(state), time.time()
+        with self._tx():
+            rec = self._get(job_id)
+            if rec.state.terminal or state not in (JobState.PENDING, JobState.STARTING):
+                raise IllegalTransitionError(
+                    f"job {job_id!r} is {rec.state.name}: a new attempt starts only for a job in flight, "
+                    f"and goes to PENDING or STARTING (not {state.name})"
+                )
+            if attempt <= rec.attempt:
+                raise StoreError(
+                    f"job {job_id!r} is on attempt {rec.attempt}; a new attempt is numbered above it, "
+                    f"not {attempt}"
+                )
+            self._db.execute(
+                "UPDATE jobs SET state = ?, attempt = ?, reason = ?, message = ?, step = ?, updated = ? "
+                "WHERE id = ?",
+                (str(state), attempt, reason, message, step, now, job_id),
+            )
+            data: dict[str, object] = {"from": str(rec.state), "attempt": attempt, "step": step}
+            self._append_event(job_id, "state", state, reason, message, data, now=now)
             return self._get(job_id)
 
     def record_step(
@@ -371,15 +421,18 @@ class JobStore:
             row = self._db.execute("SELECT data FROM results WHERE job_id = ?", (job_id,)).fetchone()
         return None if row is None else bytes(row[0])
 
-    def reconcile_after_restart(self) -> builtins.list[JobRecord]:
-        """Mark every job left COMPILING, STARTING or RUNNING by a previous process FAILED; return them.
+    def reconcile_after_restart(
+        self, resumable: Callable[[JobRecord], Resumable | None] = lambda rec: None
+    ) -> builtins.list[JobRecord]:
+        """Settle every job a previous process left COMPILING, STARTING or RUNNING; return them.
 
-        Call once on start-up, before scheduling anything. PENDING jobs stay PENDING (they will be
-        scheduled again); terminal jobs are untouched.
+        A job for which ``resumable(rec)`` says how to go on becomes PENDING again as its next attempt
+        (reason ``RESUMED_AFTER_RESTART``), to be scheduled with the others; every other one is marked
+        FAILED (reason ``CONTROL_PLANE_RESTARTED``). Call once on start-up, before scheduling anything.
+        PENDING jobs stay PENDING; terminal jobs are untouched.
         """
         names = [str(s) for s in IN_FLIGHT]
-        now = time.time()
-        with self._tx():
+        with self._lock:
             ids = [
                 str(r[0])
                 for r in self._db.execute(
@@ -387,22 +440,36 @@ class JobStore:
                     names,
                 ).fetchall()
             ]
-            out = []
-            for job_id in ids:
-                old = self._get(job_id).state
-                message = (
-                    f"the job was {old.name} when the control plane stopped; its workers are gone. "
-                    "Submit it again (it restarts from its last checkpoint, if any)"
+        out = []
+        for job_id in ids:
+            rec = self.get(job_id)
+            how = resumable(rec)
+            if how is not None:
+                out.append(
+                    self.new_attempt(
+                        job_id, rec.attempt + 1, JobState.PENDING, RESUMED_REASON, how.message, how.step
+                    )
                 )
-                self._db.execute(
-                    "UPDATE jobs SET state = ?, reason = ?, message = ?, updated = ?, finished = ? WHERE id = ?",
-                    (str(JobState.FAILED), RESTART_REASON, message, now, now, job_id),
-                )
-                self._append_event(
-                    job_id, "state", JobState.FAILED, RESTART_REASON, message, {"from": str(old)}, now=now
-                )
-                out.append(self._get(job_id))
-            return out
+            else:
+                out.append(self._fail_after_restart(job_id))
+        return out
+
+    def _fail_after_restart(self, job_id: str) -> JobRecord:
+        now = time.time()
+        with self._tx():
+            old = self._get(job_id).state
+            message = (
+                f"the job was {old.name} when the control plane stopped; its workers are gone and it has "
+                "no checkpoint to resume from. Submit it again"
+            )
+            self._db.execute(
+                "UPDATE jobs SET state = ?, reason = ?, message = ?, updated = ?, finished = ? WHERE id = ?",
+                (str(JobState.FAILED), RESTART_REASON, message, now, now, job_id),
+            )
+            self._append_event(
+                job_id, "state", JobState.FAILED, RESTART_REASON, message, {"from": str(old)}, now=now
+            )
+            return self._get(job_id)
 
 
 class _Tx:

@@ -4,7 +4,9 @@ The store (``store.py``) does the transactions; this module only says what the r
 version 2 added, per job, the submitter (``client_id``, ``idempotency_key`` — a retried Submit with the
 same pair returns the first job), ``total_steps`` and ``slots`` (devices it needs), and the tables
 ``workers`` (one row per rank), ``logs`` and ``results`` (the JobResult protobuf of a finished job).
-A version-1 file is migrated in place on open by ``MIGRATIONS[1]``.
+Version 3 added ``resumed_from`` (the job whose checkpoint a resumed job started from) and
+``resume_checkpoint`` (that checkpoint's path). A file of an older version is migrated in place on open
+by ``MIGRATIONS[v]`` for each version ``v`` it is behind.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class JobState(StrEnum):
@@ -88,6 +90,8 @@ class JobRecord:
     client_id: str = ""
     total_steps: int = 0
     slots: int = 0
+    resumed_from: str = ""  # the job whose checkpoint this one started from ('' = a fresh job)
+    resume_checkpoint: str = ""  # that checkpoint's path
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ class JobEvent:
     job_id: str
     seq: int
     time: float
-    kind: str  # "created", "state", "reason", "step"
+    kind: str  # "created", "state" (data: "from", and "attempt" when a new attempt began), "reason", "step"
     state: JobState
     reason: str
     message: str
@@ -151,7 +155,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     client_id TEXT NOT NULL DEFAULT '',
     idempotency_key TEXT NOT NULL DEFAULT '',
     total_steps INTEGER NOT NULL DEFAULT 0,
-    slots INTEGER NOT NULL DEFAULT 0
+    slots INTEGER NOT NULL DEFAULT 0,
+    resumed_from TEXT NOT NULL DEFAULT '',
+    resume_checkpoint TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 CREATE INDEX IF NOT EXISTS jobs_created ON jobs(created);
@@ -215,11 +221,15 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE jobs ADD COLUMN total_steps INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE jobs ADD COLUMN slots INTEGER NOT NULL DEFAULT 0",
     ),
+    2: (
+        "ALTER TABLE jobs ADD COLUMN resumed_from TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE jobs ADD COLUMN resume_checkpoint TEXT NOT NULL DEFAULT ''",
+    ),
 }
 
 COLUMNS = (
     "id, name, state, reason, message, attempt, step, loss, samples_per_second, created, updated, "
-    "started, finished, job_proto, client_id, total_steps, slots"
+    "started, finished, job_proto, client_id, total_steps, slots, resumed_from, resume_checkpoint"
 )
 
 
@@ -230,7 +240,7 @@ def _opt(x: Any) -> float | None:
 def record_from_row(row: Sequence[Any]) -> JobRecord:
     """A ``JobRecord`` from a row of ``SELECT {COLUMNS} FROM jobs``."""
     (id_, name, state, reason, message, attempt, step, loss, sps, created, updated, started, finished,
-     blob, client_id, total_steps, slots) = row  # fmt: skip
+     blob, client_id, total_steps, slots, resumed_from, resume_checkpoint) = row  # fmt: skip
     return JobRecord(
         id=str(id_),
         name=str(name),
@@ -249,4 +259,6 @@ def record_from_row(row: Sequence[Any]) -> JobRecord:
         client_id=str(client_id),
         total_steps=int(total_steps),
         slots=int(slots),
+        resumed_from=str(resumed_from),
+        resume_checkpoint=str(resume_checkpoint),
     )
