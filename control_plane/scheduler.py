@@ -69,12 +69,14 @@ BUNDLES = {
 
 
 def ensure_ray(address: str | None, cpus: int) -> None:
-    """Connect to the Ray at ``address``, or start a local one with at least ``cpus`` CPUs."""
+    """Connect to the Ray at ``address`` (else at ``$RAY_ADDRESS``), or start a local one with at least
+    ``cpus`` CPUs."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray advertises 127.0.0.1
     import ray
 
     if ray.is_initialized():
         return
+    address = address or os.environ.get("RAY_ADDRESS") or None  # as ray.init() does: a RayJob sets it
     try:
         if address:
             ray.init(address=address, log_to_driver=False, configure_logging=False)

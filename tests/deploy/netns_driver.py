@@ -2,7 +2,8 @@
 for it, and print one JSON line saying what happened and where.
 
     python -m tests.deploy.netns_driver --server 10.77.0.1:PORT --http http://10.77.0.1:PORT \\
-        --ray-address 10.77.0.1:6379 --job job.pb          # token in SBPFLOW_TOKEN, Ray's in RAY_AUTH_TOKEN
+        --ray-address 10.77.0.1:6379 --job job.pb --params p.npz   # token in SBPFLOW_TOKEN, Ray's in RAY_AUTH_TOKEN
+    python -m tests.deploy.netns_driver --ray-address 10.77.0.1:6379 --placements    # {job id: [bundle host...]}
 
 It joins the Ray cluster only to look (the cluster's nodes, and the nodes the job's placement group was
 given — Ray keeps a removed group's bundle table); the job itself goes through ``sf.Client`` and the
@@ -46,16 +47,30 @@ def bundle_hosts(job_id: str) -> list[str]:
     return []
 
 
+def placements() -> dict[str, list[str]]:
+    """Every sbpflow placement group the cluster has seen: name -> its bundles' node IPs."""
+    names = [pg["name"] for pg in ray.util.placement_group_table().values()]
+    return {
+        n.removeprefix("sbpflow-"): bundle_hosts(n.removeprefix("sbpflow-"))
+        for n in names
+        if n.startswith("sbpflow-")
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--server", required=True)
-    p.add_argument("--http", required=True)
     p.add_argument("--ray-address", required=True)
-    p.add_argument("--job", required=True)
-    p.add_argument("--params", required=True, help="write the trained parameters here (.npz)")
+    p.add_argument("--placements", action="store_true", help="only print every job's bundle hosts")
+    p.add_argument("--server")
+    p.add_argument("--http")
+    p.add_argument("--job")
+    p.add_argument("--params", help="write the trained parameters here (.npz)")
     args = p.parse_args()
-    token = os.environ["SBPFLOW_TOKEN"]
     ray.init(address=args.ray_address, log_to_driver=False, configure_logging=False)
+    if args.placements:
+        print(json.dumps(placements()), flush=True)
+        return
+    token = os.environ["SBPFLOW_TOKEN"]
     out: dict[str, Any] = {"nodes": sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])}
     out["readyz"], _ = http_get(f"{args.http}/readyz")
     with open(args.job, "rb") as f:

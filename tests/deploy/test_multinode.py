@@ -14,6 +14,8 @@ What is checked:
   job's collectives must move between two hosts (``crossing_lower_bound``) — many times what Ray and
   the reports alone send for a job;
 - the status endpoint answers /readyz and /metrics from the other side of the deployment;
+- a RayJob's entrypoint works: ``sbpflow run`` on a driver whose ``RAY_ADDRESS`` names the cluster
+  (as KubeRay sets it) trains on the cluster's nodes, both of them, not on a Ray of its own;
 - nothing is left: no process in the namespaces, no namespace, no veth.
 
 The test session's own Ray (``ray_local``) is not used or touched: every subprocess gets an environment
@@ -48,6 +50,7 @@ from tests.deploy import netns
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5
 RANKS = 4
+SBPFLOW = Path(sys.executable).parent / "sbpflow"  # the console script, as the images run it
 WHY_NOT = netns.unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
 
@@ -73,9 +76,8 @@ class Server:
     """``sbpflow server`` inside a host; its announced addresses, its output kept for failure messages."""
 
     def __init__(self, host: netns.Host, env: dict[str, str], *args: str) -> None:
-        exe = Path(sys.executable).parent / "sbpflow"  # the console script, as an image runs it
         self.proc = host.popen(
-            [str(exe), "server", *args], env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            [str(SBPFLOW), "server", *args], env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
         self.lines: list[str] = []
         self._ready = threading.Event()
@@ -137,6 +139,24 @@ def test_server_joins_a_two_node_cluster_and_dp4_trains_as_in_process(hosts: net
         got = json.loads(out.strip().splitlines()[-1])
         assert server.stop() == 0, "\n".join(server.lines)
         params = dict(np.load(work / "p.npz"))
+        # a RayJob's entrypoint: `sbpflow run` on a driver whose RAY_ADDRESS names the cluster
+        embedded = hosts.a.run(
+            [str(SBPFLOW), "run", str(ROOT / "examples" / "mlp.py"), "--ranks", "4", "--steps", "3"],
+            {**env, "RAY_ADDRESS": cluster.address},
+        )
+        placed = json.loads(
+            hosts.a.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.deploy.netns_driver",
+                    "--ray-address",
+                    cluster.address,
+                    "--placements",
+                ],
+                env,
+            ).splitlines()[-1]
+        )
 
     assert got["state"] == "SUCCEEDED", got
     assert got["nodes"] == [hosts.a.ip, hosts.b.ip]
@@ -150,4 +170,7 @@ def test_server_joins_a_two_node_cluster_and_dp4_trains_as_in_process(hosts: net
     assert bound > 1_000_000  # else Ray's own traffic (~0.25 MB a job) could pass for the data plane
     assert crossed >= bound, f"only {crossed} bytes crossed the veth; the collectives need {bound}"
     assert got["readyz"] == 200 and got["metrics"] == 200
+    assert "3 steps in" in embedded, embedded
+    others = [hosts_ for job_id, hosts_ in placed.items() if job_id != got["job_id"]]
+    assert len(others) == 1 and set(others[0]) == {hosts.a.ip, hosts.b.ip}, placed
     assert "sbpflow_jobs" in got["metrics_names"], got["metrics_names"]
