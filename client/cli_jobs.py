@@ -42,28 +42,34 @@ def _ended(status: Any) -> int:
     return 1
 
 
+def server_config(args: argparse.Namespace) -> Any:
+    """The ServerConfig of ``sbpflow server``'s flags."""
+    from sbpflow.control_plane.server import ServerConfig
+
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        http_port=None if args.http_port < 0 else args.http_port,
+        store=args.store,
+        backend=args.backend,
+        ray_address=args.ray_address,
+        slots=args.slots,
+        auth_token=args.auth_token or os.environ.get("SBPFLOW_TOKEN") or None,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        max_message_bytes=args.max_message_bytes,
+        checkpoint_root=args.checkpoint_root,
+        max_restarts=args.max_restarts,
+    )
+
+
 def cmd_server(args: argparse.Namespace) -> int:
     """Run the control plane until interrupted."""
-    from sbpflow.control_plane.server import ServerConfig, serve
+    from sbpflow.control_plane.server import serve
 
-    serve(
-        ServerConfig(
-            host=args.host,
-            port=args.port,
-            http_port=None if args.http_port < 0 else args.http_port,
-            store=args.store,
-            backend=args.backend,
-            ray_address=args.ray_address,
-            slots=args.slots,
-            auth_token=args.auth_token or os.environ.get("SBPFLOW_TOKEN") or None,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            max_message_bytes=args.max_message_bytes,
-            checkpoint_root=args.checkpoint_root,
-            max_restarts=args.max_restarts,
-        ),
-        announce=lambda line: print(line, flush=True),
-    )
+    if args.max_restarts < 0:
+        raise SbpflowError(f"--max-restarts {args.max_restarts}: give 0 (never restart) or more")
+    serve(server_config(args), announce=lambda line: print(line, flush=True))
     return 0
 
 

@@ -359,25 +359,30 @@ class JobManager:
             f"{rec.attempt + 1} resumes from its checkpoint {found.path} (step {found.step})",
         )
 
-    def _checkpointing(self, rec: JobRecord) -> dict[str, Any]:
-        """Where a job checkpoints, and the checkpoint it goes on from: its own latest (an earlier attempt's,
-        before a control-plane restart re-queued it), else the one a Resume started it from."""
+    def _checkpointing(self, rec: JobRecord) -> tuple[dict[str, Any], int]:
+        """``run``'s checkpoint arguments for a job — where it checkpoints, and the checkpoint it goes on
+        from: its own latest (an earlier attempt's, before a control-plane restart re-queued it), else
+        the one a Resume started it from — and the step that checkpoint is at (0: none)."""
         root = self.config.checkpoint_root
         if root is None:
-            return {}
+            return {}, 0
         found = resuming.start_checkpoint(root, rec)
-        return {
+        if found is not None and found.step >= rec.total_steps:
+            found = None
+        kwargs = {
             "checkpoint_dir": str(resuming.job_dir(root, rec.id)),
-            "resume_from": str(found.path) if found is not None and found.step < rec.total_steps else None,
+            "resume_from": None if found is None else str(found.path),
             "max_restarts": self.config.max_restarts,
         }
+        return kwargs, 0 if found is None else found.step
 
     def _run(self, job_id: str, r: _Running) -> None:
         from sbpflow.actor_workers.api import RunCancelled, run
         from sbpflow.actor_workers.runtime import RuntimeFailure
 
         rec = self.store.get(job_id)
-        listeners = _Listeners(self, job_id, r)
+        checkpointing, first_step = self._checkpointing(rec)
+        listeners = _Listeners(self, job_id, r, first_step)
         try:
             listeners.on_state("COMPILING")
             result = run(
@@ -396,7 +401,7 @@ class JobManager:
                 report_token=self.config.report_token,
                 job_id=job_id,
                 attempt=rec.attempt,
-                **self._checkpointing(rec),
+                **checkpointing,
             )
         except RunCancelled:
             reason = SHUTDOWN if self._closed else CANCELLED_BY_USER
@@ -436,8 +441,9 @@ class JobManager:
 class _Listeners:
     """``run``'s listeners for one job: each turns what the run says into store writes."""
 
-    def __init__(self, manager: JobManager, job_id: str, running: _Running) -> None:
+    def __init__(self, manager: JobManager, job_id: str, running: _Running, first_step: int = 0) -> None:
         self.m, self.job_id, self.r = manager, job_id, running
+        self.first_step = first_step  # the run's steps count from here (it resumes a checkpoint)
         self._state_since = time.monotonic()
 
     def on_state(self, name: str) -> None:
@@ -454,7 +460,8 @@ class _Listeners:
         self.m._notify()
 
     def on_step(self, s: sp.StepMetrics) -> None:
-        self.m.store.record_step(self.job_id, s.step, s.loss, s.samples_per_second, s.step_seconds)
+        step = self.first_step + s.step  # the run numbers its steps from its start
+        self.m.store.record_step(self.job_id, step, s.loss, s.samples_per_second, s.step_seconds)
         if self.m.metrics is not None:
             self.m.metrics.step_seconds.observe(s.step_seconds)
         self.m._notify()

@@ -110,7 +110,7 @@ def check_compatible(job: Job, reader: ck.CheckpointReader) -> None:
     if job.config.steps <= reader.step:
         raise ValidationError(
             f"job {job.name!r} trains {job.config.steps} steps and {where} is past them: nothing is left to "
-            f"train; give the job more steps (e.g. `sbpflow resume ... --set steps={reader.step * 2}`)",
+            f"train; give the job more steps (e.g. `sbpflow resume ID EXAMPLE --steps {reader.step * 2}`)",
             kind="checkpoint",
             field="job.config.steps",
         )

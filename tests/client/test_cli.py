@@ -104,3 +104,21 @@ def test_run_in_process_on_request(capsys: pytest.CaptureFixture[str]) -> None:
     )
     out = capsys.readouterr().out
     assert "2 steps in" in out and "inprocess" in out
+
+
+def test_server_flags_make_its_config(tmp_path: Path) -> None:
+    from sbpflow.client.cli import build_parser
+    from sbpflow.client.cli_jobs import server_config
+
+    args = build_parser().parse_args(
+        ["server", "--backend", "inprocess", "--checkpoint-root", str(tmp_path), "--max-restarts", "3"]
+    )
+    cfg = server_config(args)
+    assert (cfg.checkpoint_root, cfg.max_restarts, cfg.backend) == (str(tmp_path), 3, "inprocess")
+    bare = server_config(build_parser().parse_args(["server"]))
+    assert (bare.max_restarts, bare.http_port) == (0, 8080)
+
+
+def test_server_refuses_negative_restarts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["server", "--max-restarts", "-1"]) == 2
+    assert "--max-restarts -1: give 0 (never restart) or more" in capsys.readouterr().err

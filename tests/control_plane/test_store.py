@@ -11,10 +11,12 @@ import pytest
 
 from sbpflow.control_plane.store import (
     RESTART_REASON,
+    RESUMED_REASON,
     SCHEMA_VERSION,
     IllegalTransitionError,
     JobState,
     JobStore,
+    Resumable,
     StoreError,
     UnknownJobError,
 )
@@ -211,6 +213,83 @@ def test_reconcile_after_restart(tmp_path: Path) -> None:
         assert s.get(pending).state == S.PENDING and s.get(done).state == S.SUCCEEDED
         assert s.reconcile_after_restart() == []  # idempotent
         assert s.count() == 5  # nothing lost
+
+
+def test_reconcile_resumes_the_jobs_it_is_told_can_go_on(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    with JobStore(path) as s:
+        saved, unsaved = s.create(b"x", "saved").id, s.create(b"x", "unsaved").id
+        for job_id in (saved, unsaved):
+            run_to(s, job_id, S.COMPILING, S.STARTING, S.RUNNING)
+            s.record_step(job_id, 7, 0.25, 1.0)
+    with JobStore(path) as s:
+        asked: list[str] = []
+
+        def resumable(rec):  # what the job manager answers from the checkpoint folders
+            asked.append(rec.id)
+            return Resumable(5, f"goes on from step 5 (was {rec.state.name})") if rec.id == saved else None
+
+        fixed = {r.id: r for r in s.reconcile_after_restart(resumable)}
+        assert sorted(asked) == sorted(fixed) == sorted([saved, unsaved])
+        r = s.get(saved)
+        assert (r.state, r.reason, r.message, r.attempt, r.step) == (
+            S.PENDING, RESUMED_REASON, "goes on from step 5 (was RUNNING)", 2, 5
+        )  # fmt: skip
+        assert r.finished is None and r.loss == 0.25 and fixed[saved] == r
+        last = s.events(saved)[-1]
+        assert (last.kind, last.state, last.reason) == ("state", S.PENDING, RESUMED_REASON)
+        assert last.data == {"from": "JOB_STATE_RUNNING", "attempt": 2, "step": 5}
+        run_to(s, saved, S.COMPILING, S.STARTING, S.RUNNING)  # the queue runs it again
+        assert s.get(unsaved).state == S.FAILED and s.get(unsaved).reason == RESTART_REASON
+        assert "no checkpoint" in s.get(unsaved).message
+
+
+def test_new_attempt_counts_up_from_a_state_in_flight(store: JobStore) -> None:
+    job_id = store.create(b"x", "j").id
+    run_to(store, job_id, S.COMPILING, S.STARTING, S.RUNNING)
+    store.record_step(job_id, 12, 0.5, 1.0)
+    r = store.new_attempt(job_id, 2, S.STARTING, "WORKER_LOST", "rank 1 died; resumes from step 10", 10)
+    assert (r.state, r.attempt, r.step, r.reason) == (S.STARTING, 2, 10, "WORKER_LOST")
+    assert store.events(job_id)[-1].data == {"from": "JOB_STATE_RUNNING", "attempt": 2, "step": 10}
+    run_to(store, job_id, S.RUNNING)
+    store.record_step(job_id, 11, 0.4, 1.0)
+    assert (store.get(job_id).step, store.get(job_id).loss) == (11, 0.4)
+    with pytest.raises(StoreError, match="on attempt 2; a new attempt is numbered above it, not 2"):
+        store.new_attempt(job_id, 2, S.STARTING, "WORKER_LOST", "", 10)
+    with pytest.raises(IllegalTransitionError, match="PENDING or STARTING \\(not RUNNING\\)"):
+        store.new_attempt(job_id, 3, S.RUNNING, "WORKER_LOST", "", 10)
+    store.transition(job_id, S.CANCELLED)
+    with pytest.raises(
+        IllegalTransitionError, match="is CANCELLED: a new attempt starts only for a job in flight"
+    ):
+        store.new_attempt(job_id, 3, S.STARTING, "WORKER_LOST", "", 10)
+
+
+def test_a_resumed_job_names_the_job_and_checkpoint_it_goes_on_from(store: JobStore) -> None:
+    old = store.create(b"x", "old").id
+    new = store.create(b"x", "new", resumed_from=old, resume_checkpoint="/c/old/step-00000004")
+    rec = store.get(new.id)
+    assert (rec.resumed_from, rec.resume_checkpoint, rec.attempt) == (old, "/c/old/step-00000004", 1)
+    assert store.events(new.id)[0].data == {"resumed_from": old}
+    with pytest.raises(UnknownJobError, match="'gone'"):
+        store.create(b"x", "new", resumed_from="gone")
+
+
+def test_a_version_2_store_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "v2.db"
+    with JobStore(path) as s:
+        job_id = s.create(b"x", "j").id
+    con = sqlite3.connect(path)  # make it what version 2 wrote: no resume columns
+    con.executescript(
+        "ALTER TABLE jobs DROP COLUMN resumed_from; ALTER TABLE jobs DROP COLUMN resume_checkpoint; "
+        "PRAGMA user_version=2;"
+    )
+    con.commit()
+    con.close()
+    with JobStore(path) as s:
+        rec = s.get(job_id)
+        assert (rec.resumed_from, rec.resume_checkpoint) == ("", "")
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
 
 
 def test_concurrent_writers_from_threads(store: JobStore) -> None:
