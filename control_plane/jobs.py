@@ -13,7 +13,7 @@ Rules:
   refused at Submit; the others wait PENDING with reason ``WAITING_FOR_RESOURCES`` and start in
   submission order (first come, first served: a large job is not overtaken forever by small ones).
 - Each running job has one thread that calls ``sbpflow.actor_workers.api.run`` and turns its listeners
-  into store writes: states, steps (loss history), per-worker rows and log lines. Every store write
+  (``run_listeners.py``) into store writes: states, steps (loss history), per-worker rows and log lines. Every store write
   wakes the ``changed`` condition, which ``Watch`` and ``Logs`` streams wait on.
 - Checkpoints (``checkpoint_root``): job ID writes them to ``<root>/ID``. A lost worker restarts the run
   from the latest one (up to ``max_restarts``): the job's attempt grows, with a "state" event (reason
@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sbpflow.control_plane import resume as resuming
-from sbpflow.control_plane.store import JobRecord, JobState, JobStore, Resumable, WorkerRecord, WorkerState
+from sbpflow.control_plane.run_listeners import RunListeners
+from sbpflow.control_plane.store import JobRecord, JobState, JobStore, Resumable, WorkerRecord
 from sbpflow.control_plane.validation import ValidationError, validate_submit
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
@@ -50,16 +51,6 @@ SHUTDOWN = "CONTROL_PLANE_SHUTDOWN"
 WORKER_LOST = "WORKER_LOST"
 
 _TERMINAL_CODES = frozenset({sp.JOB_STATE_SUCCEEDED, sp.JOB_STATE_FAILED, sp.JOB_STATE_CANCELLED})
-
-# What each kind of WorkerReport payload says about the worker's state (None: leaves it as it is).
-_WORKER_STATE: dict[str, WorkerState | None] = {
-    "heartbeat": None,
-    "memory": None,
-    "log": None,
-    "step": WorkerState.RUNNING,
-    "done": WorkerState.DONE,
-    "error": WorkerState.FAILED,
-}
 
 
 @dataclass(frozen=True)
@@ -101,7 +92,9 @@ def cluster_capacity(config: ManagerConfig) -> int:
 
 
 @dataclass
-class _Running:
+class RunningJob:
+    """A job being run: its slots, its thread, how to stop it, and its live per-worker rows."""
+
     job: Job
     slots: int
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -129,7 +122,7 @@ class JobManager:
         self.version = 0  # grows on every change that a stream may be waiting for
         self._lock = threading.RLock()
         self._queue: list[str] = []  # PENDING job ids, oldest first
-        self._running: dict[str, _Running] = {}
+        self._running: dict[str, RunningJob] = {}
         self._jobs: dict[str, Job] = {}  # parsed jobs of the queue, so they are not parsed twice
         self.run_results: dict[str, RunResult] = {}
         self.ready = False
@@ -231,10 +224,13 @@ class JobManager:
                 resumed_from=resumed_from,
                 resume_checkpoint=resume_checkpoint,
             )
-            if rec.state == JobState.PENDING and rec.id not in self._queue and rec.id not in self._running:
+            fresh = (
+                rec.state == JobState.PENDING and rec.id not in self._queue and rec.id not in self._running
+            )
+            if fresh:
                 self._jobs[rec.id] = job
                 self._queue.append(rec.id)
-        if resumed_from and rec.resumed_from == resumed_from:
+        if fresh and resumed_from:  # not again for a retried (deduplicated) Resume
             self.store.append_log(rec.id, -1, "INFO", f"resumes job {resumed_from} from {resume_checkpoint}")
         self._schedule()
         self._notify()
@@ -332,7 +328,7 @@ class JobManager:
                 )
 
     def _start(self, job_id: str, job: Job, slots: int) -> None:
-        r = _Running(job, slots)
+        r = RunningJob(job, slots)
         self._running[job_id] = r
         r.thread = threading.Thread(target=self._run, args=(job_id, r), name=f"job-{job_id}", daemon=True)
         r.thread.start()
@@ -376,13 +372,13 @@ class JobManager:
         }
         return kwargs, 0 if found is None else found.step
 
-    def _run(self, job_id: str, r: _Running) -> None:
+    def _run(self, job_id: str, r: RunningJob) -> None:
         from sbpflow.actor_workers.api import RunCancelled, run
         from sbpflow.actor_workers.runtime import RuntimeFailure
 
         rec = self.store.get(job_id)
         checkpointing, first_step = self._checkpointing(rec)
-        listeners = _Listeners(self, job_id, r, first_step)
+        listeners = RunListeners(self, job_id, r, first_step)
         try:
             listeners.on_state("COMPILING")
             result = run(
@@ -436,64 +432,3 @@ class JobManager:
         self.store.transition(job_id, state, reason, message)  # last: a stream that sees it has every line
         if self.metrics is not None:
             self.metrics.finished(state)
-
-
-class _Listeners:
-    """``run``'s listeners for one job: each turns what the run says into store writes."""
-
-    def __init__(self, manager: JobManager, job_id: str, running: _Running, first_step: int = 0) -> None:
-        self.m, self.job_id, self.r = manager, job_id, running
-        self.first_step = first_step  # the run's steps count from here (it resumes a checkpoint)
-        self._state_since = time.monotonic()
-
-    def on_state(self, name: str) -> None:
-        new = JobState[name]
-        if self.m.store.get(self.job_id).state == new:
-            return
-        now = time.monotonic()
-        if new == JobState.STARTING and self.m.metrics is not None:
-            self.m.metrics.compile_seconds.observe(now - self._state_since)
-        self._state_since = now
-        self.m.store.transition(self.job_id, new)
-        if new == JobState.STARTING:
-            self._log(f"compiled; starting {self.r.slots} worker(s) on backend {self.m.config.backend}")
-        self.m._notify()
-
-    def on_step(self, s: sp.StepMetrics) -> None:
-        step = self.first_step + s.step  # the run numbers its steps from its start
-        self.m.store.record_step(self.job_id, step, s.loss, s.samples_per_second, s.step_seconds)
-        if self.m.metrics is not None:
-            self.m.metrics.step_seconds.observe(s.step_seconds)
-        self.m._notify()
-
-    def on_attempt(self, attempt: int, first_step: int, reason: str, message: str) -> None:
-        """A restart: the job goes back to STARTING as attempt ``attempt`` from step ``first_step``; the
-        old attempt's worker rows go (the new attempt's workers report afresh)."""
-        self.r.workers.clear()
-        self.m.store.new_attempt(self.job_id, attempt, JobState.STARTING, reason, message, first_step)
-        self.m.store.append_log(self.job_id, -1, "WARNING", f"attempt {attempt}: {reason}: {message}")
-        self.m._notify()
-
-    def on_report(self, rep: sp.WorkerReport) -> None:
-        kind = rep.WhichOneof("payload") or "heartbeat"
-        old = self.r.workers.get(rep.rank)
-        when = rep.time.ToNanoseconds() / 1e9 if rep.HasField("time") else time.time()
-        state = _WORKER_STATE.get(kind) or (old.state if old else WorkerState.STARTING)
-        step = rep.step.step if kind == "step" else (old.step if old else 0)
-        self.r.workers[rep.rank] = WorkerRecord(
-            self.job_id, rep.rank, rep.worker_id or (old.worker_id if old else ""), state,
-            old.host if old else "", step, when,
-        )  # fmt: skip
-        if kind == "log":
-            self.m.store.append_log(self.job_id, rep.rank, rep.log.level or "INFO", rep.log.text, when)
-        elif kind == "error":
-            e = rep.error
-            where = f"op {e.op_name} ({e.op_type}): " if e.op_name else ""
-            self.m.store.append_log(
-                self.job_id, rep.rank, "ERROR", f"{where}{e.cause}\n{e.traceback}".rstrip()
-            )
-        if kind in ("log", "error", "done"):
-            self.m._notify()
-
-    def _log(self, text: str) -> None:
-        self.m.store.append_log(self.job_id, -1, "INFO", text)

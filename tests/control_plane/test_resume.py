@@ -132,6 +132,14 @@ def test_a_job_that_does_not_match_the_checkpoint_is_refused_naming_the_tensors(
     assert manager.store.count() == before  # nothing stored
 
 
+def test_a_retried_resume_returns_the_first_new_job(manager: JobManager, mlp: ModuleType, ended: str) -> None:
+    first = manager.resume(ended, blob(job_of(mlp, 6)), client_id="me", idempotency_key="k")
+    again = manager.resume(ended, blob(job_of(mlp, 6)), client_id="me", idempotency_key="k")
+    assert again.id == first.id and manager.store.count() == 2
+    assert wait_end(manager, first.id) == JobState.SUCCEEDED
+    assert sum("resumes job" in line.text for line in manager.store.logs(first.id)) == 1
+
+
 def test_a_job_with_no_steps_left_after_the_checkpoint_is_refused(
     manager: JobManager, mlp: ModuleType, ended: str
 ) -> None:
