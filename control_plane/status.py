@@ -48,6 +48,8 @@ def job_status(rec: JobRecord, workers: Sequence[WorkerRecord] = ()) -> sp.JobSt
         started=timestamp(rec.started),
         finished=timestamp(rec.finished),
         workers=[worker_status(w) for w in workers],
+        resumed_from=rec.resumed_from,
+        resume_checkpoint=rec.resume_checkpoint,
     )
     if rec.loss is not None:
         m.loss = rec.loss
@@ -72,8 +74,11 @@ def job_events(
     event before the first of them (None when replaying from the start)."""
     step, sps = (before.step, before.samples_per_second) if before is not None else (0, 0.0)
     loss: float | None = before.loss if before is not None and before.HasField("loss") else None
+    attempt = before.attempt if before is not None else 1  # as of each event: a restart's event says
     for e in events:
         status = job_status(rec)
+        attempt = int(e.data.get("attempt", attempt))  # type: ignore[call-overload]
+        status.attempt = attempt
         status.state, status.reason, status.message = sp.JobState.Value(str(e.state)), e.reason, e.message
         out = sp.JobEvent(job_id=e.job_id, seq=e.seq, time=timestamp(e.time))
         if e.kind == "step":

@@ -380,7 +380,7 @@ def test_requests_and_result_roundtrip() -> None:
 def test_services_declare_their_methods() -> None:
     services = service_pb2.DESCRIPTOR.services_by_name
     job = {m.name: m for m in services["JobService"].methods}
-    assert set(job) == {"Submit", "Get", "List", "Watch", "Cancel", "Logs", "GetResult"}
+    assert set(job) == {"Submit", "Get", "List", "Watch", "Cancel", "Logs", "GetResult", "Resume"}
     assert job["Watch"].server_streaming and job["Logs"].server_streaming
     assert not job["Submit"].server_streaming
     worker = {m.name: m for m in services["WorkerService"].methods}
