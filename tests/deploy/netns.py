@@ -35,7 +35,8 @@ from typing import Any
 IP = shutil.which("ip") or "/usr/sbin/ip"
 SUBNET = "10.77.0"
 RAY_PORT = 6379  # inside the namespace: its own port space
-STOP_SECONDS = 10.0
+TERM_SECONDS = 3.0  # the GCS and the autoscaler monitor outlive a SIGTERM for long; then SIGKILL
+KILL_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,15 @@ class Host:
         ).stdout
         stats = json.loads(out)[0]["stats64"]
         return int(stats["rx"]["bytes"]) + int(stats["tx"]["bytes"])
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie has ended: only its parent's wait is missing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 def _ip(*args: str) -> None:
@@ -129,15 +139,17 @@ class TwoHosts:
     def close(self) -> None:
         """End every process inside the namespaces (by pid), then delete them; the veth goes with them."""
         hosts = [h for h in (self.a, self.b) if h.netns in self._made]
-        for sig, wait in ((signal.SIGTERM, STOP_SECONDS), (signal.SIGKILL, STOP_SECONDS)):
+        seen: set[int] = set()
+        for sig, wait in ((signal.SIGTERM, TERM_SECONDS), (signal.SIGKILL, KILL_SECONDS)):
             for h in hosts:
                 for pid in h.pids():
+                    seen.add(pid)
                     try:
                         os.kill(pid, sig)
                     except ProcessLookupError:
                         pass
             deadline = time.monotonic() + wait
-            while any(h.pids() for h in hosts) and time.monotonic() < deadline:
+            while any(_running(p) for p in seen) and time.monotonic() < deadline:
                 time.sleep(0.1)
         for h in hosts:
             subprocess.run([IP, "netns", "del", h.netns], capture_output=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -104,6 +106,12 @@ class Server:
         return self.proc.wait(timeout=60)
 
 
+def driver(host: netns.Host, env: dict[str, str], *args: str) -> Any:
+    """Run :mod:`tests.deploy.netns_driver` inside ``host``; its JSON answer."""
+    out = host.run([sys.executable, "-m", "tests.deploy.netns_driver", *args], env, timeout=300)
+    return json.loads(out.strip().splitlines()[-1])
+
+
 @pytest.fixture
 def hosts() -> Iterator[netns.TwoHosts]:
     pair = netns.TwoHosts(f"sbpf{os.getpid()}")
@@ -112,51 +120,45 @@ def hosts() -> Iterator[netns.TwoHosts]:
     assert pair.exists() == [], f"namespaces left behind: {pair.exists()}"
 
 
-def test_server_joins_a_two_node_cluster_and_dp4_trains_as_in_process(hosts: netns.TwoHosts) -> None:
+@pytest.fixture
+def work(hosts: netns.TwoHosts) -> Iterator[Path]:
+    """A short folder (Ray's socket paths must stay short), removed after the hosts' processes end."""
+    path = Path(tempfile.mkdtemp(prefix="sbpf-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        hosts.close()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_server_joins_a_two_node_cluster_and_dp4_trains_as_in_process(
+    hosts: netns.TwoHosts, work: Path
+) -> None:
     job = dp4_job()
     want = sf.run(job, backend="inprocess", return_parameters=True)
-    with tempfile.TemporaryDirectory(prefix="sbpf-", dir="/tmp") as tmp:  # short: Ray's socket paths
-        work = Path(tmp)
-        (work / "job.pb").write_bytes(wire.job_to_proto(job).SerializeToString())
-        cluster = netns.RayCluster.start(hosts, work)
-        env = {**cluster.env, "SBPFLOW_TOKEN": "multinode-test-token", "PYTHONPATH": str(ROOT)}
-        del env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]  # as a deployment has it: unset (ray start needed it)
-        server = Server(
-            hosts.a, env, "--host", hosts.a.ip, "--port", "0", "--http-port", "0",
-            "--ray-address", cluster.address, "--store", str(work / "jobs.db"),
-        )  # fmt: skip
-        grpc_address, http = server.addresses()
-        before = hosts.a.link_bytes()
-        out = hosts.a.run(
-            [
-                sys.executable, "-m", "tests.deploy.netns_driver", "--server", grpc_address, "--http", http,
-                "--ray-address", cluster.address, "--job", str(work / "job.pb"), "--params", str(work / "p.npz"),
-            ],
-            env,
-            timeout=300,
-        )  # fmt: skip
-        crossed = hosts.a.link_bytes() - before
-        got = json.loads(out.strip().splitlines()[-1])
-        assert server.stop() == 0, "\n".join(server.lines)
-        params = dict(np.load(work / "p.npz"))
-        # a RayJob's entrypoint: `sbpflow run` on a driver whose RAY_ADDRESS names the cluster
-        embedded = hosts.a.run(
-            [str(SBPFLOW), "run", str(ROOT / "examples" / "mlp.py"), "--ranks", "4", "--steps", "3"],
-            {**env, "RAY_ADDRESS": cluster.address},
-        )
-        placed = json.loads(
-            hosts.a.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "tests.deploy.netns_driver",
-                    "--ray-address",
-                    cluster.address,
-                    "--placements",
-                ],
-                env,
-            ).splitlines()[-1]
-        )
+    (work / "job.pb").write_bytes(wire.job_to_proto(job).SerializeToString())
+    cluster = netns.RayCluster.start(hosts, work)
+    env = {**cluster.env, "SBPFLOW_TOKEN": "multinode-test-token", "PYTHONPATH": str(ROOT)}
+    del env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]  # as a deployment has it: unset (ray start needed it)
+    server = Server(
+        hosts.a, env, "--host", hosts.a.ip, "--port", "0", "--http-port", "0",
+        "--ray-address", cluster.address, "--store", str(work / "jobs.db"),
+    )  # fmt: skip
+    grpc_address, http = server.addresses()
+    before = hosts.a.link_bytes()
+    got = driver(
+        hosts.a, env, "--server", grpc_address, "--http", http, "--ray-address", cluster.address,
+        "--job", str(work / "job.pb"), "--params", str(work / "p.npz"),
+    )  # fmt: skip
+    crossed = hosts.a.link_bytes() - before
+    assert server.stop() == 0, "\n".join(server.lines)
+    params = dict(np.load(work / "p.npz"))
+    # a RayJob's entrypoint: `sbpflow run` on a driver whose RAY_ADDRESS names the cluster
+    embedded = hosts.a.run(
+        [str(SBPFLOW), "run", str(ROOT / "examples" / "mlp.py"), "--ranks", "4", "--steps", "3"],
+        {**env, "RAY_ADDRESS": cluster.address},
+    )
+    placed = driver(hosts.a, env, "--ray-address", cluster.address, "--placements")
 
     assert got["state"] == "SUCCEEDED", got
     assert got["nodes"] == [hosts.a.ip, hosts.b.ip]
