@@ -37,10 +37,12 @@ def assemble_value(decl: TensorDecl, values: dict[int, Any], xp: Any = np) -> An
     return assemble(values, decl.meta.shape, decl.placement, decl.sbp, xp, rtol=rtol, atol=rtol * 1e-3)
 
 
-def report(job_id: str, attempt: int, rank: int, worker_id: str = "", **payload: Any) -> sp.WorkerReport:
+def report(
+    job_id: str, attempt: int, rank: int, worker_id: str = "", host: str = "", **payload: Any
+) -> sp.WorkerReport:
     """A WorkerReport with its time set now; ``payload`` is exactly one of its oneof fields."""
     (field,) = payload
-    msg = sp.WorkerReport(job_id=job_id, attempt=attempt, rank=rank, worker_id=worker_id)
+    msg = sp.WorkerReport(job_id=job_id, attempt=attempt, rank=rank, worker_id=worker_id, host=host)
     msg.time.GetCurrentTime()
     getattr(msg, field).CopyFrom(payload[field])
     return msg

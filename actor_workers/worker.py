@@ -80,12 +80,13 @@ class Reporter:
         worker_id: str,
         token: str = "",
         on_cancel: Any = None,
+        host: str = "",
     ) -> None:
         import grpc
 
         from sbpflow.v1 import service_pb2_grpc as sg
 
-        self._ids = (job_id, attempt, rank, worker_id)
+        self._ids = (job_id, attempt, rank, worker_id, host)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel = grpc.insecure_channel(address) if address else None
         self._stub = sg.WorkerServiceStub(self._channel) if self._channel is not None else None
@@ -146,7 +147,9 @@ class Worker:
         if device_type not in PLANES:
             raise ValueError(f"device type {device_type!r} has no data plane; use one of {sorted(PLANES)}")
         self.plane = PLANES[device_type](rank, self.host, host_id or node_id, shared_memory)
-        self.reporter = Reporter(report_address, job_id, attempt, rank, self.worker_id, token, self.abort)
+        self.reporter = Reporter(
+            report_address, job_id, attempt, rank, self.worker_id, token, self.abort, self.host
+        )
         self._engine: Any = None
         self._program: Any = None
         self._writers: list[Any] = []

@@ -191,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
                 help="ray (default): one Ray worker process per rank on a local Ray; inprocess: every rank a thread",
             )
             p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every act (Perfetto)")
+            p.add_argument(
+                "--ray-address",
+                metavar="HOST:PORT",
+                help="run on this Ray cluster's nodes (default: $RAY_ADDRESS, else a local Ray started on demand)",
+            )
         if name == "plan":
             p.add_argument("--out", help="write the Plan protobuf to this file")
             p.add_argument("--html", help="write a self-contained HTML picture of the graph to this file")

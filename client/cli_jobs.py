@@ -173,6 +173,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     job = _job_from_args(args)
     config = ManagerConfig(
         backend=args.backend,
+        ray_address=args.ray_address,
         slots=max(1, len(job_ranks(job))),
         return_parameters=False,
         keep_run_results=True,

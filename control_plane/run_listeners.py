@@ -72,7 +72,7 @@ class RunListeners:
         step = rep.step.step if kind == "step" else (old.step if old else 0)
         self.r.workers[rep.rank] = WorkerRecord(
             self.job_id, rep.rank, rep.worker_id or (old.worker_id if old else ""), state,
-            old.host if old else "", step, when,
+            rep.host or (old.host if old else ""), step, when,
         )  # fmt: skip
         if kind == "log":
             self.m.store.append_log(self.job_id, rep.rank, rep.log.level or "INFO", rep.log.text, when)

@@ -981,6 +981,7 @@ class WorkerReport(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
     LOG_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     attempt: _builtins.int
     """JobStatus.attempt the worker belongs to; reports of older attempts are dropped."""
@@ -988,6 +989,8 @@ class WorkerReport(_message.Message):
     """Global rank of the worker."""
     worker_id: _builtins.str
     """Ray actor id of the worker."""
+    host: _builtins.str
+    """Address of the node the worker runs on (its data plane listens there); set on every report."""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
         """When the report was made (worker clock)."""
@@ -1018,10 +1021,11 @@ class WorkerReport(_message.Message):
         error: Global___ErrorReport | None = ...,
         done: Global___Done | None = ...,
         log: Global___LogLine | None = ...,
+        host: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "error", b"error", "heartbeat", b"heartbeat", "log", b"log", "memory", b"memory", "payload", b"payload", "step", b"step", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "done", b"done", "error", b"error", "heartbeat", b"heartbeat", "job_id", b"job_id", "log", b"log", "memory", b"memory", "payload", b"payload", "rank", b"rank", "step", b"step", "time", b"time", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "done", b"done", "error", b"error", "heartbeat", b"heartbeat", "host", b"host", "job_id", b"job_id", "log", b"log", "memory", b"memory", "payload", b"payload", "rank", b"rank", "step", b"step", "time", b"time", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["heartbeat", "step", "memory", "error", "done", "log"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015

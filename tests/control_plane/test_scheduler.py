@@ -72,7 +72,9 @@ def test_sf_run_defaults_to_ray_and_workers_report_in_protobuf() -> None:
     assert [m.loss for m in steps] == pytest.approx(result.losses, rel=1e-6)
     kinds = {(r.rank, r.WhichOneof("payload")) for r in reports}
     assert {(r, "done") for r in range(4)} <= kinds
-    assert all(r.job_id == "rep" and r.attempt == 1 and r.worker_id for r in reports)
+    assert all(
+        r.job_id == "rep" and r.attempt == 1 and r.worker_id and r.host == "127.0.0.1" for r in reports
+    )
     assert not sbpflow_actors(), "workers outlived their run"
 
 

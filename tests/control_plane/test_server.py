@@ -326,6 +326,7 @@ def test_a_job_on_ray_workers_reports_through_the_servers_own_worker_service_wit
             assert sp.JobState.Name(final.state) == "JOB_STATE_SUCCEEDED", final.message
             assert [w.rank for w in final.workers] == [0, 1]
             assert all(sp.WorkerState.Name(w.state) == "WORKER_STATE_DONE" for w in final.workers)
+            assert all(w.host == "127.0.0.1" for w in final.workers)
             assert len(h.result().losses) == 3
     finally:
         plane.stop()
