@@ -50,6 +50,7 @@ from sbpflow.actor_workers.transport.cpu_links import (
     set_send_timeout,
     shutdown,
 )
+from sbpflow.actor_workers.transport.pool import BufferPool
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class CpuTransport:
         self.rank = int(rank)
         self.timeout = float(timeout)
         self.shared_memory = shared_memory
+        self.pool = BufferPool()  # large results reuse buffers their callers have let go of
         self._cond = threading.Condition()
         self._queues: dict[tuple[int, str], deque[Message]] = {}
         self._posted: dict[tuple[int, str], Posted] = {}
@@ -301,7 +303,7 @@ class CpuTransport:
                 posted.meta, posted.done = frame.meta, True
                 self._cond.notify_all()
             return
-        array = np.empty(shape, dtype)
+        array = self.pool.empty(shape, dtype)
         link.payload(frame, as_bytes(array), None)
         with self._cond:
             self._queues.setdefault((link.peer, key), deque()).append(Message(frame.meta, array))

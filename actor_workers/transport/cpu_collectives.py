@@ -177,8 +177,8 @@ def _axis(t: CpuTransport, a: np.ndarray, axis: int, tag: str) -> int:
     return axis % a.ndim
 
 
-def _sum_in_order(arrays: list[np.ndarray], like: np.ndarray) -> np.ndarray:
-    out = np.empty(like.shape, like.dtype)
+def _sum_in_order(t: CpuTransport, arrays: list[np.ndarray], like: np.ndarray) -> np.ndarray:
+    out = t.pool.empty(like.shape, like.dtype)
     if len(arrays) == 1:
         np.copyto(out, arrays[0])
         return out
@@ -208,9 +208,9 @@ def all_reduce(t: CpuTransport, array: Array, group: Group, tag: str) -> np.ndar
         return a.copy()
     if a.nbytes * (n - 1) <= DIRECT_BYTES:
         got = call.exchange(lambda peer: a)
-        return _sum_in_order([a if r == t.rank else got[r] for r in group], a)
+        return _sum_in_order(t, [a if r == t.rank else got[r] for r in group], a)
     call.exchange(None)
-    x, out = a.reshape(-1), np.empty(a.size, a.dtype)
+    x, out = a.reshape(-1), t.pool.empty(a.size, a.dtype)
     bounds = [split_range(a.size, n, c) for c in range(n)]
     _ring_reduce_scatter(call, x, out, bounds)
     pos = call.pos
@@ -230,16 +230,19 @@ def reduce_scatter(t: CpuTransport, array: Array, group: Group, axis: int, tag: 
     if a.nbytes * (n - 1) <= DIRECT_BYTES:
         got = call.exchange(lambda peer: np.ascontiguousarray(part(a, axis, n, group.index(peer))))
         mine = part(a, axis, n, call.pos)
-        return _sum_in_order([mine if r == t.rank else got[r] for r in group], mine)
+        return _sum_in_order(t, [mine if r == t.rank else got[r] for r in group], mine)
     call.exchange(None)
     moved = np.ascontiguousarray(np.moveaxis(a, axis, 0))
     inner = moved[0].size if moved.shape[0] else 0
     bounds = [(lo * inner, hi * inner) for lo, hi in (split_range(moved.shape[0], n, c) for c in range(n))]
-    x, out = moved.reshape(-1), np.empty(moved.size, a.dtype)
+    x, out = moved.reshape(-1), t.pool.empty(moved.size, a.dtype)  # scratch: back to the pool at return
     _ring_reduce_scatter(call, x, out, bounds)
     lo, hi = bounds[call.pos]
     mine = out[lo:hi].reshape((-1,) + moved.shape[1:]) if inner else np.empty((0,) + moved.shape[1:], a.dtype)
-    return np.array(np.moveaxis(mine, 0, axis), order="C", copy=True)
+    moved_back = np.moveaxis(mine, 0, axis)
+    result = t.pool.empty(moved_back.shape, a.dtype)
+    np.copyto(result, moved_back)
+    return result
 
 
 def all_gather(t: CpuTransport, array: Array, group: Group, axis: int, tag: str) -> np.ndarray:
@@ -247,7 +250,10 @@ def all_gather(t: CpuTransport, array: Array, group: Group, axis: int, tag: str)
     axis = _axis(t, a, axis, tag)
     call = _start(t, "all_gather", tag, group, (axis,), a)
     got = call.exchange(lambda peer: a)
-    return np.concatenate([a if r == t.rank else got[r] for r in group], axis=axis)
+    parts = [a if r == t.rank else got[r] for r in group]
+    shape = list(a.shape)
+    shape[axis] = sum(p.shape[axis] for p in parts)
+    return np.concatenate(parts, axis=axis, out=t.pool.empty(tuple(shape), a.dtype))
 
 
 def all_to_all(
