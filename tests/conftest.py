@@ -5,6 +5,7 @@ with ``CI=true python -m pytest``; locally Hypothesis keeps exploring new exampl
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -26,6 +27,9 @@ def ray_local() -> Iterator[str]:
     one."""
     import ray
 
+    if ray.is_initialized():
+        pytest.fail("Ray was started before the ray_local fixture: a test ran Ray without taking the fixture")
+    _RAY_FIXTURE.append(True)
     info = ray.init(
         num_cpus=4,
         object_store_memory=256 * 1024 * 1024,
@@ -38,3 +42,19 @@ def ray_local() -> Iterator[str]:
         yield str(info.address_info["gcs_address"])
     finally:
         ray.shutdown()
+
+
+_RAY_FIXTURE: list[bool] = []  # set once ray_local has started the session's Ray
+
+
+@pytest.fixture(autouse=True)
+def only_the_session_ray(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that starts Ray itself (sf.run's default backend without ``ray_local``) would start a second,
+    unbounded local Ray: fail it, naming the fixture to take."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and not _RAY_FIXTURE and ray.is_initialized():
+        ray.shutdown()
+        pytest.fail(
+            f"{request.node.nodeid} started Ray itself; take the ray_local fixture (tests/conftest.py)"
+        )
