@@ -215,6 +215,7 @@ def _run_inprocess(compiled: Compiled, options: RunOptions, tracker: StepTracker
         return fetched
 
     ranks = [d.rank for d in plan.devices]
+    xp = _array_module(plan)
     options.state("STARTING")
     with InProcessWorld(ranks, timeout=options.timeout) as world:
         program = executor.build(
@@ -223,6 +224,7 @@ def _run_inprocess(compiled: Compiled, options: RunOptions, tracker: StepTracker
             {r: world.transport(r) for r in ranks},
             job=dataclasses.replace(job, graph=compiled.state.graph),
             boxings=compiled.state.boxings,
+            xp=xp,
             first_step=options.first_step,
             source=checkpointing.source_for(options.resume_from, options.init_from),
         )
@@ -265,6 +267,23 @@ def _run_inprocess(compiled: Compiled, options: RunOptions, tracker: StepTracker
     del program, results, world
     gc.collect()
     return RunResult(losses, parameters, events, seconds, first_step=first)
+
+
+def _array_module(plan: Any) -> Any:
+    """numpy for cpu placements; cupy for cuda ones (a clear error without it). The in-process
+    transport moves numpy arrays, so a cuda job on it has one rank; more run on Ray, a GPU per worker."""
+    from sbpflow.device import array_module
+    from sbpflow.v1 import job_pb2 as jp
+
+    kinds = {d.device_type for d in plan.devices}
+    if jp.DEVICE_TYPE_CUDA not in kinds:
+        return array_module("cpu")
+    if len(plan.devices) > 1:
+        raise SbpflowError(
+            f"a cuda job on {len(plan.devices)} ranks runs on backend='ray' (one GPU per worker process, NCCL "
+            "between them); the in-process backend runs a cuda job on one rank only"
+        )
+    return array_module("cuda")
 
 
 def _run_ray(compiled: Compiled, options: RunOptions, tracker: StepTracker) -> RunResult:

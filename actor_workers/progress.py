@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from sbpflow.device import asnumpy
 from sbpflow.graph import TensorDecl
 from sbpflow.sharding import assemble
 from sbpflow.v1 import service_pb2 as sp
@@ -32,6 +33,8 @@ def assemble_value(decl: TensorDecl, values: dict[int, Any], xp: Any = np) -> An
     """The logical value of ``decl`` from each rank's shard (splits concatenated, partials summed,
     broadcast copies checked equal)."""
     assert decl.placement is not None and decl.sbp is not None
+    if xp is np:  # shards on a GPU come to the host first
+        values = {r: asnumpy(v) for r, v in values.items()}
     first = values[decl.placement.ranks[0]]
     rtol = 1e-9 if first.dtype == np.float64 else 1e-5
     return assemble(values, decl.meta.shape, decl.placement, decl.sbp, xp, rtol=rtol, atol=rtol * 1e-3)

@@ -201,3 +201,23 @@ def test_a_set_cancel_event_stops_the_run_promptly() -> None:
         sf.run(mlp(ranks=2), steps=10_000, backend="inprocess", on_step=cancel_after_first, cancel=cancel)
     assert time.monotonic() - t0 < 60  # 10,000 steps would take far longer
     assert not [t for t in threading.enumerate() if t.name.startswith("sbpflow")]
+
+
+def cuda_mlp(ranks: int) -> sf.Job:
+    ex = load("mlp")
+    where = sf.placement("cuda", ranks=list(range(ranks)))
+    model = ex.MLPRegression(8, 16, 4, 1)
+    sf.nn.parallel.data_parallel(model, where)
+    data = sf.data.SyntheticSource(batch_size=8, kind="regression", params={"in": 8, "out": 4}, seed=0)
+    return ex.TrainMLP(model, 0.05, 2).trace(data, placement=where, input_sbp=(sf.sbp.split(0),))
+
+
+def test_a_cuda_job_runs_its_kernels_on_cupy_or_says_how_to_get_it() -> None:
+    from sbpflow.device import gpu_available
+
+    if gpu_available():
+        pytest.skip("a GPU is here: tests/gpu covers the cuda path")
+    with pytest.raises(SbpflowError, match=r"cupy.*pip install 'sbpflow\[gpu\]'"):
+        sf.run(cuda_mlp(1), backend="inprocess")
+    with pytest.raises(SbpflowError, match="runs on backend='ray'"):
+        sf.run(cuda_mlp(2), backend="inprocess")
