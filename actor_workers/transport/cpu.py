@@ -80,6 +80,9 @@ class Message:
     array: np.ndarray
 
 
+LOST_GRACE_S = 1.0  # a failed send waits this long for the receive thread to learn why the peer went
+
+
 @dataclass(slots=True)
 class Posted:
     """A destination posted for the next message under one (source, key): filled by the receive thread."""
@@ -340,6 +343,8 @@ class CpuTransport:
         try:
             self._out[dst].send(DATA, meta, as_bytes(array))
         except LinkClosed as e:
+            with self._cond:  # the peer's own goodbye (or EOF) may be in flight on its link: it says why
+                self._cond.wait_for(lambda: dst in self._lost, timeout=LOST_GRACE_S)
             self._on_lost(dst, f"lost the connection to rank {dst} ({e})")
             self._check_peer(dst, f"send {key!r} to")
             raise TransportError(f"rank {self.rank}: send {key!r} to rank {dst} failed: {e}") from e

@@ -37,7 +37,21 @@ from sbpflow.control_plane.auth import OPEN_HTTP_PATHS
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "kubernetes"
-CRDS = ROOT.parent / "shared" / "kuberay-crds"
+
+
+def _find_crds() -> Path | None:
+    """The KubeRay CRD schemas: $SBPFLOW_KUBERAY_CRDS, else ``shared/kuberay-crds`` beside the checkout or
+    beside a folder above it (test data the project does not copy)."""
+    env = os.environ.get("SBPFLOW_KUBERAY_CRDS")
+    candidates = [Path(env)] if env else [p / "shared" / "kuberay-crds" for p in ROOT.parents]
+    return next((c for c in candidates if (c / "ray.io_rayclusters.yaml").is_file()), None)
+
+
+CRDS = _find_crds()
+NO_CRDS = (
+    "the KubeRay CRD schemas (shared/kuberay-crds beside the checkout) are not here, so RayCluster/RayJob "
+    "objects are checked for metadata only; set SBPFLOW_KUBERAY_CRDS to their folder"
+)
 K8S_VERSION = "1.32.0"
 KUBECTL = shutil.which("kubectl")
 TARGETS = {"cpu": K8S / "overlays/cpu", "gpu": K8S / "overlays/gpu", "rayjob": K8S / "rayjob"}
@@ -97,8 +111,8 @@ def strict(schema: Any) -> Any:
 @cache
 def crd_schemas() -> dict[tuple[str, str], Any]:
     """(apiVersion, kind) -> a validator of the strict schema of every served version of the KubeRay CRDs."""
-    out = {}
-    for f in sorted(CRDS.glob("*.yaml")):
+    out: dict[tuple[str, str], Any] = {}
+    for f in sorted(CRDS.glob("*.yaml")) if CRDS is not None else []:
         crd = yaml.load(f.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
         for v in crd["spec"]["versions"]:
@@ -112,9 +126,10 @@ def validate(obj: Obj) -> None:
     """Raise if ``obj`` is not a valid object of its kind."""
     key = (obj["apiVersion"], obj["kind"])
     if obj["apiVersion"].startswith("ray.io/"):
-        assert key in crd_schemas(), f"{key} is no served version of the KubeRay CRDs in {CRDS}"
-        body = {k: v for k, v in obj.items() if k != "metadata"}  # metadata: ObjectMeta, checked below
-        crd_schemas()[key].validate(body)
+        if CRDS is not None:  # without the schemas: metadata only (test_crd_schemas_are_there says so)
+            assert key in crd_schemas(), f"{key} is no served version of the KubeRay CRDs in {CRDS}"
+            body = {k: v for k, v in obj.items() if k != "metadata"}  # metadata: ObjectMeta, checked below
+            crd_schemas()[key].validate(body)
         meta = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj["metadata"]}
         kubernetes_validate.validate(meta, K8S_VERSION, strict=True)
     elif obj["apiVersion"].startswith("monitoring.coreos.com/"):
@@ -133,6 +148,8 @@ def check_servicemonitor_shape(sm: Obj) -> None:
 
 
 def test_crd_schemas_are_there() -> None:
+    if CRDS is None:
+        pytest.skip(NO_CRDS)
     assert {k for _, k in crd_schemas()} >= {"RayCluster", "RayJob"}, f"KubeRay CRDs missing from {CRDS}"
 
 
@@ -174,6 +191,8 @@ def test_the_monitoring_component_renders_and_validates(tmp_path: Path) -> None:
     ],
 )
 def test_the_validation_catches_mistakes(mutate: Any, kind: str) -> None:
+    if kind.startswith("Ray") and CRDS is None:
+        pytest.skip(NO_CRDS)
     obj = copy.deepcopy(one(rendered("cpu"), kind))
     mutate(obj)
     with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError)):
