@@ -82,11 +82,13 @@ def cluster_capacity(config: ManagerConfig) -> int:
             raise SbpflowError(f"slots={config.slots}: give at least 1 (one slot per device rank of a job)")
         return config.slots
     if config.backend == "ray":
-        import ray
-
         from sbpflow.control_plane.scheduler import ensure_ray
 
-        ensure_ray(config.ray_address, 1)
+        ensure_ray(
+            config.ray_address, 1
+        )  # before anything imports ray: a local one then advertises 127.0.0.1
+        import ray
+
         return max(1, int(ray.cluster_resources().get("CPU", 0)))
     return os.cpu_count() or 1
 
