@@ -1,5 +1,5 @@
-"""deploy/README.md and deploy/netns-cluster.sh say only what the CLI takes: every ``sbpflow`` command line
-they show parses with the real parser, and the script is valid bash."""
+"""README.md, deploy/README.md and deploy/netns-cluster.sh say only what the CLI takes: every ``sbpflow``
+command line they show parses with the real parser, and the script is valid bash."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import pytest
 
 from sbpflow.client.cli import build_parser
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+SHOWN = {"README.md": 10, "deploy/README.md": 5, "deploy/netns-cluster.sh": 2}  # at least this many commands
 
 
 def code(name: str) -> str:
     """The shell a file shows: a README's fenced blocks, a script's lines that are not comments."""
-    text = (DEPLOY / name).read_text()
+    text = (ROOT / name).read_text()
     if name.endswith(".md"):
         return "\n".join(re.findall(r"```(?:sh|bash)\n(.*?)```", text, flags=re.S))
     return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
@@ -35,10 +37,10 @@ def commands(text: str) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("name", ["README.md", "netns-cluster.sh"])
+@pytest.mark.parametrize("name", sorted(SHOWN))
 def test_every_sbpflow_command_shown_parses(name: str) -> None:
     shown = commands(code(name))
-    assert len(shown) >= {"README.md": 5, "netns-cluster.sh": 2}[name], shown
+    assert len(shown) >= SHOWN[name], shown
     for line in shown:
         try:
             build_parser().parse_args(shlex.split(line)[1:])
