@@ -11,26 +11,22 @@ the destination first, and the receive thread writes, or adds, the payload strai
 Failures: a connection that ends without a goodbye marks its rank lost, and every waiting or later call
 that needs that rank raises :class:`TransportError` naming it. ``abort(reason)`` sends an ABORT frame to
 every peer; their calls raise :class:`TransportAborted` with the reason. Every wait has ``timeout``.
-Collectives are in :mod:`cpu_collectives`.
+Connection set-up (listening, dialing, the handshake) is in :mod:`cpu_connect`, the mailboxes and their
+waits in :mod:`cpu_mailbox`, the collectives in :mod:`cpu_collectives`.
 """
 
 from __future__ import annotations
 
-import os
-import select
-import socket
 import threading
 import time
-import uuid
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from sbpflow.actor_workers.transport import cpu_collectives as coll
-from sbpflow.actor_workers.transport.base import Array, Group, TransportAborted, TransportError
+from sbpflow.actor_workers.transport.base import Array, Group, TransportError
+from sbpflow.actor_workers.transport.cpu_connect import Endpoint, Listener, default_host_id, dial
 from sbpflow.actor_workers.transport.cpu_links import (
     ABORT,
     BYE,
@@ -43,59 +39,12 @@ from sbpflow.actor_workers.transport.cpu_links import (
     as_bytes,
     decode_dtype,
     encode_dtype,
-    map_ring,
-    new_ring,
-    recv_hello,
-    send_hello,
-    set_send_timeout,
     shutdown,
 )
+from sbpflow.actor_workers.transport.cpu_mailbox import Mailboxes, Message, Posted, adder
 from sbpflow.actor_workers.transport.pool import BufferPool
 
-
-@dataclass(frozen=True)
-class Endpoint:
-    """What a rank publishes so that its peers can connect to it."""
-
-    rank: int
-    host: str  # IP address peers connect to over TCP
-    port: int
-    host_id: str  # ranks with equal host_id are on one host and use shared memory
-    uds: str = ""  # abstract unix socket name ('@' stands for the leading NUL); empty: TCP only
-
-
-def default_host_id() -> str:
-    """This machine's identity: the host name and the kernel's boot id (a rebooted host is another)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-@dataclass(slots=True)
-class Message:
-    meta: dict[str, Any]
-    array: np.ndarray
-
-
 LOST_GRACE_S = 1.0  # a failed send waits this long for the receive thread to learn why the peer went
-
-
-@dataclass(slots=True)
-class Posted:
-    """A destination posted for the next message under one (source, key): filled by the receive thread."""
-
-    src: int
-    key: str
-    dest: np.ndarray  # raw bytes, contiguous
-    base: np.ndarray | None  # raw bytes of the addend: dest = base + payload; None: dest = payload
-    dtype: np.dtype[Any]
-    done: bool = False
-    meta: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-    early: Message | None = None  # the message, when it was in the mailbox before the post
 
 
 class CpuTransport:
@@ -115,40 +64,31 @@ class CpuTransport:
         self.timeout = float(timeout)
         self.shared_memory = shared_memory
         self.pool = BufferPool()  # large results reuse buffers their callers have let go of
-        self._cond = threading.Condition()
-        self._queues: dict[tuple[int, str], deque[Message]] = {}
-        self._posted: dict[tuple[int, str], Posted] = {}
-        self._lost: dict[int, str] = {}
-        self._abort_reason: str | None = None
-        self._closed = False
+        self._mail = Mailboxes(self.rank, self.timeout)
+        self._cond = self._mail.cond  # also guards the links and the world
+        self._lost = self._mail.lost
         self._world: tuple[int, ...] | None = None
         self._out: dict[int, OutLink] = {}
         self._in: dict[int, InLink] = {}
         self._readers: list[threading.Thread] = []
         self._seq: dict[Group, int] = {}
         self._seq_lock = threading.Lock()
-        self._tcp = socket.create_server((host, 0), backlog=1024)
-        self._unix: socket.socket | None = None
-        uds = ""
-        if shared_memory:
-            uds = f"@sbpflow-{self.rank}-{uuid.uuid4().hex[:16]}"
-            self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._unix.bind("\0" + uds[1:])
-            self._unix.listen(1024)
-        self.endpoint = Endpoint(
-            self.rank, host, self._tcp.getsockname()[1], host_id or default_host_id(), uds
+        self._listener = Listener(
+            self.rank,
+            host,
+            host_id or default_host_id(),
+            shared_memory,
+            self.timeout,
+            connected=lambda peer: peer in self._in,
+            on_link=self._on_link,
         )
-        self._accepting = True
-        self._acceptor = threading.Thread(
-            target=self._accept_loop, name=f"sbpflow-cpu-accept-{rank}", daemon=True
-        )
-        self._acceptor.start()
+        self.endpoint = self._listener.endpoint
 
     # -- connecting ---------------------------------------------------------------------------------
 
     def connect(self, endpoints: Sequence[Endpoint], timeout: float = 30.0) -> None:
         """Open the full mesh with every other endpoint in ``endpoints`` (which lists this rank too)."""
-        self._check_open()
+        self._mail.check_open()
         if self._world is not None:
             raise TransportError(f"rank {self.rank}: connect was already called")
         ranks = [e.rank for e in endpoints]
@@ -161,7 +101,7 @@ class CpuTransport:
         failed: dict[int, str] = {}
         for e in peers:
             try:
-                self._out[e.rank] = self._dial(e, deadline)
+                self._out[e.rank] = dial(self.endpoint, e, self.shared_memory, deadline, self.timeout)
             except (OSError, LinkClosed, TransportError, ValueError) as exc:
                 failed[e.rank] = f"{e.host}:{e.port}{' ' + e.uds if e.uds else ''}: {exc}"
         if failed:
@@ -181,89 +121,15 @@ class CpuTransport:
                     )
                 self._cond.wait(min(remaining, POLL_S))
             self._world = tuple(sorted(ranks))
-        self._accepting = False
-        self._acceptor.join()
+        self._listener.stop()
 
-    def _dial(self, e: Endpoint, deadline: float) -> OutLink:
-        same_host = self.shared_memory and bool(e.uds) and e.host_id == self.endpoint.host_id
-        sock: socket.socket | None = None
-        if same_host:
-            try:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(max(0.01, deadline - time.monotonic()))
-                sock.connect("\0" + e.uds.lstrip("@"))
-            except OSError:  # another network namespace: fall back to TCP
-                if sock is not None:
-                    sock.close()
-                sock, same_host = None, False
-        if sock is None:
-            sock = socket.create_connection((e.host, e.port), timeout=max(0.01, deadline - time.monotonic()))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        ring = None
-        try:
-            hello = {"rank": self.rank, "to": e.rank, "shm": same_host}
-            if same_host:
-                fd, ring = new_ring(self.rank, e.rank)
-                try:
-                    send_hello(sock, hello, [fd])
-                finally:
-                    os.close(fd)
-            else:
-                send_hello(sock, hello, [])
-            ack, _ = recv_hello(sock, unix=False)
-            if ack.get("rank") != e.rank or not ack.get("ok"):
-                raise LinkClosed(f"the listener answered as {ack.get('rank')}: {ack.get('error', 'refused')}")
-            sock.settimeout(None)
-            set_send_timeout(sock, self.timeout)
-        except BaseException:
-            sock.close()
-            if ring is not None:
-                ring.close()
-            raise
-        return OutLink(e.rank, sock, ring, self.timeout)
-
-    def _accept_loop(self) -> None:
-        listeners = [s for s in (self._tcp, self._unix) if s is not None]
-        while self._accepting and not self._closed:
-            readable, _, _ = select.select(listeners, [], [], 0.05)
-            for lst in readable:
-                try:
-                    sock, _ = lst.accept()
-                except OSError:
-                    continue
-                try:
-                    self._admit(sock, unix=lst is self._unix)
-                except (OSError, LinkClosed, TransportError, ValueError):
-                    sock.close()
-
-    def _admit(self, sock: socket.socket, unix: bool) -> None:
-        sock.settimeout(self.timeout)
-        if not unix:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hello, fds = recv_hello(sock, unix)
-        ring = map_ring(fds[0]) if fds else None
-        peer, problem = hello.get("rank"), None
-        if hello.get("to") != self.rank:
-            problem = f"it dialled rank {hello.get('to')}, this is rank {self.rank}"
-        elif not isinstance(peer, int) or peer in self._in:
-            problem = f"rank {peer} is already connected"
-        elif bool(hello.get("shm")) != (ring is not None):
-            problem = "a shared-memory link came without its ring"
-        if problem is not None:
-            send_hello(sock, {"rank": self.rank, "ok": False, "error": problem}, [])
-            if ring is not None:
-                ring.close()
-            raise LinkClosed(problem)
-        assert isinstance(peer, int)
-        send_hello(sock, {"rank": self.rank, "ok": True}, [])
-        sock.settimeout(None)
-        set_send_timeout(sock, self.timeout)
-        link = InLink(peer, sock, ring)
+    def _on_link(self, link: InLink) -> None:
+        """Take a link a peer opened to this rank: start the thread that drains it."""
         reader = threading.Thread(
-            target=self._serve, args=(link,), name=f"sbpflow-cpu-recv-{self.rank}<-{peer}", daemon=True
+            target=self._serve, args=(link,), name=f"sbpflow-cpu-recv-{self.rank}<-{link.peer}", daemon=True
         )
         with self._cond:
-            self._in[peer] = link
+            self._in[link.peer] = link
             self._readers.append(reader)
             self._cond.notify_all()
         reader.start()
@@ -277,51 +143,30 @@ class CpuTransport:
                 if frame.kind == DATA:
                     self._receive(link, frame)
                 elif frame.kind == ABORT:
-                    self._on_abort(str(frame.meta.get("reason", "")))
+                    self._mail.on_abort(str(frame.meta.get("reason", "")))
                 elif frame.kind == BYE:
-                    self._on_lost(link.peer, f"rank {link.peer} closed its transport")
+                    self._mail.on_lost(link.peer, f"rank {link.peer} closed its transport")
                     return
                 else:
                     raise LinkClosed(f"rank {link.peer} sent an unknown frame type {frame.kind}")
         except (LinkClosed, OSError, ValueError, KeyError, TypeError) as e:
-            self._on_lost(link.peer, f"lost the connection to rank {link.peer} ({e})")
+            self._mail.on_lost(link.peer, f"lost the connection to rank {link.peer} ({e})")
 
     def _receive(self, link: InLink, frame: Frame) -> None:
         key, dtype, shape = frame.meta["k"], decode_dtype(frame.meta["d"]), tuple(frame.meta["s"])
         if int(np.prod(shape)) * dtype.itemsize != frame.nbytes:
             raise LinkClosed(f"rank {link.peer} sent {frame.nbytes} bytes for {dtype}{list(shape)}")
-        with self._cond:
-            posted = self._posted.pop((link.peer, key), None)
-            if posted is not None and (posted.dest.size != frame.nbytes or posted.dtype != dtype):
-                posted.error = f"rank {link.peer} sent {dtype}{list(shape)} ({frame.nbytes} bytes)"
-                posted.done = True
-                posted = None
-                self._cond.notify_all()
+        posted = self._mail.claim(link.peer, key, dtype, shape, frame.nbytes)
         if posted is not None:
             if posted.base is None:
                 link.payload(frame, posted.dest, None)
             else:
-                link.payload(frame, None, _adder(posted))
-            with self._cond:
-                posted.meta, posted.done = frame.meta, True
-                self._cond.notify_all()
+                link.payload(frame, None, adder(posted))
+            self._mail.filled(posted, frame.meta)
             return
         array = self.pool.empty(shape, dtype)
         link.payload(frame, as_bytes(array), None)
-        with self._cond:
-            self._queues.setdefault((link.peer, key), deque()).append(Message(frame.meta, array))
-            self._cond.notify_all()
-
-    def _on_abort(self, reason: str) -> None:
-        with self._cond:
-            if self._abort_reason is None:
-                self._abort_reason = reason
-            self._cond.notify_all()
-
-    def _on_lost(self, peer: int, why: str) -> None:
-        with self._cond:
-            self._lost.setdefault(peer, why)
-            self._cond.notify_all()
+        self._mail.put(link.peer, key, Message(frame.meta, array))
 
     # -- what the collectives build on --------------------------------------------------------------
 
@@ -335,9 +180,7 @@ class CpuTransport:
         """Send a C-contiguous ``array`` to ``dst`` under mailbox ``key``."""
         meta = {"k": key, "d": encode_dtype(array.dtype), "s": list(array.shape), **(extra or {})}
         if dst == self.rank:
-            with self._cond:
-                self._queues.setdefault((dst, key), deque()).append(Message(meta, array.copy()))
-                self._cond.notify_all()
+            self._mail.put(dst, key, Message(meta, array.copy()))
             return
         self._check_peer(dst, f"send {key!r} to")
         try:
@@ -345,98 +188,31 @@ class CpuTransport:
         except LinkClosed as e:
             with self._cond:  # the peer's own goodbye (or EOF) may be in flight on its link: it says why
                 self._cond.wait_for(lambda: dst in self._lost, timeout=LOST_GRACE_S)
-            self._on_lost(dst, f"lost the connection to rank {dst} ({e})")
+            self._mail.on_lost(dst, f"lost the connection to rank {dst} ({e})")
             self._check_peer(dst, f"send {key!r} to")
             raise TransportError(f"rank {self.rank}: send {key!r} to rank {dst} failed: {e}") from e
 
     def take(self, src: int, key: str, what: str, deadline: float) -> Message:
         """The oldest message from ``src`` under ``key``, waiting until ``deadline``."""
-        with self._cond:
-            q = self._wait(src, what, deadline, lambda: bool(self._queues.get((src, key))))
-            assert q is not None
-            message = self._queues[(src, key)].popleft()
-            if not self._queues[(src, key)]:
-                del self._queues[(src, key)]
-            return message
+        return self._mail.take(src, key, what, deadline)
 
     def post(
         self, src: int, key: str, dest: np.ndarray, base: np.ndarray | None, dtype: np.dtype[Any]
     ) -> Posted:
         """Post ``dest`` (raw bytes) for the one message from ``src`` under ``key``: the receive thread
         writes it there, as ``base + payload`` when ``base`` is given. ``collect`` waits for it."""
-        posted = Posted(src, key, dest, base, dtype)
-        with self._cond:
-            q = self._queues.get((src, key))
-            if q:  # it came first
-                posted.early = q.popleft()
-                if not q:
-                    del self._queues[(src, key)]
-            else:
-                self._posted[(src, key)] = posted
-        return posted
+        return self._mail.post(src, key, dest, base, dtype)
 
     def unpost(self, posted: Posted) -> None:
-        with self._cond:
-            if self._posted.get((posted.src, posted.key)) is posted:
-                del self._posted[(posted.src, posted.key)]
+        self._mail.unpost(posted)
 
     def collect(self, posted: Posted, what: str, deadline: float) -> dict[str, Any]:
         """Wait until ``posted`` is filled; returns the message's header."""
-        src, key = posted.src, posted.key
-        message = posted.early
-        if message is None:
-            with self._cond:
-                unclaimed = lambda: self._posted.get((src, key)) is posted  # noqa: E731
-                try:
-                    self._wait(
-                        src,
-                        what,
-                        deadline,
-                        lambda: posted.done or (unclaimed() and bool(self._queues.get((src, key)))),
-                    )
-                except TransportError:
-                    self.unpost(posted)
-                    raise
-                if posted.done:
-                    if posted.error is not None:
-                        raise TransportError(f"rank {self.rank}: {what} rank {src}: {posted.error}")
-                    return posted.meta
-                del self._posted[(src, key)]  # it was read before the post: take it from the mailbox
-                message = self._queues[(src, key)].popleft()
-                if not self._queues[(src, key)]:
-                    del self._queues[(src, key)]
-        got = as_bytes(np.ascontiguousarray(message.array))
-        if got.size != posted.dest.size or message.array.dtype != posted.dtype:
-            raise TransportError(
-                f"rank {self.rank}: {what} rank {src}: got {message.array.dtype}{list(message.array.shape)}, "
-                f"expected {posted.dest.size} bytes of {posted.dtype}"
-            )
-        _adder(posted)(0, got)
-        return message.meta
-
-    def _wait(self, src: int, what: str, deadline: float, ready: Callable[[], bool]) -> bool:
-        """Wait (holding the lock) until ``ready()``; raise on abort, close, loss of ``src`` or timeout."""
-        while True:
-            self._check_open()
-            if ready():
-                return True
-            if src in self._lost:
-                raise TransportError(f"rank {self.rank}: {what} rank {src} failed: {self._lost[src]}")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TransportError(
-                    f"rank {self.rank} waited {self.timeout:g} s to {what} rank {src} and nothing arrived "
-                    f"(waiting here: {self._pending()}); the peer never sent it, sent it under another tag, "
-                    "or is stuck: check the communicator order, or give CpuTransport a longer timeout"
-                )
-            self._cond.wait(min(remaining, 1.0))
-
-    def _pending(self) -> str:
-        return ", ".join(f"from rank {s} {k!r} ({len(q)})" for (s, k), q in self._queues.items()) or "none"
+        return self._mail.collect(posted, what, deadline)
 
     def check_members(self, kind: str, tag: str, group: Group) -> int:
         """This rank's position in ``group``, after checking the group against the connected world."""
-        self._check_open()
+        self._mail.check_open()
         world = self._require_world()
         problem = None
         if len(set(group)) != len(group):
@@ -453,7 +229,7 @@ class CpuTransport:
         return group.index(self.rank)
 
     def _check_peer(self, peer: int, what: str) -> None:
-        self._check_open()
+        self._mail.check_open()
         world = self._require_world()
         if peer not in world:
             raise TransportError(
@@ -467,13 +243,6 @@ class CpuTransport:
             raise TransportError(f"rank {self.rank}: call connect(endpoints) before sending or receiving")
         return self._world
 
-    def _check_open(self) -> None:
-        reason = self._abort_reason
-        if reason is not None:
-            raise TransportAborted(reason)
-        if self._closed:
-            raise TransportError(f"rank {self.rank}: the transport is closed")
-
     # -- the Transport interface --------------------------------------------------------------------
 
     def send(self, array: Array, dst: int, tag: str) -> None:
@@ -481,7 +250,7 @@ class CpuTransport:
         self.post_send(dst, "p:" + tag, coll.contiguous(array))
 
     def recv(self, src: int, tag: str) -> Array:
-        self._check_open()
+        self._mail.check_open()
         world = self._require_world()
         if src not in world:
             raise TransportError(
@@ -508,7 +277,7 @@ class CpuTransport:
 
     def abort(self, reason: str) -> None:
         """Fail every blocked and later call here and on every connected peer with ``reason``."""
-        self._on_abort(reason)
+        self._mail.on_abort(reason)
         for link in list(self._out.values()):
             try:
                 link.send(ABORT, {"reason": reason})
@@ -517,14 +286,9 @@ class CpuTransport:
 
     def close(self) -> None:
         """Say goodbye to every peer, stop the receive threads, close the sockets, unmap the rings."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._cond.notify_all()
-        self._accepting = False
-        if self._acceptor.is_alive() and self._acceptor is not threading.current_thread():
-            self._acceptor.join()
+        if not self._mail.close():
+            return
+        self._listener.stop()
         for out in self._out.values():
             out.close(goodbye=True)
         for inlink in self._in.values():
@@ -533,26 +297,10 @@ class CpuTransport:
             reader.join(self.timeout)
         for inlink in self._in.values():
             inlink.close()
-        for s in (self._tcp, self._unix):
-            if s is not None:
-                s.close()
+        self._listener.close()
 
     def __enter__(self) -> CpuTransport:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _adder(posted: Posted) -> Callable[[int, np.ndarray], None]:
-    """Write a chunk of payload bytes at ``offset`` of ``posted.dest``: a copy, or a sum with its base."""
-    dest, base, dt = posted.dest, posted.base, posted.dtype
-
-    def write(offset: int, chunk: np.ndarray) -> None:
-        end = offset + chunk.size
-        if base is None:
-            np.copyto(dest[offset:end], chunk)
-        else:
-            np.add(base[offset:end].view(dt), chunk.view(dt), out=dest[offset:end].view(dt))
-
-    return write
