@@ -14,12 +14,13 @@ priority. Two things the plan leaves implicit are made explicit here:
 
 The compiled job supplies what the Plan does not carry per task: the tensors' placements and nd-SBPs
 (the shard each rank holds) and, for boxing tasks, the regions of each transfer (re-planned with
-:func:`plan_boxing` from the boxing node, as lowering does).
+:func:`plan_boxing` from the boxing node, as lowering does). What is read off the plan before the actors
+are built (loop edges, donated inputs, recycled buffers, boxings that move nothing) is in
+:mod:`.executor_analysis`.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,13 +34,17 @@ from sbpflow.actor_workers.progress import assemble_value
 from sbpflow.actor_workers.runtime import boxing_tasks, tasks
 from sbpflow.actor_workers.runtime.actor import ActorSpec
 from sbpflow.actor_workers.runtime.engine import AbortHook, Engine, RunResult
+from sbpflow.actor_workers.runtime.executor_analysis import KIND, ExecutorError, boxing_plan_of, node_of
+from sbpflow.actor_workers.runtime.executor_analysis import donations as _donations
+from sbpflow.actor_workers.runtime.executor_analysis import loop_edges as _loop_edges
+from sbpflow.actor_workers.runtime.executor_analysis import no_op_boxings as _no_op_boxings
+from sbpflow.actor_workers.runtime.executor_analysis import recyclers as _recyclers
 from sbpflow.actor_workers.runtime.group import EngineGroup
 from sbpflow.actor_workers.runtime.register import RegisterSpec
-from sbpflow.actor_workers.runtime.store import Store, StoreSource, init_store
+from sbpflow.actor_workers.runtime.store import StoreSource, init_store
 from sbpflow.actor_workers.runtime.tasks import Act, RankContext
-from sbpflow.control_plane.compiler.boxing import BoxingPlan, Collective, plan_boxing
-from sbpflow.errors import SbpflowError
-from sbpflow.graph import BOXING, Graph, OpNode
+from sbpflow.control_plane.compiler.boxing import BoxingPlan
+from sbpflow.graph import Graph, OpNode
 from sbpflow.job import Job
 from sbpflow.reference import micro_batches
 from sbpflow.v1 import plan_pb2 as pp
@@ -49,12 +54,7 @@ STREAMS = {
     pp.STREAM_KIND_COMMUNICATION: "comm",
     pp.STREAM_KIND_DATA: "data",
 }
-KIND = {v: k.removeprefix("TASK_KIND_").lower() for k, v in pp.TaskKind.items()}
 COLLECTIVE = {v: k.removeprefix("COLLECTIVE_KIND_").lower() for k, v in pp.CollectiveKind.items()}
-
-
-class ExecutorError(SbpflowError, ValueError):
-    """A plan the executor cannot turn into actors (a task it does not know, a missing op or tensor)."""
 
 
 @dataclass
@@ -190,138 +190,6 @@ def _offset(act: Act, first_step: int) -> Act:
     return lambda it, values: act(it + first_step, values)
 
 
-@dataclass(frozen=True)
-class _Loop:
-    register: int
-    initial: Any  # the value the SOURCE reads at step 0
-
-
-def _loop_edges(device: pp.DevicePlan, store: Store, registers: list[RegisterSpec]) -> dict[int, _Loop]:
-    """SINK assign of a variable -> SOURCE of the same variable at the next step: a register from the
-    one to the other whose initial value is the store's; keyed by both tasks' ids."""
-    sources = {t.op_name: t for t in device.tasks if t.kind == pp.TASK_KIND_SOURCE}
-    ids = itertools.count(max((r.id for r in device.registers), default=-1) + 1)
-    loops: dict[int, _Loop] = {}
-    for sink in device.tasks:
-        if sink.kind != pp.TASK_KIND_SINK or "assign" not in sink.attrs:
-            continue
-        var = str(wire.attr_from_proto(sink.attrs["assign"]))
-        source = sources.get(var)
-        if source is None:
-            raise ExecutorError(
-                f"rank {device.rank}: task {sink.id} assigns {var!r}, which no SOURCE task of this rank holds"
-            )
-        loop = _Loop(next(ids), store[var])
-        registers.append(RegisterSpec(loop.register, sink.id, (source.id,), 1))
-        loops[sink.id] = loops[source.id] = loop
-    return loops
-
-
-def _no_op_boxings(
-    device: pp.DevicePlan, rc: RankContext, nodes: Mapping[str, OpNode], boxings: Mapping[str, BoxingPlan]
-) -> set[int]:
-    """Boxing tasks to run on the compute stream instead of the communication stream: steps that move
-    nothing (an identity, or a group of one: every step on one device) between a compute producer and
-    compute consumers — a gradient's ``P -> B`` on one device, say. On the communication stream each
-    would wake its thread and back for a no-op on the step's critical path. The choice is made from the
-    plan alone, so it is the same on every rank, and the collectives keep their order."""
-    streams = {t.id: t.stream for t in device.tasks}
-    regs = {r.id: r for r in device.registers}
-    out = set()
-    for task in device.tasks:
-        if task.kind != pp.TASK_KIND_BOXING or task.stream != pp.STREAM_KIND_COMMUNICATION:
-            continue
-        neighbours = [regs[r].producer_task for r in task.in_registers]
-        neighbours += [c for r in task.out_registers for c in regs[r].consumer_tasks]
-        if any(streams.get(n) != pp.STREAM_KIND_COMPUTE for n in neighbours):
-            continue
-        node = _node(nodes, task)
-        plan = boxings.get(node.name) or _plan_of(rc.job.graph, node)
-        _, step = boxing_tasks.find_step(plan, node.name, task.boxing.from_sbp, task.boxing.to_sbp)
-        k = step.mesh_axis
-        if step.collective is not Collective.p2p and (
-            step.from_sbp == step.to_sbp or (k is not None and plan.src.shape[k] == 1)
-        ):
-            out.add(task.id)
-    return out
-
-
-def _donations(device: pp.DevicePlan) -> dict[int, frozenset[int]]:
-    """Per kernel task, the input positions whose arrays it may overwrite (an optimizer state's buffer).
-
-    A variable's value is given away to the one kernel that reads it when nobody else ever holds that
-    array: the kernel is the only consumer of the SOURCE's register (reading it once), and the value the
-    SINK assigns (next step's SOURCE value) is an output of that same kernel that only the SINK reads. So
-    the array circulates kernel -> SINK -> SOURCE -> kernel, read once per step, and the kernel can update
-    it in place instead of allocating a new one. Unlooped sources (never assigned: the store's own array,
-    re-read every step) are never donated.
-    """
-    by_id = {t.id: t for t in device.tasks}
-    regs = {r.id: r for r in device.registers}
-    sinks = {
-        str(wire.attr_from_proto(t.attrs["assign"])): t
-        for t in device.tasks
-        if t.kind == pp.TASK_KIND_SINK and "assign" in t.attrs
-    }
-    out: dict[int, set[int]] = {}
-    for source in device.tasks:
-        sink = sinks.get(source.op_name)
-        if source.kind != pp.TASK_KIND_SOURCE or sink is None or len(sink.in_registers) != 1:
-            continue
-        back = regs[sink.in_registers[0]]
-        for r in source.out_registers:
-            readers = set(regs[r].consumer_tasks)
-            if len(readers) != 1:
-                continue
-            reader = by_id[readers.pop()]
-            ins = list(reader.in_registers)
-            if (
-                reader.kind in (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER)
-                and ins.count(r) == 1
-                and back.producer_task == reader.id
-                and set(back.consumer_tasks) == {sink.id}
-            ):
-                out.setdefault(reader.id, set()).add(ins.index(r))
-    return {t: frozenset(p) for t, p in out.items()}
-
-
-# Readers that never keep a variable's array past their act (a SINK fetch records it: not recyclable).
-_TRANSIENT_READERS = (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER, pp.TASK_KIND_BOXING, pp.TASK_KIND_SEND)
-
-
-def _recyclers(
-    device: pp.DevicePlan,
-) -> tuple[dict[int, tasks.Recycler], dict[int, list[tuple[tasks.Recycler, int]]]]:
-    """Per update task, the :class:`~.tasks.Recycler` of the variable it updates (its input 0), where the
-    variable's SOURCE is looped, emits into one-slot registers only, and only transient readers read them;
-    and per reader task, the (recycler, register) pairs whose outputs to watch for views."""
-    by_id = {t.id: t for t in device.tasks}
-    regs = {r.id: r for r in device.registers}
-    assigned = {
-        str(wire.attr_from_proto(t.attrs["assign"]))
-        for t in device.tasks
-        if t.kind == pp.TASK_KIND_SINK and "assign" in t.attrs
-    }
-    recyclers: dict[int, tasks.Recycler] = {}
-    guards: dict[int, list[tuple[tasks.Recycler, int]]] = {}
-    for update in device.tasks:
-        if update.kind != pp.TASK_KIND_OPTIMIZER or not update.in_registers:
-            continue
-        source = by_id.get(regs[update.in_registers[0]].producer_task)
-        if source is None or source.kind != pp.TASK_KIND_SOURCE or source.op_name not in assigned:
-            continue
-        outs = [regs[r] for r in source.out_registers]
-        readers = {c for r in outs for c in r.consumer_tasks}
-        if any(r.count != 1 for r in outs) or any(by_id[c].kind not in _TRANSIENT_READERS for c in readers):
-            continue
-        recycler = recyclers[update.id] = tasks.Recycler(input=0)
-        for r in outs:
-            for c in dict.fromkeys(r.consumer_tasks):
-                if c != update.id:
-                    guards.setdefault(c, []).append((recycler, r.id))
-    return recyclers, guards
-
-
 def _act(
     task: pp.Task,
     rc: RankContext,
@@ -335,7 +203,7 @@ def _act(
     g = rc.job.graph
     kind = task.kind
     if kind in (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER):
-        return tasks.kernel_act(rc, _node(nodes, task), task.micro_batch, donated, recycle)
+        return tasks.kernel_act(rc, node_of(nodes, task), task.micro_batch, donated, recycle)
     if kind == pp.TASK_KIND_DATA_LOAD:
         return tasks.data_load_act(rc, g.tensors[task.op_name], task.micro_batch)
     if kind == pp.TASK_KIND_ACCUMULATE:
@@ -350,8 +218,8 @@ def _act(
             return tasks.assign_act(rc, str(wire.attr_from_proto(task.attrs["assign"])), looped)
         return tasks.fetch_act(rc, str(wire.attr_from_proto(task.attrs["fetch"])), task.micro_batch)
     if kind in (pp.TASK_KIND_BOXING, pp.TASK_KIND_SEND, pp.TASK_KIND_RECV):
-        node = _node(nodes, task)
-        plan = boxings.get(node.name) or _plan_of(g, node)
+        node = node_of(nodes, task)
+        plan = boxings.get(node.name) or boxing_plan_of(g, node)
         step_no, step = boxing_tasks.find_step(plan, node.name, task.boxing.from_sbp, task.boxing.to_sbp)
         peer = None
         if kind != pp.TASK_KIND_BOXING:
@@ -364,23 +232,6 @@ def _act(
     raise ExecutorError(
         f"task {task.id} on rank {rc.rank} is of kind {KIND.get(kind, kind)}, which no act runs"
     )
-
-
-def _node(nodes: Mapping[str, OpNode], task: pp.Task) -> OpNode:
-    node = nodes.get(task.op_name)
-    if node is None:
-        raise ExecutorError(
-            f"task {task.id} ({KIND[task.kind]}) runs op {task.op_name!r}, which the compiled graph does not have; "
-            "the plan and its job disagree (recompile)"
-        )
-    return node
-
-
-def _plan_of(g: Graph, node: OpNode) -> BoxingPlan:
-    assert node.op_type == BOXING
-    src, dst = g.tensors[node.inputs[0]], g.tensors[node.outputs[0]]
-    assert src.placement and src.sbp is not None and dst.placement and dst.sbp is not None
-    return plan_boxing(src.meta, src.placement, src.sbp, dst.placement, dst.sbp)
 
 
 def _name(task: pp.Task) -> str:

@@ -1,0 +1,189 @@
+"""What the executor reads off one rank's DevicePlan before it builds the rank's actors.
+
+* :func:`loop_edges` — the register from each SINK that assigns a variable to the SOURCE of the same
+  variable, carrying the value into the next step (its initial value is the store's);
+* :func:`donations` — the inputs a kernel may overwrite because nobody else ever holds that array;
+* :func:`recyclers` — the updates that may write a variable's new value into last step's buffer, and
+  the readers to watch so that no view of that buffer outlives the step;
+* :func:`no_op_boxings` — boxing steps that move nothing, to run on the compute stream.
+
+Each is decided from the plan alone, so every rank decides the same (``loop_edges`` also takes the
+initial values from the store, and appends the registers it adds to the rank's list). Also here: looking up the node
+and the boxing plan a task runs, and :class:`ExecutorError` for a plan that does not fit its job.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sbpflow import wire
+from sbpflow.actor_workers.runtime import boxing_tasks, tasks
+from sbpflow.actor_workers.runtime.register import RegisterSpec
+from sbpflow.actor_workers.runtime.store import Store
+from sbpflow.actor_workers.runtime.tasks import RankContext
+from sbpflow.control_plane.compiler.boxing import BoxingPlan, Collective, plan_boxing
+from sbpflow.errors import SbpflowError
+from sbpflow.graph import BOXING, Graph, OpNode
+from sbpflow.v1 import plan_pb2 as pp
+
+KIND = {v: k.removeprefix("TASK_KIND_").lower() for k, v in pp.TaskKind.items()}
+
+
+class ExecutorError(SbpflowError, ValueError):
+    """A plan the executor cannot turn into actors (a task it does not know, a missing op or tensor)."""
+
+
+def node_of(nodes: Mapping[str, OpNode], task: pp.Task) -> OpNode:
+    """The compiled graph's node that ``task`` runs."""
+    node = nodes.get(task.op_name)
+    if node is None:
+        raise ExecutorError(
+            f"task {task.id} ({KIND[task.kind]}) runs op {task.op_name!r}, which the compiled graph does not have; "
+            "the plan and its job disagree (recompile)"
+        )
+    return node
+
+
+def boxing_plan_of(g: Graph, node: OpNode) -> BoxingPlan:
+    """The boxing plan of a boxing node, re-planned from its tensors as lowering does."""
+    assert node.op_type == BOXING
+    src, dst = g.tensors[node.inputs[0]], g.tensors[node.outputs[0]]
+    assert src.placement and src.sbp is not None and dst.placement and dst.sbp is not None
+    return plan_boxing(src.meta, src.placement, src.sbp, dst.placement, dst.sbp)
+
+
+@dataclass(frozen=True)
+class Loop:
+    """A loop edge: the register from a SINK assign to the SOURCE of its variable at the next step."""
+
+    register: int
+    initial: Any  # the value the SOURCE reads at step 0
+
+
+def loop_edges(device: pp.DevicePlan, store: Store, registers: list[RegisterSpec]) -> dict[int, Loop]:
+    """SINK assign of a variable -> SOURCE of the same variable at the next step: a register from the
+    one to the other whose initial value is the store's; keyed by both tasks' ids."""
+    sources = {t.op_name: t for t in device.tasks if t.kind == pp.TASK_KIND_SOURCE}
+    ids = itertools.count(max((r.id for r in device.registers), default=-1) + 1)
+    loops: dict[int, Loop] = {}
+    for sink in device.tasks:
+        if sink.kind != pp.TASK_KIND_SINK or "assign" not in sink.attrs:
+            continue
+        var = str(wire.attr_from_proto(sink.attrs["assign"]))
+        source = sources.get(var)
+        if source is None:
+            raise ExecutorError(
+                f"rank {device.rank}: task {sink.id} assigns {var!r}, which no SOURCE task of this rank holds"
+            )
+        loop = Loop(next(ids), store[var])
+        registers.append(RegisterSpec(loop.register, sink.id, (source.id,), 1))
+        loops[sink.id] = loops[source.id] = loop
+    return loops
+
+
+def no_op_boxings(
+    device: pp.DevicePlan, rc: RankContext, nodes: Mapping[str, OpNode], boxings: Mapping[str, BoxingPlan]
+) -> set[int]:
+    """Boxing tasks to run on the compute stream instead of the communication stream: steps that move
+    nothing (an identity, or a group of one: every step on one device) between a compute producer and
+    compute consumers — a gradient's ``P -> B`` on one device, say. On the communication stream each
+    would wake its thread and back for a no-op on the step's critical path. The choice is made from the
+    plan alone, so it is the same on every rank, and the collectives keep their order."""
+    streams = {t.id: t.stream for t in device.tasks}
+    regs = {r.id: r for r in device.registers}
+    out = set()
+    for task in device.tasks:
+        if task.kind != pp.TASK_KIND_BOXING or task.stream != pp.STREAM_KIND_COMMUNICATION:
+            continue
+        neighbours = [regs[r].producer_task for r in task.in_registers]
+        neighbours += [c for r in task.out_registers for c in regs[r].consumer_tasks]
+        if any(streams.get(n) != pp.STREAM_KIND_COMPUTE for n in neighbours):
+            continue
+        node = node_of(nodes, task)
+        plan = boxings.get(node.name) or boxing_plan_of(rc.job.graph, node)
+        _, step = boxing_tasks.find_step(plan, node.name, task.boxing.from_sbp, task.boxing.to_sbp)
+        k = step.mesh_axis
+        if step.collective is not Collective.p2p and (
+            step.from_sbp == step.to_sbp or (k is not None and plan.src.shape[k] == 1)
+        ):
+            out.add(task.id)
+    return out
+
+
+def donations(device: pp.DevicePlan) -> dict[int, frozenset[int]]:
+    """Per kernel task, the input positions whose arrays it may overwrite (an optimizer state's buffer).
+
+    A variable's value is given away to the one kernel that reads it when nobody else ever holds that
+    array: the kernel is the only consumer of the SOURCE's register (reading it once), and the value the
+    SINK assigns (next step's SOURCE value) is an output of that same kernel that only the SINK reads. So
+    the array circulates kernel -> SINK -> SOURCE -> kernel, read once per step, and the kernel can update
+    it in place instead of allocating a new one. Unlooped sources (never assigned: the store's own array,
+    re-read every step) are never donated.
+    """
+    by_id = {t.id: t for t in device.tasks}
+    regs = {r.id: r for r in device.registers}
+    sinks = {
+        str(wire.attr_from_proto(t.attrs["assign"])): t
+        for t in device.tasks
+        if t.kind == pp.TASK_KIND_SINK and "assign" in t.attrs
+    }
+    out: dict[int, set[int]] = {}
+    for source in device.tasks:
+        sink = sinks.get(source.op_name)
+        if source.kind != pp.TASK_KIND_SOURCE or sink is None or len(sink.in_registers) != 1:
+            continue
+        back = regs[sink.in_registers[0]]
+        for r in source.out_registers:
+            readers = set(regs[r].consumer_tasks)
+            if len(readers) != 1:
+                continue
+            reader = by_id[readers.pop()]
+            ins = list(reader.in_registers)
+            if (
+                reader.kind in (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER)
+                and ins.count(r) == 1
+                and back.producer_task == reader.id
+                and set(back.consumer_tasks) == {sink.id}
+            ):
+                out.setdefault(reader.id, set()).add(ins.index(r))
+    return {t: frozenset(p) for t, p in out.items()}
+
+
+# Readers that never keep a variable's array past their act (a SINK fetch records it: not recyclable).
+TRANSIENT_READERS = (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER, pp.TASK_KIND_BOXING, pp.TASK_KIND_SEND)
+
+
+def recyclers(
+    device: pp.DevicePlan,
+) -> tuple[dict[int, tasks.Recycler], dict[int, list[tuple[tasks.Recycler, int]]]]:
+    """Per update task, the :class:`~.tasks.Recycler` of the variable it updates (its input 0), where the
+    variable's SOURCE is looped, emits into one-slot registers only, and only transient readers read them;
+    and per reader task, the (recycler, register) pairs whose outputs to watch for views."""
+    by_id = {t.id: t for t in device.tasks}
+    regs = {r.id: r for r in device.registers}
+    assigned = {
+        str(wire.attr_from_proto(t.attrs["assign"]))
+        for t in device.tasks
+        if t.kind == pp.TASK_KIND_SINK and "assign" in t.attrs
+    }
+    recyclers: dict[int, tasks.Recycler] = {}
+    guards: dict[int, list[tuple[tasks.Recycler, int]]] = {}
+    for update in device.tasks:
+        if update.kind != pp.TASK_KIND_OPTIMIZER or not update.in_registers:
+            continue
+        source = by_id.get(regs[update.in_registers[0]].producer_task)
+        if source is None or source.kind != pp.TASK_KIND_SOURCE or source.op_name not in assigned:
+            continue
+        outs = [regs[r] for r in source.out_registers]
+        readers = {c for r in outs for c in r.consumer_tasks}
+        if any(r.count != 1 for r in outs) or any(by_id[c].kind not in TRANSIENT_READERS for c in readers):
+            continue
+        recycler = recyclers[update.id] = tasks.Recycler(input=0)
+        for r in outs:
+            for c in dict.fromkeys(r.consumer_tasks):
+                if c != update.id:
+                    guards.setdefault(c, []).append((recycler, r.id))
+    return recyclers, guards
