@@ -1,0 +1,226 @@
+"""The on-disk format of sbpflow checkpoints: names, the manifest, and safetensors files.
+
+A checkpoint directory ``step-NNNNNNNN`` holds one ``rank-NNNNN.<token>.safetensors`` file per writing
+rank and, once all are there, ``manifest.json`` (:class:`Manifest`: every logical tensor and the pieces
+of the files that hold it). :func:`write_safetensors` writes a safetensors file atomically;
+:class:`SafetensorsFile` maps one for reading without copies. How checkpoints are written is in
+:mod:`sbpflow.checkpoint`, how they are listed and read in :mod:`sbpflow.checkpoint_read`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sbpflow.errors import SbpflowError
+from sbpflow.sharding import Index
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+RANK_FILE = re.compile(r"^rank-(\d{5})\.([A-Za-z0-9_-]+)\.safetensors$")
+META_KEY = "sbpflow"
+
+# numpy dtype name <-> safetensors dtype code
+ST_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "uint16": "U16",
+    "uint32": "U32",
+    "uint64": "U64",
+    "bool": "BOOL",
+}
+NP_DTYPES = {v: k for k, v in ST_DTYPES.items()}
+
+
+class CheckpointError(SbpflowError):
+    """A checkpoint that is missing, incomplete, corrupt, or lacks a tensor the caller asked for."""
+
+
+# ---- the manifest --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One stored slice ``[start, stop)`` of a logical tensor: entry ``key`` of file ``file``."""
+
+    file: str
+    key: str
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+
+    @property
+    def index(self) -> Index:
+        return tuple(slice(a, b) for a, b in zip(self.start, self.stop, strict=True))
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A logical tensor: its shape, dtype, kind and the pieces that hold it (summed when ``partial``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # numpy name
+    kind: str = "parameter"
+    partial: bool = False
+    pieces: tuple[Piece, ...] = ()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a complete checkpoint holds. ``step`` steps were completed: training resumes at step ``step``
+    (0-based), reading batch ``data_position`` and drawing with ``(seed, tensor, step)``."""
+
+    job: str
+    step: int
+    seed: int
+    tensors: tuple[TensorEntry, ...]
+    files: Mapping[str, int] = field(default_factory=dict)  # file -> bytes, checked on open
+    ranks: tuple[int, ...] = ()
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def data_position(self) -> int:
+        return self.step
+
+    def tensor(self, name: str) -> TensorEntry:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise CheckpointError(
+            f"checkpoint of job {self.job!r} at step {self.step} has no tensor {name!r}; "
+            f"it has {sorted(t.name for t in self.tensors)}"
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> Manifest:
+        d = json.loads(text)
+        if d.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"manifest format_version {d.get('format_version')!r} is not {FORMAT_VERSION}; "
+                "read it with the sbpflow version that wrote it"
+            )
+        tensors = tuple(
+            TensorEntry(
+                t["name"],
+                tuple(t["shape"]),
+                t["dtype"],
+                t["kind"],
+                t["partial"],
+                tuple(Piece(p["file"], p["key"], tuple(p["start"]), tuple(p["stop"])) for p in t["pieces"]),
+            )
+            for t in d["tensors"]
+        )
+        return Manifest(d["job"], d["step"], d["seed"], tensors, d["files"], tuple(d["ranks"]))
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    """The directory of the checkpoint after ``step`` steps under ``root``."""
+    return Path(root) / f"step-{step:08d}"
+
+
+# ---- safetensors ---------------------------------------------------------------------------------------
+
+
+def write_safetensors(
+    path: str | Path,
+    tensors: Mapping[str, np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+    sync_dir: bool = True,
+) -> int:
+    """Write ``tensors`` to ``path`` atomically (temp name, fsync, rename, and with ``sync_dir`` an fsync
+    of the directory so the rename survives a crash); returns the bytes written."""
+    path = Path(path)
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    arrays, offset = [], 0
+    for name, value in tensors.items():
+        a = np.ascontiguousarray(value)
+        code = ST_DTYPES.get(a.dtype.name)
+        if code is None:
+            raise CheckpointError(f"tensor {name!r} has dtype {a.dtype}, which safetensors cannot hold here")
+        header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        arrays.append(a)
+        offset += a.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the reference writer does
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb", buffering=0) as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for a in arrays:
+            if a.nbytes:
+                f.write(a.data)
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if sync_dir:
+        fsync_dir(path.parent)
+    return 8 + len(raw) + offset
+
+
+def read_safetensors_header(path: str | Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and the offset where its data begins."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise CheckpointError(f"{path} is not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100_000_000:
+            raise CheckpointError(f"{path}: header length {n} is implausible; the file is corrupt")
+        try:
+            return json.loads(f.read(n)), 8 + n
+        except ValueError as exc:
+            raise CheckpointError(
+                f"{path}: the safetensors header is not JSON ({exc}); the file is corrupt"
+            ) from None
+
+
+class SafetensorsFile:
+    """Memory-mapped entries of one safetensors file: ``file[key]`` is a read-only view, no copy."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.header, self._base = read_safetensors_header(self.path)
+        self.metadata: dict[str, str] = self.header.pop("__metadata__", {}) or {}
+        size = self.path.stat().st_size
+        end = max((int(e["data_offsets"][1]) for e in self.header.values()), default=0)
+        if self._base + end > size:
+            raise CheckpointError(f"{self.path}: holds {size} bytes but its header needs {self._base + end}")
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size > self._base else None
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        e = self.header.get(key)
+        if e is None:
+            raise CheckpointError(f"{self.path} has no entry {key!r}; it has {sorted(self.header)}")
+        dtype = np.dtype(NP_DTYPES[e["dtype"]])
+        a, b = (self._base + int(o) for o in e["data_offsets"])
+        if a == b or self._map is None:
+            return np.zeros(tuple(e["shape"]), dtype)
+        return self._map[a:b].view(dtype).reshape(tuple(e["shape"]))
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the renames in directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

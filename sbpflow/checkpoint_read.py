@@ -1,0 +1,208 @@
+"""Finding and reading sbpflow checkpoints, and exporting or importing their logical tensors.
+
+:func:`list_checkpoints` and :func:`latest` find the complete checkpoints under a root (those whose
+manifest reads); :func:`prune` removes what none of them refers to. :class:`CheckpointReader` gives any
+slice of any logical tensor of a checkpoint from whichever files hold it, through memory maps, so a rank
+of a new layout reads exactly the bytes of its shard. :func:`export` writes logical tensors to
+safetensors or ``.npz``; :func:`open_tensors` reads either back (or a checkpoint) with the same ``read``.
+The format is in :mod:`sbpflow.checkpoint_format`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sbpflow.checkpoint_format import (
+    MANIFEST,
+    STEP_DIR,
+    CheckpointError,
+    Manifest,
+    Piece,
+    SafetensorsFile,
+    write_safetensors,
+)
+from sbpflow.sharding import Index
+
+# ---- listing -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+    bytes: int
+
+
+def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
+    """Every complete checkpoint under ``root`` (a manifest that reads), oldest first."""
+    root = Path(root)
+    out = []
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        if not STEP_DIR.match(d.name):
+            continue
+        try:
+            m = Manifest.from_json((d / MANIFEST).read_text())
+        except (OSError, ValueError, KeyError, CheckpointError):
+            continue
+        out.append(CheckpointInfo(m.step, d, sum(m.files.values())))
+    return out
+
+
+def latest(root: str | Path) -> CheckpointInfo | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory from either itself or a root holding several (the latest)."""
+    p = Path(path)
+    if (p / MANIFEST).exists():
+        return p
+    last = latest(p)
+    if last is None:
+        raise CheckpointError(
+            f"{p} holds no complete checkpoint (no step-NNNNNNNN/{MANIFEST}); pass a checkpoint directory "
+            "or the checkpoint_dir of a job that has written one"
+        )
+    return last.path
+
+
+def prune(root: str | Path, keep_tokens: Sequence[str] = ()) -> list[Path]:
+    """Remove what no complete checkpoint refers to: step directories without a manifest, temp files,
+    and rank files the manifest does not list. Call it only while no writer runs. Returns what went."""
+    import shutil
+
+    gone: list[Path] = []
+    root = Path(root)
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        if not STEP_DIR.match(d.name):
+            continue
+        if not (d / MANIFEST).exists():
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+            continue
+        listed = set(Manifest.from_json((d / MANIFEST).read_text()).files)
+        for f in d.iterdir():
+            if f.name != MANIFEST and f.name not in listed:
+                f.unlink(missing_ok=True)
+                gone.append(f)
+    return gone
+
+
+# ---- reading -------------------------------------------------------------------------------------------
+
+
+class CheckpointReader:
+    """Slices of the logical tensors of one complete checkpoint (or of a safetensors/.npz file of logical
+    tensors, see :func:`open_tensors`). Only the pieces that overlap the asked slice are touched."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = resolve(path)
+        self.manifest = Manifest.from_json((self.path / MANIFEST).read_text())
+        self._files: dict[str, SafetensorsFile] = {}
+        for name, size in self.manifest.files.items():
+            have = (self.path / name).stat().st_size if (self.path / name).exists() else -1
+            if have != size:
+                raise CheckpointError(
+                    f"checkpoint {self.path}: file {name} has {have} bytes, the manifest says {size}; "
+                    "the checkpoint is damaged, resume from an earlier one"
+                )
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    def __contains__(self, name: str) -> bool:
+        return any(t.name == name for t in self.manifest.tensors)
+
+    def names(self, kinds: Sequence[str] | None = None) -> list[str]:
+        return [t.name for t in self.manifest.tensors if kinds is None or t.kind in kinds]
+
+    def _file(self, name: str) -> SafetensorsFile:
+        f = self._files.get(name)
+        if f is None:
+            f = self._files[name] = SafetensorsFile(self.path / name)
+        return f
+
+    def piece(self, p: Piece) -> np.ndarray:
+        return self._file(p.file)[p.key]
+
+    def read(self, name: str, index: Index | None = None) -> np.ndarray:
+        """The logical tensor ``name``, or its slice ``index``, as a new array."""
+        t = self.manifest.tensor(name)
+        index = index if index is not None else tuple(slice(0, n) for n in t.shape)
+        lo = [s.start for s in index]
+        out = np.zeros(tuple(s.stop - s.start for s in index), np.dtype(t.dtype))
+        for p in t.pieces:
+            a = [max(x, s) for x, s in zip(lo, p.start, strict=True)]
+            b = [min(s.stop, e) for s, e in zip(index, p.stop, strict=True)]
+            if any(x >= y for x, y in zip(a, b, strict=True)):
+                continue
+            src = tuple(slice(x - s, y - s) for x, y, s in zip(a, b, p.start, strict=True))
+            dst = tuple(slice(x - s, y - s) for x, y, s in zip(a, b, lo, strict=True))
+            if t.partial:
+                out[dst] += self.piece(p)[src]
+            else:
+                out[dst] = self.piece(p)[src]
+        return out
+
+
+def read_logical(path: str | Path, kinds: Sequence[str] | None = ("parameter",)) -> dict[str, np.ndarray]:
+    """Every logical tensor of a checkpoint (of ``kinds``), gathered: for export and tests, never resume."""
+    r = CheckpointReader(path)
+    return {n: r.read(n) for n in r.names(kinds)}
+
+
+# ---- export and import ---------------------------------------------------------------------------------
+
+EXPORTERS = {
+    "safetensors": lambda path, tensors: write_safetensors(path, tensors, {"format": "pt"}),
+    "npz": lambda path, tensors: np.savez(path, **tensors),
+}
+
+
+def export(
+    checkpoint: str | Path, out: str | Path, fmt: str = "safetensors", kinds: Sequence[str] = ("parameter",)
+) -> Path:
+    """Write the logical tensors of ``kinds`` of a checkpoint to ``out`` as ``fmt`` (safetensors or npz)."""
+    writer = EXPORTERS.get(fmt)
+    if writer is None:
+        raise CheckpointError(f"export format {fmt!r} is unknown; use one of {sorted(EXPORTERS)}")
+    writer(Path(out), read_logical(checkpoint, kinds))
+    return Path(out)
+
+
+class TensorFile:
+    """Logical tensors from a safetensors or .npz file, with :class:`CheckpointReader`'s ``read``."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.step = 0
+        if self.path.suffix == ".npz":
+            with np.load(self.path) as z:
+                self._arrays: Mapping[str, np.ndarray] = {k: z[k] for k in z.files}
+        else:
+            f = SafetensorsFile(self.path)
+            self._arrays = {k: f[k] for k in f.keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._arrays
+
+    def names(self, kinds: Sequence[str] | None = None) -> list[str]:
+        return list(self._arrays)
+
+    def read(self, name: str, index: Index | None = None) -> np.ndarray:
+        a = self._arrays.get(name)
+        if a is None:
+            raise CheckpointError(f"{self.path} has no tensor {name!r}; it has {sorted(self._arrays)}")
+        return np.array(a if index is None else a[index])
+
+
+def open_tensors(path: str | Path) -> CheckpointReader | TensorFile:
+    """A reader of a checkpoint directory (or root), a ``.safetensors`` or a ``.npz`` file."""
+    p = Path(path)
+    return TensorFile(p) if p.is_file() else CheckpointReader(p)
