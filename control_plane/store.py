@@ -8,7 +8,8 @@ later version can migrate it. On restart, ``reconcile_after_restart`` puts each 
 flight back in the queue as a new attempt when it can resume from a checkpoint, and marks the others
 FAILED with a reason, so none is silently lost. ``new_attempt`` records a restart (a lost worker): the
 attempt column grows and a "state" event with the reason says why. The records and the schema are in
-``store_schema.py``.
+``store_schema.py``, the connection, its transactions and the store's errors in ``store_db.py``, the
+workers, logs and results tables in ``store_tables.py``.
 """
 
 from __future__ import annotations
@@ -16,18 +17,15 @@ from __future__ import annotations
 import builtins
 import json
 import sqlite3
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
+from sbpflow.control_plane.store_db import StoreError, UnknownJobError
 from sbpflow.control_plane.store_schema import COLUMNS as _COLUMNS
 from sbpflow.control_plane.store_schema import (
     IN_FLIGHT,
-    MIGRATIONS,
-    SCHEMA,
     SCHEMA_VERSION,
     TERMINAL,
     JobEvent,
@@ -41,7 +39,7 @@ from sbpflow.control_plane.store_schema import (
     legal_next,
     record_from_row,
 )
-from sbpflow.errors import SbpflowError
+from sbpflow.control_plane.store_tables import JobSideTables
 
 RESTART_REASON = "CONTROL_PLANE_RESTARTED"
 RESUMED_REASON = "RESUMED_AFTER_RESTART"
@@ -68,17 +66,6 @@ __all__ = [
 ]
 
 
-class StoreError(SbpflowError):
-    """A store operation that cannot be done (unknown job, bad arguments)."""
-
-
-class UnknownJobError(StoreError, KeyError):
-    """No job has this id."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
 class IllegalTransitionError(StoreError, ValueError):
     """A state change the lifecycle does not allow; the message names both states."""
 
@@ -92,78 +79,8 @@ class Resumable:
     message: str
 
 
-class JobStore:
+class JobStore(JobSideTables):
     """Jobs, their events and loss history in one SQLite file; safe to share between threads."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = str(path)
-        self._lock = threading.RLock()
-        # isolation_level=None: autocommit; each change opens its own BEGIN IMMEDIATE ... COMMIT.
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
-        with self._lock:
-            if self.path != ":memory:":
-                self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
-            if version > SCHEMA_VERSION:
-                self._db.close()
-                raise StoreError(
-                    f"store {self.path} has schema version {version}, newer than this sbpflow's "
-                    f"{SCHEMA_VERSION}; upgrade sbpflow or point --store at another file"
-                )
-            self._db.execute("BEGIN IMMEDIATE")
-            for old in range(version or SCHEMA_VERSION, SCHEMA_VERSION):  # a new file needs none
-                for stmt in MIGRATIONS[old]:
-                    self._db.execute(stmt)
-            for stmt in SCHEMA.split(";"):
-                if stmt.strip():
-                    self._db.execute(stmt)
-            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            self._db.execute("COMMIT")
-
-    # ---- plumbing -------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
-    def __enter__(self) -> JobStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _tx(self) -> _Tx:
-        return _Tx(self)
-
-    def _append_event(
-        self,
-        job_id: str,
-        kind: str,
-        state: JobState,
-        reason: str = "",
-        message: str = "",
-        data: dict[str, object] | None = None,
-        now: float | None = None,
-    ) -> int:
-        seq = int(
-            self._db.execute(
-                "UPDATE jobs SET last_seq = last_seq + 1 WHERE id = ? RETURNING last_seq", (job_id,)
-            ).fetchone()[0]
-        )
-        self._db.execute(
-            "INSERT INTO events (job_id, seq, time, kind, state, reason, message, data) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (job_id, seq, now or time.time(), kind, str(state), reason, message, json.dumps(data or {})),
-        )
-        return seq
-
-    def _get(self, job_id: str) -> JobRecord:
-        row = self._db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        if row is None:
-            raise UnknownJobError(f"no job with id {job_id!r}; `sbpflow status` lists the jobs")
-        return record_from_row(row)
 
     # ---- the API --------------------------------------------------------------------------------
 
@@ -354,72 +271,6 @@ class JobStore:
             JobEvent(job_id, int(seq), float(t), str(kind), JobState(str(st)), str(r), str(m), json.loads(d))
             for seq, t, kind, st, r, m, d in rows
         ]
-
-    # ---- per-worker rows, logs and results ------------------------------------------------------
-
-    def upsert_worker(self, w: WorkerRecord) -> None:
-        """Insert or replace the row of one rank of a job."""
-        with self._tx():
-            self._get(w.job_id)
-            self._db.execute(
-                "INSERT OR REPLACE INTO workers (job_id, rank, worker_id, state, host, step, last_heartbeat) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (w.job_id, w.rank, w.worker_id, str(w.state), w.host, w.step, w.last_heartbeat),
-            )
-
-    def workers(self, job_id: str) -> builtins.list[WorkerRecord]:
-        """The job's workers, by rank (empty before it starts)."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT rank, worker_id, state, host, step, last_heartbeat FROM workers WHERE job_id = ? "
-                "ORDER BY rank",
-                (job_id,),
-            ).fetchall()
-        return [
-            WorkerRecord(job_id, int(r), str(wid), WorkerState(str(st)), str(h), int(s), float(hb))
-            for r, wid, st, h, s, hb in rows
-        ]
-
-    def append_log(self, job_id: str, rank: int, level: str, text: str, when: float | None = None) -> int:
-        """Append a line to the job's log; returns its seq."""
-        with self._tx():
-            self._get(job_id)
-            seq = 1 + int(
-                self._db.execute(
-                    "SELECT COALESCE(MAX(seq), 0) FROM logs WHERE job_id = ?", (job_id,)
-                ).fetchone()[0]
-            )
-            self._db.execute(
-                "INSERT INTO logs (job_id, seq, rank, time, level, text) VALUES (?, ?, ?, ?, ?, ?)",
-                (job_id, seq, rank, when or time.time(), level, text),
-            )
-            return seq
-
-    def logs(self, job_id: str, rank: int = -1, after_seq: int = 0) -> builtins.list[LogRecord]:
-        """The job's log lines after ``after_seq``; ``rank`` >= 0 keeps only that rank's lines."""
-        with self._lock:
-            self._get(job_id)
-            rows = self._db.execute(
-                "SELECT seq, rank, time, level, text FROM logs WHERE job_id = ? AND seq > ? "
-                "AND (? < 0 OR rank = ?) ORDER BY seq",
-                (job_id, after_seq, rank, rank),
-            ).fetchall()
-        return [LogRecord(job_id, int(q), int(r), float(t), str(lv), str(x)) for q, r, t, lv, x in rows]
-
-    def save_result(self, job_id: str, data: bytes) -> None:
-        """Keep what a finished job produced (a serialised ``sbpflow.v1.JobResult``)."""
-        with self._tx():
-            self._get(job_id)
-            self._db.execute(
-                "INSERT OR REPLACE INTO results (job_id, data) VALUES (?, ?)", (job_id, sqlite3.Binary(data))
-            )
-
-    def result(self, job_id: str) -> bytes | None:
-        """The saved result of a job, or None if it has none."""
-        with self._lock:
-            self._get(job_id)
-            row = self._db.execute("SELECT data FROM results WHERE job_id = ?", (job_id,)).fetchone()
-        return None if row is None else bytes(row[0])
 
     def reconcile_after_restart(
         self, resumable: Callable[[JobRecord], Resumable | None] = lambda rec: None

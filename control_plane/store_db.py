@@ -1,0 +1,135 @@
+"""The database under the job store: one SQLite connection, its lock, transactions, and two helpers.
+
+:class:`StoreDb` opens the file (WAL; a ``:memory:`` store for tests), creates the schema of
+``store_schema.py`` or migrates an older file in place, and refuses a file newer than this sbpflow.
+``with self._tx():`` holds the lock and runs its body in one ``BEGIN IMMEDIATE ... COMMIT`` (a
+``ROLLBACK`` when the body raises). ``_get`` reads one job's row, ``_append_event`` appends the job's
+next event (its per-job sequence number grows by one). :class:`~sbpflow.control_plane.store.JobStore`
+builds the store's API on these.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Self
+
+from sbpflow.control_plane.store_schema import COLUMNS as _COLUMNS
+from sbpflow.control_plane.store_schema import (
+    MIGRATIONS,
+    SCHEMA,
+    SCHEMA_VERSION,
+    JobRecord,
+    JobState,
+    record_from_row,
+)
+from sbpflow.errors import SbpflowError
+
+
+class StoreError(SbpflowError):
+    """A store operation that cannot be done (unknown job, bad arguments)."""
+
+
+class UnknownJobError(StoreError, KeyError):
+    """No job has this id."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class StoreDb:
+    """The job store's SQLite connection, shared between threads under one lock."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self._lock = threading.RLock()
+        # isolation_level=None: autocommit; each change opens its own BEGIN IMMEDIATE ... COMMIT.
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
+        with self._lock:
+            if self.path != ":memory:":
+                self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+            if version > SCHEMA_VERSION:
+                self._db.close()
+                raise StoreError(
+                    f"store {self.path} has schema version {version}, newer than this sbpflow's "
+                    f"{SCHEMA_VERSION}; upgrade sbpflow or point --store at another file"
+                )
+            self._db.execute("BEGIN IMMEDIATE")
+            for old in range(version or SCHEMA_VERSION, SCHEMA_VERSION):  # a new file needs none
+                for stmt in MIGRATIONS[old]:
+                    self._db.execute(stmt)
+            for stmt in SCHEMA.split(";"):
+                if stmt.strip():
+                    self._db.execute(stmt)
+            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            self._db.execute("COMMIT")
+
+    # ---- plumbing -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _tx(self) -> _Tx:
+        return _Tx(self)
+
+    def _append_event(
+        self,
+        job_id: str,
+        kind: str,
+        state: JobState,
+        reason: str = "",
+        message: str = "",
+        data: dict[str, object] | None = None,
+        now: float | None = None,
+    ) -> int:
+        seq = int(
+            self._db.execute(
+                "UPDATE jobs SET last_seq = last_seq + 1 WHERE id = ? RETURNING last_seq", (job_id,)
+            ).fetchone()[0]
+        )
+        self._db.execute(
+            "INSERT INTO events (job_id, seq, time, kind, state, reason, message, data) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (job_id, seq, now or time.time(), kind, str(state), reason, message, json.dumps(data or {})),
+        )
+        return seq
+
+    def _get(self, job_id: str) -> JobRecord:
+        row = self._db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise UnknownJobError(f"no job with id {job_id!r}; `sbpflow status` lists the jobs")
+        return record_from_row(row)
+
+
+class _Tx:
+    """``with store._tx():`` holds the lock and runs the body in one BEGIN IMMEDIATE ... COMMIT."""
+
+    def __init__(self, store: StoreDb) -> None:
+        self._store = store
+
+    def __enter__(self) -> None:
+        self._store._lock.acquire()
+        try:
+            self._store._db.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self._store._lock.release()
+            raise
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        try:
+            self._store._db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+        finally:
+            self._store._lock.release()
