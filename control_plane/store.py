@@ -321,24 +321,3 @@ class JobStore(JobSideTables):
                 job_id, "state", JobState.FAILED, RESTART_REASON, message, {"from": str(old)}, now=now
             )
             return self._get(job_id)
-
-
-class _Tx:
-    """``with store._tx():`` holds the lock and runs the body in one BEGIN IMMEDIATE ... COMMIT."""
-
-    def __init__(self, store: JobStore) -> None:
-        self._store = store
-
-    def __enter__(self) -> None:
-        self._store._lock.acquire()
-        try:
-            self._store._db.execute("BEGIN IMMEDIATE")
-        except BaseException:
-            self._store._lock.release()
-            raise
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        try:
-            self._store._db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
-        finally:
-            self._store._lock.release()
