@@ -79,6 +79,16 @@ class Transport(Protocol):
         ...
 
 
+def check_broadcast(rank: int, array: object, root: int, group: Group, tag: str) -> Group:
+    """The group as a tuple, after the argument checks every transport's broadcast makes."""
+    group = tuple(group)
+    if root not in group:
+        raise TransportError(f"rank {rank}: broadcast tag {tag!r} from root {root}, not in group {group}")
+    if root == rank and array is None:
+        raise TransportError(f"rank {rank}: broadcast tag {tag!r}: the root must pass an array")
+    return group
+
+
 def part(array: Array, axis: int, parts: int, i: int) -> Array:
     """Part ``i`` of ``parts`` of ``array`` along ``axis`` (a view), cut the way sharding cuts."""
     lo, hi = split_range(array.shape[axis], parts, i)

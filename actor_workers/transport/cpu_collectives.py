@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sbpflow.actor_workers.transport.base import Array, Group, TransportError, part
+from sbpflow.actor_workers.transport.base import Array, Group, TransportError, check_broadcast, part
 from sbpflow.actor_workers.transport.cpu_links import as_bytes, encode_dtype
 from sbpflow.sharding import split_range
 
@@ -269,10 +269,7 @@ def all_to_all(
 
 
 def broadcast(t: CpuTransport, array: Array | None, root: int, group: Group, tag: str) -> np.ndarray:
-    if root not in group:
-        raise TransportError(f"rank {t.rank}: broadcast tag {tag!r} from root {root}, not in group {group}")
-    if root == t.rank and array is None:
-        raise TransportError(f"rank {t.rank}: broadcast tag {tag!r}: the root must pass an array")
+    group = check_broadcast(t.rank, array, root, group, tag)
     a = contiguous(array) if root == t.rank else None  # type: ignore[arg-type]
     call = _start(t, "broadcast", tag, group, (root,), a)
     if a is not None:

@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sbpflow.actor_workers.transport.base import Array, Group, TransportAborted, TransportError, part
+from sbpflow.actor_workers.transport.base import (
+    Array,
+    Group,
+    TransportAborted,
+    TransportError,
+    check_broadcast,
+    part,
+)
 from sbpflow.sharding import split_range
 
 # -- the collectives: how members must agree, and what member ``pos`` computes ----------------------
@@ -386,13 +393,7 @@ class InProcessTransport:
         return self._collective(_Call(self.rank, "all_to_all", tag, tuple(group), meta, a))
 
     def broadcast(self, array: Array | None, root: int, group: Group, tag: str) -> Array:
-        group = tuple(group)
-        if root not in group:
-            raise TransportError(
-                f"rank {self.rank}: broadcast tag {tag!r} from root {root}, not in group {group}"
-            )
-        if root == self.rank and array is None:
-            raise TransportError(f"rank {self.rank}: broadcast tag {tag!r}: the root must pass an array")
+        group = check_broadcast(self.rank, array, root, group, tag)
         a = np.asarray(array) if root == self.rank else None
         return self._collective(_Call(self.rank, "broadcast", tag, group, (root,), a))
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.actor_workers.transport.base import Group, TransportAborted, TransportError
+from sbpflow.actor_workers.transport.base import Group, TransportAborted, TransportError, check_broadcast
 from sbpflow.actor_workers.transport.nccl_collectives import RUN, Call
 from sbpflow.actor_workers.transport.nccl_comms import (
     UID_BYTES,
@@ -280,13 +280,7 @@ class NcclTransport(NcclComms):
         return self._collective("all_to_all", array, group, (split_axis, concat_axis), tag)
 
     def broadcast(self, array: Any | None, root: int, group: Group, tag: str) -> Any:
-        group = tuple(group)
-        if root not in group:
-            raise TransportError(
-                f"rank {self.rank}: broadcast tag {tag!r} from root {root}, not in group {group}"
-            )
-        if root == self.rank and array is None:
-            raise TransportError(f"rank {self.rank}: broadcast tag {tag!r}: the root must pass an array")
+        group = check_broadcast(self.rank, array, root, group, tag)
         return self._collective(
             "broadcast", array if root == self.rank else None, group, (group.index(root),), tag
         )
