@@ -60,6 +60,7 @@ def server_config(args: argparse.Namespace) -> Any:
         max_message_bytes=args.max_message_bytes,
         checkpoint_root=args.checkpoint_root,
         max_restarts=args.max_restarts,
+        open_metrics=args.open_metrics,
     )
 
 
@@ -230,6 +231,11 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", help="join this Ray cluster (auto or host:port); default: a local Ray")
     p.add_argument("--slots", type=int, help="device slots (default: the Ray cluster's CPUs)")
     p.add_argument("--auth-token", help="require this bearer token (env SBPFLOW_TOKEN)")
+    p.add_argument(
+        "--open-metrics",
+        action="store_true",
+        help="serve /metrics without the token (for Prometheus scraping by annotation); the rest stays guarded",
+    )
     p.add_argument("--tls-cert", help="PEM certificate: serve gRPC and HTTP over TLS (with --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--max-message-bytes", type=int, default=64 * 1024 * 1024, help="largest request")

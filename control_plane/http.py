@@ -55,8 +55,10 @@ class StatusEndpoint:
         port: int = 0,
         tls_cert: str | None = None,
         tls_key: str | None = None,
+        open_paths: frozenset[str] = OPEN_HTTP_PATHS,
     ) -> None:
         self.manager, self.store, self.check = manager, manager.store, check
+        self.open_paths = open_paths  # answered without the token: the probes, and /metrics if asked
         self._server = ThreadingHTTPServer((host, port), _handler_class(self))
         self._server.daemon_threads = True
         if tls_cert and tls_key:
@@ -84,7 +86,7 @@ class StatusEndpoint:
     # ---- routes -----------------------------------------------------------------------------------
 
     def answer(self, path: str, query: dict[str, list[str]], authorization: str | None) -> Response:
-        if path not in OPEN_HTTP_PATHS and not self.check.check(authorization):
+        if path not in self.open_paths and not self.check.check(authorization):
             return _error(401, self.check.problem(authorization))
         try:
             if path.startswith("/v1/jobs/"):

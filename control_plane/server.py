@@ -35,7 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sbpflow.control_plane import status
-from sbpflow.control_plane.auth import AuthInterceptor, TokenCheck
+from sbpflow.control_plane.auth import OPEN_HTTP_PATHS, AuthInterceptor, TokenCheck
 from sbpflow.control_plane.jobs import JobManager, ManagerConfig
 from sbpflow.control_plane.metrics import Metrics
 from sbpflow.control_plane.resume import NotResumable
@@ -75,6 +75,7 @@ class ServerConfig:
     threads: int = 64  # gRPC handler threads; each open Watch or Logs stream holds one
     checkpoint_root: str | None = None  # job ID checkpoints to <root>/ID; None: no checkpoints, no Resume
     max_restarts: int = 0  # a lost worker restarts a job from its last checkpoint this many times
+    open_metrics: bool = False  # /metrics without the token (Prometheus scraping by annotation)
 
 
 def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
@@ -294,7 +295,13 @@ class ControlPlane:
             from sbpflow.control_plane.http import StatusEndpoint
 
             self._http = StatusEndpoint(
-                self.manager, self.check, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key
+                self.manager,
+                self.check,
+                cfg.host,
+                cfg.http_port,
+                cfg.tls_cert,
+                cfg.tls_key,
+                open_paths=OPEN_HTTP_PATHS | ({"/metrics"} if cfg.open_metrics else set()),
             )
             self.http_port = self._http.start()
         for name in ("", SERVICE):

@@ -101,3 +101,16 @@ def test_not_ready_after_stop(tmp_path: Path) -> None:
     plane.manager.shutdown()
     assert get(f"{plane.http_address}/readyz")[0] == 503
     plane.stop()
+
+
+def test_open_metrics_serves_metrics_without_the_token_and_nothing_else(tmp_path: Path) -> None:
+    cfg = ServerConfig(
+        store=str(tmp_path / "jobs.db"), backend="inprocess", slots=1, auth_token="tok", open_metrics=True
+    )
+    plane = ControlPlane(cfg).start()
+    try:
+        code, ctype, body = get(f"{plane.http_address}/metrics")
+        assert code == 200 and "sbpflow_jobs" in body
+        assert get(f"{plane.http_address}/v1/jobs")[0] == 401
+    finally:
+        plane.stop()
