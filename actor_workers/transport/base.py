@@ -8,6 +8,7 @@ rules an implementation keeps:
   (e.g. the task id): members that disagree on the op, the tag, the group order or the shapes get a
   :class:`TransportError` that names both sides.
 - Results never alias an input or another rank's result: a caller may mutate what it gets back.
+- Arrays are plain numeric (bool, integers, floats): any other dtype is refused with a TransportError.
 - Splits follow :func:`sbpflow.sharding.split_range`, so uneven sizes (a dim of 10 over 4) are legal.
 - Every blocking wait has a timeout, and ``abort(reason)`` makes every blocked or later call on every rank
   of the world raise ``TransportError(reason)`` promptly.
@@ -77,6 +78,16 @@ class Transport(Protocol):
     def close(self) -> None:
         """Release this rank's resources; later calls on this rank raise."""
         ...
+
+
+def check_movable(rank: int, array: Array, what: str) -> None:
+    """Transports move plain numeric arrays (bool, integers, floats, bfloat16); refuse anything else."""
+    dtype = array.dtype
+    if dtype.hasobject or (dtype.kind in "OSUVMm" and dtype.name != "bfloat16"):
+        raise TransportError(
+            f"rank {rank}: {what}: transports move plain numeric arrays; got dtype {dtype}: convert it to "
+            "one of float16, bfloat16, float32, float64, int32, int64 or bool"
+        )
 
 
 def check_broadcast(rank: int, array: object, root: int, group: Group, tag: str) -> Group:

@@ -329,7 +329,7 @@ def encode_dtype(dtype: np.dtype[Any]) -> str:
     """numpy's type string ('<f4', '|b1'); bfloat16 (ml_dtypes, a void type to numpy) by name."""
     if dtype.name == "bfloat16":
         return "bfloat16"
-    if dtype.kind in "OV" or dtype.hasobject:
+    if dtype.kind in "OSUVMm" or dtype.hasobject:  # as base.check_movable: plain numeric arrays only
         raise TransportError(
             f"the CPU transport moves plain numeric arrays; got dtype {dtype}: convert it to one of "
             "float16, float32, float64, int32, int64 or bool"

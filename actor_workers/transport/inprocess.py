@@ -28,6 +28,7 @@ from sbpflow.actor_workers.transport.base import (
     TransportAborted,
     TransportError,
     check_broadcast,
+    check_movable,
     part,
 )
 from sbpflow.sharding import split_range
@@ -334,6 +335,7 @@ class InProcessTransport:
                 f"(ranks {list(self.world.ranks)})"
             )
         copy = np.array(array, copy=True)
+        check_movable(self.rank, copy, f"send tag {tag!r} to rank {dst}")
         with box.cond:
             box.queues.setdefault((self.rank, tag), deque()).append(copy)
             box.cond.notify_all()
@@ -409,6 +411,8 @@ class InProcessTransport:
 
     def _collective(self, call: _Call) -> Array:
         self._check_open()
+        if call.array is not None:
+            check_movable(self.rank, call.array, f"{call.kind} tag {call.tag!r}")
         found = self._groups.get(call.group)
         if found is None:
             found = self._groups[call.group] = self._check_group(call)

@@ -437,6 +437,8 @@ def test_recv_times_out_naming_the_peer_the_tag_and_what_is_pending(kind: str) -
         (lambda t: t.broadcast(None, 0, (0, 1), "t"), "root must pass an array"),
         (lambda t: t.send(np.zeros(2), 9, "t"), "not in this world"),
         (lambda t: t.recv(9, "t"), "not in this world"),
+        (lambda t: t.send(np.array([object()]), 1, "t"), "plain numeric arrays"),
+        (lambda t: t.all_reduce(np.array(["a", "b"]), (0, 1), "t"), "plain numeric arrays"),
     ],
 )
 def test_bad_arguments_fail_at_once(kind: str, call: Callable[[Transport], Any], words: str) -> None:
