@@ -29,7 +29,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sbpflow.actor_workers.progress import ReportListener, StateListener, StepListener, StepTracker, report
+from sbpflow.actor_workers.progress import (
+    ReportListener,
+    StateListener,
+    StepListener,
+    StepTracker,
+    report,
+    step_report,
+    watch_steps,
+)
 from sbpflow.actor_workers.runtime.errors import RunCancelled, RuntimeFailure
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
@@ -205,16 +213,16 @@ def _run_inprocess(compiled: Compiled, options: RunOptions, tracker: StepTracker
     assert plan is not None
     loss = job.loss
 
-    def on_fetch(rank: int) -> Callable[[str, int, int, Any], None]:
-        def fetched(name: str, micro_batch: int, step: int, value: Any) -> None:
-            if name == loss and micro_batch < 0:
+    def on_step(rank: int) -> Callable[[int, float | None, float], None]:
+        def done(step: int, value: float | None, seconds: float) -> None:
+            if value is not None:
                 tracker.add(rank, step - options.first_step, value)
-                v = float(value)
-                options.report(rank, step=sp.StepReport(step=step + 1, losses=[v], loss=v))
+            options.report(rank, step=step_report(step, value, seconds))
 
-        return fetched
+        return done
 
-    ranks = [d.rank for d in plan.devices]
+    devices = {d.rank: d for d in plan.devices}
+    ranks = list(devices)
     xp = _array_module(plan)
     options.state("STARTING")
     with InProcessWorld(ranks, timeout=options.timeout) as world:
@@ -229,7 +237,7 @@ def _run_inprocess(compiled: Compiled, options: RunOptions, tracker: StepTracker
             source=checkpointing.source_for(options.resume_from, options.init_from),
         )
         for rank, rp in program.ranks.items():
-            rp.context.on_fetch = on_fetch(rank)
+            watch_steps(rp.context, devices[rank], loss, on_step(rank))
         writers = checkpointing.attach_all(
             checkpointing.options_for(job, options.checkpoint_dir, plan, options.attempt),
             program,

@@ -1,7 +1,7 @@
 """The runtime side of checkpoints: each rank snapshots at step boundaries and writes in the background,
 and a rank's store starts from a checkpoint (any layout) or from a file of logical parameters.
 
-Snapshot: every SINK ``assign`` act calls ``RankContext.on_assign(name, step)`` right after it stores the
+Snapshot: every SINK ``assign`` act calls the ``RankContext.assign_hooks`` right after it stores the
 new value. At a checkpoint step (``(step + 1) % every == 0``) the checkpointer copies the value then, in
 the act, before the next step's optimizer kernel may update that buffer in place; once every variable
 this rank assigns has come in for the step, the copies go to the rank's writer thread, which writes the
@@ -178,18 +178,9 @@ def assigned_variables(device: pp.DevicePlan) -> list[str]:
 
 
 def attach(options: CheckpointOptions, rc: RankContext, device: pp.DevicePlan) -> RankCheckpointer:
-    """A checkpointer for the rank of ``rc``, hooked after whatever ``on_assign`` it already has."""
+    """A checkpointer for the rank of ``rc``, hooked after the assign hooks it already has."""
     cp = RankCheckpointer(options, rc, assigned_variables(device))
-    before = rc.on_assign
-    if before is None:
-        rc.on_assign = cp.on_assign
-    else:
-
-        def both(name: str, step: int) -> None:
-            before(name, step)
-            cp.on_assign(name, step)
-
-        rc.on_assign = both
+    rc.assign_hooks.append(cp.on_assign)
     return cp
 
 

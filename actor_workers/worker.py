@@ -25,13 +25,12 @@ import os
 import queue
 import resource
 import threading
-import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sbpflow import wire
+from sbpflow.actor_workers import progress
 from sbpflow.actor_workers.progress import report
 from sbpflow.device import asnumpy
 from sbpflow.v1 import plan_pb2 as pp
@@ -201,35 +200,12 @@ class Worker:
         loss = self._program.job.loss
         self._loss = loss
 
-        # Every rank reports each step it completes: a rank holding the loss when it fetches it, any
-        # other when the last of its variables is assigned (a pipeline stage without the loss, say).
-        sinks = [t for t in _device(plan, self.rank).tasks if t.kind == pp.TASK_KIND_SINK]
-        holds_loss = any(
-            "fetch" in t.attrs and str(wire.attr_from_proto(t.attrs["fetch"])) == loss for t in sinks
+        progress.watch_steps(
+            rp.context,
+            _device(plan, self.rank),
+            loss,
+            lambda step, value, seconds: self.reporter.send(step=progress.step_report(step, value, seconds)),
         )
-        assigns = sum("assign" in t.attrs for t in sinks)
-        clock = {"last": time.monotonic()}
-        assigned: dict[int, int] = {}
-
-        def step_done(step: int, **fields: Any) -> None:
-            now = time.monotonic()
-            seconds, clock["last"] = now - clock["last"], now
-            self.reporter.send(step=sp.StepReport(step=step + 1, timings_seconds={"step": seconds}, **fields))
-
-        def fetched(name: str, micro_batch: int, step: int, value: Any) -> None:
-            if name == loss and micro_batch < 0:
-                v = float(asnumpy(value))
-                step_done(step, losses=[v], loss=v)
-
-        def on_assign(name: str, step: int) -> None:
-            assigned[step] = assigned.get(step, 0) + 1
-            if assigned[step] == assigns:
-                del assigned[step]
-                if not holds_loss:
-                    step_done(step)
-
-        rp.context.on_fetch = fetched
-        rp.context.on_assign = on_assign
         self._writers = checkpointing.attach_all(
             start.checkpoint, self._program, plan, range(start.first_step, start.first_step + steps)
         )

@@ -32,13 +32,10 @@ import numpy as np
 from sbpflow import wire
 from sbpflow.actor_workers.progress import assemble_value
 from sbpflow.actor_workers.runtime import boxing_tasks, tasks
+from sbpflow.actor_workers.runtime import executor_analysis as analysis
 from sbpflow.actor_workers.runtime.actor import ActorSpec
 from sbpflow.actor_workers.runtime.engine import AbortHook, Engine, RunResult
 from sbpflow.actor_workers.runtime.executor_analysis import KIND, ExecutorError, boxing_plan_of, node_of
-from sbpflow.actor_workers.runtime.executor_analysis import donations as _donations
-from sbpflow.actor_workers.runtime.executor_analysis import loop_edges as _loop_edges
-from sbpflow.actor_workers.runtime.executor_analysis import no_op_boxings as _no_op_boxings
-from sbpflow.actor_workers.runtime.executor_analysis import recyclers as _recyclers
 from sbpflow.actor_workers.runtime.group import EngineGroup
 from sbpflow.actor_workers.runtime.register import RegisterSpec
 from sbpflow.actor_workers.runtime.store import StoreSource, init_store
@@ -135,10 +132,10 @@ def _build_rank(
         RegisterSpec(r.id, r.producer_task, tuple(dict.fromkeys(r.consumer_tasks)), r.count)
         for r in device.registers
     ]
-    loops = _loop_edges(device, rc.store, registers)
-    donations = _donations(device)
-    recyclers, guards = _recyclers(device)
-    no_ops = _no_op_boxings(device, rc, nodes, boxings)
+    loops = analysis.loop_edges(device, rc.store, registers)
+    donations = analysis.donations(device)
+    recyclers, guards = analysis.recyclers(device)
+    no_ops = analysis.no_op_boxings(device, rc, nodes, boxings)
     actors = []
     for priority, task in enumerate(device.tasks):
         loop = loops.get(task.id)

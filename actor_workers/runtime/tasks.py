@@ -53,10 +53,11 @@ class RankContext:
     xp: ModuleType = np
     # (tensor, micro-batch or -1) -> step -> this rank's value
     fetched: dict[tuple[str, int], dict[int, Any]] = field(default_factory=dict)
-    # called by every SINK fetch act with (tensor, micro-batch, step, value): progress reports
-    on_fetch: Callable[[str, int, int, Any], None] | None = None
-    # called by every SINK assign act with (variable, step) once the store holds the new value
-    on_assign: Callable[[str, int], None] | None = None
+    # each called, in order, by every SINK fetch act with (tensor, micro-batch, step, value): progress
+    fetch_hooks: list[Callable[[str, int, int, Any], None]] = field(default_factory=list)
+    # each called, in order, by every SINK assign act with (variable, step) once the store holds the new
+    # value: progress, checkpoint snapshots
+    assign_hooks: list[Callable[[str, int], None]] = field(default_factory=list)
     _batches: dict[tuple[int, int, int], dict[str, Any]] = field(default_factory=dict)
 
     def random_step(self, step: int, micro_batch: int) -> int:
@@ -250,8 +251,8 @@ def source_act(rc: RankContext, name: str, looped: bool) -> Act:
 def assign_act(rc: RankContext, name: str, looped: bool) -> Act:
     def act(step: int, values: list[Any]) -> list[Any]:
         rc.store[name] = values[0]
-        if rc.on_assign is not None:
-            rc.on_assign(name, step)
+        for hook in rc.assign_hooks:
+            hook(name, step)
         return [values[0]] if looped else []
 
     return act
@@ -262,8 +263,8 @@ def fetch_act(rc: RankContext, name: str, micro_batch: int) -> Act:
 
     def act(step: int, values: list[Any]) -> list[Any]:
         record[step] = values[0]
-        if rc.on_fetch is not None:
-            rc.on_fetch(name, micro_batch, step, values[0])
+        for hook in rc.fetch_hooks:
+            hook(name, micro_batch, step, values[0])
         return []
 
     return act

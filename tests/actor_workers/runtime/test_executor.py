@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from sbpflow import reference
-from sbpflow.actor_workers.runtime import executor
+from sbpflow.actor_workers.runtime import executor, executor_analysis
 from sbpflow.actor_workers.runtime.boxing_tasks import BoxingTaskError, find_step
 from sbpflow.actor_workers.runtime.store import StoreError, init_store
 from sbpflow.actor_workers.transport import InProcessWorld
@@ -262,7 +262,7 @@ def test_the_momentum_buffer_is_donated_to_its_update_and_trains_like_the_refere
         }
         executor.execute(program, TIMEOUT, abort_hooks=[world.abort])
     updates = [t for t in c.plan.devices[0].tasks if t.kind == pp.TASK_KIND_OPTIMIZER]
-    donated = executor._donations(c.plan.devices[0])
+    donated = executor_analysis.donations(c.plan.devices[0])
     assert updates and all(donated.get(t.id) == frozenset({2}) for t in updates)
     store = program.ranks[0].context.store
     assert initial and all(store[n] is v for n, v in initial.items())  # updated in place
@@ -279,7 +279,7 @@ def test_only_a_variable_read_by_one_task_is_donated() -> None:
     assert c.plan is not None
     device = c.plan.devices[0]
     regs = {r.id: r for r in device.registers}
-    donated = executor._donations(device)
+    donated = executor_analysis.donations(device)
     for task in device.tasks:
         for pos in donated.get(task.id, ()):
             reg = regs[task.in_registers[pos]]

@@ -14,7 +14,7 @@ import numpy as np
 
 import sbpflow as sf
 from sbpflow import reference
-from sbpflow.actor_workers.runtime import executor
+from sbpflow.actor_workers.runtime import executor_analysis
 from sbpflow.actor_workers.runtime.tasks import Recycler, guard_aliases
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.data import ArraySource
@@ -49,7 +49,7 @@ def test_a_data_parallel_mlp_recycles_every_parameter() -> None:
     job = load("mlp").make_job(ranks=2, steps=4)
     compiled = pipeline.compile(job)
     assert compiled.plan is not None
-    recyclers, _ = executor._recyclers(compiled.plan.devices[0])
+    recyclers, _ = executor_analysis.recyclers(compiled.plan.devices[0])
     updates = [t for t in compiled.plan.devices[0].tasks if t.id in recyclers]
     assert {t.op_name for t in updates} and len(updates) == len(job.parameters)
 
@@ -92,7 +92,7 @@ def test_a_job_whose_reader_views_the_parameter_is_watched_and_trains_exactly() 
     )
     compiled = pipeline.compile(job)
     assert compiled.plan is not None
-    _, guards = executor._recyclers(compiled.plan.devices[0])
+    _, guards = executor_analysis.recyclers(compiled.plan.devices[0])
     assert guards, "the transpose reads the parameter: it is watched"
     want = reference.train(job, steps=5)
     got = sf.run(job, backend="inprocess", steps=5, return_parameters=True)
