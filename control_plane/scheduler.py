@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -210,7 +211,7 @@ class _Attempt:
         if not ready:
             have = ray.cluster_resources()
             raise SchedulingError(
-                f"the cluster cannot hold {len(bundles)} workers ({_total(bundles)}) within {SETUP_SECONDS:.0f} s; "
+                f"the cluster cannot hold {len(bundles)} workers ({dict(sum(map(Counter, bundles), Counter()))}) within {SETUP_SECONDS:.0f} s; "
                 f"it has { ({k: v for k, v in have.items() if k in ('CPU', 'GPU')}) }; use fewer ranks or a bigger cluster"
             )
         Worker = remote_class()
@@ -382,14 +383,6 @@ def _primary(failures: list[RuntimeFailure]) -> RuntimeFailure:
         return 2 if cause_type in _ECHO_CAUSES else 1
 
     return min(failures, key=rank)
-
-
-def _total(bundles: Sequence[dict[str, float]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for b in bundles:
-        for k, v in b.items():
-            out[k] = out.get(k, 0.0) + v
-    return out
 
 
 def _result(
