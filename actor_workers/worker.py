@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sbpflow.actor_workers import progress
-from sbpflow.actor_workers.progress import report
+from sbpflow.actor_workers import reporting as progress
+from sbpflow.actor_workers.reporting import report
 from sbpflow.device import asnumpy
 from sbpflow.v1 import plan_pb2 as pp
 from sbpflow.v1 import service_pb2 as sp

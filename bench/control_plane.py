@@ -53,7 +53,7 @@ def via_server(client: Any, job: Any) -> float:
 
 
 def direct(job: Any, backend: str) -> float:
-    from sbpflow.actor_workers.api import run
+    from sbpflow.control_plane.launcher import run
 
     first: list[float] = []
     t0 = time.perf_counter()
@@ -85,7 +85,7 @@ def latency(backend: str, runs: int, tmp: Path) -> None:
 
 
 def fill(store: Any, n: int) -> list[str]:
-    from sbpflow.control_plane.store import JobState
+    from sbpflow.run_state import JobState
 
     ids = []
     for i in range(n):

@@ -169,7 +169,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sbpflow.client.cli import _job_from_args
     from sbpflow.client.progress import ProgressBar
     from sbpflow.control_plane.jobs import JobManager, ManagerConfig, job_ranks
-    from sbpflow.control_plane.store import JobStore
+    from sbpflow.control_plane.store.job_store import JobStore
 
     job = _job_from_args(args)
     config = ManagerConfig(

@@ -29,7 +29,9 @@ from sbpflow.control_plane import status
 from sbpflow.control_plane.auth import OPEN_HTTP_PATHS, TokenCheck
 from sbpflow.control_plane.jobs import JobManager
 from sbpflow.control_plane.metrics import CONTENT_TYPE
-from sbpflow.control_plane.store import JobState, LossPoint, StoreError, UnknownJobError
+from sbpflow.control_plane.store.db import StoreError, UnknownJobError
+from sbpflow.control_plane.store.schema import LossPoint
+from sbpflow.run_state import JobState
 
 Response = tuple[int, str, bytes]  # status, content type, body
 JSON = "application/json"

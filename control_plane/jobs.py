@@ -12,7 +12,7 @@ Rules:
   Ray cluster's CPUs (backend ray), or this machine's CPUs. A job larger than the whole capacity is
   refused at Submit; the others wait PENDING with reason ``WAITING_FOR_RESOURCES`` and start in
   submission order (first come, first served: a large job is not overtaken forever by small ones).
-- Each running job has one thread that calls ``sbpflow.actor_workers.api.run`` and turns its listeners
+- Each running job has one thread that calls ``sbpflow.control_plane.launcher.run`` and turns its listeners
   (``run_listeners.py``) into store writes: states, steps (loss history), per-worker rows and log lines. Every store write
   wakes the ``changed`` condition, which ``Watch`` and ``Logs`` streams wait on.
 - Checkpoints (``checkpoint_root``): job ID writes them to ``<root>/ID``. A lost worker restarts the run
@@ -35,15 +35,17 @@ from typing import TYPE_CHECKING, Any
 
 from sbpflow.control_plane import resume as resuming
 from sbpflow.control_plane.run_listeners import RunListeners
-from sbpflow.control_plane.store import JobRecord, JobState, JobStore, Resumable, WorkerRecord
+from sbpflow.control_plane.store.job_store import JobStore, Resumable
+from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
 from sbpflow.control_plane.validation import ValidationError, validate_submit
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
+from sbpflow.run_state import JobState
 from sbpflow.v1 import service_pb2 as sp
 
 if TYPE_CHECKING:
-    from sbpflow.actor_workers.api import RunResult
     from sbpflow.control_plane.metrics import Metrics
+    from sbpflow.control_plane.run_context import RunResult
 
 WAITING = "WAITING_FOR_RESOURCES"
 CANCELLED_BY_USER = "CANCELLED_BY_USER"
@@ -55,7 +57,7 @@ _TERMINAL_CODES = frozenset({sp.JOB_STATE_SUCCEEDED, sp.JOB_STATE_FAILED, sp.JOB
 
 @dataclass(frozen=True)
 class ManagerConfig:
-    backend: str = "ray"  # "ray" or "inprocess": see sbpflow.actor_workers.api.BACKENDS
+    backend: str = "ray"  # "ray" or "inprocess": see sbpflow.control_plane.launcher.BACKENDS
     slots: int | None = None  # capacity in device slots; None: the Ray cluster's CPUs / this machine's
     ray_address: str | None = None
     max_job_bytes: int | None = None  # refuse larger Job protobufs at Submit
@@ -375,8 +377,8 @@ class JobManager:
         return kwargs, 0 if found is None else found.step
 
     def _run(self, job_id: str, r: RunningJob) -> None:
-        from sbpflow.actor_workers.api import RunCancelled, run
         from sbpflow.actor_workers.runtime import RuntimeFailure
+        from sbpflow.control_plane.launcher import RunCancelled, run
 
         rec = self.store.get(job_id)
         checkpointing, first_step = self._checkpointing(rec)

@@ -28,7 +28,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sbpflow.control_plane.store import IN_FLIGHT, JobState, JobStore, WorkerRecord, WorkerState
+from sbpflow.control_plane.store.job_store import JobStore
+from sbpflow.control_plane.store.schema import WorkerRecord
+from sbpflow.run_state import IN_FLIGHT
+from sbpflow.run_state import JobState, WorkerState
 
 RECENT = 50
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sbpflow import checkpoint as ck
-from sbpflow.control_plane.store import JobRecord
+from sbpflow.control_plane.store.schema import JobRecord
 from sbpflow.control_plane.validation import ValidationError
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import TensorKind

@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from sbpflow.control_plane.store import JobState, WorkerRecord, WorkerState
+from sbpflow.control_plane.store.schema import WorkerRecord
+from sbpflow.run_state import JobState, WorkerState
 from sbpflow.v1 import service_pb2 as sp
 
 if TYPE_CHECKING:

@@ -27,20 +27,19 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from sbpflow.actor_workers.progress import StepTracker, assemble_value
 from sbpflow.actor_workers.runtime.errors import RuntimeAborted, RuntimeFailure, RuntimeTimeout
+from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.reports import ReportHub
+from sbpflow.control_plane.run_context import RunOptions, RunResult
+from sbpflow.control_plane.step_tracker import StepTracker
 from sbpflow.errors import SbpflowError
+from sbpflow.sharding import assemble_value
 from sbpflow.v1 import job_pb2 as jp
 from sbpflow.v1 import service_pb2 as sp
-
-if TYPE_CHECKING:
-    from sbpflow.actor_workers.api import RunOptions, RunResult
-    from sbpflow.control_plane.compiler.pipeline import Compiled
 
 SETUP_SECONDS = 120.0  # placement group, actor start-up and connections
 SETTLE_SECONDS = 1.0  # after a first failure, how long to wait for the worker that caused it to show
@@ -388,8 +387,6 @@ def _primary(failures: list[RuntimeFailure]) -> RuntimeFailure:
 def _result(
     compiled: Compiled, options: RunOptions, attempt: _Attempt, outcomes: dict[int, Any]
 ) -> RunResult:
-    from sbpflow.actor_workers.api import RunResult
-
     graph, job = compiled.state.graph, compiled.state.job
     losses: list[float] = []
     if job.loss:

@@ -39,9 +39,11 @@ from sbpflow.control_plane.auth import OPEN_HTTP_PATHS, AuthInterceptor, TokenCh
 from sbpflow.control_plane.jobs import JobManager, ManagerConfig
 from sbpflow.control_plane.metrics import Metrics
 from sbpflow.control_plane.resume import NotResumable
-from sbpflow.control_plane.store import JobState, JobStore, StoreError, UnknownJobError
+from sbpflow.control_plane.store.db import StoreError, UnknownJobError
+from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.validation import ValidationError
 from sbpflow.errors import SbpflowError
+from sbpflow.run_state import JobState
 from sbpflow.v1 import service_pb2 as sp
 
 T = TypeVar("T")

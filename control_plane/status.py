@@ -17,11 +17,11 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from sbpflow.control_plane.store import JobEvent, JobRecord, LogRecord, WorkerRecord
+from sbpflow.control_plane.store.schema import JobEvent, JobRecord, LogRecord, WorkerRecord
 from sbpflow.v1 import service_pb2 as sp
 
 if TYPE_CHECKING:
-    from sbpflow.actor_workers.api import RunResult
+    from sbpflow.control_plane.run_context import RunResult
 
 
 def timestamp(t: float | None) -> Timestamp | None:

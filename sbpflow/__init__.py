@@ -37,8 +37,8 @@ __version__ = "0.1.0"
 
 # Loaded on first use, not at ``import sbpflow`` (the runtime, the compiler, Ray, gRPC): name -> module.
 _LAZY = {
-    "run": "sbpflow.actor_workers.api",
-    "RunCancelled": "sbpflow.actor_workers.api",
+    "run": "sbpflow.control_plane.launcher",
+    "RunCancelled": "sbpflow.actor_workers.runtime.errors",
     "Client": "sbpflow.client.client",
 }
 

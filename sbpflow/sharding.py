@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sbpflow.device import asnumpy
 from sbpflow.errors import SbpError
 from sbpflow.placement import Placement
 from sbpflow.sbp import Broadcast, NdSbp, PartialSum, Split, format_nd
 from sbpflow.tensor_meta import Shape
+
+if TYPE_CHECKING:
+    from sbpflow.graph import TensorDecl
 
 Index = tuple[slice, ...]
 
@@ -139,3 +143,14 @@ def _close(xp: ModuleType, a: Any, b: Any, rtol: float, atol: float) -> bool:
     if a.dtype.kind in "fc":
         return bool(xp.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True))
     return bool(xp.array_equal(a, b))
+
+
+def assemble_value(decl: TensorDecl, values: dict[int, Any], xp: Any = np) -> Any:
+    """The logical value of ``decl`` from each rank's shard (splits concatenated, partials summed,
+    broadcast copies checked equal)."""
+    assert decl.placement is not None and decl.sbp is not None
+    if xp is np:  # shards on a GPU come to the host first
+        values = {r: asnumpy(v) for r, v in values.items()}
+    first = values[decl.placement.ranks[0]]
+    rtol = 1e-9 if first.dtype == np.float64 else 1e-5
+    return assemble(values, decl.meta.shape, decl.placement, decl.sbp, xp, rtol=rtol, atol=rtol * 1e-3)

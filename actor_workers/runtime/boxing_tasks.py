@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from sbpflow.actor_workers.runtime.tasks import Act, RankContext, local_shape
-from sbpflow.control_plane.compiler.boxing import BoxingPlan, BoxingStep, Collective, Transfer
+from sbpflow.boxing import BoxingPlan, BoxingStep, Collective, Transfer
 from sbpflow.errors import SbpflowError, ShapeError
 from sbpflow.sbp import PartialSum, Split, format_nd
 from sbpflow.sharding import Index, shard_index, split_range

@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from sbpflow import wire
-from sbpflow.actor_workers.progress import assemble_value
 from sbpflow.actor_workers.runtime import boxing_tasks, tasks
 from sbpflow.actor_workers.runtime import executor_analysis as analysis
 from sbpflow.actor_workers.runtime.actor import ActorSpec
@@ -40,10 +39,11 @@ from sbpflow.actor_workers.runtime.group import EngineGroup
 from sbpflow.actor_workers.runtime.register import RegisterSpec
 from sbpflow.actor_workers.runtime.store import StoreSource, init_store
 from sbpflow.actor_workers.runtime.tasks import Act, RankContext
-from sbpflow.control_plane.compiler.boxing import BoxingPlan
+from sbpflow.boxing import BoxingPlan
 from sbpflow.graph import Graph, OpNode
 from sbpflow.job import Job
 from sbpflow.reference import micro_batches
+from sbpflow.sharding import assemble_value
 from sbpflow.v1 import plan_pb2 as pp
 
 STREAMS = {

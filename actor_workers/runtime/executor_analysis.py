@@ -24,7 +24,7 @@ from sbpflow.actor_workers.runtime import boxing_tasks, tasks
 from sbpflow.actor_workers.runtime.register import RegisterSpec
 from sbpflow.actor_workers.runtime.store import Store
 from sbpflow.actor_workers.runtime.tasks import RankContext
-from sbpflow.control_plane.compiler.boxing import BoxingPlan, Collective, plan_boxing
+from sbpflow.boxing import BoxingPlan, Collective, plan_boxing
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import BOXING, Graph, OpNode
 from sbpflow.v1 import plan_pb2 as pp

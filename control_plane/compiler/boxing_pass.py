@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from sbpflow.control_plane.compiler.boxing import BoxingPlan, plan_boxing
+from sbpflow.boxing import BoxingPlan, plan_boxing
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.errors import GraphError
 from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind

@@ -33,8 +33,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sbpflow import wire
+from sbpflow.boxing import BoxingPlan
 from sbpflow.control_plane.compiler import micro_batching
-from sbpflow.control_plane.compiler.boxing import BoxingPlan
 from sbpflow.control_plane.compiler.lowering_boxing import Lowerer, plan_of, rank_send_bytes
 from sbpflow.control_plane.compiler.lowering_on_demand import (
     LAZY_ABOVE,

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from math import prod
 
-from sbpflow.control_plane.compiler.boxing import BoxingPlan, BoxingStep, Collective, Transfer, plan_boxing
+from sbpflow.boxing import BoxingPlan, BoxingStep, Collective, Transfer, plan_boxing
 from sbpflow.control_plane.compiler.comm_order import Call, CommOrder, call_kind, pair_ranks
 from sbpflow.control_plane.compiler.lowering_tasks import (
     K,

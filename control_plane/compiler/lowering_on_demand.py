@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from sbpflow.boxing import BoxingPlan, Collective
 from sbpflow.control_plane.compiler import comm_order, micro_batching
-from sbpflow.control_plane.compiler.boxing import BoxingPlan, Collective
 from sbpflow.control_plane.compiler.comm_order import CommOrder, GroupCall
 from sbpflow.control_plane.compiler.lowering_boxing import Lowerer
 from sbpflow.control_plane.compiler.lowering_tasks import placement_of

@@ -27,8 +27,8 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sbpflow.boxing import plan_boxing
 from sbpflow.control_plane.compiler.autodiff import is_backward
-from sbpflow.control_plane.compiler.boxing import plan_boxing
 from sbpflow.control_plane.compiler.optimizer import PREFIX as OPTIMIZER
 from sbpflow.control_plane.compiler.schedule import Phase, Schedule, build
 from sbpflow.control_plane.compiler.state import CompileState

@@ -16,7 +16,7 @@ import html
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sbpflow.control_plane.compiler.boxing import BoxingPlan
+from sbpflow.boxing import BoxingPlan
 from sbpflow.control_plane.compiler.memory import DeviceMemory
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.graph import BOXING, Graph, OpNode

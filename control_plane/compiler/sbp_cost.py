@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
 
-from sbpflow.control_plane.compiler.boxing import boxing_cost
+from sbpflow.boxing import boxing_cost
 from sbpflow.control_plane.compiler.state import Choice
 from sbpflow.ops.base import AttrValue, NdSignature, get_op
 from sbpflow.placement import Placement

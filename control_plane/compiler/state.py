@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sbpflow.control_plane.compiler.boxing import BoxingPlan
+from sbpflow.boxing import BoxingPlan
 from sbpflow.graph import Graph
 from sbpflow.job import Job
 from sbpflow.ops.base import NdSignature

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from functools import lru_cache
 
-from sbpflow.control_plane.compiler.boxing import plan_boxing
+from sbpflow.boxing import plan_boxing
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.errors import GraphError
 from sbpflow.graph import BOXING, Graph, OpNode

@@ -21,9 +21,9 @@ import pytest
 import sbpflow as sf
 from sbpflow import checkpoint as ck
 from sbpflow.actor_workers import checkpointing
-from sbpflow.actor_workers.api import compile_for_run
 from sbpflow.actor_workers.runtime import executor
 from sbpflow.actor_workers.transport import InProcessWorld
+from sbpflow.control_plane.launcher import compile_for_run
 from sbpflow.job import Job
 from tests.actor_workers.test_equivalence import mlp_dp2xtp2, mlp_job
 from tests.control_plane.compiler.test_autodiff import as_float64

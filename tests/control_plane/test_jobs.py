@@ -11,8 +11,10 @@ import pytest
 
 from sbpflow import wire
 from sbpflow.control_plane.jobs import WAITING, JobManager, ManagerConfig, job_ranks
-from sbpflow.control_plane.store import SCHEMA_VERSION, JobState, JobStore
+from sbpflow.control_plane.store.job_store import JobStore
+from sbpflow.control_plane.store.schema import SCHEMA_VERSION
 from sbpflow.control_plane.validation import ValidationError
+from sbpflow.run_state import JobState
 from tests.client.test_examples import load
 
 

@@ -29,9 +29,10 @@ from sbpflow.client.client import Client, ClientError
 from sbpflow.control_plane.jobs import JobManager, ManagerConfig
 from sbpflow.control_plane.resume import NotResumable, start_checkpoint
 from sbpflow.control_plane.server import ControlPlane, ServerConfig
-from sbpflow.control_plane.store import JobState, JobStore
+from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.validation import ValidationError
 from sbpflow.job import Job
+from sbpflow.run_state import JobState
 from sbpflow.v1 import service_pb2 as sp
 from tests.client.test_examples import load
 from tests.control_plane.test_server import LONG, until

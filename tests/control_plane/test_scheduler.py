@@ -143,7 +143,7 @@ def test_cancel_stops_every_worker_promptly() -> None:
 def test_reports_of_jobs_nobody_listens_to_are_answered_with_cancel() -> None:
     import grpc
 
-    from sbpflow.actor_workers.progress import report
+    from sbpflow.actor_workers.reporting import report
     from sbpflow.v1 import service_pb2 as sp
     from sbpflow.v1 import service_pb2_grpc as sg
 

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sbpflow import wire
 from sbpflow.client.client import Client, ClientError
 from sbpflow.control_plane.server import ControlPlane, ServerConfig
-from sbpflow.control_plane.store import JobStore
+from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.v1 import job_pb2
 from sbpflow.v1 import service_pb2 as sp
 from tests.client.test_examples import load

@@ -9,17 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from sbpflow.control_plane.store import (
+from sbpflow.control_plane.store.db import StoreError, UnknownJobError
+from sbpflow.control_plane.store.job_store import (
     RESTART_REASON,
     RESUMED_REASON,
-    SCHEMA_VERSION,
     IllegalTransitionError,
-    JobState,
     JobStore,
     Resumable,
-    StoreError,
-    UnknownJobError,
 )
+from sbpflow.control_plane.store.schema import SCHEMA_VERSION
+from sbpflow.run_state import JobState
 
 S = JobState
 
@@ -360,7 +359,8 @@ def test_set_reason_keeps_the_state_and_logs_once(store: JobStore) -> None:
 
 
 def test_workers_logs_and_results(store: JobStore) -> None:
-    from sbpflow.control_plane.store import WorkerRecord, WorkerState
+    from sbpflow.control_plane.store.schema import WorkerRecord
+    from sbpflow.run_state import WorkerState
 
     rec = store.create(b"", "j")
     for rank in (1, 0):

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
+from sbpflow.boxing import Collective
 from sbpflow.control_plane.compiler import boxing_pass, sbp_inference
-from sbpflow.control_plane.compiler.boxing import Collective
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.control_plane.compiler.verify import verify_compiled
 from sbpflow.dtype import DType

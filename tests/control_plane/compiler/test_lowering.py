@@ -13,8 +13,8 @@ from math import prod
 
 import pytest
 
+from sbpflow.boxing import plan_boxing
 from sbpflow.control_plane.compiler import comm_order, lowering
-from sbpflow.control_plane.compiler.boxing import plan_boxing
 from sbpflow.control_plane.compiler.lowering import LoweringError
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.dtype import DType

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 import sbpflow as sf
+from sbpflow.boxing import Collective
 from sbpflow.control_plane.compiler import comm_order, pipeline
-from sbpflow.control_plane.compiler.boxing import Collective
 from sbpflow.control_plane.compiler.verify import verify_compiled
 from sbpflow.data import SyntheticSource
 from sbpflow.graph import BOXING

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
+from sbpflow.boxing import Collective
 from sbpflow.control_plane.compiler import autodiff, optimizer, pipeline, zero
-from sbpflow.control_plane.compiler.boxing import Collective
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.errors import GraphError
 from sbpflow.graph import BOXING, Graph

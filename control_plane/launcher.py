@@ -26,83 +26,29 @@ import dataclasses
 import gc
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from sbpflow.actor_workers.progress import (
-    ReportListener,
-    StateListener,
-    StepListener,
-    StepTracker,
-    report,
-    step_report,
-    watch_steps,
-)
+from sbpflow import checkpoint
+from sbpflow.actor_workers import checkpointing
+from sbpflow.actor_workers.reporting import step_report, watch_steps
+from sbpflow.actor_workers.runtime import executor
 from sbpflow.actor_workers.runtime.errors import RunCancelled, RuntimeFailure
+from sbpflow.actor_workers.transport.inprocess import InProcessWorld
+from sbpflow.control_plane.compiler import pipeline
+from sbpflow.control_plane.compiler.pipeline import Compiled
+from sbpflow.control_plane.reports import ReportHub
+from sbpflow.control_plane.run_context import AttemptListener, RunOptions, RunResult
+from sbpflow.control_plane.scheduler import run_on_ray
+from sbpflow.control_plane.step_tracker import ReportListener, StateListener, StepListener, StepTracker
+from sbpflow.device import array_module
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
+from sbpflow.v1 import job_pb2 as jp
 from sbpflow.v1 import service_pb2 as sp
 
-if TYPE_CHECKING:
-    from sbpflow.control_plane.compiler.pipeline import Compiled
-    from sbpflow.control_plane.reports import ReportHub
+__all__ = ["BACKENDS", "RunCancelled", "run"]
 
-__all__ = ["BACKENDS", "AttemptListener", "RunCancelled", "RunOptions", "RunResult", "run"]
-
-AttemptListener = Callable[[int, int, str, str], None]  # (attempt, first step, reason, message)
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """Per step, the loss; on request, every parameter's final logical value and the act trace
-    (``sbpflow.actor_workers.runtime.chrome_trace(result.trace)`` makes it viewable in Perfetto)."""
-
-    losses: list[float]
-    parameters: dict[str, Any] | None = None
-    trace: list[Any] | None = None
-    seconds: float = 0.0  # wall time of the run, compile excluded
-    first_step: int = 0  # the step the run started at (a resume's checkpoint step): losses[0] is its loss
-    attempts: int = 1  # attempts it took (a restart after a lost worker makes another)
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """Everything a backend needs besides the compiled job."""
-
-    steps: int
-    return_parameters: bool = False
-    trace: bool = False
-    timeout: float = 600.0
-    ray_address: str | None = None
-    on_state: StateListener | None = None
-    on_report: ReportListener | None = None
-    on_attempt: AttemptListener | None = None
-    cancel: threading.Event | None = None
-    report_hub: ReportHub | None = None
-    report_token: str = ""
-    job_id: str = ""
-    attempt: int = 1
-    first_step: int = 0  # ``steps`` steps run from here: a resume's checkpoint step
-    checkpoint_dir: str | None = None  # checkpoints every job.config.checkpoint_every steps go here
-    resume_from: str | None = None  # a checkpoint directory: every variable starts from it
-    init_from: str | None = None  # safetensors/.npz/checkpoint: the parameters it holds start from it
-    max_restarts: int = 0  # a lost worker restarts the job from its last checkpoint this many times
-
-    def state(self, name: str) -> None:
-        if self.on_state is not None:
-            self.on_state(name)
-
-    def new_attempt(self, reason: str, message: str) -> None:
-        """Tell ``on_attempt`` that this attempt (``self.attempt`` from ``self.first_step``) begins."""
-        if self.on_attempt is not None:
-            self.on_attempt(self.attempt, self.first_step, reason, message)
-
-    def report(self, rank: int, **payload: Any) -> None:
-        if self.on_report is not None:
-            self.on_report(report(self.job_id, self.attempt, rank, **payload))
-
-
-Backend = Callable[["Compiled", RunOptions, StepTracker], RunResult]
+Backend = Callable[[Compiled, RunOptions, StepTracker], RunResult]
 
 
 def run(
@@ -149,8 +95,6 @@ def run(
         raise SbpflowError(f"steps={steps}: a run trains for at least one step")
     first_step = 0
     if resume_from is not None:
-        from sbpflow import checkpoint
-
         resume_from = str(checkpoint.resolve(resume_from))
         first_step = checkpoint.CheckpointReader(resume_from).step
         if first_step >= steps:
@@ -193,8 +137,6 @@ def run(
 
 def compile_for_run(job: Job) -> Compiled:
     """The compiled job, or a clear error when it cannot run (no plan, a lowering skipped)."""
-    from sbpflow.control_plane.compiler import pipeline
-
     compiled = pipeline.compile(job)
     skipped = [n for n in compiled.notes if "asks for it" in n or "lowering skipped" in n]
     if compiled.plan is None or skipped:
@@ -205,10 +147,6 @@ def compile_for_run(job: Job) -> Compiled:
 
 
 def _run_inprocess(compiled: Compiled, options: RunOptions, tracker: StepTracker) -> RunResult:
-    from sbpflow.actor_workers import checkpointing
-    from sbpflow.actor_workers.runtime import executor
-    from sbpflow.actor_workers.transport import InProcessWorld
-
     job, plan = compiled.state.job, compiled.plan
     assert plan is not None
     loss = job.loss
@@ -280,9 +218,6 @@ def _run_inprocess(compiled: Compiled, options: RunOptions, tracker: StepTracker
 def _array_module(plan: Any) -> Any:
     """numpy for cpu placements; cupy for cuda ones (a clear error without it). The in-process
     transport moves numpy arrays, so a cuda job on it has one rank; more run on Ray, a GPU per worker."""
-    from sbpflow.device import array_module
-    from sbpflow.v1 import job_pb2 as jp
-
     kinds = {d.device_type for d in plan.devices}
     if jp.DEVICE_TYPE_CUDA not in kinds:
         return array_module("cpu")
@@ -294,10 +229,4 @@ def _array_module(plan: Any) -> Any:
     return array_module("cuda")
 
 
-def _run_ray(compiled: Compiled, options: RunOptions, tracker: StepTracker) -> RunResult:
-    from sbpflow.control_plane.scheduler import run_on_ray
-
-    return run_on_ray(compiled, options, tracker)
-
-
-BACKENDS: dict[str, Backend] = {"ray": _run_ray, "inprocess": _run_inprocess}
+BACKENDS: dict[str, Backend] = {"ray": run_on_ray, "inprocess": _run_inprocess}

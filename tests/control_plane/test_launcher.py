@@ -16,9 +16,9 @@ import pytest
 
 import sbpflow as sf
 from sbpflow import reference
-from sbpflow.actor_workers import api
 from sbpflow.actor_workers.runtime import RuntimeFailure, RuntimeTimeout, chrome_trace
 from sbpflow.actor_workers.transport import TransportError
+from sbpflow.control_plane import launcher as api
 from sbpflow.errors import SbpflowError, ShapeError
 from sbpflow.ops.base import OPS, KernelContext, get_op
 from tests.client.test_examples import load
@@ -69,10 +69,8 @@ def test_a_finished_run_frees_its_memory_when_it_returns() -> None:
         gc.enable()
 
 
-def test_sf_run_is_the_runtimes_and_import_sbpflow_does_not_load_it() -> None:
-    from sbpflow.actor_workers import run
-
-    assert sf.run is run is api.run
+def test_sf_run_is_the_launchers_and_import_sbpflow_does_not_load_it() -> None:
+    assert sf.run is api.run
     code = (
         "import sys, sbpflow as sf; heavy = ('ray', 'grpc', 'sbpflow.actor_workers.runtime', "
         "'sbpflow.control_plane.compiler.pipeline'); print(sorted(m for m in sys.modules if m.startswith(heavy)))"

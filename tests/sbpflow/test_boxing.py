@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sbpflow.control_plane.compiler.boxing import Collective, plan_boxing
+from sbpflow.boxing import Collective, plan_boxing
 from sbpflow.dtype import DType
 from sbpflow.placement import Placement, placement
 from sbpflow.sbp import B, P, S, Sbp
@@ -151,7 +151,7 @@ def test_plans_are_cached_values_that_print() -> None:
     ],
 )
 def test_boxing_cost_equals_the_plan_across_placements(src, src_sbp, dst, dst_sbp) -> None:
-    from sbpflow.control_plane.compiler.boxing import boxing_cost
+    from sbpflow.boxing import boxing_cost
 
     meta = TensorMeta((10, 7), DType.float32)
     a, b = placement("cpu", src), placement("cpu", dst)

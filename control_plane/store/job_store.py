@@ -22,48 +22,14 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from sbpflow.control_plane.store_db import StoreError, UnknownJobError
-from sbpflow.control_plane.store_schema import COLUMNS as _COLUMNS
-from sbpflow.control_plane.store_schema import (
-    IN_FLIGHT,
-    SCHEMA_VERSION,
-    TERMINAL,
-    JobEvent,
-    JobRecord,
-    JobState,
-    LogRecord,
-    LossPoint,
-    WorkerRecord,
-    WorkerState,
-    allowed,
-    legal_next,
-    record_from_row,
-)
-from sbpflow.control_plane.store_tables import JobSideTables
+from sbpflow.control_plane.store.db import StoreError
+from sbpflow.control_plane.store.schema import COLUMNS as _COLUMNS
+from sbpflow.control_plane.store.schema import JobEvent, JobRecord, LossPoint, record_from_row
+from sbpflow.control_plane.store.tables import JobSideTables
+from sbpflow.run_state import IN_FLIGHT, TERMINAL, JobState, allowed, legal_next
 
 RESTART_REASON = "CONTROL_PLANE_RESTARTED"
 RESUMED_REASON = "RESUMED_AFTER_RESTART"
-
-__all__ = [
-    "IN_FLIGHT",
-    "RESTART_REASON",
-    "RESUMED_REASON",
-    "Resumable",
-    "SCHEMA_VERSION",
-    "TERMINAL",
-    "IllegalTransitionError",
-    "JobEvent",
-    "JobRecord",
-    "JobState",
-    "JobStore",
-    "LogRecord",
-    "LossPoint",
-    "StoreError",
-    "UnknownJobError",
-    "WorkerRecord",
-    "WorkerState",
-    "allowed",
-]
 
 
 class IllegalTransitionError(StoreError, ValueError):

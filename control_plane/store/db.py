@@ -4,7 +4,7 @@
 ``store_schema.py`` or migrates an older file in place, and refuses a file newer than this sbpflow.
 ``with self._tx():`` holds the lock and runs its body in one ``BEGIN IMMEDIATE ... COMMIT`` (a
 ``ROLLBACK`` when the body raises). ``_get`` reads one job's row, ``_append_event`` appends the job's
-next event (its per-job sequence number grows by one). :class:`~sbpflow.control_plane.store.JobStore`
+next event (its per-job sequence number grows by one). :class:`~sbpflow.control_plane.store.job_store.JobStore`
 builds the store's API on these.
 """
 
@@ -17,16 +17,10 @@ import time
 from pathlib import Path
 from typing import Self
 
-from sbpflow.control_plane.store_schema import COLUMNS as _COLUMNS
-from sbpflow.control_plane.store_schema import (
-    MIGRATIONS,
-    SCHEMA,
-    SCHEMA_VERSION,
-    JobRecord,
-    JobState,
-    record_from_row,
-)
+from sbpflow.control_plane.store.schema import COLUMNS as _COLUMNS
+from sbpflow.control_plane.store.schema import MIGRATIONS, SCHEMA, SCHEMA_VERSION, JobRecord, record_from_row
 from sbpflow.errors import SbpflowError
+from sbpflow.run_state import JobState
 
 
 class StoreError(SbpflowError):

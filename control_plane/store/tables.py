@@ -2,8 +2,8 @@
 
 One row per rank of a job (``workers``, replaced as the rank reports), the job's log lines (``logs``,
 numbered per job) and the serialised ``JobResult`` of a finished job (``results``). Every write is one
-transaction of :class:`~sbpflow.control_plane.store_db.StoreDb` and refuses an unknown job id with
-:class:`~sbpflow.control_plane.store_db.UnknownJobError`, as do the reads of logs and results.
+transaction of :class:`~sbpflow.control_plane.store.db.StoreDb` and refuses an unknown job id with
+:class:`~sbpflow.control_plane.store.db.UnknownJobError`, as do the reads of logs and results.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import builtins
 import sqlite3
 import time
 
-from sbpflow.control_plane.store_db import StoreDb
-from sbpflow.control_plane.store_schema import LogRecord, WorkerRecord, WorkerState
+from sbpflow.control_plane.store.db import StoreDb
+from sbpflow.control_plane.store.schema import LogRecord, WorkerRecord
+from sbpflow.run_state import WorkerState
 
 
 class JobSideTables(StoreDb):

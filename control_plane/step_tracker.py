@@ -1,5 +1,5 @@
 """Progress of a run as the control plane sees it: per-step losses assembled from the ranks that hold the
-loss, turned into ``StepMetrics``, and the ``WorkerReport`` protobufs every backend emits.
+loss, turned into ``StepMetrics``.
 
 The loss is a global tensor like any other: its ranks each hold a shard (a scalar loss is ``B`` or ``P``
 over them), so a step is complete when every rank of its placement has reported it, and its value is
@@ -18,39 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow import wire
-from sbpflow.device import asnumpy
 from sbpflow.graph import TensorDecl
-from sbpflow.sharding import assemble
-from sbpflow.v1 import plan_pb2 as pp
+from sbpflow.sharding import assemble_value
 from sbpflow.v1 import service_pb2 as sp
 
 WINDOW = 8  # samples/s is measured over the last WINDOW steps: reports arrive in bursts, steps do not
 StepListener = Callable[[sp.StepMetrics], None]
 ReportListener = Callable[[sp.WorkerReport], None]
 StateListener = Callable[[str], None]
-
-
-def assemble_value(decl: TensorDecl, values: dict[int, Any], xp: Any = np) -> Any:
-    """The logical value of ``decl`` from each rank's shard (splits concatenated, partials summed,
-    broadcast copies checked equal)."""
-    assert decl.placement is not None and decl.sbp is not None
-    if xp is np:  # shards on a GPU come to the host first
-        values = {r: asnumpy(v) for r, v in values.items()}
-    first = values[decl.placement.ranks[0]]
-    rtol = 1e-9 if first.dtype == np.float64 else 1e-5
-    return assemble(values, decl.meta.shape, decl.placement, decl.sbp, xp, rtol=rtol, atol=rtol * 1e-3)
-
-
-def report(
-    job_id: str, attempt: int, rank: int, worker_id: str = "", host: str = "", **payload: Any
-) -> sp.WorkerReport:
-    """A WorkerReport with its time set now; ``payload`` is exactly one of its oneof fields."""
-    (field,) = payload
-    msg = sp.WorkerReport(job_id=job_id, attempt=attempt, rank=rank, worker_id=worker_id, host=host)
-    msg.time.GetCurrentTime()
-    getattr(msg, field).CopyFrom(payload[field])
-    return msg
 
 
 class StepTracker:
@@ -110,43 +85,3 @@ class StepTracker:
         for metrics in done:
             if self._on_step is not None:
                 self._on_step(metrics)
-
-
-def watch_steps(
-    rc: Any, device: pp.DevicePlan, loss: str | None, done: Callable[[int, float | None, float], None]
-) -> None:
-    """Call ``done(step, loss, seconds)`` once per step the rank of ``rc`` completes: a rank that holds
-    the loss when it fetches it (``loss`` its share), any other when the last variable it assigns has
-    come in (``loss`` None: a pipeline stage without the loss, say); ``seconds`` since the last one."""
-    sinks = [t for t in device.tasks if t.kind == pp.TASK_KIND_SINK]
-    holds_loss = any(
-        "fetch" in t.attrs and str(wire.attr_from_proto(t.attrs["fetch"])) == loss for t in sinks
-    )
-    assigns = sum("assign" in t.attrs for t in sinks)
-    last = [time.monotonic()]
-    assigned: dict[int, int] = {}
-
-    def step_done(step: int, value: float | None) -> None:
-        now = time.monotonic()
-        seconds, last[0] = now - last[0], now
-        done(step, value, seconds)
-
-    def fetched(name: str, micro_batch: int, step: int, value: Any) -> None:
-        if name == loss and micro_batch < 0:
-            step_done(step, float(asnumpy(value)))
-
-    def on_assign(name: str, step: int) -> None:
-        assigned[step] = assigned.get(step, 0) + 1
-        if assigned[step] == assigns:
-            del assigned[step]
-            if not holds_loss:
-                step_done(step, None)
-
-    rc.fetch_hooks.append(fetched)
-    rc.assign_hooks.append(on_assign)
-
-
-def step_report(step: int, loss: float | None, seconds: float) -> sp.StepReport:
-    """The StepReport of (0-based) ``step``: with the rank's loss share where it holds the loss."""
-    losses = [] if loss is None else [loss]
-    return sp.StepReport(step=step + 1, losses=losses, loss=loss or 0.0, timings_seconds={"step": seconds})

@@ -1,0 +1,68 @@
+"""What a run is given and what it gives back, shared by the launcher and the backends it drives.
+
+:class:`RunOptions` is everything a backend needs besides the compiled job (the steps, the attempt, the
+listeners); :class:`RunResult` is what every backend returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sbpflow.actor_workers.reporting import report
+from sbpflow.control_plane.reports import ReportHub
+from sbpflow.control_plane.step_tracker import ReportListener, StateListener
+
+AttemptListener = Callable[[int, int, str, str], None]  # (attempt, first step, reason, message)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Per step, the loss; on request, every parameter's final logical value and the act trace
+    (``sbpflow.actor_workers.runtime.chrome_trace(result.trace)`` makes it viewable in Perfetto)."""
+
+    losses: list[float]
+    parameters: dict[str, Any] | None = None
+    trace: list[Any] | None = None
+    seconds: float = 0.0  # wall time of the run, compile excluded
+    first_step: int = 0  # the step the run started at (a resume's checkpoint step): losses[0] is its loss
+    attempts: int = 1  # attempts it took (a restart after a lost worker makes another)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Everything a backend needs besides the compiled job."""
+
+    steps: int
+    return_parameters: bool = False
+    trace: bool = False
+    timeout: float = 600.0
+    ray_address: str | None = None
+    on_state: StateListener | None = None
+    on_report: ReportListener | None = None
+    on_attempt: AttemptListener | None = None
+    cancel: threading.Event | None = None
+    report_hub: ReportHub | None = None
+    report_token: str = ""
+    job_id: str = ""
+    attempt: int = 1
+    first_step: int = 0  # ``steps`` steps run from here: a resume's checkpoint step
+    checkpoint_dir: str | None = None  # checkpoints every job.config.checkpoint_every steps go here
+    resume_from: str | None = None  # a checkpoint directory: every variable starts from it
+    init_from: str | None = None  # safetensors/.npz/checkpoint: the parameters it holds start from it
+    max_restarts: int = 0  # a lost worker restarts the job from its last checkpoint this many times
+
+    def state(self, name: str) -> None:
+        if self.on_state is not None:
+            self.on_state(name)
+
+    def new_attempt(self, reason: str, message: str) -> None:
+        """Tell ``on_attempt`` that this attempt (``self.attempt`` from ``self.first_step``) begins."""
+        if self.on_attempt is not None:
+            self.on_attempt(self.attempt, self.first_step, reason, message)
+
+    def report(self, rank: int, **payload: Any) -> None:
+        if self.on_report is not None:
+            self.on_report(report(self.job_id, self.attempt, rank, **payload))
