@@ -5,6 +5,11 @@ It is the oracle for distributed equivalence: every parallel configuration of a 
 losses and its trained parameters. Parameters are drawn from their initializers keyed by (``config.seed``, ``tensor_rng_id(name)``)
 — the same key the runtime uses for each shard, so the values agree whatever the layout — inputs are
 batch ``step`` of the data source, and random ops draw with (seed, rng_id, step).
+
+It shares the op library (kernels, gradient rules) and the job's data with the runtime, and nothing of
+the compiler: its autodiff (:mod:`sbpflow.reference_autodiff`), its optimizer step
+(:mod:`sbpflow.reference_optim`) and its mixed precision (:mod:`sbpflow.precision`) are its own, so that
+comparing a compiled run with it checks the compiler's passes against an independent implementation.
 """
 
 from __future__ import annotations
@@ -16,15 +21,17 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.errors import SbpflowError, ShapeError
+from sbpflow import reference_optim
+from sbpflow.dtype import DType, as_dtype
+from sbpflow.errors import GraphError, SbpflowError, ShapeError
 from sbpflow.graph import Graph, OpNode, TensorKind
 from sbpflow.job import Job
 from sbpflow.ops.base import get_op
 from sbpflow.ops.eager import EagerBuilder
+from sbpflow.precision import compute_dtype, low_dtype
 from sbpflow.random import RandomKey
+from sbpflow.reference_autodiff import Arrays, Tape, backward
 from sbpflow.tensor_meta import TensorMeta
-
-Arrays = dict[str, Any]
 
 
 def init_parameters(job: Job, xp: ModuleType = np) -> Arrays:
@@ -64,13 +71,8 @@ def forward(
     unknown = [n for n in wanted if n not in g.tensors]
     if unknown:
         raise SbpflowError(f"fetch {unknown} names no tensor of job {job.name!r}")
-    builder = EagerBuilder(xp, seed=job.config.seed, step=step)
-    for node in g.ops:
-        try:
-            outs = builder.call(node.op_type, *(values[i] for i in node.inputs), **node.attrs)
-        except ShapeError as e:
-            raise ShapeError(f"op {node.name!r} ({node.op_type}): {e}") from None
-        values.update(zip(node.outputs, outs, strict=True))
+    tape = Tape(EagerBuilder(xp, seed=job.config.seed, step=step), values)
+    _run_forward(job, tape, low=None)
     return {n: values[n] for n in wanted}
 
 
@@ -124,25 +126,27 @@ def train(
     """Train ``job`` on one device for ``steps`` (default ``config.steps``): the oracle every parallel
     configuration is compared against.
 
-    The job is compiled by autodiff and optimizer insertion alone. Each step reads batch ``step``, cuts it
-    into :func:`micro_batches` equal parts along axis 0, runs forward and backward per part, *averages*
-    the parameter gradients (each part's loss is its own mean, so the average is the gradient of the
-    whole batch's mean loss: one big-batch step), runs the optimizer ops once on the average, and moves
-    every variable to its new value. ``parameters`` overrides initial values.
+    No compiler pass runs: each step reads batch ``step``, cuts it into :func:`micro_batches` equal parts
+    along axis 0, runs forward (under the job's precision, :mod:`sbpflow.precision`) and backward
+    (:mod:`sbpflow.reference_autodiff`) per part, *averages* the parameter gradients (each part's loss is
+    its own mean, so the average is the gradient of the whole batch's mean loss: one big-batch step), and
+    updates every parameter once from the average (:mod:`sbpflow.reference_optim`). Recomputation
+    (activation checkpointing), pipeline stages, ZeRO and SBP change where and when values are computed,
+    not which: the oracle ignores them. ``parameters`` overrides initial values.
     """
-    c = _compile(job)
-    values = _initial_values(job, c, parameters, xp)
+    plan = _plan(job)
+    values = _initial_values(job, parameters, xp)
     losses: list[float] = []
     for step in range(job.config.steps if steps is None else steps):
-        loss, grads = _step_gradients(job, c, values, step, xp)
-        builder = EagerBuilder(xp, seed=job.config.seed, step=step)
-        out = _run_ops(c.update, {**values, **grads}, builder)
-        values.update({var: out[new] for var, new in c.state.updates.items()})
+        loss, grads = _step_gradients(plan, values, step, xp)
+        if job.optimizer is not None:
+            builder = EagerBuilder(xp, seed=job.config.seed, step=step)
+            values.update(reference_optim.update(job.optimizer, values, grads, builder))
         losses.append(loss)
     return TrainResult(
         losses,
         {p.tensor: values[p.tensor] for p in job.parameters},
-        {name: values[name] for name in c.state.state_vars},
+        {name: values[name] for name in reference_optim.state_names(job.optimizer)},
     )
 
 
@@ -151,75 +155,104 @@ def gradients(
 ) -> tuple[float, dict[str, Any]]:
     """The loss of ``step`` and each trainable parameter's gradient as the optimizer receives it:
     averaged over the micro-batches, unscaled, not yet clipped."""
-    c = _compile(job)
-    loss, grads = _step_gradients(job, c, _initial_values(job, c, parameters, xp), step, xp)
-    return loss, {p: grads[g] for p, g in c.state.grads.items()}
+    return _step_gradients(_plan(job), _initial_values(job, parameters, xp), step, xp)
 
 
 @dataclass(frozen=True)
-class _Compiled:
-    state: Any  # the CompileState after autodiff and optimizer insertion
-    backward: list[OpNode]  # forward and backward ops, run per micro-batch
-    update: list[OpNode]  # clipping and update ops, run once per step
+class _Plan:
+    """What one training step runs: the job, its micro-batch job and the parameters it differentiates."""
+
+    job: Job
+    micro: Job  # the job cut to one micro-batch
     n: int  # micro-batches per step
+    trainable: tuple[str, ...]  # in the optimizer's order
+    low: DType | None  # the compute dtype of mixed precision, or None
+    scale: float  # the static loss scale, or 1
 
 
-def _compile(job: Job) -> _Compiled:
-    """The micro-batch job through the graph-rewriting passes, split where the optimizer begins.
-
-    It runs the passes that change what is computed (autodiff, optimizer insertion, mixed precision,
-    recompute), not those that only change where (SBP, boxing), so the oracle runs exactly the math the
-    runtime runs, on one device.
-    """
-    # imported here: sbpflow's core does not depend on the control plane at import time
-    from sbpflow.control_plane.compiler import autodiff, checkpointing, mixed_precision, optimizer
-    from sbpflow.control_plane.compiler.state import CompileState
-
+def _plan(job: Job) -> _Plan:
     if not job.loss:
         raise SbpflowError(f"job {job.name!r} has no loss; call loss.backward() in build() to train it")
+    loss = job.graph.tensors[job.loss].meta
+    if loss.numel != 1 or not loss.dtype.is_floating:
+        raise GraphError(
+            f"loss {job.loss!r} is {loss}; training needs a floating scalar: reduce it with mean() or sum()"
+        )
+    marked = {p.tensor for p in job.parameters if p.trainable}
+    spec = job.optimizer
+    order = spec.parameters if spec is not None else tuple(p.tensor for p in job.parameters)
+    if spec is not None and not set(spec.parameters) <= marked:
+        raise GraphError(
+            f"job {job.name!r}: the optimizer updates {sorted(set(spec.parameters) - marked)}, which are "
+            "not trainable parameters; mark them trainable or leave them out of the optimizer"
+        )
     n = micro_batches(job)
-    state = CompileState.start(micro_batch_job(job, n))
-    for p in (autodiff, optimizer, mixed_precision, checkpointing):
-        p.run(state)
-    ops = state.graph.ops
-    split = next((i for i, o in enumerate(ops) if o.name.startswith(optimizer.PREFIX)), len(ops))
-    return _Compiled(state, ops[:split], ops[split:], n)
+    scale = job.config.loss_scale if job.config.loss_scale > 0 else 1.0
+    trainable = tuple(p for p in order if p in marked)
+    return _Plan(job, micro_batch_job(job, n), n, trainable, low_dtype(job.config.precision), scale)
 
 
-def _initial_values(job: Job, c: _Compiled, parameters: Mapping[str, Any] | None, xp: ModuleType) -> Arrays:
+def _initial_values(job: Job, parameters: Mapping[str, Any] | None, xp: ModuleType) -> Arrays:
     values: Arrays = dict(init_parameters(job, xp))
     values.update(parameters or {})
-    for name in c.state.state_vars:
-        meta = c.state.graph.tensors[name].meta
-        values[name] = xp.zeros(meta.shape, dtype=meta.dtype.to_numpy())
+    values.update(reference_optim.initial_state(job, xp))
     return values
 
 
-def _step_gradients(
-    job: Job, c: _Compiled, values: Arrays, step: int, xp: ModuleType
-) -> tuple[float, Arrays]:
-    """The step's mean loss over its micro-batches, and its gradient tensors (by name) averaged over them."""
+def _step_gradients(plan: _Plan, values: Arrays, step: int, xp: ModuleType) -> tuple[float, Arrays]:
+    """The step's mean loss over its micro-batches, and each trainable parameter's gradient averaged
+    over them (summed in micro-batch order, ``((g0 + g1) + g2) + g3``, then divided)."""
+    job = plan.job
     batch = read_inputs(job, step)
     _check_values(job, {**values, **batch})
     total: Arrays = {}
     loss = 0.0
-    for k, part in enumerate(_split_batch(batch, c.n)):
-        builder = EagerBuilder(xp, seed=job.config.seed, step=micro_batch_step(step, k, c.n))
-        out = _run_ops(c.backward, {**values, **part}, builder)
-        loss += float(out[job.loss])
-        for grad in c.state.grads.values():
-            total[grad] = out[grad] if k == 0 else total[grad] + out[grad]
-    return loss / c.n, {name: g / xp.asarray(c.n, dtype=g.dtype) for name, g in total.items()}
+    for k, part in enumerate(_split_batch(batch, plan.n)):
+        builder = EagerBuilder(xp, seed=job.config.seed, step=micro_batch_step(step, k, plan.n))
+        tape = Tape(builder, {**values, **part})
+        _run_forward(plan.micro, tape, plan.low)
+        loss += float(tape.values[job.loss])
+        if not plan.trainable:
+            continue
+        grads = backward(tape, job.loss, plan.trainable, seed=plan.scale)
+        for p, g in grads.items():
+            if plan.scale != 1.0:
+                g = g * g.dtype.type(1.0 / plan.scale)
+            total[p] = g if k == 0 else total[p] + g
+    return loss / plan.n, {p: g / xp.asarray(plan.n, dtype=g.dtype) for p, g in total.items()}
 
 
-def _run_ops(ops: Iterable[OpNode], values: Arrays, builder: EagerBuilder) -> Arrays:
-    for node in ops:
-        try:
-            outs = builder.call(node.op_type, *(values[i] for i in node.inputs), **node.attrs)
-        except ShapeError as e:
-            raise ShapeError(f"op {node.name!r} ({node.op_type}): {e}") from None
-        values.update(zip(node.outputs, outs, strict=True))
-    return values
+def _run_forward(job: Job, tape: Tape, low: DType | None) -> None:
+    """The forward graph op by op on ``tape``; under mixed precision (``low``), each op's floating inputs
+    are first cast to the dtype it computes in (one cast per tensor and dtype, before its first reader)."""
+    decls = job.graph.tensors
+    casts: dict[tuple[str, DType], str] = {}
+
+    def read(t: str, dtype: DType) -> str:
+        have = as_dtype(tape.values[t].dtype)
+        if not have.is_floating or have == dtype:
+            return t
+        if (t, dtype) not in casts:
+            name = f"{t}.{dtype.value}"
+            if name in tape.values:
+                raise SbpflowError(
+                    f"mixed precision: the cast of {t!r} would be named {name!r}, which is taken"
+                )
+            tape.apply(name, "cast", (t,), (name,), {"dtype": dtype})
+            casts[t, dtype] = name
+        return casts[t, dtype]
+
+    for node in job.graph.ops:
+        inputs = node.inputs
+        if low is not None:
+            floats = [i for i in inputs if as_dtype(tape.values[i].dtype).is_floating]
+            reads_parameter = any(decls[i].kind == TensorKind.parameter for i in floats if i in decls)
+            dtype = compute_dtype(
+                node.op_type, [as_dtype(tape.values[i].dtype) for i in floats], reads_parameter, low
+            )
+            if dtype is not None:
+                inputs = tuple(read(i, dtype) for i in inputs)
+        tape.apply(node.name, node.op_type, inputs, node.outputs, node.attrs)
 
 
 def _split_batch(batch: Arrays, n: int) -> list[Arrays]:

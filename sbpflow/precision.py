@@ -1,0 +1,46 @@
+"""Mixed precision's autocast policy: the dtype an op computes in under ``JobConfig.precision``.
+
+fp16 and bf16 jobs keep fp32 parameters (master weights) and fp32 optimizer state; the forward computes
+op by op in the dtype :func:`compute_dtype` gives, a floating input of another dtype being cast first,
+and the backward follows through the casts' gradients, so every parameter's gradient comes back fp32.
+The policy is torch.autocast's, with fp16 flowing:
+
+* ``FP32_OPS`` compute in fp32: sums of many terms lose their small addends in fp16, exp overflows it
+  past 11, and normalisations divide by those sums;
+* a ``cast`` is left as its user wrote it;
+* any other op that reads a parameter or a low-precision tensor computes in low precision (a weight's
+  matmul, then the bias add, the activation, the residual add, ... until the next fp32 op);
+* the rest (glue on fp32 values, such as a loss's division by a token count, which would overflow fp16
+  past 65504) runs in the widest dtype of its floating inputs.
+
+Integer and bool tensors (token ids, masks) are never cast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sbpflow.dtype import DType
+from sbpflow.job import Precision
+
+LOW: dict[Precision, DType] = {Precision.fp16: DType.float16, Precision.bf16: DType.bfloat16}
+
+FP32_OPS = frozenset({"softmax", "log_softmax", "cross_entropy", "layer_norm", "exp", "log", "sum", "mean"})
+KEEP_OPS = frozenset({"cast"})
+
+
+def low_dtype(precision: Precision) -> DType | None:
+    """The low-precision compute dtype of ``precision``; None where nothing is cast (fp32, fp64)."""
+    return LOW.get(precision)
+
+
+def compute_dtype(op_type: str, floats: Sequence[DType], reads_parameter: bool, low: DType) -> DType | None:
+    """The dtype ``op_type`` computes in, given the dtypes of its floating inputs and whether one of them
+    is a parameter; None: its inputs are read as they are."""
+    if op_type in KEEP_OPS:
+        return None
+    if op_type in FP32_OPS:
+        return DType.float32
+    if reads_parameter or low in floats:
+        return low
+    return max(floats, key=lambda d: d.itemsize, default=DType.float32)
