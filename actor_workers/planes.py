@@ -1,10 +1,10 @@
 """Each device type's data plane, as a worker sets it up: an address to publish, then a connect with
 everyone's addresses (a table from device type to plane, not a branch per type).
 
-- ``cpu``: :class:`~sbpflow.actor_workers.transport.cpu.CpuTransport` — it listens at once; its
+- ``cpu``: :class:`~sbpflow.actor_workers.transport.cpu.transport.CpuTransport` — it listens at once; its
   :class:`Endpoint` is the address; ``connect`` builds the full mesh (shared memory on one host, TCP
   between hosts). Kernels run on numpy.
-- ``cuda``: :class:`~sbpflow.actor_workers.transport.nccl.NcclTransport` — nothing to publish; every
+- ``cuda``: :class:`~sbpflow.actor_workers.transport.nccl.transport.NcclTransport` — nothing to publish; every
   communicator's NCCL unique id comes from :class:`UidStore`, the control plane's get-or-create store
   (one Ray actor per attempt): the first member to ask files an id it made itself, as NCCL requires, and
   every other member gets that one. Kernels run on cupy (one GPU per worker: Ray sets
@@ -32,7 +32,7 @@ class DataPlane(Protocol):
 
 class CpuPlane:
     def __init__(self, rank: int, host: str, host_id: str | None, shared_memory: bool = True) -> None:
-        from sbpflow.actor_workers.transport.cpu import CpuTransport
+        from sbpflow.actor_workers.transport.cpu.transport import CpuTransport
 
         self.xp = np
         self.transport = CpuTransport(rank, host=host, host_id=host_id, shared_memory=shared_memory)
@@ -59,7 +59,8 @@ class NcclPlane:
     def connect(self, addresses: Sequence[Any], ranks: Sequence[int], uids: Any, timeout: float) -> Any:
         import ray
 
-        from sbpflow.actor_workers.transport.nccl import CommKey, NcclTransport
+        from sbpflow.actor_workers.transport.nccl.comms import CommKey
+        from sbpflow.actor_workers.transport.nccl.transport import NcclTransport
 
         if uids is None:
             raise ValueError(

@@ -179,9 +179,9 @@ class Worker:
         start: Any = None,
     ) -> None:
         """Connect to every peer, then build this rank's actors from the plan. ``start`` (a
-        :class:`~sbpflow.actor_workers.checkpointing.Start`): the first step, where the variables start
+        :class:`~sbpflow.actor_workers.snapshots.Start`): the first step, where the variables start
         from, and where to checkpoint."""
-        from sbpflow.actor_workers import checkpointing
+        from sbpflow.actor_workers import snapshots as checkpointing
         from sbpflow.actor_workers.runtime import executor
 
         start = start or checkpointing.Start()
@@ -216,13 +216,13 @@ class Worker:
 
     def run(self, timeout: float) -> WorkerOutcome:
         """Run to the end; a failure comes back as ``WorkerOutcome.failure``, after the peers are told."""
-        from sbpflow.actor_workers.runtime import RuntimeFailure
+        from sbpflow.actor_workers.runtime.errors import RuntimeFailure
 
         if self._engine is None:
             raise RuntimeError(f"rank {self.rank}: call setup() before run()")
         self._engine.add_abort_hook(self.plane.transport.abort)
         self.reporter.send(log=sp.LogLine(rank=self.rank, level="INFO", text=f"rank {self.rank} running"))
-        from sbpflow.actor_workers.checkpointing import close_all
+        from sbpflow.actor_workers.snapshots import close_all
 
         try:
             try:

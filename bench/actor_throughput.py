@@ -21,7 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sbpflow.actor_workers.runtime import ActorSpec, Engine, RegisterSpec  # noqa: E402
+from sbpflow.actor_workers.runtime.actor import ActorSpec
+from sbpflow.actor_workers.runtime.engine import Engine
+from sbpflow.actor_workers.runtime.register import RegisterSpec
 
 TARGET = 50_000
 

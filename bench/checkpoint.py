@@ -6,7 +6,7 @@ bytes on the same disk (target >= 0.8x), and the time from a worker's death to t
     python bench/checkpoint.py --mb 512 --repeat 7 --no-ray
 
 Write: one rank's shards (8 float32 tensors, a rank of an S(0) layout) through
-``sbpflow.checkpoint.write_rank`` (safetensors bytes, temp name, fsync, rename, directory fsync); the peer
+``sbpflow.checkpoint.write.write_rank`` (safetensors bytes, temp name, fsync, rename, directory fsync); the peer
 is ``numpy.save`` of the same 8 arrays into one file, followed by one fsync (the same durability; without
 the fsync numpy.save would only measure the page cache). Read: a rank of a *different* layout (the 2-way
 split of what 4 ranks wrote: it reads from two ranks' files) reads its slices through
@@ -39,7 +39,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sbpflow import checkpoint as ck  # noqa: E402
+from sbpflow.checkpoint import write as ck  # noqa: E402
+from sbpflow.checkpoint.read import CheckpointReader  # noqa: E402
 from sbpflow.placement import placement  # noqa: E402
 from sbpflow.sbp import S  # noqa: E402
 from sbpflow.sharding import shard_index  # noqa: E402
@@ -94,7 +95,7 @@ def throughput(mb: int, repeat: int, where: Path) -> None:
         ours_w.append(took["ours"])
         peer_w.append(took["peer"])
         ck.try_complete(where, 1, "bench", list(range(world)), "bench", 0)
-        reader = ck.CheckpointReader(where)
+        reader = CheckpointReader(where)
         t0 = time.perf_counter()
         got = 0
         for i in range(TENSORS):  # rank 0 of 2: the slices ranks 0 and 1 of 4 wrote
@@ -120,7 +121,7 @@ def restart() -> None:
     import ray
 
     import sbpflow as sf
-    from tests.actor_workers.test_checkpointing import ray_job
+    from tests.actor_workers.test_snapshots import ray_job
 
     marks: dict[str, float] = {}
 

@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sbpflow as sf  # noqa: E402
 from sbpflow import reference  # noqa: E402
 from sbpflow.actor_workers.runtime import executor  # noqa: E402
-from sbpflow.actor_workers.runtime import store as store_module  # noqa: E402
-from sbpflow.actor_workers.runtime.store import Store  # noqa: E402
+from sbpflow.actor_workers.runtime import variables as store_module  # noqa: E402
+from sbpflow.actor_workers.runtime.variables import Store  # noqa: E402
 from sbpflow.control_plane.compiler import pipeline  # noqa: E402
 from sbpflow.data import ArraySource  # noqa: E402
 from sbpflow.graph import Graph  # noqa: E402

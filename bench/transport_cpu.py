@@ -118,7 +118,7 @@ def _worker(rank: int, conn: Any, port: int, cases: list[tuple[str, int, int]], 
     import faulthandler
 
     faulthandler.enable()
-    from sbpflow.actor_workers.transport import CpuTransport
+    from sbpflow.actor_workers.transport.cpu.transport import CpuTransport
 
     shm = CpuTransport(rank, timeout=120, shared_memory=True)
     tcp = CpuTransport(rank, timeout=120, shared_memory=True, host_id=f"bench-host-{rank}")

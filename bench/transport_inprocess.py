@@ -32,7 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sbpflow.actor_workers.transport import InProcessWorld, Transport  # noqa: E402
+from sbpflow.actor_workers.transport.base import Transport
+from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 
 MB = 1 << 20
 

@@ -167,7 +167,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from sbpflow import wire
     from sbpflow.client.cli import _job_from_args
-    from sbpflow.client.progress import ProgressBar
+    from sbpflow.client.progress_bar import ProgressBar
     from sbpflow.control_plane.jobs import JobManager, ManagerConfig, job_ranks
     from sbpflow.control_plane.store.job_store import JobStore
 
@@ -203,7 +203,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"{n} steps in {result.seconds:.2f} s ({n / max(result.seconds, 1e-9):.2f} steps/s, {args.backend})"
     )
     if args.trace:
-        from sbpflow.actor_workers.runtime import chrome_trace
+        from sbpflow.actor_workers.runtime.trace import chrome_trace
 
         Path(args.trace).write_text(json.dumps(chrome_trace(result.trace or [])), encoding="utf-8")
         print(f"wrote {args.trace} (open it in https://ui.perfetto.dev)")
@@ -282,10 +282,10 @@ def _checkpoint_dir(args: argparse.Namespace) -> Path:
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     """List a job's complete checkpoints (partial ones are never listed)."""
-    from sbpflow import checkpoint
+    from sbpflow.checkpoint.read import list_checkpoints
 
     where = _checkpoint_dir(args)
-    found = checkpoint.list_checkpoints(where)
+    found = list_checkpoints(where)
     if not found:
         print(f"no complete checkpoint in {where}", file=sys.stderr)
         return 1
@@ -297,11 +297,11 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Write a checkpoint's logical parameters to one safetensors or .npz file."""
-    from sbpflow import checkpoint
+    from sbpflow.checkpoint.read import export, resolve
 
-    src = checkpoint.resolve(_checkpoint_dir(args))
+    src = resolve(_checkpoint_dir(args))
     out = Path(args.out or f"{Path(args.id).name}-{src.name}.{args.format}")
-    checkpoint.export(src, out, args.format)
+    export(src, out, args.format)
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) from {src}")
     return 0
 

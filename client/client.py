@@ -189,7 +189,7 @@ class JobHandle:
 
     def watch(self, stream: TextIO | None = None, progress: bool = True) -> sp.JobStatus:
         """Follow the job to its end, drawing a progress bar on ``stream`` (stdout); its final status."""
-        from sbpflow.client.progress import ProgressBar
+        from sbpflow.client.progress_bar import ProgressBar
 
         bar = ProgressBar(stream) if progress else None
         try:

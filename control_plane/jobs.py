@@ -182,11 +182,11 @@ class JobManager:
         checkpoint: ``job_bytes`` (e.g. re-traced under another layout) or, if None, the job as it was
         submitted. ``NotResumable`` if the job runs or has no checkpoint; ``ValidationError`` if the new
         job does not match the checkpoint (see :mod:`.resume`)."""
-        from sbpflow import checkpoint
+        from sbpflow.checkpoint.read import CheckpointReader
 
         rec = self.store.get(job_id)
         found = resuming.checkpoint_to_resume(self.config.checkpoint_root, rec)
-        reader = checkpoint.CheckpointReader(found.path)
+        reader = CheckpointReader(found.path)
         return self._admit(
             rec.job_proto if job_bytes is None else job_bytes,
             client_id,
@@ -377,7 +377,7 @@ class JobManager:
         return kwargs, 0 if found is None else found.step
 
     def _run(self, job_id: str, r: RunningJob) -> None:
-        from sbpflow.actor_workers.runtime import RuntimeFailure
+        from sbpflow.actor_workers.runtime.errors import RuntimeFailure
         from sbpflow.control_plane.launcher import RunCancelled, run
 
         rec = self.store.get(job_id)

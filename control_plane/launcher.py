@@ -28,12 +28,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from sbpflow import checkpoint
-from sbpflow.actor_workers import checkpointing
+from sbpflow.actor_workers import snapshots as checkpointing
 from sbpflow.actor_workers.reporting import step_report, watch_steps
 from sbpflow.actor_workers.runtime import executor
 from sbpflow.actor_workers.runtime.errors import RunCancelled, RuntimeFailure
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
+from sbpflow.checkpoint.read import CheckpointReader, resolve
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.reports import ReportHub
@@ -95,8 +95,8 @@ def run(
         raise SbpflowError(f"steps={steps}: a run trains for at least one step")
     first_step = 0
     if resume_from is not None:
-        resume_from = str(checkpoint.resolve(resume_from))
-        first_step = checkpoint.CheckpointReader(resume_from).step
+        resume_from = str(resolve(resume_from))
+        first_step = CheckpointReader(resume_from).step
         if first_step >= steps:
             raise SbpflowError(
                 f"the checkpoint {resume_from} is at step {first_step} and the job trains {steps} steps: "
@@ -138,7 +138,7 @@ def run(
 def compile_for_run(job: Job) -> Compiled:
     """The compiled job, or a clear error when it cannot run (no plan, a lowering skipped)."""
     compiled = pipeline.compile(job)
-    skipped = [n for n in compiled.notes if "asks for it" in n or "lowering skipped" in n]
+    skipped = [n for n in compiled.notes if "lowering skipped" in n]
     if compiled.plan is None or skipped:
         raise SbpflowError(
             f"job {job.name!r} cannot run: " + "; ".join(skipped or compiled.notes or ["no plan was made"])

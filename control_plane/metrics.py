@@ -30,8 +30,7 @@ from prometheus_client.registry import Collector
 
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import WorkerRecord
-from sbpflow.run_state import IN_FLIGHT
-from sbpflow.run_state import JobState, WorkerState
+from sbpflow.run_state import IN_FLIGHT, JobState, WorkerState
 
 RECENT = 50
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sbpflow import checkpoint as ck
+from sbpflow.checkpoint.format import CheckpointError
+from sbpflow.checkpoint.read import CheckpointInfo, CheckpointReader, latest
 from sbpflow.control_plane.store.schema import JobRecord
 from sbpflow.control_plane.validation import ValidationError
 from sbpflow.errors import SbpflowError
@@ -41,20 +42,20 @@ def job_dir(root: str | Path, job_id: str) -> Path:
     return Path(root) / job_id
 
 
-def start_checkpoint(root: str | Path, rec: JobRecord) -> ck.CheckpointInfo | None:
+def start_checkpoint(root: str | Path, rec: JobRecord) -> CheckpointInfo | None:
     """The checkpoint ``rec``'s job goes on from: its own latest complete one, else the one it started
     from; None when there is neither (or that one is gone or damaged)."""
-    own = ck.latest(job_dir(root, rec.id))
+    own = latest(job_dir(root, rec.id))
     if own is not None or not rec.resume_checkpoint:
         return own
     try:
-        reader = ck.CheckpointReader(rec.resume_checkpoint)
-    except (OSError, ValueError, ck.CheckpointError):
+        reader = CheckpointReader(rec.resume_checkpoint)
+    except (OSError, ValueError, CheckpointError):
         return None
-    return ck.CheckpointInfo(reader.step, reader.path, sum(reader.manifest.files.values()))
+    return CheckpointInfo(reader.step, reader.path, sum(reader.manifest.files.values()))
 
 
-def checkpoint_to_resume(root: str | None, rec: JobRecord) -> ck.CheckpointInfo:
+def checkpoint_to_resume(root: str | None, rec: JobRecord) -> CheckpointInfo:
     """The checkpoint a Resume of ``rec``'s job starts from, or ``NotResumable`` saying why there is none."""
     if not rec.state.terminal:
         raise NotResumable(
@@ -76,7 +77,7 @@ def checkpoint_to_resume(root: str | None, rec: JobRecord) -> ck.CheckpointInfo:
     return found
 
 
-def check_compatible(job: Job, reader: ck.CheckpointReader) -> None:
+def check_compatible(job: Job, reader: CheckpointReader) -> None:
     """Refuse (``ValidationError``) a job that cannot start from ``reader``'s checkpoint: another model
     (variables missing, extra parameters, other shapes or dtypes), or no step left to train."""
     from sbpflow.control_plane.compiler import pipeline

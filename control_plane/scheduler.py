@@ -149,7 +149,7 @@ def run_on_ray(compiled: Compiled, options: RunOptions, tracker: StepTracker) ->
 
 def _start(compiled: Compiled, options: RunOptions) -> Any:
     """What every worker of this attempt starts from and where it checkpoints."""
-    from sbpflow.actor_workers import checkpointing
+    from sbpflow.actor_workers import snapshots as checkpointing
 
     assert compiled.plan is not None
     return checkpointing.Start(
@@ -163,9 +163,9 @@ def _start(compiled: Compiled, options: RunOptions) -> Any:
 def _restart(first: RunOptions, failed: RunOptions, tracker: StepTracker) -> RunOptions:
     """The options of the attempt after ``failed``: from the latest checkpoint of the run's directory
     (or from where the run started when none was written), its steps forgotten by the tracker."""
-    from sbpflow import checkpoint
+    from sbpflow.checkpoint.read import latest
 
-    last = checkpoint.latest(first.checkpoint_dir) if first.checkpoint_dir else None
+    last = latest(first.checkpoint_dir) if first.checkpoint_dir else None
     end = failed.first_step + failed.steps
     if last is not None and first.first_step < last.step < end:
         at, resume = last.step, str(last.path)

@@ -129,9 +129,9 @@ class JobServicer:
         )
         step = 0
         if rec.resume_checkpoint:
-            from sbpflow import checkpoint
+            from sbpflow.checkpoint.read import CheckpointReader
 
-            step = _guard(context, lambda: checkpoint.CheckpointReader(rec.resume_checkpoint).step)
+            step = _guard(context, lambda: CheckpointReader(rec.resume_checkpoint).step)
         return sp.ResumeJobResponse(
             job_id=rec.id,
             status=self.status_of(rec.id),

@@ -16,7 +16,7 @@ from sbpflow import corpus, data, random, sbp
 from sbpflow.client import functional as _functional
 from sbpflow.client import nn, optim
 from sbpflow.client.context import TracingError
-from sbpflow.client.graph import Graph, GraphConfig
+from sbpflow.client.static_graph import Graph, GraphConfig
 from sbpflow.client.tensor import Tensor
 from sbpflow.dtype import DType, bfloat16, float16, float32, float64, int32, int64
 from sbpflow.errors import GraphError, PlacementError, SbpError, SbpflowError, ShapeError

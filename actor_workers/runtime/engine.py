@@ -22,7 +22,7 @@ from typing import Any
 
 from sbpflow.actor_workers.runtime.actor import Actor, ActorSpec
 from sbpflow.actor_workers.runtime.errors import RuntimeAborted, RuntimeFailure, RuntimeTimeout
-from sbpflow.actor_workers.runtime.graph import link
+from sbpflow.actor_workers.runtime.linking import link
 from sbpflow.actor_workers.runtime.register import RegisterSpec
 from sbpflow.actor_workers.runtime.trace import ActEvent
 

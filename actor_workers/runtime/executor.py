@@ -37,8 +37,8 @@ from sbpflow.actor_workers.runtime.engine import AbortHook, Engine, RunResult
 from sbpflow.actor_workers.runtime.executor_analysis import KIND, ExecutorError, boxing_plan_of, node_of
 from sbpflow.actor_workers.runtime.group import EngineGroup
 from sbpflow.actor_workers.runtime.register import RegisterSpec
-from sbpflow.actor_workers.runtime.store import StoreSource, init_store
 from sbpflow.actor_workers.runtime.tasks import Act, RankContext
+from sbpflow.actor_workers.runtime.variables import StoreSource, init_store
 from sbpflow.boxing import BoxingPlan
 from sbpflow.graph import Graph, OpNode
 from sbpflow.job import Job

@@ -22,8 +22,8 @@ from typing import Any
 from sbpflow import wire
 from sbpflow.actor_workers.runtime import boxing_tasks, tasks
 from sbpflow.actor_workers.runtime.register import RegisterSpec
-from sbpflow.actor_workers.runtime.store import Store
 from sbpflow.actor_workers.runtime.tasks import RankContext
+from sbpflow.actor_workers.runtime.variables import Store
 from sbpflow.boxing import BoxingPlan, Collective, plan_boxing
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import BOXING, Graph, OpNode

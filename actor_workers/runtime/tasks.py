@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.actor_workers.runtime.store import Store, is_partial_elsewhere
+from sbpflow.actor_workers.runtime.variables import Store, is_partial_elsewhere
 from sbpflow.errors import SbpflowError, ShapeError
 from sbpflow.graph import OpNode, TensorDecl
 from sbpflow.job import Job

@@ -19,7 +19,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from sbpflow.control_plane.compiler.lowering import plan_of, shard_shape
+from sbpflow.control_plane.compiler.lowering.boxing import plan_of
+from sbpflow.control_plane.compiler.lowering.tasks import shard_shape
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.graph import BOXING, TensorKind
 from sbpflow.placement import Placement

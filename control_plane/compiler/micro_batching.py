@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from sbpflow.boxing import plan_boxing
 from sbpflow.control_plane.compiler.autodiff import is_backward
 from sbpflow.control_plane.compiler.optimizer import PREFIX as OPTIMIZER
+from sbpflow.control_plane.compiler.rewrites import rewritten
 from sbpflow.control_plane.compiler.schedule import Phase, Schedule, build
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.errors import GraphError, ShapeError
@@ -160,9 +161,7 @@ class _Twin:
 
 def _graph_passes(job: Job) -> _Twin:
     """``job`` through the passes that run before SBP inference, names matching the compiled graph's."""
-    from sbpflow.control_plane.compiler.pipeline import through  # the driver imports us lazily
-
-    state = through(job, "sbp_inference")
+    state = rewritten(job)
     return _Twin(state.graph.tensors, {o.name: o for o in state.graph.ops})
 
 

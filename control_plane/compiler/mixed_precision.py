@@ -35,21 +35,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from sbpflow.control_plane.compiler import autodiff, optimizer
-from sbpflow.control_plane.compiler.checkpointing import forward_end
+from sbpflow.control_plane.compiler.recompute import forward_end
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.dtype import DType
 from sbpflow.errors import GraphError, ShapeError
 from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind
-from sbpflow.job import Precision
 from sbpflow.ops.base import get_op
-
-LOW: dict[Precision, DType] = {Precision.fp16: DType.float16, Precision.bf16: DType.bfloat16}
-
-# Ops that compute in fp32 whatever the precision: sums of many terms lose their small addends in fp16,
-# exp overflows it past 11, and normalisations divide by those sums (torch.autocast's fp32 list).
-FP32_OPS = frozenset({"softmax", "log_softmax", "cross_entropy", "layer_norm", "exp", "log", "sum", "mean"})
-# Ops whose input dtype is what the user asked for: left alone.
-KEEP_OPS = frozenset({"cast"})
+from sbpflow.precision import FP32_OPS, KEEP_OPS, LOW  # the policy, declared once in the core
 
 
 @dataclass
@@ -113,7 +105,7 @@ class _Caster:
         except ShapeError as e:
             raise GraphError(
                 f"mixed precision: op {node.name!r} ({node.op_type}) cannot run in {dtype}: {e}. Cast its "
-                "inputs explicitly (sf cast) or add the op to mixed_precision.KEEP_OPS"
+                "inputs explicitly (sf cast) or add the op to sbpflow.precision.KEEP_OPS"
             ) from None
         for name, meta in zip(node.outputs, metas, strict=True):
             self.graph.set_tensor(replace(self.graph.tensors[name], meta=meta))

@@ -1,12 +1,12 @@
 """The compiler driver: ``compile(job)`` runs the passes in order and lowers the result to a Plan.
 
-    CompileState.start -> autodiff -> optimizer -> mixed_precision -> zero -> checkpointing
+    CompileState.start -> autodiff -> optimizer -> mixed_precision -> zero -> recompute
         -> sbp_inference -> boxing_pass -> micro_batching -> lowering -> memory
         -> comm_order.check
 
-Each pass is a module of this package with ``run(state)``; it is imported when the pipeline runs, and a
-pass whose module does not exist yet is skipped with a note (the note says when the job asked for what
-the pass does). ``Graph.verify`` runs after every pass, and every pass's wall time is recorded (the
+Each pass is a module of this package with ``run(state)``; :data:`PASSES` is the tuple of them, in order
+(the first five are :data:`~.rewrites.REWRITES`). A pass with nothing to do for a job (no optimizer, no
+ZeRO) returns at once. ``Graph.verify`` runs after every pass, and every pass's wall time is recorded (the
 compile-scale benchmark reports them); from ``boxing_pass`` on, ``verify.verify_compiled`` runs after
 every pass too (each op reads exactly the SBP its signature asks for). ``compile(job, cluster_size=N)``
 first refuses a placement with a rank outside ``0 .. N-1``. Lowering needs every tensor's placement and
@@ -14,57 +14,47 @@ SBP; when the passes that provide them are missing and the job does not annotate
 is skipped with a note and ``Compiled.plan`` is ``None``.
 
 Lowering materialises every rank's tasks (``Compiled.plan``) unless the job is big: above
-``lowering.LAZY_ABOVE`` estimated tasks (or with ``lower="lazy"``) the plan is lowered on demand —
+``LAZY_ABOVE`` estimated tasks (or with ``lower="lazy"``) the plan is lowered on demand —
 ``Compiled.device_plan(rank)`` / ``Compiled.rank_plan(rank)`` build one rank's DevicePlan (cached), equal
 to its entry in the full plan — which is what a control plane ships each worker anyway. The compile
 itself then lowers one representative rank per memory class (``memory.rank_classes``: a pipeline stage
 with even splits is one class) for the memory estimate, and proves the communicator order from the
-walk's one sequence of boxing steps (``lowering.check_order``) instead of from every rank's tasks.
+walk's one sequence of boxing steps (``check_order``) instead of from every rank's tasks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Literal, TypeVar
 
 from sbpflow import wire
-from sbpflow.control_plane.compiler import comm_order, lowering, memory
+from sbpflow.control_plane.compiler import boxing_pass, comm_order, memory, micro_batching, sbp_inference
+from sbpflow.control_plane.compiler.lowering import lower as lowering
+from sbpflow.control_plane.compiler.lowering.on_demand import LAZY_ABOVE, check_order, estimate_tasks
+from sbpflow.control_plane.compiler.lowering.tasks import LoweringError
 from sbpflow.control_plane.compiler.memory import DeviceMemory
+from sbpflow.control_plane.compiler.rewrites import REWRITES
 from sbpflow.control_plane.compiler.state import CompileState
+from sbpflow.control_plane.compiler.verify import verify_compiled
 from sbpflow.errors import PlacementError
 from sbpflow.graph import BOXING, Graph
 from sbpflow.job import Job
 from sbpflow.sbp import format_nd
 from sbpflow.v1 import plan_pb2 as pp
 
-PACKAGE = "sbpflow.control_plane.compiler"
 T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class Pass:
-    name: str  # module of this package
-    wanted: Callable[[Job], bool] = lambda job: True  # does this job ask for what the pass does?
+# The graph passes in the order of docs/ARCHITECTURE.md's compiler section; lowering, memory planning
+# and the order check follow in ``compile``.
+PASSES: tuple[ModuleType, ...] = (*REWRITES, sbp_inference, boxing_pass, micro_batching)
 
 
-# The order of ARCHITECTURE.md's compiler section.
-PASSES = (
-    Pass("autodiff", lambda j: bool(j.loss) and j.optimizer is not None),
-    Pass("optimizer", lambda j: j.optimizer is not None),
-    Pass("mixed_precision", lambda j: j.config.precision.value in ("fp16", "bf16")),
-    Pass("zero", lambda j: j.config.zero_stage > 0),
-    Pass(
-        "checkpointing", lambda j: j.config.activation_checkpointing or any(o.checkpoint for o in j.graph.ops)
-    ),
-    Pass("sbp_inference"),
-    Pass("boxing_pass"),
-    Pass("micro_batching", lambda j: j.config.micro_batches > 1 or j.config.gradient_accumulation_steps > 1),
-)
+def pass_name(p: ModuleType) -> str:
+    return p.__name__.rsplit(".", 1)[-1]
 
 
 Lower = Literal["auto", "eager", "lazy", "none"]
@@ -90,10 +80,10 @@ class Compiled:
         if self.plan is not None:
             found = [d for d in self.plan.devices if d.rank == rank]
             if not found:
-                raise lowering.LoweringError(f"rank {rank} has no tasks in this plan")
+                raise LoweringError(f"rank {rank} has no tasks in this plan")
             return found[0]
         if self.lazy is None:
-            raise lowering.LoweringError("this job was compiled without lowering (lower='none')")
+            raise LoweringError("this job was compiled without lowering (lower='none')")
         if rank not in self._devices:
             self._devices.update(self.device_plans([rank]))
         return self._devices[rank]
@@ -124,23 +114,6 @@ class Compiled:
         return plan
 
 
-def available(name: str) -> bool:
-    return importlib.util.find_spec(f"{PACKAGE}.{name}") is not None
-
-
-def through(job: Job, stop: str) -> CompileState:
-    """``job`` run through the available passes before ``stop``. The passes are deterministic, so op
-    and tensor names match those of a full compile: micro-batching and SBP inference use this to see the
-    same graph cut to one micro-batch."""
-    state = CompileState.start(job)
-    for p in PASSES:
-        if p.name == stop:
-            break
-        if available(p.name):
-            importlib.import_module(f"{PACKAGE}.{p.name}").run(state)
-    return state
-
-
 def compile(
     job: Job,
     verify: bool = True,
@@ -153,7 +126,7 @@ def compile(
     ``cluster_size``, when given, is the number of devices the job may use (ranks ``0 .. cluster_size-1``);
     a placement that needs more is refused before any pass runs. ``lower``: ``"eager"`` materialises the
     whole Plan, ``"lazy"`` lowers ranks on demand (module docstring), ``"auto"`` (or ``True``) is eager up
-    to ``lowering.LAZY_ABOVE`` estimated tasks, ``"none"`` (or ``False``) stops after the graph passes (no
+    to ``LAZY_ABOVE`` estimated tasks, ``"none"`` (or ``False``) stops after the graph passes (no
     Plan, no memory estimate): what the compile-scale benchmark times per layer count.
     """
     mode = {True: "auto", False: "none"}.get(lower, lower) if isinstance(lower, bool) else lower
@@ -164,16 +137,12 @@ def compile(
     out = Compiled(state, None, {"start": time.perf_counter() - t0}, job_id=job_id)
     boxed = False
     for p in PASSES:
-        if not available(p.name):
-            asked = " — this job asks for it, so the plan runs without it" if p.wanted(job) else ""
-            out.notes.append(f"pass {p.name}: not implemented yet, skipped{asked}")
-            continue
-        _timed(out, p.name, importlib.import_module(f"{PACKAGE}.{p.name}").run, state)
-        boxed = boxed or p.name == "boxing_pass"
+        _timed(out, pass_name(p), p.run, state)
+        boxed = boxed or p is boxing_pass
         if verify:
             _timed(out, "verify", state.graph.verify)
-            if boxed and available("verify"):  # from boxing on, every op reads exactly what it asks for
-                _timed(out, "verify", importlib.import_module(f"{PACKAGE}.verify").verify_compiled, state)
+            if boxed:  # from boxing on, every op reads exactly what it asks for
+                _timed(out, "verify", verify_compiled, state)
     if mode == "none":
         out.timings["total"] = time.perf_counter() - t0
         return out
@@ -185,7 +154,7 @@ def compile(
         )
         return out
     if mode == "auto":
-        mode = "lazy" if lowering.estimate_tasks(state) > lowering.LAZY_ABOVE else "eager"
+        mode = "lazy" if estimate_tasks(state) > LAZY_ABOVE else "eager"
     if mode == "eager":
         out.plan = _timed(out, "lowering", lowering.run, state, job_id)
         out.memory = _timed(out, "memory", memory.run, state, out.plan)
@@ -201,7 +170,7 @@ def _lazy(out: Compiled) -> None:
     state = out.state
     classes = _timed(out, "rank classes", memory.rank_classes, state)
     low = _timed(out, "lowering", lowering.lower, state, [c[0] for c in classes], True)
-    _timed(out, "comm_order", lowering.check_order, low)
+    _timed(out, "comm_order", check_order, low)
     out.memory = _timed(out, "memory", memory.for_classes, state, low.devices, classes)
     out.lazy, out._devices = low, dict(low.devices)
     out.notes.append(
@@ -268,9 +237,8 @@ def dump(c: Compiled) -> str:
 
 
 def _sbp_lines(c: Compiled) -> list[str]:
-    if c.state.choices and available("sbp_inference"):
-        dump = importlib.import_module(f"{PACKAGE}.sbp_inference").dump
-        return str(dump(c.state)).splitlines()
+    if c.state.choices:
+        return str(sbp_inference.dump(c.state)).splitlines()
     g = c.state.graph
     out = []
     for o in g.ops:

@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from sbpflow.control_plane.compiler.rewrites import rewritten
 from sbpflow.control_plane.compiler.sbp_cost import (
     Attrs,
     Call,
@@ -214,9 +215,7 @@ def _micro_calls(job: Job, m: int) -> dict[str, tuple[Attrs, tuple[TensorMeta, .
     this pass and keeps the signatures chosen here, so a split that is valid on the whole step's batch but
     not on a micro-batch (96 rows over an 8 x 8 mesh, evenly, for a reshape) must not be chosen. The
     passes before this one are deterministic, so the twin's op names match."""
-    from sbpflow.control_plane.compiler.pipeline import through  # the driver imports us lazily
-
-    g = through(micro_batch_job(job, m), "sbp_inference").graph
+    g = rewritten(micro_batch_job(job, m)).graph
     return {
         o.name: (
             attrs_key(get_op(o.op_type).normalize_attrs(o.attrs)),

@@ -11,7 +11,7 @@ import pytest
 
 from sbpflow.client.cli import main
 from sbpflow.client.client import Client, ClientError
-from sbpflow.client.progress import ProgressBar
+from sbpflow.client.progress_bar import ProgressBar
 from sbpflow.control_plane.server import ControlPlane, ServerConfig
 from sbpflow.v1 import service_pb2 as sp
 

@@ -16,8 +16,9 @@ import pytest
 
 import sbpflow as sf
 from sbpflow import reference
-from sbpflow.actor_workers.runtime import RuntimeFailure, RuntimeTimeout, chrome_trace
-from sbpflow.actor_workers.transport import TransportError
+from sbpflow.actor_workers.runtime.errors import RuntimeFailure, RuntimeTimeout
+from sbpflow.actor_workers.runtime.trace import chrome_trace
+from sbpflow.actor_workers.transport.base import TransportError
 from sbpflow.control_plane import launcher as api
 from sbpflow.errors import SbpflowError, ShapeError
 from sbpflow.ops.base import OPS, KernelContext, get_op

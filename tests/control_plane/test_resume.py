@@ -22,8 +22,10 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import checkpoint as ck
 from sbpflow import wire
+from sbpflow.checkpoint import read as ck_read
+from sbpflow.checkpoint.format import MANIFEST, step_dir
+from sbpflow.checkpoint.read import CheckpointReader, list_checkpoints, read_logical
 from sbpflow.client.cli import main as cli
 from sbpflow.client.client import Client, ClientError
 from sbpflow.control_plane.jobs import JobManager, ManagerConfig
@@ -86,7 +88,7 @@ def test_resume_goes_on_from_the_latest_checkpoint_under_any_layout(
     manager: JobManager, mlp: ModuleType, ended: str, layout: dict[str, Any]
 ) -> None:
     root = Path(manager.config.checkpoint_root or "")
-    latest = ck.latest(root / ended)
+    latest = ck_read.latest(root / ended)
     assert latest is not None and latest.step == 4
     new = manager.resume(ended, blob(job_of(mlp, 6, **layout)))
     assert new.id != ended and new.resumed_from == ended and new.resume_checkpoint == str(latest.path)
@@ -95,8 +97,8 @@ def test_resume_goes_on_from_the_latest_checkpoint_under_any_layout(
     assert [p.step for p in got] == [5, 6]
     want = sf.run(job_of(mlp, 6, every=0), backend="inprocess", timeout=60).losses
     np.testing.assert_allclose([p.loss for p in got], want[4:], rtol=1e-4)
-    assert [c.step for c in ck.list_checkpoints(root / new.id)] == [6]  # its own folder
-    assert manager.last_checkpoint(new.id) == str(ck.step_dir(root / new.id, 6))
+    assert [c.step for c in list_checkpoints(root / new.id)] == [6]  # its own folder
+    assert manager.last_checkpoint(new.id) == str(step_dir(root / new.id, 6))
     assert manager.store.get(ended).state == JobState.SUCCEEDED  # the old job is left as it was
     logs = [line.text for line in manager.store.logs(new.id)]
     assert f"resumes job {ended} from {latest.path}" in logs
@@ -104,13 +106,16 @@ def test_resume_goes_on_from_the_latest_checkpoint_under_any_layout(
 
 def test_resume_without_a_job_reruns_the_submitted_one(manager: JobManager, mlp: ModuleType) -> None:
     rec = manager.submit(blob(job_of(mlp, LONG)))
-    until(lambda: ck.latest(Path(manager.config.checkpoint_root or "") / rec.id) is not None, "a checkpoint")
+    until(
+        lambda: ck_read.latest(Path(manager.config.checkpoint_root or "") / rec.id) is not None,
+        "a checkpoint",
+    )
     manager.cancel(rec.id)
     assert wait_end(manager, rec.id) == JobState.CANCELLED
     new = manager.resume(rec.id)
     until(lambda: len(manager.store.losses(new.id)) >= 2, "the resumed job to step")
     first = manager.store.losses(new.id)[0].step
-    assert ck.CheckpointReader(new.resume_checkpoint).step == first - 1
+    assert CheckpointReader(new.resume_checkpoint).step == first - 1
     manager.cancel(new.id)
     assert wait_end(manager, new.id) == JobState.CANCELLED
 
@@ -173,7 +178,7 @@ def test_what_cannot_be_resumed_says_why(tmp_path: Path, manager: JobManager, ml
 def test_a_chain_of_resumes_passes_the_checkpoint_on(manager: JobManager, ended: str) -> None:
     """A resumed job that has not written a checkpoint yet goes on from the one it started from."""
     root = manager.config.checkpoint_root or ""
-    first = ck.latest(Path(root) / ended)
+    first = ck_read.latest(Path(root) / ended)
     rec = manager.store.create(
         manager.store.get(ended).job_proto,
         "j",
@@ -198,21 +203,21 @@ def test_cancel_during_a_checkpoint_leaves_only_complete_ones_and_the_latest_loa
     where = Path(manager.config.checkpoint_root or "") / rec.id
 
     def writing() -> bool:
-        return any(d.is_dir() and not (d / ck.MANIFEST).exists() for d in where.glob("step-*"))
+        return any(d.is_dir() and not (d / MANIFEST).exists() for d in where.glob("step-*"))
 
-    until(lambda: ck.latest(where) is not None and writing(), "a checkpoint being written", timeout=120)
+    until(lambda: ck_read.latest(where) is not None and writing(), "a checkpoint being written", timeout=120)
     manager.cancel(rec.id, "mid-checkpoint")
     assert wait_end(manager, rec.id) == JobState.CANCELLED
     end = manager.store.get(rec.id)
     assert (end.reason, end.message) == ("CANCELLED_BY_USER", "mid-checkpoint")
-    listed = ck.list_checkpoints(where)
+    listed = list_checkpoints(where)
     on_disk = sorted(where.glob("step-*"))
-    assert listed and [c.path for c in listed] == [d for d in on_disk if (d / ck.MANIFEST).exists()]
-    last = ck.CheckpointReader(where)  # the latest loads: every file whole, every tensor readable
+    assert listed and [c.path for c in listed] == [d for d in on_disk if (d / MANIFEST).exists()]
+    last = CheckpointReader(where)  # the latest loads: every file whole, every tensor readable
     assert last.path == listed[-1].path and manager.last_checkpoint(rec.id) == str(last.path)
     weight = last.read("model.net.0.weight")
     assert weight.shape == (1024, 4096) and np.isfinite(weight).all()
-    assert sorted(last.names()) == sorted(ck.read_logical(where, kinds=None))
+    assert sorted(last.names()) == sorted(read_logical(where, kinds=None))
     new = manager.resume(
         rec.id, blob(dataclasses.replace(job, config=dataclasses.replace(job.config, steps=last.step + 1)))
     )
@@ -270,7 +275,7 @@ def test_client_and_cli_resume(
         assert cli(["submit", EXAMPLE, "--steps", "4", "--checkpoint-every", "2", "--watch", *flags]) == 0
         submitted = capsys.readouterr().out.splitlines()[0]
         where = Path(plane.config.checkpoint_root or "") / submitted
-        assert [x.step for x in ck.list_checkpoints(where)] == [2, 4]
+        assert [x.step for x in list_checkpoints(where)] == [2, 4]
         again = ["resume", submitted, EXAMPLE, "--ranks", "2", "--tp", "--steps", "6", "--watch"]
         assert cli([*again, *flags]) == 0
         out, err = capsys.readouterr()
@@ -305,13 +310,13 @@ def test_a_control_plane_killed_mid_job_resumes_it_from_its_checkpoint(
             saved = c.submit(job_of(mlp, LONG))
             unsaved = c.submit(job_of(mlp, LONG, every=0))
             until(
-                lambda: ck.latest(root / saved.job_id) is not None and c.get(unsaved.job_id).step >= 2,
+                lambda: ck_read.latest(root / saved.job_id) is not None and c.get(unsaved.job_id).step >= 2,
                 "steps",
             )
     finally:
         proc.send_signal(signal.SIGKILL)  # no shutdown: the process dies mid-job
         proc.wait(30)
-    at_kill = ck.latest(root / saved.job_id)
+    at_kill = ck_read.latest(root / saved.job_id)
     assert at_kill is not None
     p = ControlPlane(
         ServerConfig(store=str(db), backend="inprocess", slots=4, http_port=None, checkpoint_root=str(root))
@@ -361,7 +366,7 @@ def test_a_lost_ray_worker_shows_as_the_next_attempt(tmp_path: Path, mlp: Module
         m.metrics = Metrics(store, m.workers)
         m.start()
         rec = m.submit(blob(job_of(mlp, LONG)))
-        until(lambda: ck.latest(tmp_path / "ckpt" / rec.id) is not None, "a checkpoint", timeout=120)
+        until(lambda: ck_read.latest(tmp_path / "ckpt" / rec.id) is not None, "a checkpoint", timeout=120)
         info = ray.get(ray.get_actor(f"sbpflow-{rec.id}-a1-r1").info.remote())
         os.kill(info["pid"], signal.SIGKILL)
         until(

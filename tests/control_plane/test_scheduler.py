@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow.actor_workers.runtime import RuntimeFailure
+from sbpflow.actor_workers.runtime.errors import RuntimeFailure
 from sbpflow.control_plane import scheduler
 from sbpflow.control_plane.reports import ReportHub
 from sbpflow.data import ArrayFileSource

@@ -11,7 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sbpflow import checkpoint as ck
+from sbpflow.checkpoint import write as ck
+from sbpflow.checkpoint.format import CheckpointError, SafetensorsFile, step_dir, write_safetensors
+from sbpflow.checkpoint.read import (
+    CheckpointReader,
+    export,
+    latest,
+    list_checkpoints,
+    open_tensors,
+    prune,
+    read_logical,
+)
 from sbpflow.placement import placement
 from sbpflow.sbp import B, P, S
 from sbpflow.sharding import shard, shard_index
@@ -49,7 +59,7 @@ def test_safetensors_bytes_follow_the_spec(tmp_path: Path) -> None:
         "e": np.arange(5, dtype=np.float16),
     }
     path = tmp_path / "x.safetensors"
-    n = ck.write_safetensors(path, tensors, {"k": "v"})
+    n = write_safetensors(path, tensors, {"k": "v"})
     raw = path.read_bytes()
     assert n == len(raw)
     (hlen,) = struct.unpack("<Q", raw[:8])
@@ -67,7 +77,7 @@ def test_safetensors_bytes_follow_the_spec(tmp_path: Path) -> None:
         got = np.frombuffer(raw[8 + hlen + lo : 8 + hlen + hi], dtype=want.dtype).reshape(want.shape)
         np.testing.assert_array_equal(got, want)
     assert 8 + hlen + end == len(raw)
-    f = ck.SafetensorsFile(path)
+    f = SafetensorsFile(path)
     for name, want in tensors.items():
         np.testing.assert_array_equal(f[name], want)
         assert f[name].dtype == want.dtype
@@ -82,7 +92,7 @@ def test_saved_under_one_layout_every_rank_of_another_reads_its_shard(
     value = np.random.default_rng(0).standard_normal((10, 7))  # uneven under 4 and 3
     ranks = save(tmp_path, 4, value, src)
     assert ck.try_complete(tmp_path, 4, "a1", ranks, "job", seed=3)
-    r = ck.CheckpointReader(tmp_path)
+    r = CheckpointReader(tmp_path)
     assert r.step == 4 and r.manifest.seed == 3 and r.manifest.data_position == 4
     where, sbp = LAYOUTS[dst]
     for coord in where.coords():
@@ -110,7 +120,7 @@ def test_reading_touches_only_the_pieces_that_overlap(tmp_path: Path) -> None:
     value = np.arange(40.0).reshape(8, 5)
     ranks = save(tmp_path, 1, value, "s0x4")
     ck.try_complete(tmp_path, 1, "a1", ranks, "job", 0)
-    r = ck.CheckpointReader(tmp_path)
+    r = CheckpointReader(tmp_path)
     np.testing.assert_array_equal(r.read("w", (slice(0, 2), slice(0, 5))), value[:2])
     assert list(r._files) == ["rank-00000.a1.safetensors"], "a rank's slice opened other ranks' files"
 
@@ -126,34 +136,34 @@ def test_a_checkpoint_is_listed_only_when_every_rank_has_written(tmp_path: Path)
             tmp_path, 10, rank, "a1", [ck.shard_of("w", "parameter", parts[rank], where, sbp, rank, (4, 4))]
         )
     assert not ck.try_complete(tmp_path, 10, "a1", [0, 1, 2, 3], "job", 0)
-    (ck.step_dir(tmp_path, 10) / "rank-00002.a1.safetensors.tmp").write_bytes(b"half")
-    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [5]
-    assert ck.latest(tmp_path).step == 5  # type: ignore[union-attr]
-    np.testing.assert_array_equal(ck.read_logical(tmp_path)["w"], value)
+    (step_dir(tmp_path, 10) / "rank-00002.a1.safetensors.tmp").write_bytes(b"half")
+    assert [c.step for c in list_checkpoints(tmp_path)] == [5]
+    assert latest(tmp_path).step == 5  # type: ignore[union-attr]
+    np.testing.assert_array_equal(read_logical(tmp_path)["w"], value)
     # attempt a2 writes ranks 2 and 3 of step 10: a1's files must not complete it
     for rank in (2, 3):
         ck.write_rank(
             tmp_path, 10, rank, "a2", [ck.shard_of("w", "parameter", parts[rank], where, sbp, rank, (4, 4))]
         )
     assert not ck.try_complete(tmp_path, 10, "a2", [0, 1, 2, 3], "job", 0)
-    gone = ck.prune(tmp_path)
-    assert ck.step_dir(tmp_path, 10) in gone and not ck.step_dir(tmp_path, 10).exists()
-    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [5]
+    gone = prune(tmp_path)
+    assert step_dir(tmp_path, 10) in gone and not step_dir(tmp_path, 10).exists()
+    assert [c.step for c in list_checkpoints(tmp_path)] == [5]
 
 
 def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path: Path) -> None:
     ranks = save(tmp_path, 2, np.ones((8, 2)), "s0x4")
     ck.try_complete(tmp_path, 2, "a1", ranks, "job", 0)
-    f = ck.step_dir(tmp_path, 2) / "rank-00001.a1.safetensors"
+    f = step_dir(tmp_path, 2) / "rank-00001.a1.safetensors"
     f.write_bytes(f.read_bytes()[:-8])
-    with pytest.raises(ck.CheckpointError, match="rank-00001.a1.safetensors has .* bytes"):
-        ck.CheckpointReader(tmp_path)
-    with pytest.raises(ck.CheckpointError, match="no complete checkpoint"):
-        ck.CheckpointReader(tmp_path / "nowhere")
-    with pytest.raises(ck.CheckpointError, match="has no tensor 'v'"):
+    with pytest.raises(CheckpointError, match="rank-00001.a1.safetensors has .* bytes"):
+        CheckpointReader(tmp_path)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        CheckpointReader(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="has no tensor 'v'"):
         save(tmp_path, 3, np.ones(2), "1")
         ck.try_complete(tmp_path, 3, "a1", [0], "job", 0)
-        ck.CheckpointReader(ck.step_dir(tmp_path, 3)).read("v")
+        CheckpointReader(step_dir(tmp_path, 3)).read("v")
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "npz"])
@@ -169,11 +179,11 @@ def test_export_then_import_gives_the_logical_tensors(tmp_path: Path, fmt: str) 
         shards.append(ck.shard_of("b", "parameter", shard(b, pw, psbp)[rank], pw, psbp, rank, b.shape))
         ck.write_rank(tmp_path, 3, rank, "a1", shards)
     assert ranks == [0, 1] and ck.try_complete(tmp_path, 3, "a1", [0, 1, 2, 3], "job", 0)
-    out = ck.export(tmp_path, tmp_path / f"model.{fmt}", fmt)
-    back = ck.open_tensors(out)
+    out = export(tmp_path, tmp_path / f"model.{fmt}", fmt)
+    back = open_tensors(out)
     assert sorted(back.names()) == ["b", "w"]
     np.testing.assert_array_equal(back.read("w"), w)
     np.testing.assert_allclose(back.read("b"), b, rtol=1e-6)
     np.testing.assert_array_equal(back.read("w", (slice(1, 3), slice(0, 5))), w[1:3])
-    with pytest.raises(ck.CheckpointError, match="unknown; use one of"):
-        ck.export(tmp_path, tmp_path / "x", "pickle")
+    with pytest.raises(CheckpointError, match="unknown; use one of"):
+        export(tmp_path, tmp_path / "x", "pickle")

@@ -10,16 +10,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sbpflow.actor_workers.runtime import (
+from sbpflow.actor_workers.runtime.actor import ActorSpec
+from sbpflow.actor_workers.runtime.engine import Engine
+from sbpflow.actor_workers.runtime.errors import (
     ActorGraphError,
-    ActorSpec,
-    Engine,
-    EngineGroup,
-    RegisterSpec,
     RuntimeAborted,
     RuntimeFailure,
     RuntimeTimeout,
 )
+from sbpflow.actor_workers.runtime.group import EngineGroup
+from sbpflow.actor_workers.runtime.register import RegisterSpec
 
 
 @pytest.fixture(autouse=True)

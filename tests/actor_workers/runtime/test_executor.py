@@ -20,10 +20,11 @@ import pytest
 from sbpflow import reference
 from sbpflow.actor_workers.runtime import executor, executor_analysis
 from sbpflow.actor_workers.runtime.boxing_tasks import BoxingTaskError, find_step
-from sbpflow.actor_workers.runtime.store import StoreError, init_store
-from sbpflow.actor_workers.transport import InProcessWorld
+from sbpflow.actor_workers.runtime.variables import StoreError, init_store
+from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.boxing import plan_boxing
-from sbpflow.control_plane.compiler import comm_order, lowering, pipeline
+from sbpflow.control_plane.compiler import comm_order, pipeline
+from sbpflow.control_plane.compiler.lowering import lower as lowering
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.dtype import DType
 from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind

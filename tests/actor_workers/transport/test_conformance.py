@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sbpflow.actor_workers.transport import Transport, TransportAborted, TransportError
+from sbpflow.actor_workers.transport.base import Transport, TransportAborted, TransportError
 from tests.actor_workers.transport.worlds import (
     DTYPES,
     GROUPS,

@@ -18,16 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sbpflow.actor_workers.transport import (
-    CpuTransport,
-    Endpoint,
-    Transport,
-    TransportAborted,
-    TransportError,
-    cpu_collectives,
-)
-from sbpflow.actor_workers.transport.cpu_collectives import DIRECT_BYTES
-from sbpflow.actor_workers.transport.cpu_links import SLOT_BYTES, SLOTS
+from sbpflow.actor_workers.transport.base import Transport, TransportAborted, TransportError
+from sbpflow.actor_workers.transport.cpu import collectives as cpu_collectives
+from sbpflow.actor_workers.transport.cpu.collectives import DIRECT_BYTES
+from sbpflow.actor_workers.transport.cpu.connect import Endpoint
+from sbpflow.actor_workers.transport.cpu.links import SLOT_BYTES, SLOTS
+from sbpflow.actor_workers.transport.cpu.transport import CpuTransport
 from tests.actor_workers.transport.worlds import (
     HUGE,
     LARGE,

@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from sbpflow.actor_workers.transport import InProcessWorld, Transport, TransportError
+from sbpflow.actor_workers.transport.base import Transport, TransportError
+from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.errors import SbpflowError
 from tests.actor_workers.transport.worlds import spmd, values
 

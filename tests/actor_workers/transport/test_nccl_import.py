@@ -9,17 +9,21 @@ import sys
 import numpy as np
 import pytest
 
-from sbpflow.actor_workers.transport import TransportError, nccl
-from sbpflow.actor_workers.transport.nccl import (
+from sbpflow.actor_workers.transport.base import TransportError
+from sbpflow.actor_workers.transport.nccl.comms import CommKey
+from sbpflow.actor_workers.transport.nccl.transport import NcclTransport, SharedUids
+from sbpflow.actor_workers.transport.nccl.wire import (
+    MAX,
     NCCL_TYPES,
     NOT_MOVABLE,
-    CommKey,
-    NcclTransport,
-    SharedUids,
+    SUM,
+    Header,
+    NcclType,
     check_round,
     decode,
     encode,
     nccl_type,
+    tag_hash,
 )
 from sbpflow.dtype import DType
 
@@ -33,7 +37,7 @@ def no_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_importing_the_module_does_not_import_cupy() -> None:
-    code = "import sys, sbpflow.actor_workers.transport.nccl; print('cupy' in sys.modules)"
+    code = "import sys, sbpflow.actor_workers.transport.nccl.transport; print('cupy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -78,8 +82,8 @@ def test_the_dtype_table_covers_every_sbpflow_dtype_but_those_it_names() -> None
         and nccl_type(np.float16).code == 6
     )
     assert nccl_type(np.int64).code == 4 and nccl_type(np.int32).code == 2
-    assert nccl_type(np.bool_) == nccl.NcclType(1, nccl.MAX, "ncclUint8")  # an all-reduce of bools is an or
-    assert all(t.reduce == nccl.SUM for d, t in NCCL_TYPES.items() if d != np.bool_)
+    assert nccl_type(np.bool_) == NcclType(1, MAX, "ncclUint8")  # an all-reduce of bools is an or
+    assert all(t.reduce == SUM for d, t in NCCL_TYPES.items() if d != np.bool_)
 
 
 def test_a_dtype_nccl_cannot_move_is_refused_with_the_ones_it_can() -> None:
@@ -116,7 +120,7 @@ def test_headers_round_trip(op: str, tag: str, meta: tuple, dtype: object, shape
     h = decode(encode(op, tag, meta, dtype, shape, 7))
     assert (h.op, h.meta, h.shape, h.call) == (op, meta, shape, 7)
     assert h.dtype == (None if dtype is None else np.dtype(dtype))
-    assert h.tag_hash == nccl.tag_hash(tag) and tag.encode().startswith(h.tag.encode()[:40])
+    assert h.tag_hash == tag_hash(tag) and tag.encode().startswith(h.tag.encode()[:40])
 
 
 def test_an_array_of_too_many_dims_is_refused() -> None:
@@ -124,7 +128,7 @@ def test_an_array_of_too_many_dims_is_refused() -> None:
         encode("send", "t", (), np.float32, (1,) * 17, 1)
 
 
-def header(op: str, tag: str, meta: tuple, shape: tuple | None, call: int = 1) -> nccl.Header:
+def header(op: str, tag: str, meta: tuple, shape: tuple | None, call: int = 1) -> Header:
     return decode(encode(op, tag, meta, None if shape is None else np.float32, shape, call))
 
 
@@ -142,7 +146,7 @@ def test_members_that_agree_pass_and_uneven_gathers_are_agreement() -> None:
         (header("all_reduce", "t", (), (4,), call=2), "call #2"),
     ],
 )
-def test_members_that_disagree_are_named_both(theirs: nccl.Header, shown: str) -> None:
+def test_members_that_disagree_are_named_both(theirs: Header, shown: str) -> None:
     mine = header("all_reduce", "t", (), (4,))
     with pytest.raises(
         TransportError, match=rf"rank 3 called all_reduce\(tag='t'.* but rank 8 called .*{shown}"

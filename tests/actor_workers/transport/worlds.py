@@ -34,7 +34,9 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from sbpflow.actor_workers.transport import CpuTransport, InProcessWorld, Transport
+from sbpflow.actor_workers.transport.base import Transport
+from sbpflow.actor_workers.transport.cpu.transport import CpuTransport
+from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.sharding import split_range
 
 JOIN_TIMEOUT = 20.0  # a rank-thread still running after this is hung: spmd aborts the world and fails

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from sbpflow.control_plane.compiler import comm_order, lowering
+from sbpflow.control_plane.compiler import comm_order
 from sbpflow.control_plane.compiler.comm_order import CommOrderError
+from sbpflow.control_plane.compiler.lowering import lower as lowering
 from sbpflow.graph import TensorKind
 from sbpflow.placement import placement
 from sbpflow.sbp import B, P, S

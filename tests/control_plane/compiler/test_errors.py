@@ -25,11 +25,6 @@ def refused(job: Job, **kwargs: object) -> str:
     return str(e.value)
 
 
-def needs(name: str) -> None:
-    if not pipeline.available(name):
-        pytest.skip(f"the {name} pass, which checks this, is not in the pipeline yet")
-
-
 def test_a_split_of_an_axis_of_size_one_over_four_ranks() -> None:
     job = load("mlp").make_job(ranks=4, n_out=1)
     w = job.graph.tensors["model.net.2.weight"]  # [32, 1]
@@ -57,7 +52,6 @@ def _staged_mlp(stage_of: dict[str, int]) -> Job:
 
 
 def test_stages_out_of_order() -> None:
-    needs("micro_batching")
     # the layers in stage 1 and the loss they feed in stage 0: data flows backwards, once
     msg = refused(_staged_mlp({"net.0": 1, "net.1": 1, "net.2": 1, "loss": 0}))
     assert "stages out of order" in msg and "cycle" not in msg
@@ -65,7 +59,6 @@ def test_stages_out_of_order() -> None:
 
 
 def test_a_cycle_between_stages() -> None:
-    needs("micro_batching")
     # stage 0 -> stage 1 (the hidden layer) -> stage 0 (the output layer) -> stage 1 (the loss)
     msg = refused(_staged_mlp({"net.0": 0, "net.1": 1, "net.2": 0, "loss": 1}))
     assert "cycle between stages" in msg, msg
@@ -73,7 +66,6 @@ def test_a_cycle_between_stages() -> None:
 
 
 def test_fewer_micro_batches_than_stages() -> None:
-    needs("micro_batching")
     job = _staged_mlp({"net.0": 0, "net.1": 0, "net.2": 1, "loss": 1})
     job = replace(job, config=replace(job.config, micro_batches=1))
     msg = refused(job)

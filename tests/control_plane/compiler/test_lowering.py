@@ -14,8 +14,9 @@ from math import prod
 import pytest
 
 from sbpflow.boxing import plan_boxing
-from sbpflow.control_plane.compiler import comm_order, lowering
-from sbpflow.control_plane.compiler.lowering import LoweringError
+from sbpflow.control_plane.compiler import comm_order
+from sbpflow.control_plane.compiler.lowering import lower as lowering
+from sbpflow.control_plane.compiler.lowering.tasks import LoweringError
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.dtype import DType
 from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from sbpflow.control_plane.compiler import comm_order, lowering, memory, pipeline
+from sbpflow.control_plane.compiler import comm_order, memory, pipeline
 from sbpflow.control_plane.compiler.comm_order import Call, CommOrderError, GroupCall
+from sbpflow.control_plane.compiler.lowering import lower as lowering
+from sbpflow.control_plane.compiler.lowering.on_demand import check_order
+from sbpflow.control_plane.compiler.lowering.tasks import LoweringError
 from sbpflow.v1 import plan_pb2 as pp
 from tests.client.test_examples import load
 from tests.control_plane.compiler.test_lowering import mlp
@@ -56,7 +59,7 @@ def test_partial_lowering_keeps_global_positions_and_only_the_built_steps() -> N
     assert [part.devices[r] for r in (1, 3)] == [full.devices[1], full.devices[3]]
     for comm in part.communicators:
         assert {s.rank for s in comm.order} <= {1, 3}
-    with pytest.raises(lowering.LoweringError, match=r"rank\(s\) \[9\] hold no tensor"):
+    with pytest.raises(LoweringError, match=r"rank\(s\) \[9\] hold no tensor"):
         lowering.lower(state, [9])
 
 
@@ -64,7 +67,7 @@ def test_the_walk_proves_the_order_from_each_distinct_boxing_step() -> None:
     for mode in ("dp", "tp", "2d", "pp"):
         low = lowering.lower(mlp(mode), [], log=True)
         assert low.devices == {} and low.trail
-        assert lowering.check_order(low) == len({(id(p), i) for _, p, i in low.trail})
+        assert check_order(low) == len({(id(p), i) for _, p, i in low.trail})
 
 
 def test_the_graph_level_check_refuses_a_call_a_member_misses_or_runs_as_another_primitive() -> None:
@@ -89,11 +92,11 @@ def test_ranks_with_other_shard_shapes_are_other_memory_classes() -> None:
 def test_auto_materialises_small_jobs_and_lowers_big_ones_on_demand(monkeypatch) -> None:
     job = load("mlp").make_job(ranks=2)
     assert pipeline.compile(job).plan is not None
-    monkeypatch.setattr(lowering, "LAZY_ABOVE", 0)
+    monkeypatch.setattr(pipeline, "LAZY_ABOVE", 0)
     c = pipeline.compile(job)
     assert c.plan is None and c.lazy is not None and "lowered on demand" in c.notes[-1]
     assert "(lowered on demand)" in c.summary()
     assert {"rank classes", "lowering", "comm_order", "memory"} <= set(c.timings)
     none = pipeline.compile(job, lower=False)
-    with pytest.raises(lowering.LoweringError, match="without lowering"):
+    with pytest.raises(LoweringError, match="without lowering"):
         none.device_plan(0)

@@ -2,8 +2,7 @@
 
 Each configuration goes through ``pipeline.compile(verify=True)``, which runs ``Graph.verify`` after every
 pass and ``verify.verify_compiled`` after every pass from boxing on (checked below); the plan's
-communicator orders must then agree on every rank (``comm_order.check``). A configuration that needs a
-pass the pipeline does not have yet is skipped, naming the pass.
+communicator orders must then agree on every rank (``comm_order.check``).
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ class Config:
     model: str  # "mlp" or "gpt"
     kwargs: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)  # JobConfig overrides
-    needs: tuple[str, ...] = ()  # passes beyond SBP inference and boxing
     build: Callable[[], Job] | None = None  # a job the examples cannot make
 
     def job(self) -> Job:
@@ -78,14 +76,12 @@ for _m in ("mlp", "gpt"):
         f"{_m}-dp4": Config(_m),
         f"{_m}-tp4": Config(_m, TP[_m]),
         f"{_m}-dp2xtp2": Config(_m, build=mlp_dp2xtp2) if _m == "mlp" else Config(_m, {**TP[_m], "dp": 2}),
-        f"{_m}-pp2": Config(_m, {"ranks": 2, "pp": 2, "micro_batches": 2}, needs=("micro_batching",)),
-        f"{_m}-pp4": Config(_m, {"pp": 4, "micro_batches": 4, "layers": 4}, needs=("micro_batching",)),
-        f"{_m}-pp2xdp2": Config(_m, {"pp": 2, "micro_batches": 2}, needs=("micro_batching",)),
-        **{f"{_m}-zero{z}": Config(_m, config={"zero_stage": z}, needs=("zero",)) for z in (1, 2, 3)},
-        f"{_m}-checkpointing": Config(
-            _m, config={"activation_checkpointing": True}, needs=("checkpointing",)
-        ),
-        f"{_m}-accum4": Config(_m, {"grad_accum": 4, "batch_size": 16}, needs=("micro_batching",)),
+        f"{_m}-pp2": Config(_m, {"ranks": 2, "pp": 2, "micro_batches": 2}),
+        f"{_m}-pp4": Config(_m, {"pp": 4, "micro_batches": 4, "layers": 4}),
+        f"{_m}-pp2xdp2": Config(_m, {"pp": 2, "micro_batches": 2}),
+        **{f"{_m}-zero{z}": Config(_m, config={"zero_stage": z}) for z in (1, 2, 3)},
+        f"{_m}-checkpointing": Config(_m, config={"activation_checkpointing": True}),
+        f"{_m}-accum4": Config(_m, {"grad_accum": 4, "batch_size": 16}),
     }
 
 
@@ -94,9 +90,6 @@ _compiled: dict[str, pipeline.Compiled] = {}
 
 def compiled(name: str) -> pipeline.Compiled:
     cfg = CONFIGS[name]
-    missing = [p for p in ("sbp_inference", "boxing_pass", *cfg.needs) if not pipeline.available(p)]
-    if missing:
-        pytest.skip(f"{name} needs the {', '.join(missing)} pass, which the pipeline does not have yet")
     if name not in _compiled:
         _compiled[name] = pipeline.compile(cfg.job())
     return _compiled[name]
@@ -105,7 +98,6 @@ def compiled(name: str) -> pipeline.Compiled:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_compiles_to_a_verified_plan_with_agreeing_communicators(name: str) -> None:
     c = compiled(name)
-    assert not [n for n in c.notes if "asks for it" in n], c.notes
     assert c.plan is not None, c.notes
     verify_compiled(c.state)
     comm_order.check(c.plan)
@@ -126,7 +118,7 @@ def test_verifiers_run_after_every_pass(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(pipeline, "_timed", spy)
     pipeline.compile(CONFIGS["mlp-tp4"].job())
-    ran = [p.name for p in pipeline.PASSES if pipeline.available(p.name)]
+    ran = [pipeline.pass_name(p) for p in pipeline.PASSES]
     assert [n for n in calls if n in ran] == ran
     boxed = False
     for p in ran:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sbpflow.control_plane.compiler import lowering, memory
+from sbpflow.control_plane.compiler import memory
+from sbpflow.control_plane.compiler.lowering import lower as lowering
 from sbpflow.control_plane.compiler.memory import DeviceMemory
 from sbpflow.control_plane.compiler.pipeline import compile
 from sbpflow.graph import TensorKind

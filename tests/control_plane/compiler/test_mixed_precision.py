@@ -7,6 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+import sbpflow as sf
 from sbpflow import reference
 from sbpflow.control_plane.compiler import autodiff, mixed_precision, optimizer, pipeline
 from sbpflow.control_plane.compiler.state import CompileState
@@ -15,7 +16,7 @@ from sbpflow.errors import ShapeError
 from sbpflow.graph import TensorKind
 from sbpflow.job import Job
 from tests.client.test_examples import load
-from tests.control_plane.compiler.test_checkpointing import reference_through, with_config
+from tests.control_plane.compiler.test_recompute import with_config
 
 f16, f32 = DType.float16, DType.float32
 
@@ -53,12 +54,14 @@ def test_fp16_compute_with_fp32_master_weights_and_updates(name: str) -> None:
     assert dict(seed.attrs)["value"] == 128.0  # static loss scaling
 
 
-def test_fp16_mlp_trains_close_to_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp16_mlp_trains_close_to_fp32() -> None:
     job = load("mlp").make_job(ranks=1, steps=5)
     want = reference.train(job)
-    reference_through(monkeypatch, mixed_precision)
     for scale in (0.0, 1024.0):
-        got = reference.train(with_config(job, precision="fp16", loss_scale=scale))
+        fp16 = with_config(job, precision="fp16", loss_scale=scale)
+        got = sf.run(fp16, backend="inprocess", return_parameters=True)  # the pass's graph, run
+        assert got.parameters is not None
+        assert got.losses == reference.train(fp16).losses  # the independent oracle's fp16, to the bit
         np.testing.assert_allclose(got.losses, want.losses, rtol=2e-2)
         assert got.losses != want.losses  # it did compute in fp16
         for name, value in want.parameters.items():
@@ -66,12 +69,11 @@ def test_fp16_mlp_trains_close_to_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
             np.testing.assert_allclose(got.parameters[name], value, rtol=5e-2, atol=5e-3, err_msg=name)
 
 
-def test_bf16_compiles_but_numpy_cannot_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_compiles_but_numpy_cannot_run_it() -> None:
     job = with_config(load("mlp").make_job(ranks=4), precision="bf16")
     c = pipeline.compile(job)
     assert c.plan is not None
     assert any(t.meta.dtype == DType.bfloat16 for t in c.state.graph.tensors.values())
-    reference_through(monkeypatch, mixed_precision)
     with pytest.raises(ShapeError, match="numpy has no bfloat16"):
         reference.train(replace(job, config=replace(job.config, steps=1)))
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sbpflow.actor_workers.transport.base import TransportError
-from sbpflow.actor_workers.transport.cpu_links import (
+from sbpflow.actor_workers.transport.cpu.links import (
     InLink,
     LinkClosed,
     OutLink,

@@ -4,7 +4,7 @@ A checkpoint directory ``step-NNNNNNNN`` holds one ``rank-NNNNN.<token>.safetens
 rank and, once all are there, ``manifest.json`` (:class:`Manifest`: every logical tensor and the pieces
 of the files that hold it). :func:`write_safetensors` writes a safetensors file atomically;
 :class:`SafetensorsFile` maps one for reading without copies. How checkpoints are written is in
-:mod:`sbpflow.checkpoint`, how they are listed and read in :mod:`sbpflow.checkpoint_read`.
+:mod:`sbpflow.checkpoint`, how they are listed and read in :mod:`sbpflow.checkpoint.read`.
 """
 
 from __future__ import annotations

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sbpflow.actor_workers.transport.base import Array, Group, TransportError, check_broadcast, part
-from sbpflow.actor_workers.transport.cpu_links import as_bytes, encode_dtype
+from sbpflow.actor_workers.transport.cpu.links import as_bytes, encode_dtype
 from sbpflow.sharding import split_range
 
 if TYPE_CHECKING:
-    from sbpflow.actor_workers.transport.cpu import CpuTransport
+    from sbpflow.actor_workers.transport.cpu.transport import CpuTransport
 
 DIRECT_BYTES = 1 << 20  # bytes a member sends in a direct exchange: (p - 1) x |T|; above it, the ring
 NOTHING = np.empty(0, np.uint8)

@@ -4,7 +4,7 @@
 for each tensor (per micro-batch), and the id counters. Ids count every rank's tasks and registers,
 built or not: an emission walks its placement's ranks in row-major order, and a rank that is not built
 only advances the counters (by what each rank emits), so a rank's DevicePlan has the full plan's ids.
-Boxing steps are emitted by its subclass :class:`~sbpflow.control_plane.compiler.lowering_boxing.Lowerer`.
+Boxing steps are emitted by its subclass :class:`~sbpflow.control_plane.compiler.lowering.boxing.Lowerer`.
 
 Register bytes are the LOCAL shard bytes on that rank, so uneven splits are exact.
 """

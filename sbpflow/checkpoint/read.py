@@ -5,7 +5,7 @@ manifest reads); :func:`prune` removes what none of them refers to. :class:`Chec
 slice of any logical tensor of a checkpoint from whichever files hold it, through memory maps, so a rank
 of a new layout reads exactly the bytes of its shard. :func:`export` writes logical tensors to
 safetensors or ``.npz``; :func:`open_tensors` reads either back (or a checkpoint) with the same ``read``.
-The format is in :mod:`sbpflow.checkpoint_format`.
+The format is in :mod:`sbpflow.checkpoint.format`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sbpflow.checkpoint_format import (
+from sbpflow.checkpoint.format import (
     MANIFEST,
     STEP_DIR,
     CheckpointError,

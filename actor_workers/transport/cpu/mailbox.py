@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from sbpflow.actor_workers.transport.base import TransportAborted, TransportError
-from sbpflow.actor_workers.transport.cpu_links import as_bytes
+from sbpflow.actor_workers.transport.cpu.links import as_bytes
 
 WAKE_S = 1.0  # a wait looks again at least this often
 

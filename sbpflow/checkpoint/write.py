@@ -24,7 +24,7 @@ through memory maps: a rank of a new layout reads exactly the bytes of its shard
 logical tensors to safetensors or ``.npz``; :func:`open_tensors` reads either back (or a checkpoint).
 
 This module writes checkpoints; the format (manifest, safetensors files) is in
-:mod:`sbpflow.checkpoint_format`, listing, reading and export in :mod:`sbpflow.checkpoint_read`. Every
+:mod:`sbpflow.checkpoint.format`, listing, reading and export in :mod:`sbpflow.checkpoint.read`. Every
 name of those is importable from here too.
 """
 
@@ -41,74 +41,21 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.checkpoint_format import (
-    FORMAT_VERSION,
+from sbpflow.checkpoint.format import (
     MANIFEST,
     META_KEY,
     NP_DTYPES,
-    RANK_FILE,
-    ST_DTYPES,
-    STEP_DIR,
-    CheckpointError,
     Manifest,
     Piece,
     SafetensorsFile,
     TensorEntry,
     fsync_dir,
-    read_safetensors_header,
     step_dir,
     write_safetensors,
-)
-from sbpflow.checkpoint_read import (
-    EXPORTERS,
-    CheckpointInfo,
-    CheckpointReader,
-    TensorFile,
-    export,
-    latest,
-    list_checkpoints,
-    open_tensors,
-    prune,
-    read_logical,
-    resolve,
 )
 from sbpflow.placement import Placement
 from sbpflow.sbp import Broadcast, NdSbp, PartialSum
 from sbpflow.sharding import Index, shard_index
-
-__all__ = [
-    "EXPORTERS",
-    "FORMAT_VERSION",
-    "MANIFEST",
-    "META_KEY",
-    "NP_DTYPES",
-    "RANK_FILE",
-    "ST_DTYPES",
-    "STEP_DIR",
-    "CheckpointError",
-    "CheckpointInfo",
-    "CheckpointReader",
-    "Manifest",
-    "Piece",
-    "SafetensorsFile",
-    "Shard",
-    "TensorEntry",
-    "TensorFile",
-    "export",
-    "latest",
-    "list_checkpoints",
-    "open_tensors",
-    "prune",
-    "read_logical",
-    "read_safetensors_header",
-    "resolve",
-    "shard_of",
-    "step_dir",
-    "try_complete",
-    "write_rank",
-    "write_safetensors",
-    "writes",
-]
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ the act, before the next step's optimizer kernel may update that buffer in place
 this rank assigns has come in for the step, the copies go to the rank's writer thread, which writes the
 rank's file and completes the checkpoint if it is the last (:mod:`sbpflow.checkpoint`). Training goes on
 while the bytes go to disk; a writer at most ``MAX_PENDING`` snapshots behind makes the act wait (memory
-stays bounded). Only the replica that :func:`sbpflow.checkpoint.writes` picks copies a ``B`` tensor.
+stays bounded). Only the replica that :func:`sbpflow.checkpoint.write.writes` picks copies a ``B`` tensor.
 
-Restore: :func:`store_source` gives :func:`~sbpflow.actor_workers.runtime.store.init_store` each rank's
+Restore: :func:`store_source` gives :func:`~sbpflow.actor_workers.runtime.variables.init_store` each rank's
 slice of each variable under the *new* layout, read from whichever files hold it.
 """
 
@@ -25,10 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow import checkpoint as ck
 from sbpflow.actor_workers.runtime.executor import Program
-from sbpflow.actor_workers.runtime.store import VARIABLE_KINDS, StoreSource
 from sbpflow.actor_workers.runtime.tasks import RankContext
+from sbpflow.actor_workers.runtime.variables import VARIABLE_KINDS, StoreSource
+from sbpflow.checkpoint import write as ck
+from sbpflow.checkpoint.format import CheckpointError
+from sbpflow.checkpoint.read import CheckpointReader, TensorFile, open_tensors, prune
 from sbpflow.device import asnumpy, is_device_array
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import TensorDecl, TensorKind
@@ -187,14 +189,14 @@ def attach(options: CheckpointOptions, rc: RankContext, device: pp.DevicePlan) -
 # ---- restore ----------------------------------------------------------------------------------------------
 
 
-def store_source(reader: ck.CheckpointReader | ck.TensorFile, strict: bool) -> StoreSource:
+def store_source(reader: CheckpointReader | TensorFile, strict: bool) -> StoreSource:
     """Each variable's slice from ``reader``. ``strict`` (a resume): every variable must be there;
     otherwise (an import of parameters) what the file lacks starts as the job would start it."""
 
     def source(decl: TensorDecl, index: Index) -> Any:
         if decl.name not in reader:
             if strict and decl.kind is not TensorKind.constant:
-                raise ck.CheckpointError(
+                raise CheckpointError(
                     f"the checkpoint at {reader.path} has no {decl.kind.value} {decl.name!r} {decl.meta}; "
                     "it was written by a different model: resume the job that wrote it, or import only "
                     "its parameters (init_from=)"
@@ -203,7 +205,7 @@ def store_source(reader: ck.CheckpointReader | ck.TensorFile, strict: bool) -> S
         value = reader.read(decl.name, index)
         want = tuple(s.stop - s.start for s in index)
         if value.shape != want:
-            raise ck.CheckpointError(
+            raise CheckpointError(
                 f"{decl.name!r}: {reader.path} holds a slice of shape {list(value.shape)} where the job's "
                 f"{decl.meta} needs {list(want)}; the file is from a different model"
             )
@@ -215,9 +217,9 @@ def store_source(reader: ck.CheckpointReader | ck.TensorFile, strict: bool) -> S
 def source_for(resume_from: str | None, init_from: str | None) -> StoreSource | None:
     """Where a run's variables start: a checkpoint (strict), a file of parameters, or the initializers."""
     if resume_from is not None:
-        return store_source(ck.CheckpointReader(resume_from), strict=True)
+        return store_source(CheckpointReader(resume_from), strict=True)
     if init_from is not None:
-        return store_source(ck.open_tensors(init_from), strict=False)
+        return store_source(open_tensors(init_from), strict=False)
     return None
 
 
@@ -227,7 +229,7 @@ def options_for(job: Job, directory: str | None, plan: pp.Plan, attempt: int) ->
     if directory is None or job.config.checkpoint_every <= 0:
         return None
     Path(directory).mkdir(parents=True, exist_ok=True)
-    ck.prune(directory)
+    prune(directory)
     token = f"a{attempt}-{secrets.token_hex(4)}"
     ranks = tuple(d.rank for d in plan.devices)
     return CheckpointOptions(

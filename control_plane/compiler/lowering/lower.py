@@ -23,7 +23,6 @@ the fetches — and every rank's tasks and every communicator's calls follow it.
     lowering_boxing     boxing steps: collectives, send/recv between placements, the communicator order
     lowering_on_demand  one rank's DevicePlan without the others' tasks; the order check without them
 
-Names other modules use from these are re-exported here.
 """
 
 from __future__ import annotations
@@ -35,36 +34,14 @@ from dataclasses import dataclass
 from sbpflow import wire
 from sbpflow.boxing import BoxingPlan
 from sbpflow.control_plane.compiler import micro_batching
-from sbpflow.control_plane.compiler.lowering_boxing import Lowerer, plan_of, rank_send_bytes
-from sbpflow.control_plane.compiler.lowering_on_demand import (
-    LAZY_ABOVE,
-    check_order,
-    estimate_tasks,
-    step_calls,
-)
-from sbpflow.control_plane.compiler.lowering_tasks import SOURCE_KINDS, K, LoweringError, shard_shape
+from sbpflow.control_plane.compiler.lowering.boxing import Lowerer
+from sbpflow.control_plane.compiler.lowering.tasks import SOURCE_KINDS, K, LoweringError
 from sbpflow.control_plane.compiler.micro_batching import Layout
 from sbpflow.control_plane.compiler.schedule import Phase
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.graph import Graph, OpNode, TensorKind
 from sbpflow.placement import Placement
 from sbpflow.v1 import plan_pb2 as pp
-
-__all__ = [
-    "LAZY_ABOVE",
-    "PLAN_FORMAT_VERSION",
-    "Lowered",
-    "LoweringError",
-    "check_order",
-    "estimate_tasks",
-    "lower",
-    "plan_of",
-    "rank_send_bytes",
-    "run",
-    "shard_shape",
-    "step_calls",
-    "to_plan",
-]
 
 PLAN_FORMAT_VERSION = 1
 

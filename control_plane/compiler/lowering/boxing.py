@@ -22,7 +22,7 @@ from math import prod
 
 from sbpflow.boxing import BoxingPlan, BoxingStep, Collective, Transfer, plan_boxing
 from sbpflow.control_plane.compiler.comm_order import Call, CommOrder, call_kind, pair_ranks
-from sbpflow.control_plane.compiler.lowering_tasks import (
+from sbpflow.control_plane.compiler.lowering.tasks import (
     K,
     LoweringError,
     TaskEmitter,

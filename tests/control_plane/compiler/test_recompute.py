@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from types import ModuleType
 
 import numpy as np
 import pytest
 
+import sbpflow as sf
 from sbpflow import reference
-from sbpflow.control_plane.compiler import autodiff, checkpointing, optimizer, pipeline
-from sbpflow.control_plane.compiler.checkpointing import PREFIX, forward_end, segment
+from sbpflow.control_plane.compiler import autodiff, optimizer, pipeline
+from sbpflow.control_plane.compiler import recompute as checkpointing
+from sbpflow.control_plane.compiler.recompute import PREFIX, forward_end, segment
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.job import Job
 from tests.client.test_examples import load
@@ -18,22 +19,6 @@ from tests.client.test_examples import load
 
 def with_config(job: Job, **config: object) -> Job:
     return replace(job, config=replace(job.config, **config))
-
-
-def reference_through(monkeypatch: pytest.MonkeyPatch, *passes: ModuleType) -> None:
-    """Make ``reference.train`` run ``passes`` after autodiff and optimizer insertion (it runs only those two)."""
-
-    def compile_(job: Job) -> reference._Compiled:
-        n = reference.micro_batches(job)
-        state = CompileState.start(reference.micro_batch_job(job, n))
-        for p in (autodiff, optimizer, *passes):
-            p.run(state)
-            state.graph.verify()
-        ops = state.graph.ops
-        split = next(i for i, o in enumerate(ops) if o.name.startswith(optimizer.PREFIX))
-        return reference._Compiled(state, ops[:split], ops[split:], n)
-
-    monkeypatch.setattr(reference, "_compile", compile_)
 
 
 def through_checkpointing(job: Job) -> CompileState:
@@ -95,14 +80,15 @@ def test_user_flag_checkpoints_only_that_module() -> None:
     assert all(o.scope.startswith("model.blocks.1") for o in state.graph.ops if o.name.startswith(PREFIX))
 
 
-def test_training_is_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_training_is_unchanged() -> None:
     # Recomputation runs the very same ops on the very same inputs, so it is exact, not merely close:
-    # fp32 results must match bit for bit (a stronger check than float64 closeness).
+    # fp32 results must match bit for bit (a stronger check than float64 closeness), and equal the
+    # independent one-device oracle's.
     job = gpt()
-    want = reference.train(job)
-    reference_through(monkeypatch, checkpointing)
-    got = reference.train(with_config(job, activation_checkpointing=True))
-    assert got.losses == want.losses
+    want = sf.run(job, backend="inprocess", return_parameters=True)
+    got = sf.run(with_config(job, activation_checkpointing=True), backend="inprocess", return_parameters=True)
+    assert got.losses == want.losses == reference.train(job).losses
+    assert got.parameters is not None and want.parameters is not None
     for name, value in want.parameters.items():
         np.testing.assert_array_equal(got.parameters[name], value, err_msg=name)
 

@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.actor_workers.transport import cpu_collectives as coll
 from sbpflow.actor_workers.transport.base import Array, Group, TransportError
-from sbpflow.actor_workers.transport.cpu_connect import Endpoint, Listener, default_host_id, dial
-from sbpflow.actor_workers.transport.cpu_links import (
+from sbpflow.actor_workers.transport.cpu import collectives as coll
+from sbpflow.actor_workers.transport.cpu.connect import Endpoint, Listener, default_host_id, dial
+from sbpflow.actor_workers.transport.cpu.links import (
     ABORT,
     BYE,
     DATA,
@@ -41,7 +41,7 @@ from sbpflow.actor_workers.transport.cpu_links import (
     encode_dtype,
     shutdown,
 )
-from sbpflow.actor_workers.transport.cpu_mailbox import Mailboxes, Message, Posted, adder
+from sbpflow.actor_workers.transport.cpu.mailbox import Mailboxes, Message, Posted, adder
 from sbpflow.actor_workers.transport.pool import BufferPool
 
 LOST_GRACE_S = 1.0  # a failed send waits this long for the receive thread to learn why the peer went

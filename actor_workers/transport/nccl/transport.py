@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 from sbpflow.actor_workers.transport.base import Group, TransportAborted, TransportError, check_broadcast
-from sbpflow.actor_workers.transport.nccl_collectives import RUN, Call
-from sbpflow.actor_workers.transport.nccl_comms import (
+from sbpflow.actor_workers.transport.nccl.collectives import RUN, Call
+from sbpflow.actor_workers.transport.nccl.comms import (
     UID_BYTES,
     Comm,
     CommKey,
@@ -50,48 +50,16 @@ from sbpflow.actor_workers.transport.nccl_comms import (
     UidFor,
     import_nccl,
 )
-from sbpflow.actor_workers.transport.nccl_wire import (
-    DTYPES,
+from sbpflow.actor_workers.transport.nccl.wire import (
     HEADER_WORDS,
-    MAX,
-    MAX_NDIM,
     NCCL_TYPES,
-    NOT_MOVABLE,
-    OPS,
-    SUM,
-    TAG_BYTES,
     Header,
-    NcclType,
     check_round,
     decode,
     encode,
     nccl_type,
     tag_hash,
 )
-
-__all__ = [
-    "DTYPES",
-    "HEADER_WORDS",
-    "MAX",
-    "MAX_NDIM",
-    "NCCL_TYPES",
-    "NOT_MOVABLE",
-    "OPS",
-    "SUM",
-    "TAG_BYTES",
-    "UID_BYTES",
-    "CommKey",
-    "Header",
-    "NcclTransport",
-    "NcclType",
-    "SharedUids",
-    "UidFor",
-    "check_round",
-    "decode",
-    "encode",
-    "nccl_type",
-    "tag_hash",
-]
 
 
 class SharedUids:

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 from sbpflow.boxing import BoxingPlan, Collective
 from sbpflow.control_plane.compiler import comm_order, micro_batching
 from sbpflow.control_plane.compiler.comm_order import CommOrder, GroupCall
-from sbpflow.control_plane.compiler.lowering_boxing import Lowerer
-from sbpflow.control_plane.compiler.lowering_tasks import placement_of
+from sbpflow.control_plane.compiler.lowering.boxing import Lowerer
+from sbpflow.control_plane.compiler.lowering.tasks import placement_of
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.graph import BOXING, Graph, OpNode
 
 if TYPE_CHECKING:
-    from sbpflow.control_plane.compiler.lowering import Lowered
+    from sbpflow.control_plane.compiler.lowering.lower import Lowered
 
 # Above this many tasks (every rank's together) ``pipeline.compile(lower="auto")`` stops materialising the
 # whole Plan and lowers ranks on demand: at ~20 us a task, 500 000 tasks are ~10 s and ~1 GB of protobuf.
