@@ -24,14 +24,12 @@ walk's one sequence of boxing steps (``check_order``) instead of from every rank
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Literal, TypeVar
 
-from sbpflow import wire
 from sbpflow.control_plane.compiler import boxing_pass, comm_order, memory, micro_batching, sbp_inference
 from sbpflow.control_plane.compiler.lowering import lower as lowering
 from sbpflow.control_plane.compiler.lowering.on_demand import LAZY_ABOVE, check_order, estimate_tasks
@@ -98,11 +96,7 @@ class Compiled:
     def rank_plan(self, rank: int) -> pp.Plan:
         """The Plan one worker needs: its DevicePlan, the communicators it is a member of, the job."""
         if self._job is None:
-            self._job = pp.Plan(
-                format_version=lowering.PLAN_FORMAT_VERSION,
-                job_id=self.job_id,
-                job=wire.job_to_proto(dataclasses.replace(self.state.job, graph=self.state.graph)),
-            )
+            self._job = lowering.plan_header(self.state, self.job_id)
         d = self.device_plan(rank)
         plan = pp.Plan()
         plan.CopyFrom(self._job)

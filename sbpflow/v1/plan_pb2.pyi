@@ -154,6 +154,16 @@ class Boxing(_message.Message):
     TO_SBP_FIELD_NUMBER: _builtins.int
     COLLECTIVE_FIELD_NUMBER: _builtins.int
     BYTES_MOVED_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    FROM_ND_SBP_FIELD_NUMBER: _builtins.int
+    TO_ND_SBP_FIELD_NUMBER: _builtins.int
+    POINT_TO_POINT_FIELD_NUMBER: _builtins.int
+    MESH_AXIS_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    TRANSFERS_FIELD_NUMBER: _builtins.int
+    SRC_REGION_FIELD_NUMBER: _builtins.int
+    DST_REGION_FIELD_NUMBER: _builtins.int
+    PEER_FIELD_NUMBER: _builtins.int
     from_sbp: _builtins.str
     """Producer's nd-SBP as printed by sbpflow.sbp.format_nd, e.g. "P" or "(S(0), B)"."""
     to_sbp: _builtins.str
@@ -162,6 +172,42 @@ class Boxing(_message.Message):
     """The collective that performs it."""
     bytes_moved: _builtins.int
     """Bytes moved over the links by all ranks together, per the cost table (0 for local steps)."""
+    step: _builtins.int
+    """The rest is the step as data, so the runtime executes it without re-planning the boxing.
+    Position of the step in its boxing op's plan; every rank names the step's calls by (op, step).
+    """
+    point_to_point: _builtins.bool
+    """Whether the step is point-to-point between placements (a SEND, a RECV or a destination's
+    assembly); otherwise it is a group step along mesh_axis.
+    """
+    mesh_axis: _builtins.int
+    """Mesh axis whose groups run a group step."""
+    peer: _builtins.int
+    """A SEND's destination rank, a RECV's source rank."""
+    @_builtins.property
+    def from_nd_sbp(self) -> _job_pb2.NdSbp:
+        """from_sbp and to_sbp as nd-SBPs, one entry per mesh axis of the step's placement."""
+
+    @_builtins.property
+    def to_nd_sbp(self) -> _job_pb2.NdSbp: ...
+    @_builtins.property
+    def group(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """A group step's ranks, in mesh order along mesh_axis; the task's rank is one of them."""
+
+    @_builtins.property
+    def transfers(self) -> _containers.RepeatedCompositeFieldContainer[Global___Transfer]:
+        """Point to point: the transfers this task takes part in, in the plan's order (a SEND: those to its
+        peer; a RECV: those from its peer; an assembly: every transfer to its rank).
+        """
+
+    @_builtins.property
+    def src_region(self) -> Global___Region:
+        """This rank's shard under from_nd_sbp, as a region of the logical tensor, where it holds one."""
+
+    @_builtins.property
+    def dst_region(self) -> Global___Region:
+        """This rank's shard under to_nd_sbp, where it holds one."""
+
     def __init__(
         self,
         *,
@@ -169,14 +215,78 @@ class Boxing(_message.Message):
         to_sbp: _builtins.str = ...,
         collective: Global___CollectiveKind.ValueType = ...,
         bytes_moved: _builtins.int = ...,
+        step: _builtins.int = ...,
+        from_nd_sbp: _job_pb2.NdSbp | None = ...,
+        to_nd_sbp: _job_pb2.NdSbp | None = ...,
+        point_to_point: _builtins.bool = ...,
+        mesh_axis: _builtins.int = ...,
+        group: _abc.Iterable[_builtins.int] | None = ...,
+        transfers: _abc.Iterable[Global___Transfer] | None = ...,
+        src_region: Global___Region | None = ...,
+        dst_region: Global___Region | None = ...,
+        peer: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["dst_region", b"dst_region", "from_nd_sbp", b"from_nd_sbp", "src_region", b"src_region", "to_nd_sbp", b"to_nd_sbp"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "collective", b"collective", "from_sbp", b"from_sbp", "to_sbp", b"to_sbp"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "collective", b"collective", "dst_region", b"dst_region", "from_nd_sbp", b"from_nd_sbp", "from_sbp", b"from_sbp", "group", b"group", "mesh_axis", b"mesh_axis", "peer", b"peer", "point_to_point", b"point_to_point", "src_region", b"src_region", "step", b"step", "to_nd_sbp", b"to_nd_sbp", "to_sbp", b"to_sbp", "transfers", b"transfers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Boxing: _TypeAlias = Boxing  # noqa: Y015
+
+@_typing.final
+class Region(_message.Message):
+    """A box of a logical tensor: [start[i], stop[i]) on each axis i."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def start(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        start: _abc.Iterable[_builtins.int] | None = ...,
+        stop: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["start", b"start", "stop", b"stop"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Region: _TypeAlias = Region  # noqa: Y015
+
+@_typing.final
+class Transfer(_message.Message):
+    """One point-to-point copy of a region of the logical tensor from rank src to rank dst."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SRC_FIELD_NUMBER: _builtins.int
+    DST_FIELD_NUMBER: _builtins.int
+    REGION_FIELD_NUMBER: _builtins.int
+    src: _builtins.int
+    dst: _builtins.int
+    @_builtins.property
+    def region(self) -> Global___Region: ...
+    def __init__(
+        self,
+        *,
+        src: _builtins.int = ...,
+        dst: _builtins.int = ...,
+        region: Global___Region | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["region", b"region"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst", b"dst", "region", b"region", "src", b"src"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Transfer: _TypeAlias = Transfer  # noqa: Y015
 
 @_typing.final
 class Task(_message.Message):
@@ -218,6 +328,7 @@ class Task(_message.Message):
     COMMUNICATOR_FIELD_NUMBER: _builtins.int
     COMM_SEQ_FIELD_NUMBER: _builtins.int
     BOXING_FIELD_NUMBER: _builtins.int
+    COORD_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Unique over the whole plan (all devices), so reports and communicator orders can name it."""
     kind: Global___TaskKind.ValueType
@@ -250,7 +361,14 @@ class Task(_message.Message):
 
     @_builtins.property
     def boxing(self) -> Global___Boxing:
-        """For TASK_KIND_BOXING: the conversion performed."""
+        """For TASK_KIND_BOXING, SEND and RECV: the conversion performed."""
+
+    @_builtins.property
+    def coord(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The task's rank's coordinate in the grid of the placement it runs on (Placement.mesh_shape): a
+        kernel's op's, a SOURCE's, DATA_LOAD's, ACCUMULATE's or SINK's tensor's, a group step's or SEND's
+        source placement, a RECV's or an assembly's destination placement.
+        """
 
     def __init__(
         self,
@@ -268,10 +386,11 @@ class Task(_message.Message):
         communicator: _builtins.str = ...,
         comm_seq: _builtins.int = ...,
         boxing: Global___Boxing | None = ...,
+        coord: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["boxing", b"boxing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attrs", b"attrs", "boxing", b"boxing", "comm_seq", b"comm_seq", "communicator", b"communicator", "id", b"id", "in_registers", b"in_registers", "kind", b"kind", "micro_batch", b"micro_batch", "op_name", b"op_name", "op_type", b"op_type", "out_registers", b"out_registers", "stage", b"stage", "stream", b"stream"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attrs", b"attrs", "boxing", b"boxing", "comm_seq", b"comm_seq", "communicator", b"communicator", "coord", b"coord", "id", b"id", "in_registers", b"in_registers", "kind", b"kind", "micro_batch", b"micro_batch", "op_name", b"op_name", "op_type", b"op_type", "out_registers", b"out_registers", "stage", b"stage", "stream", b"stream"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -293,6 +412,7 @@ class RegisterDesc(_message.Message):
     SHAPE_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
     TENSOR_FIELD_NUMBER: _builtins.int
+    SBP_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Unique over the whole plan."""
     producer_task: _builtins.int
@@ -304,7 +424,9 @@ class RegisterDesc(_message.Message):
     dtype: _job_pb2.DType.ValueType
     """Element type of the value held."""
     tensor: _builtins.str
-    """Name of the logical tensor whose shard it holds (empty for intermediate boxing buffers)."""
+    """Name of the logical tensor whose shard it holds (empty for intermediate boxing buffers); its logical
+    shape and placement are that tensor's in Plan.tensors.
+    """
     @_builtins.property
     def consumer_tasks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tasks that read it; a buffer is free again once all of them have acked."""
@@ -312,6 +434,12 @@ class RegisterDesc(_message.Message):
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Local (shard) shape of the value held."""
+
+    @_builtins.property
+    def sbp(self) -> _job_pb2.NdSbp:
+        """nd-SBP of the shard held: the tensor's, or an intermediate boxing buffer's (the step's to_nd_sbp);
+        unset for a received piece that is only part of a shard.
+        """
 
     def __init__(
         self,
@@ -324,10 +452,11 @@ class RegisterDesc(_message.Message):
         shape: _abc.Iterable[_builtins.int] | None = ...,
         dtype: _job_pb2.DType.ValueType = ...,
         tensor: _builtins.str = ...,
+        sbp: _job_pb2.NdSbp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sbp", b"sbp"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "consumer_tasks", b"consumer_tasks", "count", b"count", "dtype", b"dtype", "id", b"id", "producer_task", b"producer_task", "shape", b"shape", "tensor", b"tensor"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "consumer_tasks", b"consumer_tasks", "count", b"count", "dtype", b"dtype", "id", b"id", "producer_task", b"producer_task", "sbp", b"sbp", "shape", b"shape", "tensor", b"tensor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -493,10 +622,24 @@ class Plan(_message.Message):
     DEVICES_FIELD_NUMBER: _builtins.int
     COMMUNICATORS_FIELD_NUMBER: _builtins.int
     JOB_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    PARAMETERS_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    LOSS_FIELD_NUMBER: _builtins.int
+    FETCHES_FIELD_NUMBER: _builtins.int
+    MICRO_BATCHES_FIELD_NUMBER: _builtins.int
+    JOB_NAME_FIELD_NUMBER: _builtins.int
     format_version: _builtins.int
     """Version of this format; currently 1."""
     job_id: _builtins.str
     """Id the control plane gave the job."""
+    loss: _builtins.str
+    """Name of the loss tensor (empty: none) and of the further tensors fetched each step."""
+    micro_batches: _builtins.int
+    """Micro-batches per step (gradient accumulation times pipeline micro-batches); 1 without either."""
+    job_name: _builtins.str
+    """Name of the job, for messages."""
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DevicePlan]:
         """One entry per rank, sorted by rank."""
@@ -508,9 +651,29 @@ class Plan(_message.Message):
     @_builtins.property
     def job(self) -> _job_pb2.Job:
         """The logical job after the compiler's passes (with backward and optimizer ops), for reference and
-        plan dumps.
+        plan dumps. The runtime never reads it: what it needs is in the fields below.
         """
 
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[_job_pb2.Tensor]:
+        """Every tensor of the compiled graph (per-micro-batch shapes), with its placement and nd-SBP: the
+        tensors that tasks and registers name.
+        """
+
+    @_builtins.property
+    def parameters(self) -> _containers.RepeatedCompositeFieldContainer[_job_pb2.Parameter]:
+        """Initialisers of the model variables (a variable without an entry starts at zero)."""
+
+    @_builtins.property
+    def data(self) -> _job_pb2.DataSource:
+        """Where DATA_LOAD tasks read their batches (absent: the job has no inputs)."""
+
+    @_builtins.property
+    def config(self) -> _job_pb2.JobConfig:
+        """The run configuration the acts use (the seed of initialisers and random ops)."""
+
+    @_builtins.property
+    def fetches(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -519,10 +682,18 @@ class Plan(_message.Message):
         devices: _abc.Iterable[Global___DevicePlan] | None = ...,
         communicators: _abc.Iterable[Global___Communicator] | None = ...,
         job: _job_pb2.Job | None = ...,
+        tensors: _abc.Iterable[_job_pb2.Tensor] | None = ...,
+        parameters: _abc.Iterable[_job_pb2.Parameter] | None = ...,
+        data: _job_pb2.DataSource | None = ...,
+        config: _job_pb2.JobConfig | None = ...,
+        loss: _builtins.str = ...,
+        fetches: _abc.Iterable[_builtins.str] | None = ...,
+        micro_batches: _builtins.int = ...,
+        job_name: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "data", b"data", "job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["communicators", b"communicators", "devices", b"devices", "format_version", b"format_version", "job", b"job", "job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["communicators", b"communicators", "config", b"config", "data", b"data", "devices", b"devices", "fetches", b"fetches", "format_version", b"format_version", "job", b"job", "job_id", b"job_id", "job_name", b"job_name", "loss", b"loss", "micro_batches", b"micro_batches", "parameters", b"parameters", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -6,8 +6,9 @@ the communicator order name each collective). Between placements, each (source, 
 a transfer is a SEND on the source and a RECV on the destination, on the pair's communicator; a
 destination that needs more than that one piece (its own copy, several sources) assembles them in a
 BOXING task marked ``local slice``, and a destination that only holds zeros (P) gets a ``zero fill``.
-Boxing tasks carry the boxing node's name in ``op_name`` so the runtime can re-plan the transfers'
-regions with :func:`plan_boxing` (a cached pure function of the job).
+Each boxing task carries its step as data (``Task.boxing``: the step's position, nd-SBPs, mesh axis and
+group, or the transfers it takes part in with the regions of its shards), so the runtime executes it
+from the plan alone and never re-plans.
 
 Every call on a communicator is recorded in :class:`CommOrder` at its position in the one global walk;
 a walk that builds only some ranks still visits every group and destination that involves one of them,
@@ -33,7 +34,7 @@ from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.graph import BOXING, Graph, OpNode
 from sbpflow.placement import Placement
 from sbpflow.sbp import B, format_nd
-from sbpflow.sharding import shard_index, split_range
+from sbpflow.sharding import Index, shard_index, split_range
 from sbpflow.v1 import plan_pb2 as pp
 
 COLLECTIVE = {
@@ -73,6 +74,7 @@ class _P2P:
     starts: list[tuple[int, int]]  # (tasks, registers) emitted before each destination, over all ranks
     total: tuple[int, int]
     touching: dict[int, list[int]]  # rank -> the destinations whose transfers involve it
+    by_dst: dict[int, dict[int, list[Transfer]]]  # destination -> source -> its transfers, in order
 
 
 def p2p_layout(plan: BoxingPlan, step: BoxingStep) -> _P2P:
@@ -100,7 +102,7 @@ def p2p_layout(plan: BoxingPlan, step: BoxingStep) -> _P2P:
         starts.append((tasks, registers))
         pairs = sum(s != d for s, _, _ in sources)
         tasks, registers = tasks + 2 * pairs + (not whole), registers + pairs + (not whole)
-    return _P2P(step, dests, starts, (tasks, registers), touching)
+    return _P2P(step, dests, starts, (tasks, registers), touching, by_dst)
 
 
 @dataclass
@@ -109,9 +111,10 @@ class Lowerer(TaskEmitter):
 
     comm: CommOrder = field(default_factory=CommOrder)
     _groups: dict[tuple[Placement, int], list[list[tuple[int, ...]]]] = field(default_factory=dict)
-    _boxing: dict[tuple[int, int, int], tuple[BoxingStep, pp.Boxing]] = field(default_factory=dict)
+    _boxing: dict[tuple[int, int, int, int], tuple[BoxingStep, pp.Boxing]] = field(default_factory=dict)
     _p2ps: dict[int, _P2P] = field(default_factory=dict)
     _visits: dict[int, list[int]] = field(default_factory=dict)  # step -> destinations touching built ranks
+    _group_of: dict[tuple[Placement, int], dict[tuple[int, ...], list[int]]] = field(default_factory=dict)
     trail: list[tuple[str, BoxingPlan, int]] | None = None  # every boxing step emitted, in order
 
     def emit_op(self, op: OpNode, state: CompileState) -> None:
@@ -134,47 +137,73 @@ class Lowerer(TaskEmitter):
         cur = {r: self.holder(src.name, r, f"boxing op {op.name!r}") for r in self.built(plan.src)}
         if plan.is_identity:  # a no-op boxing still needs the output register: a local copy
             step = BoxingStep(Collective.local_slice, 0, plan.src_sbp, plan.dst_sbp, 0)
-            self.collective(op, plan, step, cur, dst.name)
+            self.collective(op, plan, step, cur, dst.name, 0)
             return
         for i, step in enumerate(plan.steps):
             if self.trail is not None:
                 self.trail.append((op.name, plan, i))
             name = dst.name if i == len(plan.steps) - 1 else ""
             if step.collective is Collective.p2p:
-                cur = self.p2p(op, plan, step, cur, name)
+                cur = self.p2p(op, plan, step, cur, name, i)
             else:
-                cur = self.collective(op, plan, step, cur, name)
+                cur = self.collective(op, plan, step, cur, name, i)
 
     def built(self, pl: Placement) -> list[int]:
         return list(pl.ranks) if self.keep is None else [r for r in pl.ranks if r in self.devices]
 
     def _boxing_task(
-        self, rank: int, op: OpNode, kind: int, step: BoxingStep, collective: int, nbytes: int
+        self,
+        rank: int,
+        op: OpNode,
+        kind: int,
+        step: BoxingStep,
+        collective: int,
+        nbytes: int,
+        index: int,
+        coord: Sequence[int],
     ) -> pp.Task | None:
-        t = self.task(rank, kind, op.name, op.stage)
+        """A task of step ``index`` of a boxing, with the part of its ``Task.boxing`` every rank shares;
+        the caller adds this rank's group, transfers and regions."""
+        t = self.task(rank, kind, op.name, op.stage, coord)
         if t is not None:
-            key = (id(step), collective, nbytes)  # the step is kept alive beside its proto: ids stay unique
+            key = (id(step), collective, nbytes, index)  # the step is kept alive beside its proto
             if key not in self._boxing:
                 proto = pp.Boxing(
                     from_sbp=format_nd(step.from_sbp),
                     to_sbp=format_nd(step.to_sbp),
                     collective=collective,  # type: ignore[arg-type]
                     bytes_moved=nbytes,
+                    step=index,
+                    from_nd_sbp=self.sbp_proto(step.from_sbp),
+                    to_nd_sbp=self.sbp_proto(step.to_sbp),
+                    point_to_point=step.collective is Collective.p2p,
+                    mesh_axis=step.mesh_axis or 0,
                 )
                 self._boxing[key] = (step, proto)
             t.boxing.CopyFrom(self._boxing[key][1])
         return t
 
+    def group_of(self, pl: Placement, axis: int, coord: tuple[int, ...]) -> list[int]:
+        """The ranks of the group along mesh ``axis`` through ``coord``, in mesh order."""
+        key = (pl, axis)
+        if key not in self._group_of:
+            self._group_of[key] = {
+                c: ranks for g in _groups(pl, axis) for ranks in [[pl.rank_at(x) for x in g]] for c in g
+            }
+        return self._group_of[key][coord]
+
     def collective(
-        self, op: OpNode, plan: BoxingPlan, step: BoxingStep, cur: dict[int, int], name: str
+        self, op: OpNode, plan: BoxingPlan, step: BoxingStep, cur: dict[int, int], name: str, index: int
     ) -> dict[int, int]:
         pl, meta, kind = plan.src, plan.meta, COLLECTIVE[step.collective]
         out, tasks = {}, {}
         for coord, rank in self.each(pl, 1, 1):
-            t = self._boxing_task(rank, op, K.TASK_KIND_BOXING, step, kind, step.bytes)
+            t = self._boxing_task(rank, op, K.TASK_KIND_BOXING, step, kind, step.bytes, index, coord)
+            if t is not None and step.mesh_axis is not None:
+                t.boxing.group.extend(self.group_of(pl, step.mesh_axis, coord))
             self.read(t, cur.get(rank, -1))
             shape = shard_shape(meta.shape, pl.shape, step.to_sbp, coord)
-            out[rank] = self.produce(t, rank, shape, meta.dtype, name)
+            out[rank] = self.produce(t, rank, shape, meta.dtype, name, sbp=step.to_sbp)
             tasks[coord] = t
         if step.collective not in LOCAL:
             assert step.mesh_axis is not None
@@ -203,7 +232,7 @@ class Lowerer(TaskEmitter):
         return self._groups[key]
 
     def p2p(
-        self, op: OpNode, plan: BoxingPlan, step: BoxingStep, cur: dict[int, int], name: str
+        self, op: OpNode, plan: BoxingPlan, step: BoxingStep, cur: dict[int, int], name: str, index: int
     ) -> dict[int, int]:
         lay = self._p2ps.get(id(step))
         if lay is None:
@@ -228,7 +257,10 @@ class Lowerer(TaskEmitter):
                 if s == d:
                     pieces.append(cur.get(d, -1))
                 elif every or s in built or d in built:
-                    pieces.append(self._send_recv(op, plan, step, cur.get(s, -1), s, d, nbytes, shape))
+                    trs = lay.by_dst[d][s]
+                    pieces.append(
+                        self._send_recv(op, plan, (step, index, trs), cur.get(s, -1), dest, nbytes, shape)
+                    )
                 else:  # a transfer between two ranks not built: its send, its receive and its piece counted
                     self.seek(self.next_task + 2, self.next_reg + 1)
                     pieces.append(-1)
@@ -236,15 +268,20 @@ class Lowerer(TaskEmitter):
                 if d in self.devices:
                     reg = self.registers[pieces[0]]
                     reg.tensor = name
+                    reg.sbp.CopyFrom(self.sbp_proto(step.to_sbp))
                     out[d] = reg.id
                     if name:
                         self.held[(name, d, self.micro_batch)] = reg.id
                 continue
             collective = Collective.local_slice if pieces else Collective.zero_fill
-            t = self._boxing_task(d, op, K.TASK_KIND_BOXING, step, COLLECTIVE[collective], 0)
+            t = self._boxing_task(
+                d, op, K.TASK_KIND_BOXING, step, COLLECTIVE[collective], 0, index, dest.coord
+            )
+            if t is not None:
+                _assembly_data(t.boxing, plan, step, dest, lay.by_dst.get(d, {}))
             for p in pieces:
                 self.read(t, p)
-            rid = self.produce(t, d, dest.want, plan.meta.dtype, name)
+            rid = self.produce(t, d, dest.want, plan.meta.dtype, name, sbp=step.to_sbp)
             if t is not None:
                 out[d] = rid
         self.seek(t0 + lay.total[0], r0 + lay.total[1])
@@ -254,16 +291,30 @@ class Lowerer(TaskEmitter):
         self,
         op: OpNode,
         plan: BoxingPlan,
-        step: BoxingStep,
+        what: tuple[BoxingStep, int, list[Transfer]],  # the step, its position, the pair's transfers
         source: int,
-        s: int,
-        d: int,
+        dest: _Dest,
         nbytes: int,
         shape: tuple[int, ...],
     ) -> int:
-        send = self._boxing_task(s, op, K.TASK_KIND_SEND, step, pp.COLLECTIVE_KIND_SEND, nbytes)
+        step, index, trs = what
+        s, d = trs[0].src, dest.rank
+        src_coord = plan.src.coord_of(s)
+        send = self._boxing_task(
+            s, op, K.TASK_KIND_SEND, step, pp.COLLECTIVE_KIND_SEND, nbytes, index, src_coord
+        )
+        if send is not None:
+            send.boxing.peer = d
+            send.boxing.transfers.extend(transfer_proto(tr) for tr in trs)
+            src_index = shard_index(plan.meta.shape, plan.src.shape, step.from_sbp, src_coord)
+            send.boxing.src_region.CopyFrom(region_proto(src_index))
         self.read(send, source)
-        recv = self._boxing_task(d, op, K.TASK_KIND_RECV, step, pp.COLLECTIVE_KIND_RECV, nbytes)
+        recv = self._boxing_task(
+            d, op, K.TASK_KIND_RECV, step, pp.COLLECTIVE_KIND_RECV, nbytes, index, dest.coord
+        )
+        if recv is not None:
+            recv.boxing.peer = s
+            recv.boxing.transfers.extend(transfer_proto(tr) for tr in trs)
         piece = self.produce(recv, d, shape, plan.meta.dtype)
         call = Call(op.name, _boxing_name(step), call_kind(pp.COLLECTIVE_KIND_SEND), nbytes)
         self.comm.add(
@@ -273,6 +324,26 @@ class Lowerer(TaskEmitter):
             [(send, s, pp.COLLECTIVE_KIND_SEND, nbytes), (recv, d, pp.COLLECTIVE_KIND_RECV, 0)],
         )
         return piece
+
+
+def region_proto(index: Index) -> pp.Region:
+    return pp.Region(start=[s.start for s in index], stop=[s.stop for s in index])
+
+
+def transfer_proto(tr: Transfer) -> pp.Transfer:
+    return pp.Transfer(src=tr.src, dst=tr.dst, region=region_proto(tr.region))
+
+
+def _assembly_data(
+    m: pp.Boxing, plan: BoxingPlan, step: BoxingStep, dest: _Dest, by_src: dict[int, list[Transfer]]
+) -> None:
+    """What a destination's assembly reads: every transfer to it (by source, in order), its shard's
+    region, and its own source shard's region when it holds one."""
+    m.transfers.extend(transfer_proto(tr) for trs in by_src.values() for tr in trs)
+    m.dst_region.CopyFrom(region_proto(shard_index(plan.meta.shape, plan.dst.shape, step.to_sbp, dest.coord)))
+    if dest.rank in plan.src.ranks:
+        own = shard_index(plan.meta.shape, plan.src.shape, step.from_sbp, plan.src.coord_of(dest.rank))
+        m.src_region.CopyFrom(region_proto(own))
 
 
 def _boxing_name(step: BoxingStep) -> str:

@@ -41,6 +41,7 @@ from sbpflow.control_plane.compiler.schedule import Phase
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.graph import Graph, OpNode, TensorKind
 from sbpflow.placement import Placement
+from sbpflow.reference import micro_batches
 from sbpflow.v1 import plan_pb2 as pp
 
 PLAN_FORMAT_VERSION = 1
@@ -64,13 +65,32 @@ def run(state: CompileState, job_id: str = "") -> pp.Plan:
 
 
 def to_plan(state: CompileState, low: Lowered, job_id: str = "") -> pp.Plan:
-    return pp.Plan(
+    plan = plan_header(state, job_id)
+    plan.devices.extend(low.devices[r] for r in sorted(low.devices))
+    plan.communicators.extend(low.communicators)
+    return plan
+
+
+def plan_header(state: CompileState, job_id: str = "") -> pp.Plan:
+    """A Plan without devices and communicators: the compiled job (for dumps and reference) and, as
+    plain data, everything the runtime reads instead of it — the tensors with their layouts, the
+    initialisers, the data source, the config, the loss and fetches, the number of micro-batches."""
+    job = wire.job_to_proto(dataclasses.replace(state.job, graph=state.graph))
+    plan = pp.Plan(
         format_version=PLAN_FORMAT_VERSION,
         job_id=job_id,
-        devices=[low.devices[r] for r in sorted(low.devices)],
-        communicators=low.communicators,
-        job=wire.job_to_proto(dataclasses.replace(state.job, graph=state.graph)),
+        job=job,
+        tensors=job.graph.tensors,
+        parameters=job.parameters,
+        config=job.config,
+        loss=job.loss,
+        fetches=job.fetches,
+        micro_batches=micro_batches(state.job),
+        job_name=job.name,
     )
+    if job.HasField("data"):
+        plan.data.CopyFrom(job.data)
+    return plan
 
 
 def lower(state: CompileState, ranks: Iterable[int] | None = None, log: bool = False) -> Lowered:

@@ -53,9 +53,9 @@ def step_calls(op_name: str, plan: BoxingPlan, i: int) -> list[GroupCall]:
     op = OpNode(op_name, BOXING, (), ())
     step = plan.steps[i]
     if step.collective is Collective.p2p:
-        low.p2p(op, plan, step, {}, "")
+        low.p2p(op, plan, step, {}, "", i)
     else:
-        low.collective(op, plan, step, {}, "")
+        low.collective(op, plan, step, {}, "", i)
     assert low.comm.log is not None
     return low.comm.log
 

@@ -24,6 +24,7 @@ from sbpflow.placement import Placement
 from sbpflow.sbp import NdSbp
 from sbpflow.sharding import local_shape
 from sbpflow.tensor_meta import Shape
+from sbpflow.v1 import job_pb2 as jp
 from sbpflow.v1 import plan_pb2 as pp
 
 K = pp.TaskKind
@@ -83,6 +84,7 @@ class TaskEmitter:
     next_reg: int = 0
     _chosen: dict[Placement, list[int]] = field(default_factory=dict)
     _attrs: dict[str, list[tuple[str, object]]] = field(default_factory=dict)
+    _sbps: dict[NdSbp, jp.NdSbp] = field(default_factory=dict)  # nd-SBP -> its proto, made once
 
     # ---- primitives ---------------------------------------------------------------------------
 
@@ -108,16 +110,31 @@ class TaskEmitter:
         """Move the id counters to where the full plan is (an emission that skips ranks it does not build)."""
         self.next_task, self.next_reg = task, register
 
-    def task(self, rank: int, kind: int, op_name: str = "", stage: int = 0) -> pp.Task | None:
-        """A new task on ``rank``; ``None`` (its id counted) when that rank is not built."""
+    def task(
+        self, rank: int, kind: int, op_name: str = "", stage: int = 0, coord: Sequence[int] = ()
+    ) -> pp.Task | None:
+        """A new task on ``rank`` at mesh coordinate ``coord``; ``None`` (its id counted) when that rank
+        is not built."""
         tid = self.next_task
         self.next_task += 1
         device = self.devices.get(rank)
         if device is None:
             return None
         return device.tasks.add(
-            id=tid, kind=kind, stream=STREAM[kind], op_name=op_name, stage=stage, micro_batch=self.micro_batch
+            id=tid,
+            kind=kind,
+            stream=STREAM[kind],
+            op_name=op_name,
+            stage=stage,
+            micro_batch=self.micro_batch,
+            coord=coord,
         )  # type: ignore[arg-type]
+
+    def sbp_proto(self, nd: NdSbp) -> jp.NdSbp:
+        m = self._sbps.get(nd)
+        if m is None:
+            m = self._sbps[nd] = wire.nd_sbp_to_proto(nd)
+        return m
 
     def produce(
         self,
@@ -127,6 +144,7 @@ class TaskEmitter:
         dtype: DType,
         tensor: str = "",
         hold: bool = True,
+        sbp: NdSbp | None = None,
     ) -> int:
         rid = self.next_reg
         self.next_reg += 1
@@ -141,6 +159,8 @@ class TaskEmitter:
             dtype=wire.dtype_to_proto(dtype),
             tensor=tensor,
         )  # type: ignore[arg-type]
+        if sbp is not None:
+            reg.sbp.CopyFrom(self.sbp_proto(sbp))
         task.out_registers.append(rid)
         self.registers[rid] = reg
         if tensor and hold:
@@ -169,14 +189,14 @@ class TaskEmitter:
     ) -> int:
         assert decl.placement is not None and decl.sbp is not None
         shape = shard_shape(decl.meta.shape, decl.placement.shape, decl.sbp, coord)
-        return self.produce(task, rank, shape, decl.meta.dtype, decl.name, hold)
+        return self.produce(task, rank, shape, decl.meta.dtype, decl.name, hold, decl.sbp)
 
     # ---- tensors that enter the step, ops, tensors that leave it ----------------------------
 
     def emit_source(self, decl: TensorDecl, kind: int) -> None:
         assert decl.placement is not None
         for coord, rank in self.each(decl.placement, 1, 1):
-            self.produce_shard(self.task(rank, kind, decl.name), rank, decl, coord)
+            self.produce_shard(self.task(rank, kind, decl.name, 0, coord), rank, decl, coord)
 
     def emit_accumulate(self, tensor: str, k: int, m: int, stage: int) -> None:
         """Micro-batch ``k``'s share of the running mean of ``tensor`` over ``m`` micro-batches: a running
@@ -185,7 +205,7 @@ class TaskEmitter:
         decl = self.graph.tensors[tensor]
         assert decl.placement is not None
         for coord, rank in self.each(decl.placement, 1, 1):
-            t = self.task(rank, K.TASK_KIND_ACCUMULATE, f"accumulate/{tensor}", stage)
+            t = self.task(rank, K.TASK_KIND_ACCUMULATE, f"accumulate/{tensor}", stage, coord)
             assert t is not None
             t.attrs["tensor"].CopyFrom(wire.attr_to_proto(tensor))
             t.attrs["first"].CopyFrom(wire.attr_to_proto(k == 0))
@@ -206,7 +226,7 @@ class TaskEmitter:
                     f"op {op.name!r} ({op.op_type}) runs on {where} but writes {o!r}; an op writes on its placement"
                 )
         for coord, rank in self.each(where, 1, len(outs)):
-            t = self.task(rank, kind, op.name, op.stage)
+            t = self.task(rank, kind, op.name, op.stage, coord)
             assert t is not None
             t.op_type = op.op_type
             attrs = self._attrs.get(op.name)
@@ -234,8 +254,8 @@ class TaskEmitter:
     def _sinks(self, op_name: str, tensor: str, attr: str, value: str) -> None:
         where = self.graph.tensors[tensor].placement
         assert where is not None
-        for _, rank in self.each(where, 1, 0):
-            t = self.task(rank, K.TASK_KIND_SINK, op_name)
+        for coord, rank in self.each(where, 1, 0):
+            t = self.task(rank, K.TASK_KIND_SINK, op_name, 0, coord)
             assert t is not None
             t.attrs[attr].CopyFrom(wire.attr_to_proto(value))
             self.read(t, self.holder(tensor, rank, f"{attr} of {op_name!r}"))
