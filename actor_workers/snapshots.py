@@ -73,10 +73,9 @@ class RankCheckpointer:
 
     def __init__(self, options: CheckpointOptions, rc: RankContext, assigned: Sequence[str]) -> None:
         self.options, self.rc = options, rc
-        g = rc.job.graph
         self.decls = [
             d
-            for d in g.tensors.values()
+            for d in rc.tables.tensors.values()
             if d.kind in VARIABLE_KINDS and d.placement is not None and rc.rank in d.placement.ranks
         ]
         self.mine = {

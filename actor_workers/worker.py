@@ -197,7 +197,7 @@ class Worker:
             source=checkpointing.source_for(start.resume_from, start.init_from),
         )
         rp = self._program.ranks[self.rank]
-        loss = self._program.job.loss
+        loss = self._program.loss
         self._loss = loss
 
         progress.watch_steps(

@@ -22,7 +22,6 @@ Setting ``cancel`` stops every rank promptly and raises :class:`RunCancelled`.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import threading
 from collections.abc import Callable
@@ -168,8 +167,6 @@ def _run_inprocess(compiled: Compiled, options: RunOptions, tracker: StepTracker
             plan,
             options.steps,
             {r: world.transport(r) for r in ranks},
-            job=dataclasses.replace(job, graph=compiled.state.graph),
-            boxings=compiled.state.boxings,
             xp=xp,
             first_step=options.first_step,
             source=checkpointing.source_for(options.resume_from, options.init_from),

@@ -1,11 +1,12 @@
-"""The acts of boxing tasks: one step of a :class:`BoxingPlan` on one rank, through the transport.
+"""The acts of boxing tasks: one step of a boxing on one rank, through the transport.
 
 Lowering makes one task per plan step per rank (a group collective, or a local step), and between
 placements a SEND on each source rank and a RECV on each destination rank per (source, destination)
 pair, plus, on a destination that needs more than one received piece, a BOXING task that assembles its
-shard (``local slice``) or writes zeros (``zero fill``). The plan's task says which boxing node and which
-step (its ``from``/``to`` SBPs); the regions come from re-planning that node with :func:`plan_boxing`,
-a pure function of the compiled graph, as lowering itself does.
+shard (``local slice``) or writes zeros (``zero fill``). Each task carries its step as data
+(``Task.boxing``: the step's position, its nd-SBPs, the mesh axis and the group's ranks, or the
+transfers it takes part in and the regions of this rank's shards), so the act is made from the task
+alone: the runtime never re-plans a boxing.
 
     step on mesh axis k      this rank (group = the ranks along k through this rank, in mesh order)
     P -> B                   all_reduce
@@ -25,79 +26,119 @@ reported by the transport with both names.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from sbpflow import wire
 from sbpflow.actor_workers.runtime.tasks import Act, RankContext, local_shape
-from sbpflow.boxing import BoxingPlan, BoxingStep, Collective, Transfer
+from sbpflow.boxing import Transfer
 from sbpflow.errors import SbpflowError, ShapeError
-from sbpflow.sbp import PartialSum, Split, format_nd
-from sbpflow.sharding import Index, shard_index, split_range
+from sbpflow.sbp import NdSbp, PartialSum, Split
+from sbpflow.sharding import Index, split_range
 from sbpflow.v1 import plan_pb2 as pp
 
 
 class BoxingTaskError(SbpflowError, ValueError):
-    """A boxing task the runtime cannot match to a step of its boxing node's plan."""
+    """A boxing task whose step the runtime cannot run (missing or inconsistent step data)."""
 
 
-def find_step(plan: BoxingPlan, op_name: str, from_sbp: str, to_sbp: str) -> tuple[int, BoxingStep]:
-    """The step of ``plan`` that a task converting ``from_sbp -> to_sbp`` runs (steps never repeat an
-    SBP: each moves one mesh axis towards the destination)."""
-    if plan.is_identity and from_sbp == to_sbp:
-        return 0, BoxingStep(Collective.local_slice, 0, plan.src_sbp, plan.dst_sbp, 0)
-    for i, s in enumerate(plan.steps):
-        if (format_nd(s.from_sbp), format_nd(s.to_sbp)) == (from_sbp, to_sbp):
-            return i, s
-    raise BoxingTaskError(
-        f"boxing task of {op_name!r} converts {from_sbp} -> {to_sbp}, which no step of its plan {plan!r} does; "
-        "the plan and the compiled graph disagree (recompile the job)"
+@dataclass(frozen=True)
+class Step:
+    """A boxing task's step, decoded from ``Task.boxing`` once, when its act is made."""
+
+    index: int
+    collective: int  # a pp.CollectiveKind
+    from_sbp: NdSbp
+    to_sbp: NdSbp
+    point_to_point: bool
+    mesh_axis: int
+    group: tuple[int, ...]
+    transfers: tuple[Transfer, ...]
+    src_region: Index
+    dst_region: Index
+    peer: int
+
+
+def region_of(m: pp.Region) -> Index:
+    return tuple(slice(a, b) for a, b in zip(m.start, m.stop, strict=True))
+
+
+def step_of(task: pp.Task, rank: int) -> Step:
+    """The step ``task`` runs on ``rank``, from the plan; refused, naming the task, when the plan does not
+    carry it (a plan from an older compiler) or it does not involve ``rank``."""
+    b = task.boxing
+    what = f"boxing task {task.id} of {task.op_name!r} ({b.from_sbp} -> {b.to_sbp}) on rank {rank}"
+    if not b.from_nd_sbp.sbp or not b.to_nd_sbp.sbp:
+        raise BoxingTaskError(f"{what} carries no step data (Task.boxing); recompile the job")
+    step = Step(
+        b.step,
+        b.collective,
+        wire.nd_sbp_from_proto(b.from_nd_sbp),
+        wire.nd_sbp_from_proto(b.to_nd_sbp),
+        b.point_to_point,
+        b.mesh_axis,
+        tuple(b.group),
+        tuple(Transfer(t.src, t.dst, region_of(t.region)) for t in b.transfers),
+        region_of(b.src_region),
+        region_of(b.dst_region),
+        b.peer,
     )
+    if not step.point_to_point and rank not in step.group:
+        raise BoxingTaskError(f"{what} runs a group step of group {list(step.group)}; recompile the job")
+    if task.kind != pp.TASK_KIND_BOXING and not step.transfers:
+        raise BoxingTaskError(f"{what} moves nothing to or from rank {step.peer}; recompile the job")
+    return step
+
+
+def moves_nothing(step: Step) -> bool:
+    """A group step that is an identity, or on a group of one (one rank holds the whole)."""
+    return not step.point_to_point and (step.from_sbp == step.to_sbp or len(step.group) == 1)
 
 
 def tag_of(op_name: str, step: int, micro_batch: int) -> str:
     return f"{op_name}#{step}" if micro_batch < 0 else f"{op_name}#{step}@mb{micro_batch}"
 
 
-def boxing_act(
-    rc: RankContext, task: pp.Task, plan: BoxingPlan, step_no: int, step: BoxingStep, peer: int | None
-) -> Act:
-    tag = tag_of(task.op_name, step_no, task.micro_batch)
+def boxing_act(rc: RankContext, task: pp.Task, step: Step, dtype: np.dtype | None) -> Act:
+    """The act of boxing task ``task`` running ``step``; ``dtype``: its output register's element type."""
+    tag = tag_of(task.op_name, step.index, task.micro_batch)
     if task.kind == pp.TASK_KIND_SEND:
-        assert peer is not None
-        return _send(rc, plan, step, peer, tag)
+        return _send(rc, step, tag)
+    assert dtype is not None
     if task.kind == pp.TASK_KIND_RECV:
-        assert peer is not None
-        return _recv(rc, plan, step, peer, tag)
-    if step.collective is Collective.p2p:
-        return _assemble(rc, plan, step)
-    return _group_step(rc, plan, step, tag)
+        return _recv(rc, step, dtype, tag)
+    if step.point_to_point:
+        return _assemble(rc, step, dtype)
+    return _group_step(rc, step, tag)
 
 
 # ---- collectives on one placement ------------------------------------------------------------------
 
 
-def _group_step(rc: RankContext, plan: BoxingPlan, step: BoxingStep, tag: str) -> Act:
-    pl, k = plan.src, step.mesh_axis
-    assert k is not None
-    if step.from_sbp == step.to_sbp or pl.shape[k] == 1:  # a group of one holds the whole: nothing moves
+def _group_step(rc: RankContext, step: Step, tag: str) -> Act:
+    if moves_nothing(step):  # a group of one holds the whole: nothing moves
         return lambda s, values: [values[0]]
-    coord = pl.coord_of(rc.rank)
-    group = tuple(pl.rank_at((*coord[:k], j, *coord[k + 1 :])) for j in range(pl.shape[k]))
-    src, dst, first, xp = step.from_sbp[k], step.to_sbp[k], coord[k] == 0, rc.xp
+    k, group = step.mesh_axis, step.group
+    me = group.index(rc.rank)
+    src, dst, first, xp = step.from_sbp[k], step.to_sbp[k], me == 0, rc.xp
     t = rc.transport
     keep = first or not isinstance(dst, PartialSum)
-    ops: dict[Collective, Callable[[Any], Any]] = {
-        Collective.all_reduce: lambda a: t.all_reduce(a, group, tag),
-        Collective.reduce_scatter: lambda a: t.reduce_scatter(a, group, _axis(dst), tag),
-        Collective.all_gather: lambda a: t.all_gather(a, group, _axis(src), tag),
-        Collective.all_to_all: lambda a: t.all_to_all(a, group, _axis(dst), _axis(src), tag),
-        Collective.local_slice: lambda a: _part(a, _axis(dst), len(group), coord[k]),
-        Collective.zero_fill: lambda a: a,
+    ops: dict[int, Callable[[Any], Any]] = {
+        pp.COLLECTIVE_KIND_ALL_REDUCE: lambda a: t.all_reduce(a, group, tag),
+        pp.COLLECTIVE_KIND_REDUCE_SCATTER: lambda a: t.reduce_scatter(a, group, _axis(dst), tag),
+        pp.COLLECTIVE_KIND_ALL_GATHER: lambda a: t.all_gather(a, group, _axis(src), tag),
+        pp.COLLECTIVE_KIND_ALL_TO_ALL: lambda a: t.all_to_all(a, group, _axis(dst), _axis(src), tag),
+        pp.COLLECTIVE_KIND_LOCAL_SLICE: lambda a: _part(a, _axis(dst), len(group), me),
+        pp.COLLECTIVE_KIND_ZERO_FILL: lambda a: a,
     }
     run = ops[step.collective]
-    if step.collective not in (Collective.local_slice, Collective.zero_fill) and t is None:
-        raise BoxingTaskError(f"rank {rc.rank} runs {step!r} of a boxing but has no transport")
+    local = (pp.COLLECTIVE_KIND_LOCAL_SLICE, pp.COLLECTIVE_KIND_ZERO_FILL)
+    if step.collective not in local and t is None:
+        raise BoxingTaskError(
+            f"rank {rc.rank} runs step {step.index} of a boxing ({tag}) but has no transport"
+        )
 
     def act(s: int, values: list[Any]) -> list[Any]:
         out = run(values[0])
@@ -119,24 +160,14 @@ def _part(a: Any, axis: int, parts: int, i: int) -> Any:
 # ---- point to point between placements --------------------------------------------------------------
 
 
-def _src_index(plan: BoxingPlan, step: BoxingStep, rank: int) -> Index:
-    return shard_index(plan.meta.shape, plan.src.shape, step.from_sbp, plan.src.coord_of(rank))
-
-
 def _local(region: Index, origin: Index) -> Index:
     return tuple(slice(r.start - o.start, r.stop - o.start) for r, o in zip(region, origin, strict=True))
 
 
-def _transfers(step: BoxingStep, s: int, d: int) -> list[Transfer]:
-    return [tr for tr in step.transfers if tr.src == s and tr.dst == d]
-
-
-def _send(rc: RankContext, plan: BoxingPlan, step: BoxingStep, dst: int, tag: str) -> Act:
-    """Cut the regions ``dst`` takes from this rank's source shard; several go packed, flat, in order."""
-    origin = _src_index(plan, step, rc.rank)
-    regions = [_local(tr.region, origin) for tr in _transfers(step, rc.rank, dst)]
-    if not regions:
-        raise BoxingTaskError(f"rank {rc.rank} sends nothing to rank {dst} in {step!r}; the plan is stale")
+def _send(rc: RankContext, step: Step, tag: str) -> Act:
+    """Cut the regions the peer takes from this rank's source shard; several go packed, flat, in order."""
+    dst = step.peer
+    regions = [_local(tr.region, step.src_region) for tr in step.transfers]
     t, xp = rc.transport, rc.xp
 
     def act(s: int, values: list[Any]) -> list[Any]:
@@ -148,10 +179,9 @@ def _send(rc: RankContext, plan: BoxingPlan, step: BoxingStep, dst: int, tag: st
     return act
 
 
-def _recv(rc: RankContext, plan: BoxingPlan, step: BoxingStep, src: int, tag: str) -> Act:
-    trs = _transfers(step, src, rc.rank)
+def _recv(rc: RankContext, step: Step, dtype: np.dtype, tag: str) -> Act:
+    trs, src = step.transfers, step.peer
     shape = local_shape(trs[0].region) if len(trs) == 1 else (sum(tr.numel for tr in trs),)
-    dtype = np.dtype(plan.meta.dtype.value)
     t = rc.transport
 
     def act(s: int, values: list[Any]) -> list[Any]:
@@ -166,20 +196,18 @@ def _recv(rc: RankContext, plan: BoxingPlan, step: BoxingStep, src: int, tag: st
     return act
 
 
-def _assemble(rc: RankContext, plan: BoxingPlan, step: BoxingStep) -> Act:
+def _assemble(rc: RankContext, step: Step, dtype: np.dtype) -> Act:
     """This destination rank's shard from its inputs: its own source shard (when it holds one) and the
     pieces received, in the order lowering lists them (by source, first transfer first); zeros where no
     transfer lands (a ``P`` shard other than the first)."""
-    d, meta = rc.rank, plan.meta
-    want = shard_index(meta.shape, plan.dst.shape, step.to_sbp, plan.dst.coord_of(d))
-    sources = list(dict.fromkeys(tr.src for tr in step.transfers if tr.dst == d))
+    d, want = rc.rank, step.dst_region
+    sources = list(dict.fromkeys(tr.src for tr in step.transfers))
     # per input, the (region of the output, how to take it from that input) it fills
     takes: list[list[tuple[Index, Callable[[Any], Any]]]] = []
     for s in sources:
-        trs = _transfers(step, s, d)
+        trs = [tr for tr in step.transfers if tr.src == s]
         if s == d:  # its own copy: cut from its source shard
-            origin = _src_index(plan, step, d)
-            takes.append([(_local(tr.region, want), _cut(_local(tr.region, origin))) for tr in trs])
+            takes.append([(_local(tr.region, want), _cut(_local(tr.region, step.src_region))) for tr in trs])
         elif len(trs) == 1:
             takes.append([(_local(trs[0].region, want), _whole)])
         else:  # packed: consecutive flat runs, in transfer order
@@ -188,7 +216,7 @@ def _assemble(rc: RankContext, plan: BoxingPlan, step: BoxingStep) -> Act:
                 runs.append((_local(tr.region, want), _unpack(at, local_shape(tr.region))))
                 at += tr.numel
             takes.append(runs)
-    shape, dtype, xp = local_shape(want), np.dtype(meta.dtype.value), rc.xp
+    shape, xp = local_shape(want), rc.xp
 
     def act(s: int, values: list[Any]) -> list[Any]:
         out = xp.zeros(shape, dtype=dtype)

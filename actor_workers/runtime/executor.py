@@ -12,11 +12,11 @@ priority. Two things the plan leaves implicit are made explicit here:
   ranks issue their collectives and transfers in the same order (ARCHITECTURE.md, "Collective order":
   a rendezvous collective hangs when two ranks run two of them in different orders).
 
-The compiled job supplies what the Plan does not carry per task: the tensors' placements and nd-SBPs
-(the shard each rank holds) and, for boxing tasks, the regions of each transfer (re-planned with
-:func:`plan_boxing` from the boxing node, as lowering does). What is read off the plan before the actors
-are built (loop edges, donated inputs, recycled buffers, boxings that move nothing) is in
-:mod:`.executor_analysis`.
+Everything comes from the plan: each task's mesh coordinate and, for boxing tasks, its step as data;
+the plan's tables (:mod:`.plan_tables`: the tensors with their placements and nd-SBPs, the initialisers,
+the data source, the config) for the rest. ``Plan.job`` is never read, and no boxing is re-planned. What
+is read off the plan before the actors are built (loop edges, donated inputs, recycled buffers, boxings
+that move nothing) is in :mod:`.executor_analysis`.
 """
 
 from __future__ import annotations
@@ -30,19 +30,17 @@ from typing import Any
 import numpy as np
 
 from sbpflow import wire
-from sbpflow.actor_workers.runtime import boxing_tasks, tasks
+from sbpflow.actor_workers.runtime import boxing_tasks, plan_tables, tasks
 from sbpflow.actor_workers.runtime import executor_analysis as analysis
 from sbpflow.actor_workers.runtime.actor import ActorSpec
 from sbpflow.actor_workers.runtime.engine import AbortHook, Engine, RunResult
-from sbpflow.actor_workers.runtime.executor_analysis import KIND, ExecutorError, boxing_plan_of, node_of
+from sbpflow.actor_workers.runtime.executor_analysis import KIND, ExecutorError
 from sbpflow.actor_workers.runtime.group import EngineGroup
+from sbpflow.actor_workers.runtime.plan_tables import PlanTables
 from sbpflow.actor_workers.runtime.register import RegisterSpec
 from sbpflow.actor_workers.runtime.tasks import Act, RankContext
 from sbpflow.actor_workers.runtime.variables import StoreSource, init_store
-from sbpflow.boxing import BoxingPlan
-from sbpflow.graph import Graph, OpNode
-from sbpflow.job import Job
-from sbpflow.reference import micro_batches
+from sbpflow.graph import TensorDecl
 from sbpflow.sharding import assemble_value
 from sbpflow.v1 import plan_pb2 as pp
 
@@ -66,27 +64,24 @@ class RankProgram:
 
 @dataclass
 class Program:
-    """Every rank's program, and what the executor needs to read results back."""
+    """Every rank's program, and what the executor needs to read results back (the plan's tables)."""
 
-    job: Job  # the compiled job
+    tables: PlanTables
     ranks: dict[int, RankProgram] = field(default_factory=dict)
 
     @property
-    def graph(self) -> Graph:
-        return self.job.graph
+    def tensors(self) -> Mapping[str, TensorDecl]:
+        return self.tables.tensors
 
-
-def compiled_job(plan: pp.Plan) -> Job:
-    """The compiled job a plan carries (per-micro-batch graph with placements and SBPs)."""
-    return wire.job_from_proto(plan.job)
+    @property
+    def loss(self) -> str:
+        return self.tables.loss
 
 
 def build(
     plan: pp.Plan,
     steps: int,
     transports: Mapping[int, Any] | None = None,
-    job: Job | None = None,
-    boxings: Mapping[str, BoxingPlan] | None = None,
     xp: ModuleType = np,
     ranks: Collection[int] | None = None,
     first_step: int = 0,
@@ -96,38 +91,28 @@ def build(
     each acting ``steps`` times, as steps ``first_step, first_step + 1, ...`` (a resumed run: the acts see
     the global step, which keys the data batch, the random draws and the learning-rate schedule).
 
-    ``job`` is the compiled job (default: decoded from ``plan.job``); ``boxings`` the compiler's boxing
-    plans by node name (default: re-planned). ``transports`` maps rank -> Transport. ``source`` gives
-    the variables' starting shards (a checkpoint; default: the initializers).
+    Everything is read from the plan's tasks, registers and tables (never ``plan.job``). ``transports``
+    maps rank -> Transport. ``source`` gives the variables' starting shards (a checkpoint; default: the
+    initializers).
     """
-    job = job if job is not None else compiled_job(plan)
-    nodes = {o.name: o for o in job.graph.ops}
-    comm_ranks = {c.id: tuple(c.ranks) for c in plan.communicators}
-    out = Program(job)
+    tables = plan_tables.of(plan)
+    out = Program(tables)
     for device in plan.devices:
         if ranks is not None and device.rank not in ranks:
             continue
         rc = RankContext(
             device.rank,
-            job,
-            micro_batches(job),
-            init_store(job, job.graph, device.rank, xp, source),
+            tables,
+            tables.micro_batches,
+            init_store(tables, device.rank, xp, source),
             (transports or {}).get(device.rank),
             xp,
         )
-        out.ranks[device.rank] = _build_rank(device, rc, steps, nodes, boxings or {}, comm_ranks, first_step)
+        out.ranks[device.rank] = _build_rank(device, rc, steps, first_step)
     return out
 
 
-def _build_rank(
-    device: pp.DevicePlan,
-    rc: RankContext,
-    steps: int,
-    nodes: Mapping[str, OpNode],
-    boxings: Mapping[str, BoxingPlan],
-    comm_ranks: Mapping[str, tuple[int, ...]],
-    first_step: int = 0,
-) -> RankProgram:
+def _build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: int = 0) -> RankProgram:
     registers = [
         RegisterSpec(r.id, r.producer_task, tuple(dict.fromkeys(r.consumer_tasks)), r.count)
         for r in device.registers
@@ -135,7 +120,8 @@ def _build_rank(
     loops = analysis.loop_edges(device, rc.store, registers)
     donations = analysis.donations(device)
     recyclers, guards = analysis.recyclers(device)
-    no_ops = analysis.no_op_boxings(device, rc, nodes, boxings)
+    no_ops = analysis.no_op_boxings(device)
+    regs = {r.id: r for r in device.registers}
     actors = []
     for priority, task in enumerate(device.tasks):
         loop = loops.get(task.id)
@@ -150,9 +136,7 @@ def _build_rank(
             _act(
                 task,
                 rc,
-                nodes,
-                boxings,
-                comm_ranks,
+                regs,
                 loop is not None,
                 donations.get(task.id, frozenset()),
                 recyclers.get(task.id),
@@ -190,19 +174,17 @@ def _offset(act: Act, first_step: int) -> Act:
 def _act(
     task: pp.Task,
     rc: RankContext,
-    nodes: Mapping[str, OpNode],
-    boxings: Mapping[str, BoxingPlan],
-    comm_ranks: Mapping[str, tuple[int, ...]],
+    regs: Mapping[int, pp.RegisterDesc],
     looped: bool,
     donated: frozenset[int] = frozenset(),
     recycle: tasks.Recycler | None = None,
 ) -> Act:
-    g = rc.job.graph
     kind = task.kind
     if kind in (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER):
-        return tasks.kernel_act(rc, node_of(nodes, task), task.micro_batch, donated, recycle)
+        names = ([regs[r].tensor for r in task.in_registers], [regs[r].tensor for r in task.out_registers])
+        return tasks.kernel_act(rc, task, names, donated, recycle)
     if kind == pp.TASK_KIND_DATA_LOAD:
-        return tasks.data_load_act(rc, g.tensors[task.op_name], task.micro_batch)
+        return tasks.data_load_act(rc, _tensor(rc, task), task.micro_batch, tuple(task.coord))
     if kind == pp.TASK_KIND_ACCUMULATE:
         first = bool(wire.attr_from_proto(task.attrs["first"]))
         divide_by = wire.attr_from_proto(task.attrs["divide_by"])
@@ -215,20 +197,23 @@ def _act(
             return tasks.assign_act(rc, str(wire.attr_from_proto(task.attrs["assign"])), looped)
         return tasks.fetch_act(rc, str(wire.attr_from_proto(task.attrs["fetch"])), task.micro_batch)
     if kind in (pp.TASK_KIND_BOXING, pp.TASK_KIND_SEND, pp.TASK_KIND_RECV):
-        node = node_of(nodes, task)
-        plan = boxings.get(node.name) or boxing_plan_of(g, node)
-        step_no, step = boxing_tasks.find_step(plan, node.name, task.boxing.from_sbp, task.boxing.to_sbp)
-        peer = None
-        if kind != pp.TASK_KIND_BOXING:
-            peer = next((r for r in comm_ranks.get(task.communicator, ()) if r != rc.rank), None)
-            if peer is None:
-                raise ExecutorError(
-                    f"{_name(task)} on rank {rc.rank}: communicator {task.communicator!r} has no peer"
-                )
-        return boxing_tasks.boxing_act(rc, task, plan, step_no, step, peer)
+        step = boxing_tasks.step_of(task, rc.rank)
+        out = regs[task.out_registers[0]] if task.out_registers else None
+        dtype = None if out is None else wire.dtype_from_proto(out.dtype).to_numpy()
+        return boxing_tasks.boxing_act(rc, task, step, dtype)
     raise ExecutorError(
         f"task {task.id} on rank {rc.rank} is of kind {KIND.get(kind, kind)}, which no act runs"
     )
+
+
+def _tensor(rc: RankContext, task: pp.Task) -> TensorDecl:
+    decl = rc.tables.tensors.get(task.op_name)
+    if decl is None:
+        raise ExecutorError(
+            f"task {task.id} ({KIND[task.kind]}) on rank {rc.rank} loads {task.op_name!r}, which the plan's "
+            "tensors do not have; the plan is inconsistent (recompile)"
+        )
+    return decl
 
 
 def _name(task: pp.Task) -> str:
@@ -277,12 +262,12 @@ def execute(
 def gather(program: Program, name: str, values: Mapping[int, Any], xp: ModuleType = np) -> Any:
     """The logical value of tensor ``name`` from each rank's shard (splits concatenated, partials summed,
     broadcast copies checked equal)."""
-    return assemble_value(program.graph.tensors[name], dict(values), xp)
+    return assemble_value(program.tensors[name], dict(values), xp)
 
 
 def fetched(program: Program, name: str, steps: int, micro_batch: int = -1, first_step: int = 0) -> list[Any]:
     """Per step from ``first_step`` on, the logical value the SINK ``fetch`` tasks of ``name`` recorded."""
-    decl = program.graph.tensors[name]
+    decl = program.tensors[name]
     assert decl.placement is not None
     per_rank = {
         r: program.ranks[r].context.fetched.get((name, micro_batch), {}) for r in decl.placement.ranks
@@ -295,7 +280,7 @@ def variables(program: Program, names: Sequence[str]) -> dict[str, Any]:
     """The logical value of each variable in ``names`` from the ranks' stores."""
     out = {}
     for name in names:
-        decl = program.graph.tensors[name]
+        decl = program.tensors[name]
         assert decl.placement is not None
         out[name] = gather(
             program, name, {r: program.ranks[r].context.store[name] for r in decl.placement.ranks}

@@ -8,25 +8,21 @@
 * :func:`no_op_boxings` — boxing steps that move nothing, to run on the compute stream.
 
 Each is decided from the plan alone, so every rank decides the same (``loop_edges`` also takes the
-initial values from the store, and appends the registers it adds to the rank's list). Also here: looking up the node
-and the boxing plan a task runs, and :class:`ExecutorError` for a plan that does not fit its job.
+initial values from the store, and appends the registers it adds to the rank's list). Also here:
+:class:`ExecutorError` for a plan the executor cannot run.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from sbpflow import wire
 from sbpflow.actor_workers.runtime import boxing_tasks, tasks
 from sbpflow.actor_workers.runtime.register import RegisterSpec
-from sbpflow.actor_workers.runtime.tasks import RankContext
 from sbpflow.actor_workers.runtime.variables import Store
-from sbpflow.boxing import BoxingPlan, Collective, plan_boxing
 from sbpflow.errors import SbpflowError
-from sbpflow.graph import BOXING, Graph, OpNode
 from sbpflow.v1 import plan_pb2 as pp
 
 KIND = {v: k.removeprefix("TASK_KIND_").lower() for k, v in pp.TaskKind.items()}
@@ -34,25 +30,6 @@ KIND = {v: k.removeprefix("TASK_KIND_").lower() for k, v in pp.TaskKind.items()}
 
 class ExecutorError(SbpflowError, ValueError):
     """A plan the executor cannot turn into actors (a task it does not know, a missing op or tensor)."""
-
-
-def node_of(nodes: Mapping[str, OpNode], task: pp.Task) -> OpNode:
-    """The compiled graph's node that ``task`` runs."""
-    node = nodes.get(task.op_name)
-    if node is None:
-        raise ExecutorError(
-            f"task {task.id} ({KIND[task.kind]}) runs op {task.op_name!r}, which the compiled graph does not have; "
-            "the plan and its job disagree (recompile)"
-        )
-    return node
-
-
-def boxing_plan_of(g: Graph, node: OpNode) -> BoxingPlan:
-    """The boxing plan of a boxing node, re-planned from its tensors as lowering does."""
-    assert node.op_type == BOXING
-    src, dst = g.tensors[node.inputs[0]], g.tensors[node.outputs[0]]
-    assert src.placement and src.sbp is not None and dst.placement and dst.sbp is not None
-    return plan_boxing(src.meta, src.placement, src.sbp, dst.placement, dst.sbp)
 
 
 @dataclass(frozen=True)
@@ -84,9 +61,7 @@ def loop_edges(device: pp.DevicePlan, store: Store, registers: list[RegisterSpec
     return loops
 
 
-def no_op_boxings(
-    device: pp.DevicePlan, rc: RankContext, nodes: Mapping[str, OpNode], boxings: Mapping[str, BoxingPlan]
-) -> set[int]:
+def no_op_boxings(device: pp.DevicePlan) -> set[int]:
     """Boxing tasks to run on the compute stream instead of the communication stream: steps that move
     nothing (an identity, or a group of one: every step on one device) between a compute producer and
     compute consumers — a gradient's ``P -> B`` on one device, say. On the communication stream each
@@ -102,13 +77,7 @@ def no_op_boxings(
         neighbours += [c for r in task.out_registers for c in regs[r].consumer_tasks]
         if any(streams.get(n) != pp.STREAM_KIND_COMPUTE for n in neighbours):
             continue
-        node = node_of(nodes, task)
-        plan = boxings.get(node.name) or boxing_plan_of(rc.job.graph, node)
-        _, step = boxing_tasks.find_step(plan, node.name, task.boxing.from_sbp, task.boxing.to_sbp)
-        k = step.mesh_axis
-        if step.collective is not Collective.p2p and (
-            step.from_sbp == step.to_sbp or (k is not None and plan.src.shape[k] == 1)
-        ):
+        if boxing_tasks.moves_nothing(boxing_tasks.step_of(task, device.rank)):
             out.add(task.id)
     return out
 

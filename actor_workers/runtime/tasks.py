@@ -2,8 +2,9 @@
 
 An act is ``act(step, inputs) -> outputs``: ``step`` is the engine's iteration (the optimizer step),
 ``inputs`` the values of the task's input registers in order, and it returns one value per output
-register. Everything a task needs (its op, attrs, shard indices, the rows it loads) is read from the plan
-and the compiled graph once, when the act is made, so an act does no protobuf parsing and little Python.
+register. Everything a task needs (its op, attrs, mesh coordinate, shard indices, the rows it loads) is
+read from the plan — the task and the plan's tables (:mod:`.plan_tables`) — once, when the act is made, so
+an act does no protobuf parsing and little Python.
 
     task            act
     KERNEL          the op's kernel on this rank's shards (KernelContext: in/out index from the tensors'
@@ -29,24 +30,25 @@ from typing import Any
 
 import numpy as np
 
+from sbpflow import wire
+from sbpflow.actor_workers.runtime.plan_tables import PlanTables
 from sbpflow.actor_workers.runtime.variables import Store, is_partial_elsewhere
 from sbpflow.errors import SbpflowError, ShapeError
-from sbpflow.graph import OpNode, TensorDecl
-from sbpflow.job import Job
+from sbpflow.graph import TensorDecl
 from sbpflow.ops.base import KernelContext, get_op
-from sbpflow.placement import Placement
 from sbpflow.reference import micro_batch_step
 from sbpflow.sharding import Index, shard_index
+from sbpflow.v1 import plan_pb2 as pp
 
 Act = Callable[[int, list[Any]], list[Any]]
 
 
 @dataclass
 class RankContext:
-    """What the acts of one rank share: the compiled job, its store, what its sinks fetched."""
+    """What the acts of one rank share: the plan's tables, its store, what its sinks fetched."""
 
     rank: int
-    job: Job  # the compiled job: its graph is the per-micro-batch graph with placements and SBPs
+    tables: PlanTables  # the tensors (per micro-batch, with placements and SBPs), data, config, ...
     micro_batches: int
     store: Store
     transport: Any = None  # a Transport; None for a plan without communication
@@ -68,16 +70,16 @@ class RankContext:
         key = (step, start, stop)
         batch = self._batches.get(key)
         if batch is None:
-            assert self.job.data is not None
+            assert self.tables.data is not None
             if len(self._batches) > 8:  # loaders run at most a step or two ahead
                 self._batches.pop(next(iter(self._batches)))
-            batch = self._batches[key] = self.job.data.read(step, slice(start, stop))
+            batch = self._batches[key] = self.tables.data.read(step, slice(start, stop))
         return batch
 
 
-def coord_index(decl: TensorDecl, where: Placement, coord: tuple[int, ...]) -> Index:
+def coord_index(decl: TensorDecl, mesh: tuple[int, ...], coord: tuple[int, ...]) -> Index:
     assert decl.sbp is not None
-    return shard_index(decl.meta.shape, where.shape, decl.sbp, coord)
+    return shard_index(decl.meta.shape, mesh, decl.sbp, coord)
 
 
 def local_shape(index: Index) -> tuple[int, ...]:
@@ -142,29 +144,29 @@ def guard_aliases(act: Act, recycler: Recycler, position: int, xp: ModuleType) -
 
 def kernel_act(
     rc: RankContext,
-    node: OpNode,
-    micro_batch: int,
+    task: pp.Task,
+    tensors: tuple[Sequence[str], Sequence[str]],
     donated: frozenset[int] = frozenset(),
     recycle: Recycler | None = None,
 ) -> Act:
-    """The kernel of ``node`` on this rank's shards; its outputs are checked against the plan's shapes.
-    ``donated``: positions of inputs no other act reads (see :func:`donations`); ``recycle``: the update
-    of a variable whose first output may go into a retired array (:class:`Recycler`)."""
-    g = rc.job.graph
-    op = get_op(node.op_type)
-    attrs = op.normalize_attrs(node.attrs)
-    where = node.placement or g.tensors[node.outputs[0]].placement
+    """The kernel of ``task`` on this rank's shards of the tensors ``tensors`` (its inputs' and outputs'
+    names, those its registers hold), at the task's mesh coordinate; its outputs are checked against the
+    plan's shapes. ``donated``: positions of inputs no other act reads (see :func:`donations`);
+    ``recycle``: the update of a variable whose first output may go into a retired array (:class:`Recycler`)."""
+    decls = rc.tables.tensors
+    op = get_op(task.op_type)
+    attrs = op.normalize_attrs({k: wire.attr_from_proto(v) for k, v in task.attrs.items()})
+    ins, outs = [decls[i] for i in tensors[0]], [decls[o] for o in tensors[1]]
+    where = (outs or ins)[0].placement  # an op writes on its placement (lowering checks)
     assert where is not None
-    coord = where.coord_of(rc.rank)
-    ins = [g.tensors[i] for i in node.inputs]
-    outs = [g.tensors[o] for o in node.outputs]
-    in_index = tuple(coord_index(d, where, coord) for d in ins)
-    out_index = tuple(coord_index(d, where, coord) for d in outs)
+    coord = tuple(task.coord)
+    in_index = tuple(coord_index(d, where.shape, coord) for d in ins)
+    out_index = tuple(coord_index(d, where.shape, coord) for d in outs)
     expected = [
         (local_shape(ix), np.dtype(d.meta.dtype.value)) for ix, d in zip(out_index, outs, strict=True)
     ]
     base = (rc.xp, attrs, tuple(d.meta for d in ins), tuple(d.meta for d in outs), in_index, out_index)
-    seed, kernel = rc.job.config.seed, op.run_kernel
+    seed, kernel, micro_batch = rc.tables.config.seed, op.run_kernel, task.micro_batch
     make: Callable[..., KernelContext] = KernelContext
     if donated or recycle is not None:
         make = functools.partial(DonatingKernelContext, donated=donated)
@@ -181,8 +183,8 @@ def kernel_act(
             got = [f"{list(r.shape)} {r.dtype}" for r in results]
             want = [f"{list(s)} {t}" for s, t in expected]
             raise ShapeError(
-                f"op {node.name!r} ({node.op_type}) on rank {rc.rank} produced {got}, but the plan expects "
-                f"{want} (its outputs {list(node.outputs)} under their SBPs); the op's kernel and its SBP "
+                f"op {task.op_name!r} ({task.op_type}) on rank {rc.rank} produced {got}, but the plan expects "
+                f"{want} (its outputs {list(tensors[1])} under their SBPs); the op's kernel and its SBP "
                 "rows disagree"
             )
         return list(results)
@@ -193,17 +195,17 @@ def kernel_act(
 # ---- data ------------------------------------------------------------------------------------------------
 
 
-def data_load_act(rc: RankContext, decl: TensorDecl, micro_batch: int) -> Act:
-    """This rank's share of input ``decl`` for micro-batch ``micro_batch`` of each step's batch.
+def data_load_act(rc: RankContext, decl: TensorDecl, micro_batch: int, coord: tuple[int, ...]) -> Act:
+    """This rank's share of input ``decl`` (at mesh coordinate ``coord``) for micro-batch ``micro_batch``
+    of each step's batch.
 
-    The compiled graph is the micro-batch graph, so ``decl.meta.shape[0]`` is the micro-batch's rows;
+    The plan's tensors are the micro-batch graph's, so ``decl.meta.shape[0]`` is the micro-batch's rows;
     micro-batch ``k`` is rows ``[k*m, (k+1)*m)`` of the batch (:func:`sbpflow.reference._split_batch`).
     """
-    if rc.job.data is None:
-        raise SbpflowError(f"job {rc.job.name!r} has no data source to load input {decl.name!r} from")
+    if rc.tables.data is None:
+        raise SbpflowError(f"job {rc.tables.name!r} has no data source to load input {decl.name!r} from")
     assert decl.placement is not None
-    coord = decl.placement.coord_of(rc.rank)
-    index = coord_index(decl, decl.placement, coord)
+    index = coord_index(decl, decl.placement.shape, coord)
     dtype = np.dtype(decl.meta.dtype.value)
     zeros = is_partial_elsewhere(decl, coord)
     if not decl.meta.ndim:

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from sbpflow.actor_workers.runtime.plan_tables import PlanTables
 from sbpflow.errors import SbpflowError
-from sbpflow.graph import Graph, TensorDecl, TensorKind
-from sbpflow.job import Job
+from sbpflow.graph import TensorDecl, TensorKind
 from sbpflow.random import RandomKey
 from sbpflow.sbp import PartialSum
 from sbpflow.sharding import Index, shard_index
@@ -70,13 +70,13 @@ def is_partial_elsewhere(decl: TensorDecl, coord: tuple[int, ...]) -> bool:
 
 
 def init_store(
-    job: Job, graph: Graph, rank: int, xp: ModuleType = np, source: StoreSource | None = None
+    tables: PlanTables, rank: int, xp: ModuleType = np, source: StoreSource | None = None
 ) -> Store:
-    """This rank's shard of every variable of ``graph`` (the compiled graph) placed on ``rank``; where
-    ``source`` gives a value (a checkpoint, imported parameters) it is used instead of the initializer."""
-    specs = {p.tensor: p for p in job.parameters}
+    """This rank's shard of every variable of the plan's tensors placed on ``rank``; where ``source``
+    gives a value (a checkpoint, imported parameters) it is used instead of the initializer."""
+    specs = tables.parameters
     store = Store(rank)
-    for decl in graph.tensors.values():
+    for decl in tables.tensors.values():
         if decl.kind not in VARIABLE_KINDS or decl.placement is None or rank not in decl.placement.ranks:
             continue
         assert decl.sbp is not None
@@ -97,6 +97,6 @@ def init_store(
         if spec is None or is_partial_elsewhere(decl, coord):
             store[decl.name] = xp.zeros(shape, dtype=dtype)
             continue
-        key = RandomKey.for_tensor(job.config.seed, decl.name)
+        key = RandomKey.for_tensor(tables.config.seed, decl.name)
         store[decl.name] = spec.init.sample(xp, key, decl.meta.shape, index, dtype)
     return store

@@ -136,7 +136,6 @@ def test_exported_safetensors_start_a_fresh_job_with_identical_parameters(
             compiled.plan,
             1,
             {r: world.transport(r) for r in ranks},
-            job=dataclasses.replace(compiled.state.job, graph=compiled.state.graph),
             source=checkpointing.source_for(None, str(out)),
         )
         got = executor.variables(program, [p.tensor for p in job.parameters])

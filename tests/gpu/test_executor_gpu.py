@@ -6,7 +6,6 @@ Both runs go through the same compile and ``executor.build(..., xp=...)``; only 
 
 from __future__ import annotations
 
-import dataclasses
 from types import ModuleType
 from typing import Any
 
@@ -33,8 +32,6 @@ def train(job: sf.Job, xp: ModuleType) -> tuple[list[float], dict[str, np.ndarra
         compiled.plan,
         STEPS,
         None,  # one device: the plan has no communication
-        job=dataclasses.replace(compiled.state.job, graph=compiled.state.graph),
-        boxings=compiled.state.boxings,
         xp=xp,
     )
     executor.execute(program, timeout=300.0)

@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 
 from sbpflow import reference
-from sbpflow.actor_workers.runtime import executor, executor_analysis
-from sbpflow.actor_workers.runtime.boxing_tasks import BoxingTaskError, find_step
+from sbpflow.actor_workers.runtime import executor, executor_analysis, plan_tables
+from sbpflow.actor_workers.runtime.boxing_tasks import BoxingTaskError, step_of
 from sbpflow.actor_workers.runtime.variables import StoreError, init_store
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
-from sbpflow.boxing import plan_boxing
 from sbpflow.control_plane.compiler import comm_order, pipeline
 from sbpflow.control_plane.compiler.lowering import lower as lowering
 from sbpflow.control_plane.compiler.state import CompileState
@@ -58,8 +57,7 @@ def compile_job(job: Job) -> pipeline.Compiled:
 def build(c: pipeline.Compiled, steps: int, world: InProcessWorld | None = None) -> executor.Program:
     assert c.plan is not None
     transports = {d.rank: world.transport(d.rank) for d in c.plan.devices} if world else None
-    job = dataclasses.replace(c.state.job, graph=c.state.graph)
-    return executor.build(c.plan, steps, transports, job=job, boxings=c.state.boxings)
+    return executor.build(c.plan, steps, transports)
 
 
 def small_mlp(**kw: Any) -> Job:
@@ -74,8 +72,10 @@ def small_mlp(**kw: Any) -> Job:
 def test_each_rank_draws_exactly_its_shard_of_every_variable(layout: dict[str, Any]) -> None:
     job = small_mlp(ranks=4, tp=layout.get("tp", False))
     job = dataclasses.replace(job, config=dataclasses.replace(job.config, zero_stage=layout.get("zero", 0)))
-    g = compile_job(job).state.graph
-    stores = {r: init_store(job, g, r) for r in range(4)}
+    c = compile_job(job)
+    assert c.plan is not None
+    g, tables = c.state.graph, plan_tables.of(c.plan)
+    stores = {r: init_store(tables, r) for r in range(4)}
     whole = reference.init_parameters(job)
     split = 0
     for name, value in whole.items():
@@ -94,8 +94,9 @@ def test_a_constant_without_a_value_is_refused_by_name() -> None:
     g.add_tensor(
         TensorDecl("c", TensorMeta((2,), DType.float64), TensorKind.constant, placement("cpu"), (B,))
     )
+    plan = lowering.run(CompileState.start(Job("j", g)))
     with pytest.raises(StoreError, match="'c'.*no initializer"):
-        init_store(Job("j", g), g, 0)
+        init_store(plan_tables.of(plan), 0)
 
 
 # ---- boxing acts ------------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ def run_boxing(job: Job, value: np.ndarray) -> np.ndarray:
     src = job.graph.tensors["w"]
     assert src.placement is not None and src.sbp is not None
     with InProcessWorld(ranks, timeout=TIMEOUT) as world:
-        program = executor.build(plan, 1, {r: world.transport(r) for r in ranks}, job=job)
+        program = executor.build(plan, 1, {r: world.transport(r) for r in ranks})
         for r, local in shard(value, src.placement, src.sbp).items():  # P: unequal shares
             program.ranks[r].context.store["w"] = local
         executor.execute(program, TIMEOUT, abort_hooks=[world.abort])
@@ -150,12 +151,13 @@ def test_every_2d_boxing_on_a_2x2_mesh_gathers_back_to_the_original() -> None:
         np.testing.assert_allclose(got, value, rtol=1e-12, err_msg=f"{a} -> {b}")
 
 
-def test_a_boxing_task_that_matches_no_step_of_its_plan_is_refused() -> None:
-    meta = TensorMeta((4,), DType.float64)
-    plan = plan_boxing(meta, FOUR, (P,), FOUR, (B,))
-    assert find_step(plan, "x.box", "P", "B")[0] == 0
-    with pytest.raises(BoxingTaskError, match=r"'x.box'.*S\(0\) -> B.*recompile"):
-        find_step(plan, "x.box", "S(0)", "B")
+def test_a_boxing_task_without_its_step_data_is_refused() -> None:
+    plan = lowering.run(CompileState.start(box_job((4,), FOUR, (P,), FOUR, (B,))))
+    task = next(t for t in plan.devices[0].tasks if t.kind == pp.TASK_KIND_BOXING)
+    assert step_of(task, 0).index == 0
+    task.boxing.ClearField("from_nd_sbp")  # a plan from before the step was data
+    with pytest.raises(BoxingTaskError, match=r"'v.box'.*P -> B.*recompile"):
+        step_of(task, 0)
 
 
 # ---- acts without the engine ------------------------------------------------------------------------
