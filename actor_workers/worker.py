@@ -4,8 +4,9 @@ The scheduler (:mod:`sbpflow.control_plane.scheduler`) creates one :class:`Worke
 placement group, then drives it in three calls:
 
 1. ``endpoint()`` — where this rank's data plane listens (the scheduler gathers every rank's);
-2. ``setup(plan, steps, endpoints)`` — connect the data plane to every peer and build the rank's actors
-   from the plan (the compiled job travels inside it, as protobuf data, never code);
+2. ``setup(plan, steps, endpoints, ranks=...)`` — connect the data plane to every peer (``endpoints[i]``
+   is rank ``ranks[i]``'s) and build the rank's actors from the plan: the rank's own part of it (its
+   DevicePlan, its communicators and the compiled job, as protobuf data, never code);
 3. ``run(timeout)`` — run the actor engine to the end and return a :class:`WorkerOutcome`: this rank's
    fetched losses, or the failure (rank, actor, op, cause) — failures are values, not Ray exceptions, so
    the driver can name them exactly.
@@ -177,16 +178,19 @@ class Worker:
         trace: bool = False,
         uids: Any = None,
         start: Any = None,
+        ranks: Sequence[int] | None = None,
     ) -> None:
         """Connect to every peer, then build this rank's actors from the plan. ``start`` (a
         :class:`~sbpflow.actor_workers.snapshots.Start`): the first step, where the variables start
-        from, and where to checkpoint."""
+        from, and where to checkpoint. ``ranks``: the world's ranks, in the order of ``endpoints``
+        (default: the plan's devices, for a plan that holds every rank's)."""
         from sbpflow.actor_workers import snapshots as checkpointing
         from sbpflow.actor_workers.runtime import executor
 
         start = start or checkpointing.Start()
         plan = pp.Plan.FromString(plan_bytes)
-        transport = self.plane.connect(endpoints, [d.rank for d in plan.devices], uids, timeout)
+        world = [d.rank for d in plan.devices] if ranks is None else list(ranks)
+        transport = self.plane.connect(endpoints, world, uids, timeout)
         self._program = executor.build(
             plan,
             steps,

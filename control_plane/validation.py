@@ -3,11 +3,15 @@
 ``validate_submit`` parses the serialised ``sbpflow.v1.Job``, converts it, verifies the graph, checks
 that the job can train (a data source and a loss), and runs the compiler's graph passes (no lowering)
 so that an impossible SBP, a bad pipeline staging or a placement larger than the cluster is refused at
-Submit. Every failure is a ``ValidationError`` whose message keeps the underlying error's text (the op,
+Submit. :func:`compile_submit` returns that compile (a ``Compiled`` after the graph passes): the job
+manager keeps it for the run, which only lowers it (``pipeline.finish``), so a job is compiled once.
+Every failure is a ``ValidationError`` whose message keeps the underlying error's text (the op,
 the tensors, the fix); the server maps it to INVALID_ARGUMENT. Nothing is written anywhere.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
@@ -15,6 +19,9 @@ from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
 from sbpflow.v1 import job_pb2
 from sbpflow.wire import WireError, job_from_proto
+
+if TYPE_CHECKING:
+    from sbpflow.control_plane.compiler.pipeline import Compiled
 
 
 class ValidationError(SbpflowError, ValueError):
@@ -40,7 +47,13 @@ def _message(e: BaseException) -> str:
 
 
 def validate_submit(job_bytes: bytes, cluster_size: int | None, max_bytes: int | None = None) -> Job:
-    """Parse, convert, verify and compile (without lowering) ``job_bytes``; return the ``Job``.
+    """Parse, convert, verify and compile (without lowering) ``job_bytes``; return the ``Job``."""
+    return compile_submit(job_bytes, cluster_size, max_bytes).state.job
+
+
+def compile_submit(job_bytes: bytes, cluster_size: int | None, max_bytes: int | None = None) -> Compiled:
+    """Parse, convert, verify and compile (without lowering) ``job_bytes``; return the compiled job, its
+    graph passes done (``Compiled.state.job`` is the submitted ``Job``; lower it with ``pipeline.finish``).
 
     ``cluster_size``: the number of devices the job may use, or ``None`` to skip that check.
     ``max_bytes``: refuse a larger message before parsing it (``None``: no limit here).
@@ -88,7 +101,6 @@ def validate_submit(job_bytes: bytes, cluster_size: int | None, max_bytes: int |
     from sbpflow.control_plane.compiler import pipeline
 
     try:
-        pipeline.compile(job, cluster_size=cluster_size, lower=False)
+        return pipeline.compile(job, cluster_size=cluster_size, lower="none")
     except SbpflowError as e:
         raise ValidationError(_message(e), kind="compile", field="job.graph") from e
-    return job

@@ -25,11 +25,12 @@ walk's one sequence of boxing steps (``check_order``) instead of from every rank
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Literal, TypeVar
 
+from sbpflow import wire
 from sbpflow.control_plane.compiler import boxing_pass, comm_order, memory, micro_batching, sbp_inference
 from sbpflow.control_plane.compiler.lowering import lower as lowering
 from sbpflow.control_plane.compiler.lowering.on_demand import LAZY_ABOVE, check_order, estimate_tasks
@@ -42,6 +43,7 @@ from sbpflow.errors import PlacementError
 from sbpflow.graph import BOXING, Graph
 from sbpflow.job import Job
 from sbpflow.sbp import format_nd
+from sbpflow.v1 import job_pb2 as jp
 from sbpflow.v1 import plan_pb2 as pp
 
 T = TypeVar("T")
@@ -68,7 +70,7 @@ class Compiled:
     lazy: lowering.Lowered | None = None  # on demand: the representatives' walk (totals, call log)
     job_id: str = ""
     _devices: dict[int, pp.DevicePlan] = field(default_factory=dict, repr=False)
-    _job: pp.Plan | None = field(default=None, repr=False)
+    _job: bytes | None = field(default=None, repr=False)  # the serialised Plan header every rank shares
 
     def summary(self) -> str:
         return summarize(self)
@@ -95,17 +97,53 @@ class Compiled:
 
     def rank_plan(self, rank: int) -> pp.Plan:
         """The Plan one worker needs: its DevicePlan, the communicators it is a member of, the job."""
+        return pp.Plan.FromString(self._rank_plan_bytes(self.device_plan(rank)))
+
+    def rank_plans(self, ranks: Sequence[int], batch: int = 32) -> Iterator[tuple[int, bytes]]:
+        """Each rank's serialised :meth:`rank_plan`, as a scheduler ships it to the rank's worker; a lazy
+        plan is lowered ``batch`` ranks per walk (``device_plans``) and nothing is cached, so launching every
+        rank of a big job holds one batch of DevicePlans at a time."""
+        index = {d.rank: d for d in self.plan.devices} if self.plan is not None else {}
+        for i in range(0, len(ranks), batch):
+            part = list(ranks[i : i + batch])
+            devices = {r: index[r] for r in part} if index else self.device_plans(part)
+            for r in part:
+                yield r, self._rank_plan_bytes(devices.pop(r))
+
+    def device_types(self) -> dict[int, jp.DeviceType.ValueType]:
+        """Every rank with tasks (one worker each) -> its ``DeviceType``: the plan's devices or, lowered on
+        demand, the ranks of the placements (those ``device_plan`` accepts), without lowering any."""
+        if self.plan is not None:
+            return {d.rank: d.device_type for d in self.plan.devices}
+        placements = {t.placement for t in self.state.graph.tensors.values() if t.placement is not None}
+        types = {pl: wire.placement_to_proto(pl).device_type for pl in placements}
+        return dict(sorted((r, types[pl]) for pl in placements for r in pl.ranks))
+
+    def _rank_plan_bytes(self, d: pp.DevicePlan) -> bytes:
+        # A parsed concatenation of messages is their merge, so the job (the same for every rank, and
+        # big) is serialised once, and the DevicePlan is written as Plan's field 3 without copying it.
         if self._job is None:
-            self._job = lowering.plan_header(self.state, self.job_id)
-        d = self.device_plan(rank)
-        plan = pp.Plan()
-        plan.CopyFrom(self._job)
-        plan.devices.append(d)
+            self._job = lowering.plan_header(self.state, self.job_id).SerializeToString()
         ids = sorted({t.communicator for t in d.tasks if t.communicator})
-        for cid in ids:
-            members = [int(r) for r in cid.split(":", 1)[1].split(",")]
-            plan.communicators.add(id=cid, ranks=members)
-        return plan
+        comms = pp.Plan(
+            communicators=[
+                pp.Communicator(id=c, ranks=[int(r) for r in c.split(":", 1)[1].split(",")]) for c in ids
+            ]
+        )
+        body = d.SerializeToString()
+        return self._job + _DEVICES_TAG + _varint(len(body)) + body + comms.SerializeToString()
+
+
+_DEVICES_TAG = bytes([pp.Plan.DEVICES_FIELD_NUMBER << 3 | 2])  # field 3, length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def compile(
@@ -123,7 +161,7 @@ def compile(
     to ``LAZY_ABOVE`` estimated tasks, ``"none"`` (or ``False``) stops after the graph passes (no
     Plan, no memory estimate): what the compile-scale benchmark times per layer count.
     """
-    mode = {True: "auto", False: "none"}.get(lower, lower) if isinstance(lower, bool) else lower
+    mode: Lower = ("auto" if lower else "none") if isinstance(lower, bool) else lower
     t0 = time.perf_counter()
     if cluster_size is not None:
         check_cluster(job, cluster_size)
@@ -137,25 +175,34 @@ def compile(
             _timed(out, "verify", state.graph.verify)
             if boxed:  # from boxing on, every op reads exactly what it asks for
                 _timed(out, "verify", verify_compiled, state)
-    if mode == "none":
-        out.timings["total"] = time.perf_counter() - t0
+    out.timings["total"] = time.perf_counter() - t0
+    return out if mode == "none" else finish(out, mode)
+
+
+def finish(out: Compiled, lower: Lower = "auto") -> Compiled:
+    """Lower ``out``, a job that ``compile(..., lower="none")`` left after its graph passes, on that same
+    state (the passes do not run again) — what a control plane does with Submit's validation compile.
+    ``lower`` as in :func:`compile`; a Compiled already lowered (or whose lowering was skipped) is returned
+    as it is. Its timings go on adding up (``total`` stays last)."""
+    if out.plan is not None or out.lazy is not None or any("lowering skipped" in n for n in out.notes):
         return out
+    t0, state = time.perf_counter(), out.state
+    before = out.timings.pop("total", 0.0)
     missing = [t for t in state.graph.tensors.values() if t.placement is None or t.sbp is None]
     if missing:
         out.notes.append(
             f"lowering skipped: {len(missing)} tensor(s) (e.g. {missing[0].name!r}) have no placement or SBP and "
             "the SBP inference pass is missing; annotate every tensor or add the pass"
         )
-        return out
-    if mode == "auto":
-        mode = "lazy" if estimate_tasks(state) > LAZY_ABOVE else "eager"
-    if mode == "eager":
-        out.plan = _timed(out, "lowering", lowering.run, state, job_id)
-        out.memory = _timed(out, "memory", memory.run, state, out.plan)
-        _timed(out, "comm_order", comm_order.check, out.plan)
     else:
-        _lazy(out)
-    out.timings["total"] = time.perf_counter() - t0
+        mode = ("lazy" if estimate_tasks(state) > LAZY_ABOVE else "eager") if lower == "auto" else lower
+        if mode == "eager":
+            out.plan = _timed(out, "lowering", lowering.run, state, out.job_id)
+            out.memory = _timed(out, "memory", memory.run, state, out.plan)
+            _timed(out, "comm_order", comm_order.check, out.plan)
+        elif mode == "lazy":
+            _lazy(out)
+    out.timings["total"] = before + time.perf_counter() - t0
     return out
 
 
