@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sbpflow.client.cli_jobs import JOB_COMMANDS, _client_flags, cmd_run
+from sbpflow.client.cli_jobs import JOB_COMMANDS, RUN_DEFAULTS, RUN_EXCLUDED, _client_flags, cmd_run
+from sbpflow.client.run_flags import add_run_flags
 from sbpflow.errors import SbpflowError
 
 
@@ -184,18 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
             )
         if name == "run":
             p.add_argument("--steps", type=int, help="train this many steps (default: the job's own)")
-            p.add_argument(
-                "--backend",
-                default="ray",
-                choices=("ray", "inprocess"),
-                help="ray (default): one Ray worker process per rank on a local Ray; inprocess: every rank a thread",
-            )
             p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every act (Perfetto)")
-            p.add_argument(
-                "--ray-address",
-                metavar="HOST:PORT",
-                help="run on this Ray cluster's nodes (default: $RAY_ADDRESS, else a local Ray started on demand)",
-            )
+            add_run_flags(p, RUN_DEFAULTS, exclude=RUN_EXCLUDED)
         if name == "plan":
             p.add_argument("--out", help="write the Plan protobuf to this file")
             p.add_argument("--html", help="write a self-contained HTML picture of the graph to this file")

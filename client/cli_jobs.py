@@ -17,9 +17,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sbpflow.client.run_flags import add_run_flags, run_options_from_args
 from sbpflow.errors import SbpflowError
+from sbpflow.run_options import MANAGER_DEFAULTS
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+# `sbpflow run`: the embedded manager's options, parameters not kept (nothing shows them); its --trace
+# names a file, and without a checkpoint root there is nothing to restart from
+RUN_DEFAULTS = MANAGER_DEFAULTS.replace(return_parameters=False)
+RUN_EXCLUDED = ("trace", "return_parameters", "max_restarts")
+# `sbpflow server`: a server keeps no act traces (a job's result does not carry one)
+SERVER_EXCLUDED = ("trace",)
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -51,15 +59,13 @@ def server_config(args: argparse.Namespace) -> Any:
         port=args.port,
         http_port=None if args.http_port < 0 else args.http_port,
         store=args.store,
-        backend=args.backend,
-        ray_address=args.ray_address,
+        run=run_options_from_args(args, MANAGER_DEFAULTS),
         slots=args.slots,
         auth_token=args.auth_token or os.environ.get("SBPFLOW_TOKEN") or None,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         max_message_bytes=args.max_message_bytes,
         checkpoint_root=args.checkpoint_root,
-        max_restarts=args.max_restarts,
         open_metrics=args.open_metrics,
     )
 
@@ -68,8 +74,6 @@ def cmd_server(args: argparse.Namespace) -> int:
     """Run the control plane until interrupted."""
     from sbpflow.control_plane.server import serve
 
-    if args.max_restarts < 0:
-        raise SbpflowError(f"--max-restarts {args.max_restarts}: give 0 (never restart) or more")
     serve(server_config(args), announce=lambda line: print(line, flush=True))
     return 0
 
@@ -173,12 +177,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     job = _job_from_args(args)
     config = ManagerConfig(
-        backend=args.backend,
-        ray_address=args.ray_address,
+        run=run_options_from_args(args, RUN_DEFAULTS, trace=bool(args.trace)),
         slots=max(1, len(job_ranks(job))),
-        return_parameters=False,
         keep_run_results=True,
-        trace=bool(args.trace),
     )
     with tempfile.TemporaryDirectory(prefix="sbpflow-run-") as tmp, JobStore(Path(tmp) / "jobs.db") as store:
         manager = JobManager(store, config)
@@ -227,8 +228,6 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port, printed)")
     p.add_argument("--http-port", type=int, default=8080, help="status endpoint port (0: any free; -1: none)")
     p.add_argument("--store", default="sbpflow-jobs.db", help="SQLite job store file")
-    p.add_argument("--backend", choices=("ray", "inprocess"), default="ray", help="how jobs run")
-    p.add_argument("--ray-address", help="join this Ray cluster (auto or host:port); default: a local Ray")
     p.add_argument("--slots", type=int, help="device slots (default: the Ray cluster's CPUs)")
     p.add_argument("--auth-token", help="require this bearer token (env SBPFLOW_TOKEN)")
     p.add_argument(
@@ -244,12 +243,7 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("SBPFLOW_CHECKPOINTS"),
         help="keep job ID's checkpoints in DIR/ID, resume jobs from them (env SBPFLOW_CHECKPOINTS; default: none)",
     )
-    p.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        help="restart a job whose worker is lost from its last checkpoint up to N times (needs --checkpoint-root)",
-    )
+    add_run_flags(p, MANAGER_DEFAULTS, exclude=SERVER_EXCLUDED)
 
 
 def _id(p: argparse.ArgumentParser) -> None:

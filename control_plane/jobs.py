@@ -1,6 +1,6 @@
 """The job manager: admits jobs, queues them, runs each on its own thread within the cluster's capacity.
 
-    manager = JobManager(JobStore("jobs.db"), ManagerConfig(backend="inprocess", slots=4))
+    manager = JobManager(JobStore("jobs.db"), ManagerConfig(MANAGER_DEFAULTS.replace(backend="inprocess"), slots=4))
     manager.start()                       # reconcile the store after a restart, re-queue PENDING jobs
     rec = manager.submit(job_bytes)       # validated (ValidationError) and stored PENDING, or refused
     manager.cancel(rec.id, "not needed")  # PENDING: CANCELLED at once; in flight: the run is stopped
@@ -40,6 +40,7 @@ from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
 from sbpflow.control_plane.validation import ValidationError, validate_submit
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
+from sbpflow.run_options import MANAGER_DEFAULTS, RunOptions
 from sbpflow.run_state import JobState
 from sbpflow.v1 import service_pb2 as sp
 
@@ -57,17 +58,12 @@ _TERMINAL_CODES = frozenset({sp.JOB_STATE_SUCCEEDED, sp.JOB_STATE_FAILED, sp.JOB
 
 @dataclass(frozen=True)
 class ManagerConfig:
-    backend: str = "ray"  # "ray" or "inprocess": see sbpflow.control_plane.launcher.BACKENDS
+    run: RunOptions = MANAGER_DEFAULTS  # how every job runs: backend, Ray address, timeout, restarts, ...
     slots: int | None = None  # capacity in device slots; None: the Ray cluster's CPUs / this machine's
-    ray_address: str | None = None
     max_job_bytes: int | None = None  # refuse larger Job protobufs at Submit
-    run_timeout: float = 24 * 3600.0  # a run that makes no progress for this long fails
-    return_parameters: bool = True  # keep the trained parameters in the result
     keep_run_results: bool = False  # keep each RunResult in memory (the embedded `sbpflow run`)
-    trace: bool = False  # record an act trace (with keep_run_results)
     report_token: str = ""  # the bearer token Ray workers send with their reports (the server's own)
     checkpoint_root: str | None = None  # job ID's checkpoints go to <root>/<ID> (checkpoint_every > 0)
-    max_restarts: int = 0  # a lost worker restarts a job from its last checkpoint this many times
 
 
 def job_ranks(job: Job) -> set[int]:
@@ -83,11 +79,11 @@ def cluster_capacity(config: ManagerConfig) -> int:
         if config.slots < 1:
             raise SbpflowError(f"slots={config.slots}: give at least 1 (one slot per device rank of a job)")
         return config.slots
-    if config.backend == "ray":
+    if config.run.backend == "ray":
         from sbpflow.control_plane.scheduler import ensure_ray
 
         ensure_ray(
-            config.ray_address, 1
+            config.run.ray_address, 1
         )  # before anything imports ray: a local one then advertises 127.0.0.1
         import ray
 
@@ -141,10 +137,10 @@ class JobManager:
         from sbpflow import wire
         from sbpflow.v1 import job_pb2
 
-        if self.config.backend == "ray":  # on the caller's (main) thread: Ray sets signal handlers there
+        if self.config.run.backend == "ray":  # on the caller's (main) thread: Ray sets signal handlers there
             from sbpflow.control_plane.scheduler import ensure_ray
 
-            ensure_ray(self.config.ray_address, self.capacity)
+            ensure_ray(self.config.run.ray_address, self.capacity)
         reconciled = self.store.reconcile_after_restart(self._resumable)
         pending = sorted(self.store.list([JobState.PENDING], limit=1 << 30), key=lambda r: r.created)
         with self._lock:
@@ -372,7 +368,6 @@ class JobManager:
         kwargs = {
             "checkpoint_dir": str(resuming.job_dir(root, rec.id)),
             "resume_from": None if found is None else str(found.path),
-            "max_restarts": self.config.max_restarts,
         }
         return kwargs, 0 if found is None else found.step
 
@@ -383,15 +378,13 @@ class JobManager:
         rec = self.store.get(job_id)
         checkpointing, first_step = self._checkpointing(rec)
         listeners = RunListeners(self, job_id, r, first_step)
+        # a restart goes on from a checkpoint: without any, a job does not restart
+        how = self.config.run if checkpointing else self.config.run.replace(max_restarts=0)
         try:
             listeners.on_state("COMPILING")
             result = run(
                 r.job,
-                backend=self.config.backend,
-                return_parameters=self.config.return_parameters,
-                trace=self.config.trace,
-                timeout=self.config.run_timeout,
-                ray_address=self.config.ray_address,
+                options=how,
                 on_state=listeners.on_state,
                 on_step=listeners.on_step,
                 on_report=listeners.on_report,

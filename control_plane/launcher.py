@@ -36,29 +36,26 @@ from sbpflow.checkpoint.read import CheckpointReader, resolve
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.reports import ReportHub
-from sbpflow.control_plane.run_context import AttemptListener, RunOptions, RunResult
+from sbpflow.control_plane.run_context import AttemptListener, LaunchContext, RunResult
 from sbpflow.control_plane.scheduler import run_on_ray
 from sbpflow.control_plane.step_tracker import ReportListener, StateListener, StepListener, StepTracker
 from sbpflow.device import array_module
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
+from sbpflow.run_options import FIELD_NAMES, RunOptions
 from sbpflow.v1 import job_pb2 as jp
 from sbpflow.v1 import service_pb2 as sp
 
 __all__ = ["BACKENDS", "RunCancelled", "run"]
 
-Backend = Callable[[Compiled, RunOptions, StepTracker], RunResult]
+Backend = Callable[[Compiled, LaunchContext, StepTracker], RunResult]
 
 
 def run(
     job: Job,
-    backend: str = "ray",
-    steps: int | None = None,
-    return_parameters: bool = False,
-    trace: bool = False,
-    timeout: float = 600.0,
     *,
-    ray_address: str | None = None,
+    steps: int | None = None,
+    options: RunOptions | None = None,
     on_state: StateListener | None = None,
     on_step: StepListener | None = None,
     on_report: ReportListener | None = None,
@@ -71,9 +68,12 @@ def run(
     checkpoint_dir: str | None = None,
     resume_from: str | None = None,
     init_from: str | None = None,
-    max_restarts: int = 0,
+    **option_fields: Any,
 ) -> RunResult:
     """Compile ``job`` and train it for ``steps`` (default ``job.config.steps``).
+
+    How it runs is a :class:`~sbpflow.run_options.RunOptions`: ``options``, with any of its fields given
+    as keywords on top (``sf.run(job, backend="inprocess", timeout=60, return_parameters=True)``).
 
     A failing kernel, a shape error, a transport failure or a lost worker on any rank stops every rank
     and raises :class:`~sbpflow.actor_workers.runtime.RuntimeFailure` naming the rank, the op and the
@@ -86,9 +86,13 @@ def run(
     of ``steps``; ``init_from`` starts the parameters from a safetensors/.npz file (or a checkpoint).
     On Ray, a lost worker restarts the job from its last checkpoint up to ``max_restarts`` times.
     """
-    runner = BACKENDS.get(backend)
-    if runner is None:
-        raise SbpflowError(f"backend={backend!r} is unknown; use one of {tuple(BACKENDS)}")
+    unknown = sorted(set(option_fields) - set(FIELD_NAMES))
+    if unknown:
+        raise TypeError(
+            f"run() got unexpected keyword(s) {unknown}; RunOptions' fields are {list(FIELD_NAMES)}"
+        )
+    how = (options or RunOptions()).replace(**option_fields)
+    runner = BACKENDS[how.backend]
     steps = job.config.steps if steps is None else steps
     if steps < 1:
         raise SbpflowError(f"steps={steps}: a run trains for at least one step")
@@ -101,12 +105,9 @@ def run(
                 f"the checkpoint {resume_from} is at step {first_step} and the job trains {steps} steps: "
                 "nothing is left to train; pass a larger steps="
             )
-    options = RunOptions(
+    context = LaunchContext(
         steps=steps - first_step,
-        return_parameters=return_parameters,
-        trace=trace,
-        timeout=timeout,
-        ray_address=ray_address,
+        run=how,
         on_state=on_state,
         on_report=on_report,
         on_attempt=on_attempt,
@@ -119,15 +120,14 @@ def run(
         checkpoint_dir=checkpoint_dir,
         resume_from=resume_from,
         init_from=init_from,
-        max_restarts=max_restarts,
     )
-    options.state("COMPILING")
+    context.state("COMPILING")
     compiled = compile_for_run(job)
     graph = compiled.state.graph
     loss = graph.tensors[job.loss] if job.loss else None
     tracker = StepTracker(loss, job.data.batch_size if job.data is not None else 0, on_step)
     try:
-        return runner(compiled, options, tracker)
+        return runner(compiled, context, tracker)
     except RuntimeFailure as failure:
         if cancel is not None and cancel.is_set():
             raise RunCancelled(f"job {job.name!r} was cancelled at step {len(tracker.losses)}") from failure
@@ -145,7 +145,7 @@ def compile_for_run(job: Job) -> Compiled:
     return compiled
 
 
-def _run_inprocess(compiled: Compiled, options: RunOptions, tracker: StepTracker) -> RunResult:
+def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker) -> RunResult:
     job, plan = compiled.state.job, compiled.plan
     assert plan is not None
     loss = job.loss
@@ -153,56 +153,54 @@ def _run_inprocess(compiled: Compiled, options: RunOptions, tracker: StepTracker
     def on_step(rank: int) -> Callable[[int, float | None, float], None]:
         def done(step: int, value: float | None, seconds: float) -> None:
             if value is not None:
-                tracker.add(rank, step - options.first_step, value)
-            options.report(rank, step=step_report(step, value, seconds))
+                tracker.add(rank, step - ctx.first_step, value)
+            ctx.report(rank, step=step_report(step, value, seconds))
 
         return done
 
     devices = {d.rank: d for d in plan.devices}
     ranks = list(devices)
     xp = _array_module(plan)
-    options.state("STARTING")
-    with InProcessWorld(ranks, timeout=options.timeout) as world:
+    ctx.state("STARTING")
+    with InProcessWorld(ranks, timeout=ctx.run.timeout) as world:
         program = executor.build(
             plan,
-            options.steps,
+            ctx.steps,
             {r: world.transport(r) for r in ranks},
             xp=xp,
-            first_step=options.first_step,
-            source=checkpointing.source_for(options.resume_from, options.init_from),
+            first_step=ctx.first_step,
+            source=checkpointing.source_for(ctx.resume_from, ctx.init_from),
         )
         for rank, rp in program.ranks.items():
             watch_steps(rp.context, devices[rank], loss, on_step(rank))
         writers = checkpointing.attach_all(
-            checkpointing.options_for(job, options.checkpoint_dir, plan, options.attempt),
+            checkpointing.options_for(job, ctx.checkpoint_dir, plan, ctx.attempt),
             program,
             plan,
-            range(options.first_step, options.first_step + options.steps),
+            range(ctx.first_step, ctx.first_step + ctx.steps),
         )
-        options.state("RUNNING")
+        ctx.state("RUNNING")
         tracker.restart_clock()
         try:
-            results = executor.execute(program, options.timeout, options.trace, [world.abort], options.cancel)
+            results = executor.execute(program, ctx.run.timeout, ctx.run.trace, [world.abort], ctx.cancel)
             checkpointing.close_all(writers)
         except RuntimeFailure as failure:
             checkpointing.close_all(writers, raise_errors=False)
             cause = f"{type(failure.cause).__name__}: {failure.cause}"
-            options.report(
+            ctx.report(
                 failure.rank if failure.rank is not None else -1,
                 error=sp.ErrorReport(op_name=failure.actor or "", op_type=failure.op or "", cause=cause),
             )
             raise
     for rank in ranks:
-        options.report(rank, done=sp.Done())
-    first = options.first_step
-    losses = (
-        [float(x) for x in executor.fetched(program, loss, options.steps, first_step=first)] if loss else []
-    )
+        ctx.report(rank, done=sp.Done())
+    first = ctx.first_step
+    losses = [float(x) for x in executor.fetched(program, loss, ctx.steps, first_step=first)] if loss else []
     parameters = None
-    if options.return_parameters:
+    if ctx.run.return_parameters:
         parameters = executor.variables(program, [p.tensor for p in job.parameters])
     events = None
-    if options.trace:
+    if ctx.run.trace:
         events = sorted((e for r in results.values() for e in r.trace), key=lambda e: e.start)
     seconds = max((r.seconds for r in results.values()), default=0.0)
     # Engines, transports and their closures form reference cycles that hold every register and the

@@ -1,7 +1,8 @@
 """What a run is given and what it gives back, shared by the launcher and the backends it drives.
 
-:class:`RunOptions` is everything a backend needs besides the compiled job (the steps, the attempt, the
-listeners); :class:`RunResult` is what every backend returns.
+:class:`LaunchContext` is everything a backend needs besides the compiled job: how the job runs (a core
+:class:`~sbpflow.run_options.RunOptions`), what it trains (steps, checkpoints, the file it starts from)
+and this attempt's state and listeners; :class:`RunResult` is what every backend returns.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from sbpflow.actor_workers.reporting import report
 from sbpflow.control_plane.reports import ReportHub
 from sbpflow.control_plane.step_tracker import ReportListener, StateListener
+from sbpflow.run_options import RunOptions
 
 AttemptListener = Callable[[int, int, str, str], None]  # (attempt, first step, reason, message)
 
@@ -32,14 +34,11 @@ class RunResult:
 
 
 @dataclass(frozen=True)
-class RunOptions:
-    """Everything a backend needs besides the compiled job."""
+class LaunchContext:
+    """One attempt of a run: its options, the steps it trains from where, and who listens."""
 
     steps: int
-    return_parameters: bool = False
-    trace: bool = False
-    timeout: float = 600.0
-    ray_address: str | None = None
+    run: RunOptions = RunOptions()
     on_state: StateListener | None = None
     on_report: ReportListener | None = None
     on_attempt: AttemptListener | None = None
@@ -52,7 +51,6 @@ class RunOptions:
     checkpoint_dir: str | None = None  # checkpoints every job.config.checkpoint_every steps go here
     resume_from: str | None = None  # a checkpoint directory: every variable starts from it
     init_from: str | None = None  # safetensors/.npz/checkpoint: the parameters it holds start from it
-    max_restarts: int = 0  # a lost worker restarts the job from its last checkpoint this many times
 
     def state(self, name: str) -> None:
         if self.on_state is not None:

@@ -47,7 +47,7 @@ class RunListeners:
         self._state_since = now
         self.m.store.transition(self.job_id, new)
         if new == JobState.STARTING:
-            self._log(f"compiled; starting {self.r.slots} worker(s) on backend {self.m.config.backend}")
+            self._log(f"compiled; starting {self.r.slots} worker(s) on backend {self.m.config.run.backend}")
         self.m._notify()
 
     def on_step(self, s: sp.StepMetrics) -> None:

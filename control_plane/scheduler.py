@@ -34,7 +34,7 @@ import numpy as np
 from sbpflow.actor_workers.runtime.errors import RuntimeAborted, RuntimeFailure, RuntimeTimeout
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.reports import ReportHub
-from sbpflow.control_plane.run_context import RunOptions, RunResult
+from sbpflow.control_plane.run_context import LaunchContext, RunResult
 from sbpflow.control_plane.step_tracker import StepTracker
 from sbpflow.errors import SbpflowError
 from sbpflow.sharding import assemble_value
@@ -93,12 +93,12 @@ def ensure_ray(address: str | None, cpus: int) -> None:
         raise SchedulingError(f"could not start or reach {where}: {type(exc).__name__}: {exc}") from exc
 
 
-def run_on_ray(compiled: Compiled, options: RunOptions, tracker: StepTracker) -> RunResult:
+def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker) -> RunResult:
     plan = compiled.plan
     assert plan is not None
     ranks = [d.rank for d in plan.devices]
     kinds = {d.device_type for d in plan.devices}
-    ensure_ray(options.ray_address, len(ranks))
+    ensure_ray(options.run.ray_address, len(ranks))
     hub = options.report_hub
     own_hub = hub is None
     if hub is None:
@@ -127,14 +127,14 @@ def run_on_ray(compiled: Compiled, options: RunOptions, tracker: StepTracker) ->
                     finally:
                         attempt.teardown()
             except RuntimeFailure as failure:
-                if not isinstance(failure.cause, WorkerLost) or restarts >= options.max_restarts:
+                if not isinstance(failure.cause, WorkerLost) or restarts >= options.run.max_restarts:
                     raise
                 restarts += 1
                 current = _restart(options, current, tracker)
                 current.new_attempt(
                     "WORKER_LOST",
                     f"{failure}; attempt {current.attempt} (restart {restarts} of at most "
-                    f"{options.max_restarts}) resumes from step {current.first_step}",
+                    f"{options.run.max_restarts}) resumes from step {current.first_step}",
                 )
                 continue
             done = current.first_step - options.first_step  # steps earlier attempts trained
@@ -147,7 +147,7 @@ def run_on_ray(compiled: Compiled, options: RunOptions, tracker: StepTracker) ->
             hub.stop()
 
 
-def _start(compiled: Compiled, options: RunOptions) -> Any:
+def _start(compiled: Compiled, options: LaunchContext) -> Any:
     """What every worker of this attempt starts from and where it checkpoints."""
     from sbpflow.actor_workers import snapshots as checkpointing
 
@@ -160,7 +160,7 @@ def _start(compiled: Compiled, options: RunOptions) -> Any:
     )
 
 
-def _restart(first: RunOptions, failed: RunOptions, tracker: StepTracker) -> RunOptions:
+def _restart(first: LaunchContext, failed: LaunchContext, tracker: StepTracker) -> LaunchContext:
     """The options of the attempt after ``failed``: from the latest checkpoint of the run's directory
     (or from where the run started when none was written), its steps forgotten by the tracker."""
     from sbpflow.checkpoint.read import latest
@@ -181,7 +181,7 @@ class _Attempt:
     """The workers of one attempt and their placement group."""
 
     def __init__(
-        self, devices: Sequence[Any], kinds: set[int], job_id: str, options: RunOptions, address: str
+        self, devices: Sequence[Any], kinds: set[int], job_id: str, options: LaunchContext, address: str
     ) -> None:
         self.ranks = [d.rank for d in devices]
         self.types = {d.rank: d.device_type for d in devices}
@@ -238,7 +238,15 @@ class _Attempt:
             from sbpflow.actor_workers.planes import UidStore
 
             self.uids = ray.remote(UidStore).options(num_cpus=0).remote()
-        args = (plan_ref, self.options.steps, endpoints, SETUP_SECONDS, self.options.trace, self.uids, start)
+        args = (
+            plan_ref,
+            self.options.steps,
+            endpoints,
+            SETUP_SECONDS,
+            self.options.run.trace,
+            self.uids,
+            start,
+        )
         self._get("set up", {r: w.setup.remote(*args) for r, w in self.workers.items()})
 
     def _get(self, what: str, refs: dict[int, Any]) -> dict[int, Any]:
@@ -272,10 +280,10 @@ class _Attempt:
         aborts the others and is raised."""
         import ray
 
-        refs = {w.run.remote(self.options.timeout): rank for rank, w in self.workers.items()}
+        refs = {w.run.remote(self.options.run.timeout): rank for rank, w in self.workers.items()}
         outcomes: dict[int, Any] = {}
         failures: list[RuntimeFailure] = []
-        deadline = time.monotonic() + self.options.timeout
+        deadline = time.monotonic() + self.options.run.timeout
         settle_until: float | None = None
         cancel = self.options.cancel
         while refs:
@@ -307,7 +315,7 @@ class _Attempt:
                         None,
                         None,
                         TimeoutError(
-                            f"workers of ranks {sorted(refs.values())} did not finish within {self.options.timeout:.0f} s"
+                            f"workers of ranks {sorted(refs.values())} did not finish within {self.options.run.timeout:.0f} s"
                         ),
                     )
                 )
@@ -385,7 +393,7 @@ def _primary(failures: list[RuntimeFailure]) -> RuntimeFailure:
 
 
 def _result(
-    compiled: Compiled, options: RunOptions, attempt: _Attempt, outcomes: dict[int, Any]
+    compiled: Compiled, options: LaunchContext, attempt: _Attempt, outcomes: dict[int, Any]
 ) -> RunResult:
     graph, job = compiled.state.graph, compiled.state.job
     losses: list[float] = []
@@ -398,7 +406,7 @@ def _result(
             for s in range(options.first_step, options.first_step + options.steps)
         ]
     parameters = None
-    if options.return_parameters:
+    if options.run.return_parameters:
         names = [p.tensor for p in job.parameters]
         shards = attempt.gather(names)
         parameters = {}
@@ -407,7 +415,7 @@ def _result(
             assert decl.placement is not None
             parameters[name] = assemble_value(decl, {r: shards[r][name] for r in decl.placement.ranks})
     trace = None
-    if options.trace:
+    if options.run.trace:
         trace = sorted((e for o in outcomes.values() for e in o.trace), key=lambda e: e.start)
     seconds = max((o.seconds for o in outcomes.values()), default=0.0)
     return RunResult(losses, parameters, trace, seconds, first_step=options.first_step)

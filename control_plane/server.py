@@ -1,7 +1,8 @@
 """The control-plane server: JobService over gRPC, the standard health service, server reflection, the
 WorkerService for Ray workers, and the HTTP status endpoint, all over one job store and job manager.
 
-    plane = ControlPlane(ServerConfig(port=0, http_port=0, store="jobs.db", backend="inprocess", slots=4))
+    inprocess = MANAGER_DEFAULTS.replace(backend="inprocess")  # sbpflow.run_options: the manager's defaults
+    plane = ControlPlane(ServerConfig(port=0, http_port=0, store="jobs.db", run=inprocess, slots=4))
     plane.start()          # binds; plane.address ("127.0.0.1:PORT"), plane.http_address
     ...
     plane.stop()
@@ -43,8 +44,10 @@ from sbpflow.control_plane.store.db import StoreError, UnknownJobError
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.validation import ValidationError
 from sbpflow.errors import SbpflowError
+from sbpflow.run_options import MANAGER_DEFAULTS, RunOptions
 from sbpflow.run_state import JobState
 from sbpflow.v1 import service_pb2 as sp
+from sbpflow.wire import run_options_to_proto
 
 T = TypeVar("T")
 SERVICE = "sbpflow.v1.JobService"
@@ -67,8 +70,7 @@ class ServerConfig:
     port: int = 0  # 0: any free port
     http_port: int | None = 0  # None: no HTTP status endpoint
     store: str = "sbpflow-jobs.db"
-    backend: str = "ray"
-    ray_address: str | None = None
+    run: RunOptions = MANAGER_DEFAULTS  # how every job runs: backend, Ray address, timeout, restarts, ...
     slots: int | None = None
     auth_token: str | None = None
     tls_cert: str | None = None
@@ -76,7 +78,6 @@ class ServerConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     threads: int = 64  # gRPC handler threads; each open Watch or Logs stream holds one
     checkpoint_root: str | None = None  # job ID checkpoints to <root>/ID; None: no checkpoints, no Resume
-    max_restarts: int = 0  # a lost worker restarts a job from its last checkpoint this many times
     open_metrics: bool = False  # /metrics without the token (Prometheus scraping by annotation)
 
 
@@ -96,12 +97,14 @@ class JobServicer:
     def __init__(self, manager: JobManager) -> None:
         self.manager = manager
         self.store = manager.store
+        self.options = run_options_to_proto(manager.config.run)  # every job runs under the server's
 
     def status_of(self, job_id: str) -> sp.JobStatus:
         rec = self.store.get(job_id)
         m = status.job_status(rec, self.manager.workers(job_id))
         m.resumed_from, m.resume_checkpoint = rec.resumed_from, rec.resume_checkpoint
         m.last_checkpoint = self.manager.last_checkpoint(job_id)
+        m.options.CopyFrom(self.options)
         return m
 
     def Submit(self, request: bytes, context: grpc.ServicerContext) -> sp.SubmitJobResponse:  # noqa: N802
@@ -155,14 +158,19 @@ class JobServicer:
         offset = int(token)
         recs = _guard(context, lambda: self.store.list(states, limit=size + 1, offset=offset))
         more = len(recs) > size
+        jobs = [status.job_status(r) for r in recs[:size]]
+        for m in jobs:
+            m.options.CopyFrom(self.options)
         return sp.ListJobsResponse(
-            jobs=[status.job_status(r) for r in recs[:size]],
+            jobs=jobs,
             next_page_token=str(offset + size) if more else "",
         )
 
     def Watch(self, request: sp.WatchJobRequest, context: grpc.ServicerContext) -> Iterator[sp.JobEvent]:  # noqa: N802
         _guard(context, lambda: self.store.get(request.job_id))
-        yield from self.manager.follow(request.job_id, request.after_seq, context.is_active, POLL_SECONDS)
+        for ev in self.manager.follow(request.job_id, request.after_seq, context.is_active, POLL_SECONDS):
+            ev.status.options.CopyFrom(self.options)
+            yield ev
 
     def Cancel(self, request: sp.CancelJobRequest, context: grpc.ServicerContext) -> sp.JobStatus:  # noqa: N802
         _guard(context, lambda: self.manager.cancel(request.job_id, request.reason))
@@ -238,13 +246,11 @@ class ControlPlane:
         self.config = config
         self.store = JobStore(config.store)
         manager_config = ManagerConfig(
-            backend=config.backend,
+            run=config.run,
             slots=config.slots,
-            ray_address=config.ray_address,
             max_job_bytes=config.max_message_bytes,
             report_token=config.auth_token or "",
             checkpoint_root=config.checkpoint_root,
-            max_restarts=config.max_restarts,
         )
         self.hub = _report_hub(config)
         self.manager = JobManager(self.store, manager_config, report_hub=self.hub)
@@ -338,7 +344,7 @@ def _report_hub(cfg: ServerConfig) -> Any:
     """The WorkerService for Ray workers, on this server (workers send the server's token with their
     reports); None (the run serves its own, on loopback) for the in-process backend, or when TLS guards
     the port (workers do not carry the CA yet)."""
-    if cfg.backend != "ray" or cfg.tls_cert:
+    if cfg.run.backend != "ray" or cfg.tls_cert:
         return None
     from sbpflow.control_plane.reports import ReportHub
 
@@ -351,10 +357,10 @@ def serve(config: ServerConfig, announce: Callable[[str], None] = print) -> None
     announce(f"sbpflow control plane: gRPC on {plane.address}" + (" (TLS)" if config.tls_cert else ""))
     if plane.http_address:
         announce(f"status endpoint: {plane.http_address}/  (/healthz /readyz /v1/jobs /metrics)")
-    announce(f"store: {config.store}; backend: {config.backend}; {plane.manager.capacity} slot(s)")
+    announce(f"store: {config.store}; backend: {config.run.backend}; {plane.manager.capacity} slot(s)")
     if config.checkpoint_root is not None:
         announce(f"checkpoints: {config.checkpoint_root}/<job id>; a lost worker restarts a job up to "
-                 f"{config.max_restarts} time(s)")  # fmt: skip
+                 f"{config.run.max_restarts} time(s)")  # fmt: skip
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

@@ -22,6 +22,7 @@ from sbpflow.dtype import DType, bfloat16, float16, float32, float64, int32, int
 from sbpflow.errors import GraphError, PlacementError, SbpError, SbpflowError, ShapeError
 from sbpflow.job import Job, JobConfig
 from sbpflow.placement import Placement, placement
+from sbpflow.run_options import RunOptions
 
 bool_ = DType.bool
 
@@ -61,6 +62,7 @@ __all__ = [
     "JobConfig",
     "Placement",
     "PlacementError",
+    "RunOptions",
     "SbpError",
     "SbpflowError",
     "ShapeError",

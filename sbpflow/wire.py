@@ -32,9 +32,11 @@ from sbpflow.job import (
 from sbpflow.ops.base import AttrValue
 from sbpflow.placement import Placement
 from sbpflow.random import Initializer, make_initializer
+from sbpflow.run_options import FIELD_NAMES, RunOptions, RunOptionsError
 from sbpflow.sbp import B, NdSbp, P, Sbp, Split
 from sbpflow.tensor_meta import TensorMeta
 from sbpflow.v1 import job_pb2 as pb
+from sbpflow.v1 import service_pb2 as sp
 
 
 class WireError(SbpflowError, ValueError):
@@ -431,3 +433,22 @@ def job_from_proto(m: pb.Job) -> Job:
         fetches=tuple(m.fetches),
         format_version=m.format_version,
     )
+
+
+# ---- run options (service.proto's RunOptions) ---------------------------------------------------
+
+
+def run_options_to_proto(o: RunOptions) -> sp.RunOptions:
+    """Every field set (``ray_address`` only when there is one)."""
+    values = {f: getattr(o, f) for f in FIELD_NAMES}
+    return sp.RunOptions(**{k: v for k, v in values.items() if v is not None})
+
+
+def run_options_from_proto(m: sp.RunOptions, base: RunOptions | None = None) -> RunOptions:
+    """``base`` (default ``RunOptions()``) with the fields ``m`` sets; a value out of range is a WireError
+    naming the field, as for a job."""
+    given = {fd.name: value for fd, value in m.ListFields()}  # the fields it sets
+    try:
+        return (base or RunOptions()).replace(**given)
+    except RunOptionsError as e:
+        raise WireError(f"RunOptions.{e}") from None

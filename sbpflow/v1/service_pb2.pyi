@@ -171,6 +171,7 @@ class JobStatus(_message.Message):
     LAST_CHECKPOINT_FIELD_NUMBER: _builtins.int
     RESUMED_FROM_FIELD_NUMBER: _builtins.int
     RESUME_CHECKPOINT_FIELD_NUMBER: _builtins.int
+    OPTIONS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Id assigned at Submit."""
     name: _builtins.str
@@ -215,6 +216,10 @@ class JobStatus(_message.Message):
     def finished(self) -> _timestamp_pb2.Timestamp:
         """When the job entered a terminal state."""
 
+    @_builtins.property
+    def options(self) -> Global___RunOptions:
+        """How the job runs (backend, timeout, restarts, ...): the control plane's options."""
+
     def __init__(
         self,
         *,
@@ -235,16 +240,84 @@ class JobStatus(_message.Message):
         last_checkpoint: _builtins.str = ...,
         resumed_from: _builtins.str = ...,
         resume_checkpoint: _builtins.str = ...,
+        options: Global___RunOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "created", b"created", "finished", b"finished", "loss", b"loss", "started", b"started"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "created", b"created", "finished", b"finished", "loss", b"loss", "options", b"options", "started", b"started"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "attempt", b"attempt", "created", b"created", "finished", b"finished", "job_id", b"job_id", "last_checkpoint", b"last_checkpoint", "loss", b"loss", "message", b"message", "name", b"name", "reason", b"reason", "resume_checkpoint", b"resume_checkpoint", "resumed_from", b"resumed_from", "samples_per_second", b"samples_per_second", "started", b"started", "state", b"state", "step", b"step", "total_steps", b"total_steps", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "attempt", b"attempt", "created", b"created", "finished", b"finished", "job_id", b"job_id", "last_checkpoint", b"last_checkpoint", "loss", b"loss", "message", b"message", "name", b"name", "options", b"options", "reason", b"reason", "resume_checkpoint", b"resume_checkpoint", "resumed_from", b"resumed_from", "samples_per_second", b"samples_per_second", "started", b"started", "state", b"state", "step", b"step", "total_steps", b"total_steps", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__loss) -> _WhichOneofReturnType__loss | None: ...
 
 Global___JobStatus: _TypeAlias = JobStatus  # noqa: Y015
+
+@_typing.final
+class RunOptions(_message.Message):
+    """How a job runs; mirrors sbpflow.run_options.RunOptions field for field (a test checks it). Every field
+    has presence: an unset one takes the value of the side that reads it (sbpflow.wire.run_options_from_proto).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BACKEND_FIELD_NUMBER: _builtins.int
+    RAY_ADDRESS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    MAX_RESTARTS_FIELD_NUMBER: _builtins.int
+    TRACE_FIELD_NUMBER: _builtins.int
+    RETURN_PARAMETERS_FIELD_NUMBER: _builtins.int
+    backend: _builtins.str
+    """"ray" (one Ray worker process per rank) or "inprocess" (every rank a thread of the control plane)."""
+    ray_address: _builtins.str
+    """The Ray cluster jobs run on, host:port or "auto"; unset = $RAY_ADDRESS, else a local Ray."""
+    timeout: _builtins.float
+    """Seconds after which a run that has not finished fails; finite and > 0."""
+    max_restarts: _builtins.int
+    """Times a job whose worker is lost restarts from its last checkpoint; >= 0."""
+    trace: _builtins.bool
+    """Record a trace of every act."""
+    return_parameters: _builtins.bool
+    """Keep every parameter's trained value in the job's result."""
+    def __init__(
+        self,
+        *,
+        backend: _builtins.str | None = ...,
+        ray_address: _builtins.str | None = ...,
+        timeout: _builtins.float | None = ...,
+        max_restarts: _builtins.int | None = ...,
+        trace: _builtins.bool | None = ...,
+        return_parameters: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_backend", b"_backend", "_max_restarts", b"_max_restarts", "_ray_address", b"_ray_address", "_return_parameters", b"_return_parameters", "_timeout", b"_timeout", "_trace", b"_trace", "backend", b"backend", "max_restarts", b"max_restarts", "ray_address", b"ray_address", "return_parameters", b"return_parameters", "timeout", b"timeout", "trace", b"trace"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_backend", b"_backend", "_max_restarts", b"_max_restarts", "_ray_address", b"_ray_address", "_return_parameters", b"_return_parameters", "_timeout", b"_timeout", "_trace", b"_trace", "backend", b"backend", "max_restarts", b"max_restarts", "ray_address", b"ray_address", "return_parameters", b"return_parameters", "timeout", b"timeout", "trace", b"trace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__backend: _TypeAlias = _typing.Literal["backend"]  # noqa: Y015
+    _WhichOneofArgType__backend: _TypeAlias = _typing.Literal["_backend", b"_backend"]  # noqa: Y015
+    _WhichOneofReturnType__max_restarts: _TypeAlias = _typing.Literal["max_restarts"]  # noqa: Y015
+    _WhichOneofArgType__max_restarts: _TypeAlias = _typing.Literal["_max_restarts", b"_max_restarts"]  # noqa: Y015
+    _WhichOneofReturnType__ray_address: _TypeAlias = _typing.Literal["ray_address"]  # noqa: Y015
+    _WhichOneofArgType__ray_address: _TypeAlias = _typing.Literal["_ray_address", b"_ray_address"]  # noqa: Y015
+    _WhichOneofReturnType__return_parameters: _TypeAlias = _typing.Literal["return_parameters"]  # noqa: Y015
+    _WhichOneofArgType__return_parameters: _TypeAlias = _typing.Literal["_return_parameters", b"_return_parameters"]  # noqa: Y015
+    _WhichOneofReturnType__timeout: _TypeAlias = _typing.Literal["timeout"]  # noqa: Y015
+    _WhichOneofArgType__timeout: _TypeAlias = _typing.Literal["_timeout", b"_timeout"]  # noqa: Y015
+    _WhichOneofReturnType__trace: _TypeAlias = _typing.Literal["trace"]  # noqa: Y015
+    _WhichOneofArgType__trace: _TypeAlias = _typing.Literal["_trace", b"_trace"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__backend) -> _WhichOneofReturnType__backend | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_restarts) -> _WhichOneofReturnType__max_restarts | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ray_address) -> _WhichOneofReturnType__ray_address | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__return_parameters) -> _WhichOneofReturnType__return_parameters | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout) -> _WhichOneofReturnType__timeout | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__trace) -> _WhichOneofReturnType__trace | None: ...
+
+Global___RunOptions: _TypeAlias = RunOptions  # noqa: Y015
 
 @_typing.final
 class StateChange(_message.Message):

@@ -114,9 +114,9 @@ def test_server_flags_make_its_config(tmp_path: Path) -> None:
         ["server", "--backend", "inprocess", "--checkpoint-root", str(tmp_path), "--max-restarts", "3"]
     )
     cfg = server_config(args)
-    assert (cfg.checkpoint_root, cfg.max_restarts, cfg.backend) == (str(tmp_path), 3, "inprocess")
+    assert (cfg.checkpoint_root, cfg.run.max_restarts, cfg.run.backend) == (str(tmp_path), 3, "inprocess")
     bare = server_config(build_parser().parse_args(["server"]))
-    assert (bare.max_restarts, bare.http_port) == (0, 8080)
+    assert (bare.run.max_restarts, bare.http_port) == (0, 8080)
 
 
 def test_server_refuses_negative_restarts(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ from sbpflow.client.cli import main
 from sbpflow.client.client import Client, ClientError
 from sbpflow.client.progress_bar import ProgressBar
 from sbpflow.control_plane.server import ControlPlane, ServerConfig
+from sbpflow.run_options import MANAGER_DEFAULTS
 from sbpflow.v1 import service_pb2 as sp
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -23,7 +24,11 @@ MLP = str(EXAMPLES / "mlp.py")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     tmp = tmp_path_factory.mktemp("cli")
     cfg = ServerConfig(
-        store=str(tmp / "jobs.db"), backend="inprocess", slots=4, http_port=None, auth_token="t"
+        store=str(tmp / "jobs.db"),
+        run=MANAGER_DEFAULTS.replace(backend="inprocess"),
+        slots=4,
+        http_port=None,
+        auth_token="t",
     )
     p = ControlPlane(cfg).start()
     yield p

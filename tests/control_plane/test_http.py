@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sbpflow.client.client import Client, JobHandle
 from sbpflow.control_plane.server import ControlPlane, ServerConfig
+from sbpflow.run_options import MANAGER_DEFAULTS
 from tests.client.test_examples import load
 
 
@@ -29,7 +30,12 @@ def get(url: str, token: str | None = None) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ControlPlane, JobHandle]]:
     tmp = tmp_path_factory.mktemp("http")
-    cfg = ServerConfig(store=str(tmp / "jobs.db"), backend="inprocess", slots=2, auth_token="tok")
+    cfg = ServerConfig(
+        store=str(tmp / "jobs.db"),
+        run=MANAGER_DEFAULTS.replace(backend="inprocess"),
+        slots=2,
+        auth_token="tok",
+    )
     plane = ControlPlane(cfg).start()
     with Client(plane.address, token="tok") as c:
         h = c.submit(load("mlp").make_job(steps=5))
@@ -97,7 +103,9 @@ def test_unknown_path(served: tuple[ControlPlane, JobHandle]) -> None:
 
 
 def test_not_ready_after_stop(tmp_path: Path) -> None:
-    plane = ControlPlane(ServerConfig(store=str(tmp_path / "j.db"), backend="inprocess", slots=1)).start()
+    plane = ControlPlane(
+        ServerConfig(store=str(tmp_path / "j.db"), run=MANAGER_DEFAULTS.replace(backend="inprocess"), slots=1)
+    ).start()
     plane.manager.shutdown()
     assert get(f"{plane.http_address}/readyz")[0] == 503
     plane.stop()
@@ -105,7 +113,11 @@ def test_not_ready_after_stop(tmp_path: Path) -> None:
 
 def test_open_metrics_serves_metrics_without_the_token_and_nothing_else(tmp_path: Path) -> None:
     cfg = ServerConfig(
-        store=str(tmp_path / "jobs.db"), backend="inprocess", slots=1, auth_token="tok", open_metrics=True
+        store=str(tmp_path / "jobs.db"),
+        run=MANAGER_DEFAULTS.replace(backend="inprocess"),
+        slots=1,
+        auth_token="tok",
+        open_metrics=True,
     )
     plane = ControlPlane(cfg).start()
     try:

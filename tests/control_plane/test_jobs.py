@@ -14,6 +14,7 @@ from sbpflow.control_plane.jobs import WAITING, JobManager, ManagerConfig, job_r
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import SCHEMA_VERSION
 from sbpflow.control_plane.validation import ValidationError
+from sbpflow.run_options import MANAGER_DEFAULTS
 from sbpflow.run_state import JobState
 from tests.client.test_examples import load
 
@@ -39,7 +40,7 @@ def test_job_ranks(mlp: ModuleType) -> None:
 
 def test_fifo_within_capacity(tmp_path: Path, mlp: ModuleType) -> None:
     with JobStore(tmp_path / "j.db") as store:
-        m = JobManager(store, ManagerConfig(backend="inprocess", slots=3))
+        m = JobManager(store, ManagerConfig(run=MANAGER_DEFAULTS.replace(backend="inprocess"), slots=3))
         m.start()
         big = m.submit(blob(mlp, ranks=3, steps=3))
         small = m.submit(blob(mlp, ranks=1, steps=3))  # fits only after big: waits (no overtaking)
@@ -51,7 +52,7 @@ def test_fifo_within_capacity(tmp_path: Path, mlp: ModuleType) -> None:
 
 def test_larger_than_the_cluster_is_refused_and_not_stored(tmp_path: Path, mlp: ModuleType) -> None:
     with JobStore(tmp_path / "j.db") as store:
-        m = JobManager(store, ManagerConfig(backend="inprocess", slots=2))
+        m = JobManager(store, ManagerConfig(run=MANAGER_DEFAULTS.replace(backend="inprocess"), slots=2))
         m.start()
         with pytest.raises(ValidationError, match="at most 2 ranks"):
             m.submit(blob(mlp, ranks=4))
@@ -60,18 +61,20 @@ def test_larger_than_the_cluster_is_refused_and_not_stored(tmp_path: Path, mlp: 
 
 def test_pending_jobs_are_requeued_after_a_restart(tmp_path: Path, mlp: ModuleType) -> None:
     with JobStore(tmp_path / "j.db") as store:
-        m = JobManager(store, ManagerConfig(backend="inprocess", slots=2))  # never started: jobs stay queued
+        m = JobManager(
+            store, ManagerConfig(run=MANAGER_DEFAULTS.replace(backend="inprocess"), slots=2)
+        )  # never started: jobs stay queued
         rec = m.submit(blob(mlp, steps=2))
         assert store.get(rec.id).state == JobState.PENDING
     with JobStore(tmp_path / "j.db") as store:
-        m = JobManager(store, ManagerConfig(backend="inprocess", slots=2))
+        m = JobManager(store, ManagerConfig(run=MANAGER_DEFAULTS.replace(backend="inprocess"), slots=2))
         m.start()
         assert wait_end(m, rec.id) == JobState.SUCCEEDED
 
 
 def test_shutdown_cancels_running_jobs(tmp_path: Path, mlp: ModuleType) -> None:
     with JobStore(tmp_path / "j.db") as store:
-        m = JobManager(store, ManagerConfig(backend="inprocess", slots=2))
+        m = JobManager(store, ManagerConfig(run=MANAGER_DEFAULTS.replace(backend="inprocess"), slots=2))
         m.start()
         rec = m.submit(blob(mlp, steps=100_000))
         while store.get(rec.id).step < 1:

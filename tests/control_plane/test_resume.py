@@ -34,6 +34,7 @@ from sbpflow.control_plane.server import ControlPlane, ServerConfig
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.validation import ValidationError
 from sbpflow.job import Job
+from sbpflow.run_options import MANAGER_DEFAULTS
 from sbpflow.run_state import JobState
 from sbpflow.v1 import service_pb2 as sp
 from tests.client.test_examples import load
@@ -65,7 +66,9 @@ def wait_end(m: JobManager, job_id: str) -> JobState:
 @pytest.fixture
 def manager(tmp_path: Path) -> Iterator[JobManager]:
     with JobStore(tmp_path / "jobs.db") as store:
-        config = ManagerConfig(backend="inprocess", slots=4, checkpoint_root=str(tmp_path / "ckpt"))
+        config = ManagerConfig(
+            run=MANAGER_DEFAULTS.replace(backend="inprocess"), slots=4, checkpoint_root=str(tmp_path / "ckpt")
+        )
         m = JobManager(store, config)
         m.start()
         yield m
@@ -167,7 +170,9 @@ def test_what_cannot_be_resumed_says_why(tmp_path: Path, manager: JobManager, ml
     with pytest.raises(KeyError, match="no job with id 'nope'"):
         manager.resume("nope")
     with JobStore(tmp_path / "other.db") as store:
-        bare = JobManager(store, ManagerConfig(backend="inprocess", slots=2))  # keeps no checkpoints
+        bare = JobManager(
+            store, ManagerConfig(run=MANAGER_DEFAULTS.replace(backend="inprocess"), slots=2)
+        )  # keeps no checkpoints
         bare.start()
         rec = bare.submit(blob(job_of(mlp, 2)))
         assert wait_end(bare, rec.id) == JobState.SUCCEEDED
@@ -234,7 +239,7 @@ def plane(tmp_path: Path) -> Iterator[ControlPlane]:
     p = ControlPlane(
         ServerConfig(
             store=str(tmp_path / "jobs.db"),
-            backend="inprocess",
+            run=MANAGER_DEFAULTS.replace(backend="inprocess"),
             slots=4,
             http_port=None,
             checkpoint_root=str(tmp_path / "ckpt"),
@@ -319,7 +324,13 @@ def test_a_control_plane_killed_mid_job_resumes_it_from_its_checkpoint(
     at_kill = ck_read.latest(root / saved.job_id)
     assert at_kill is not None
     p = ControlPlane(
-        ServerConfig(store=str(db), backend="inprocess", slots=4, http_port=None, checkpoint_root=str(root))
+        ServerConfig(
+            store=str(db),
+            run=MANAGER_DEFAULTS.replace(backend="inprocess"),
+            slots=4,
+            http_port=None,
+            checkpoint_root=str(root),
+        )
     ).start()
     try:
         with Client(p.address) as c:
@@ -356,11 +367,9 @@ def test_a_lost_ray_worker_shows_as_the_next_attempt(tmp_path: Path, mlp: Module
 
     with JobStore(tmp_path / "jobs.db") as store:
         config = ManagerConfig(
-            backend="ray",
-            ray_address=ray_local,
+            run=MANAGER_DEFAULTS.replace(ray_address=ray_local, max_restarts=1),
             slots=2,
             checkpoint_root=str(tmp_path / "ckpt"),
-            max_restarts=1,
         )
         m = JobManager(store, config)
         m.metrics = Metrics(store, m.workers)

@@ -22,6 +22,7 @@ from sbpflow import wire
 from sbpflow.client.client import Client, ClientError
 from sbpflow.control_plane.server import ControlPlane, ServerConfig
 from sbpflow.control_plane.store.job_store import JobStore
+from sbpflow.run_options import MANAGER_DEFAULTS
 from sbpflow.v1 import job_pb2
 from sbpflow.v1 import service_pb2 as sp
 from tests.client.test_examples import load
@@ -35,7 +36,12 @@ def mlp() -> ModuleType:
 
 
 def start(tmp_path: Path, **kw: object) -> ControlPlane:
-    cfg = dict(store=str(tmp_path / "jobs.db"), backend="inprocess", slots=4, http_port=None)
+    cfg = dict(
+        store=str(tmp_path / "jobs.db"),
+        run=MANAGER_DEFAULTS.replace(backend="inprocess"),
+        slots=4,
+        http_port=None,
+    )
     cfg.update(kw)
     return ControlPlane(ServerConfig(**cfg)).start()  # type: ignore[arg-type]
 
@@ -317,7 +323,7 @@ def test_a_job_on_ray_workers_reports_through_the_servers_own_worker_service_wit
 ) -> None:
     """The whole path: Submit with a token -> compile -> 2 Ray worker processes -> their WorkerReports
     (sent with the server's token) to this server's WorkerService -> per-worker states and losses."""
-    plane = start(tmp_path, backend="ray", auth_token="s3cret", slots=2)
+    plane = start(tmp_path, run=MANAGER_DEFAULTS, auth_token="s3cret", slots=2)
     try:
         assert plane.hub is not None and plane.hub.address.endswith(f":{plane.port}")
         with Client(plane.address, token="s3cret") as c:
@@ -330,3 +336,18 @@ def test_a_job_on_ray_workers_reports_through_the_servers_own_worker_service_wit
             assert len(h.result().losses) == 3
     finally:
         plane.stop()
+
+
+def test_a_jobs_status_reports_the_options_it_runs_under(tmp_path: Path, mlp: ModuleType) -> None:
+    options = MANAGER_DEFAULTS.replace(backend="inprocess", timeout=120.0, return_parameters=False)
+    p = start(tmp_path, run=options)
+    try:
+        with Client(p.address) as c:
+            h = c.submit(mlp.make_job(steps=2))
+            assert wire.run_options_from_proto(c.get(h.job_id).options) == options
+            assert all(wire.run_options_from_proto(j.options) == options for j in c.list())
+            final = h.watch(stream=io.StringIO())
+            assert wire.run_options_from_proto(final.options) == options
+            assert not h.result().parameters  # return_parameters=False: the server kept none
+    finally:
+        p.stop()

@@ -33,6 +33,7 @@ import yaml
 
 from sbpflow.client.cli import build_parser
 from sbpflow.control_plane.auth import OPEN_HTTP_PATHS
+from sbpflow.run_options import MANAGER_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -285,7 +286,11 @@ def test_probes_hit_open_paths_that_answer_on_a_live_server(tmp_path: Path) -> N
         assert ports(c)[probe["port"]] == args.http_port
         assert probe["path"] in OPEN_HTTP_PATHS  # the kubelet sends no token
     config = ServerConfig(
-        port=0, http_port=0, store=str(tmp_path / "j.db"), backend="inprocess", auth_token="t"
+        port=0,
+        http_port=0,
+        store=str(tmp_path / "j.db"),
+        run=MANAGER_DEFAULTS.replace(backend="inprocess"),
+        auth_token="t",
     )
     plane = ControlPlane(config).start()
     try:
