@@ -12,7 +12,10 @@ Rules:
   Ray cluster's CPUs (backend ray), or this machine's CPUs. A job larger than the whole capacity is
   refused at Submit; the others wait PENDING with reason ``WAITING_FOR_RESOURCES`` and start in
   submission order (first come, first served: a large job is not overtaken forever by small ones).
-- Each running job has one thread that calls ``sbpflow.control_plane.launcher.run`` and turns its listeners
+- A job is compiled once: Submit's validation compile (graph passes) is kept in memory with the queued
+  job and the run only lowers it (``launcher.launch``). A job queued again by a restarted control plane
+  is compiled again from its stored Job (those compiles live in memory only).
+- Each running job has one thread that calls ``sbpflow.control_plane.launcher.launch`` and turns its listeners
   (``run_listeners.py``) into store writes: states, steps (loss history), per-worker rows and log lines. Every store write
   wakes the ``changed`` condition, which ``Watch`` and ``Logs`` streams wait on.
 - Checkpoints (``checkpoint_root``): job ID writes them to ``<root>/ID``. A lost worker restarts the run
@@ -37,7 +40,7 @@ from sbpflow.control_plane import resume as resuming
 from sbpflow.control_plane.run_listeners import RunListeners
 from sbpflow.control_plane.store.job_store import JobStore, Resumable
 from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
-from sbpflow.control_plane.validation import ValidationError, validate_submit
+from sbpflow.control_plane.validation import ValidationError, compile_submit
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
 from sbpflow.run_options import MANAGER_DEFAULTS, RunOptions
@@ -45,6 +48,7 @@ from sbpflow.run_state import JobState
 from sbpflow.v1 import service_pb2 as sp
 
 if TYPE_CHECKING:
+    from sbpflow.control_plane.compiler.pipeline import Compiled
     from sbpflow.control_plane.metrics import Metrics
     from sbpflow.control_plane.run_context import RunResult
 
@@ -97,6 +101,7 @@ class RunningJob:
 
     job: Job
     slots: int
+    compiled: Compiled | None = None  # Submit's compile (graph passes); None after a restart re-queued it
     cancel: threading.Event = field(default_factory=threading.Event)
     cancel_message: str = ""
     workers: dict[int, WorkerRecord] = field(default_factory=dict)
@@ -124,6 +129,7 @@ class JobManager:
         self._queue: list[str] = []  # PENDING job ids, oldest first
         self._running: dict[str, RunningJob] = {}
         self._jobs: dict[str, Job] = {}  # parsed jobs of the queue, so they are not parsed twice
+        self._compiled: dict[str, Compiled] = {}  # their Submit compiles, so they are not compiled twice
         self.run_results: dict[str, RunResult] = {}
         self.ready = False
         self._closed = False
@@ -203,7 +209,8 @@ class JobManager:
     ) -> JobRecord:
         if self._closed:
             raise SbpflowError("the control plane is shutting down; submit to another or retry later")
-        job = validate_submit(job_bytes, self.capacity, self.config.max_job_bytes)
+        compiled = compile_submit(job_bytes, self.capacity, self.config.max_job_bytes)
+        job = compiled.state.job
         slots = len(job_ranks(job))
         if slots > self.capacity:
             raise ValidationError(
@@ -229,6 +236,7 @@ class JobManager:
             )
             if fresh:
                 self._jobs[rec.id] = job
+                self._compiled[rec.id] = compiled
                 self._queue.append(rec.id)
         if fresh and resumed_from:  # not again for a retried (deduplicated) Resume
             self.store.append_log(rec.id, -1, "INFO", f"resumes job {resumed_from} from {resume_checkpoint}")
@@ -245,6 +253,7 @@ class JobManager:
             if rec.id in self._queue:
                 self._queue.remove(rec.id)
                 self._jobs.pop(rec.id, None)
+                self._compiled.pop(rec.id, None)
                 rec = self.store.transition(job_id, JobState.CANCELLED, CANCELLED_BY_USER, message)
             elif rec.id in self._running:
                 self._running[rec.id].cancel_message = message
@@ -317,7 +326,7 @@ class JobManager:
                 self._queue.pop(0)
                 del self._jobs[job_id]
                 free -= slots
-                self._start(job_id, job, slots)
+                self._start(job_id, job, slots, self._compiled.pop(job_id, None))
             for job_id in self._queue:
                 slots = len(job_ranks(self._jobs[job_id]))
                 self.store.set_reason(
@@ -327,8 +336,8 @@ class JobManager:
                     "earlier jobs to finish",
                 )
 
-    def _start(self, job_id: str, job: Job, slots: int) -> None:
-        r = RunningJob(job, slots)
+    def _start(self, job_id: str, job: Job, slots: int, compiled: Compiled | None = None) -> None:
+        r = RunningJob(job, slots, compiled)
         self._running[job_id] = r
         r.thread = threading.Thread(target=self._run, args=(job_id, r), name=f"job-{job_id}", daemon=True)
         r.thread.start()
@@ -373,7 +382,8 @@ class JobManager:
 
     def _run(self, job_id: str, r: RunningJob) -> None:
         from sbpflow.actor_workers.runtime.errors import RuntimeFailure
-        from sbpflow.control_plane.launcher import RunCancelled, run
+        from sbpflow.control_plane.compiler import pipeline
+        from sbpflow.control_plane.launcher import RunCancelled, launch
 
         rec = self.store.get(job_id)
         checkpointing, first_step = self._checkpointing(rec)
@@ -382,8 +392,10 @@ class JobManager:
         how = self.config.run if checkpointing else self.config.run.replace(max_restarts=0)
         try:
             listeners.on_state("COMPILING")
-            result = run(
-                r.job,
+            # Submit's compile; a job re-queued by a restarted control plane is compiled again from its Job
+            compiled = r.compiled or pipeline.compile(r.job, lower="none")
+            result = launch(
+                compiled,
                 options=how,
                 on_state=listeners.on_state,
                 on_step=listeners.on_step,

@@ -44,15 +44,16 @@ from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
 from sbpflow.run_options import FIELD_NAMES, RunOptions
 from sbpflow.v1 import job_pb2 as jp
+from sbpflow.v1 import plan_pb2 as pp
 from sbpflow.v1 import service_pb2 as sp
 
-__all__ = ["BACKENDS", "RunCancelled", "run"]
+__all__ = ["BACKENDS", "RunCancelled", "launch", "run"]
 
 Backend = Callable[[Compiled, LaunchContext, StepTracker], RunResult]
 
 
 def run(
-    job: Job,
+    job: Job | Compiled,
     *,
     steps: int | None = None,
     options: RunOptions | None = None,
@@ -70,7 +71,8 @@ def run(
     init_from: str | None = None,
     **option_fields: Any,
 ) -> RunResult:
-    """Compile ``job`` and train it for ``steps`` (default ``job.config.steps``).
+    """Compile ``job`` and train it for ``steps`` (default ``job.config.steps``). A ``job`` compiled already
+    (:func:`launch`) is only lowered, on its own state.
 
     How it runs is a :class:`~sbpflow.run_options.RunOptions`: ``options``, with any of its fields given
     as keywords on top (``sf.run(job, backend="inprocess", timeout=60, return_parameters=True)``).
@@ -93,6 +95,8 @@ def run(
         )
     how = (options or RunOptions()).replace(**option_fields)
     runner = BACKENDS[how.backend]
+    given = job if isinstance(job, Compiled) else None
+    job = job.state.job if isinstance(job, Compiled) else job
     steps = job.config.steps if steps is None else steps
     if steps < 1:
         raise SbpflowError(f"steps={steps}: a run trains for at least one step")
@@ -122,7 +126,7 @@ def run(
         init_from=init_from,
     )
     context.state("COMPILING")
-    compiled = compile_for_run(job)
+    compiled = compile_for_run(given or job)
     graph = compiled.state.graph
     loss = graph.tensors[job.loss] if job.loss else None
     tracker = StepTracker(loss, job.data.batch_size if job.data is not None else 0, on_step)
@@ -134,20 +138,28 @@ def run(
         raise
 
 
-def compile_for_run(job: Job) -> Compiled:
-    """The compiled job, or a clear error when it cannot run (no plan, a lowering skipped)."""
-    compiled = pipeline.compile(job)
+def launch(compiled: Compiled, **kwargs: Any) -> RunResult:
+    """Train a job compiled already — Submit's validation compile, its graph passes done — with
+    :func:`run`'s keywords: its lowering is finished on the same state (``pipeline.finish``), no pass runs
+    again. ``run(job, ...)`` is ``launch(pipeline.compile(job, lower="none"), ...)``."""
+    return run(compiled, **kwargs)
+
+
+def compile_for_run(job: Job | Compiled) -> Compiled:
+    """``job`` compiled (a Compiled: lowered on its own state), or a clear error when it cannot run (no
+    plan, a lowering skipped). A big job is lowered on demand: ``plan`` is None, ``lazy`` is set."""
+    compiled = pipeline.finish(job) if isinstance(job, Compiled) else pipeline.compile(job)
     skipped = [n for n in compiled.notes if "lowering skipped" in n]
-    if compiled.plan is None or skipped:
+    if (compiled.plan is None and compiled.lazy is None) or skipped:
         raise SbpflowError(
-            f"job {job.name!r} cannot run: " + "; ".join(skipped or compiled.notes or ["no plan was made"])
+            f"job {compiled.state.job.name!r} cannot run: "
+            + "; ".join(skipped or compiled.notes or ["no plan was made"])
         )
     return compiled
 
 
 def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker) -> RunResult:
-    job, plan = compiled.state.job, compiled.plan
-    assert plan is not None
+    job, plan = compiled.state.job, compiled.plan or _whole_plan(compiled)
     loss = job.loss
 
     def on_step(rank: int) -> Callable[[int, float | None, float], None]:
@@ -208,6 +220,21 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
     del program, results, world
     gc.collect()
     return RunResult(losses, parameters, events, seconds, first_step=first)
+
+
+def _whole_plan(compiled: Compiled) -> pp.Plan:
+    """Every rank's tasks in one Plan, from the rank plans of a job lowered on demand."""
+    plan, seen = pp.Plan(), set[str]()
+    for _, data in compiled.rank_plans(list(compiled.device_types())):
+        one = pp.Plan.FromString(data)
+        if not plan.HasField("job"):  # the header every rank plan shares
+            plan.CopyFrom(one)
+            plan.ClearField("devices")
+            plan.ClearField("communicators")
+        plan.devices.extend(one.devices)
+        plan.communicators.extend(c for c in one.communicators if c.id not in seen)
+        seen.update(c.id for c in one.communicators)
+    return plan
 
 
 def _array_module(plan: Any) -> Any:

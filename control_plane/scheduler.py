@@ -7,8 +7,10 @@
 2. reserves a placement group with one bundle per rank (``{"CPU": 1}`` for cpu devices, ``{"GPU": 1}``
    for cuda), ``PACK``: packed on as few hosts as fit, spread over more when one cannot hold them;
 3. starts a :class:`~sbpflow.actor_workers.worker.Worker` actor per rank in its bundle; gathers every
-   rank's data-plane endpoint and hands the full list, with the plan, to every worker (connections are
-   set up through the control plane: no worker needs to know where another runs in advance);
+   rank's data-plane endpoint and hands the full list, the world's ranks and the rank's own part of the
+   plan (``Compiled.rank_plans``: its DevicePlan, its communicators, the job) to every worker
+   (connections are set up through the control plane: no worker needs to know where another runs in
+   advance). A job lowered on demand is lowered here, a batch of ranks per walk, never whole;
 4. runs them, watching three things at once: the outcomes as workers finish, a worker process that
    dies (its Ray actor errors out), and the cancel event. The first failure aborts every other worker
    and is raised as a RuntimeFailure naming the rank (and, for a dead worker, its pid and host);
@@ -39,6 +41,7 @@ from sbpflow.control_plane.step_tracker import StepTracker
 from sbpflow.errors import SbpflowError
 from sbpflow.sharding import assemble_value
 from sbpflow.v1 import job_pb2 as jp
+from sbpflow.v1 import plan_pb2 as pp
 from sbpflow.v1 import service_pb2 as sp
 
 SETUP_SECONDS = 120.0  # placement group, actor start-up and connections
@@ -94,10 +97,8 @@ def ensure_ray(address: str | None, cpus: int) -> None:
 
 
 def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker) -> RunResult:
-    plan = compiled.plan
-    assert plan is not None
-    ranks = [d.rank for d in plan.devices]
-    kinds = {d.device_type for d in plan.devices}
+    types = compiled.device_types()  # rank -> DeviceType, without lowering a lazy plan
+    ranks = list(types)
     ensure_ray(options.run.ray_address, len(ranks))
     hub = options.report_hub
     own_hub = hub is None
@@ -117,9 +118,9 @@ def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker)
         while True:
             try:
                 with hub.listen(job_id, current.attempt, on_report):
-                    attempt = _Attempt(plan.devices, kinds, job_id, current, hub.address)
+                    attempt = _Attempt(types, job_id, current, hub.address)
                     try:
-                        attempt.start(plan.SerializeToString(), _start(compiled, current))
+                        attempt.start(compiled, _start(compiled, current))
                         current.state("RUNNING")
                         tracker.restart_clock()
                         outcomes = attempt.wait()
@@ -151,12 +152,12 @@ def _start(compiled: Compiled, options: LaunchContext) -> Any:
     """What every worker of this attempt starts from and where it checkpoints."""
     from sbpflow.actor_workers import snapshots as checkpointing
 
-    assert compiled.plan is not None
+    ranks = pp.Plan(devices=[pp.DevicePlan(rank=r) for r in compiled.device_types()])  # all it reads
     return checkpointing.Start(
         options.first_step,
         options.resume_from,
         options.init_from if options.resume_from is None else None,
-        checkpointing.options_for(compiled.state.job, options.checkpoint_dir, compiled.plan, options.attempt),
+        checkpointing.options_for(compiled.state.job, options.checkpoint_dir, ranks, options.attempt),
     )
 
 
@@ -181,10 +182,10 @@ class _Attempt:
     """The workers of one attempt and their placement group."""
 
     def __init__(
-        self, devices: Sequence[Any], kinds: set[int], job_id: str, options: LaunchContext, address: str
+        self, types: dict[int, jp.DeviceType.ValueType], job_id: str, options: LaunchContext, address: str
     ) -> None:
-        self.ranks = [d.rank for d in devices]
-        self.types = {d.rank: d.device_type for d in devices}
+        self.ranks = list(types)
+        self.types = dict(types)
         self.options = options
         self.job_id = job_id
         self.address = address
@@ -192,11 +193,11 @@ class _Attempt:
         self.info: dict[int, dict[str, Any]] = {}
         self.pg: Any = None
         self.uids: Any = None
-        unknown = kinds - set(BUNDLES)
+        unknown = set(types.values()) - set(BUNDLES)
         if unknown:
             raise SchedulingError(f"device types {sorted(unknown)} have no Ray resources; use cpu or cuda")
 
-    def start(self, plan_bytes: bytes, start: Any = None) -> None:
+    def start(self, compiled: Compiled, start: Any = None) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -233,13 +234,11 @@ class _Attempt:
         endpoints = list(
             self._get("start", {r: w.endpoint.remote() for r, w in self.workers.items()}).values()
         )
-        plan_ref = ray.put(plan_bytes)
         if jp.DEVICE_TYPE_CUDA in self.types.values():  # NCCL ids: get-or-create for this attempt
             from sbpflow.actor_workers.planes import UidStore
 
             self.uids = ray.remote(UidStore).options(num_cpus=0).remote()
         args = (
-            plan_ref,
             self.options.steps,
             endpoints,
             SETUP_SECONDS,
@@ -247,7 +246,11 @@ class _Attempt:
             self.uids,
             start,
         )
-        self._get("set up", {r: w.setup.remote(*args) for r, w in self.workers.items()})
+        setups = {  # each worker its own rank's plan; a lazy plan is lowered a batch at a time
+            r: self.workers[r].setup.remote(data, *args, ranks=self.ranks)
+            for r, data in compiled.rank_plans(self.ranks)
+        }
+        self._get("set up", setups)
 
     def _get(self, what: str, refs: dict[int, Any]) -> dict[int, Any]:
         """Every rank's result of a set-up call; a worker that fails or dies there becomes a RuntimeFailure
