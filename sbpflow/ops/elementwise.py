@@ -213,6 +213,36 @@ for _name, (_sfn, _lin, _kind, _grad, _doc) in _SCALAR.items():
     )
 
 
+def owned(xp: Any, x: Any) -> Any:
+    """A fresh array shaped like ``x`` for a kernel to compute into with ``out=`` (a 0-d one too, where an
+    operation on a 0-d array would give a scalar that cannot be written into)."""
+    return xp.empty_like(x)
+
+
+def _cube(xp: Any, x: Any) -> Any:
+    y = xp.multiply(x, x, out=owned(xp, x))
+    return xp.multiply(y, x, out=y)
+
+
+# Small exponents as products, a square root or a reciprocal: numpy's generic float32 power is ~40x
+# slower than a product. Each is the correctly rounded result of one operation (x**3: two), so it may
+# differ from libm's pow in the last bit, as pow is not always correctly rounded.
+_POWERS: dict[float, Callable[[Any, Any], Any]] = {
+    0.0: lambda xp, x: xp.ones_like(x),  # x**0 == 1, nan and inf included
+    1.0: lambda xp, x: x.copy(),
+    2.0: lambda xp, x: xp.multiply(x, x, out=owned(xp, x)),
+    3.0: _cube,
+    0.5: lambda xp, x: xp.sqrt(x, out=owned(xp, x)),
+    -1.0: lambda xp, x: xp.divide(x.dtype.type(1), x, out=owned(xp, x)),
+}
+
+
+def power(xp: Any, x: Any, exponent: float) -> Any:
+    """``x ** exponent`` in x's dtype, without numpy's generic pow for the exponents of :data:`_POWERS`."""
+    fast = _POWERS.get(exponent)
+    return fast(xp, x) if fast is not None else xp.power(x, scalar_of(x.dtype, exponent))
+
+
 def _pow_grad(g: GradContext) -> Grads:
     e = float(g.attrs["exponent"])  # type: ignore[arg-type]
     if e == 0.0:  # x**0 is constant; x**-1 * 0 would give nan at x == 0
@@ -227,7 +257,7 @@ defop(
     attrs={"exponent": REQUIRED},
     infer=_unary_infer("pow_scalar", "floating"),
     rows=same_shape_rows(),
-    kernel=lambda ctx, x: x ** scalar_of(x.dtype, ctx.attrs["exponent"]),
+    kernel=lambda ctx, x: power(ctx.xp, x, float(ctx.attrs["exponent"])),
     grad=_pow_grad,
     doc="x ** exponent (nan for negative x and a non-integral exponent, as in numpy)",
 )
@@ -238,17 +268,46 @@ defop(
 _GELU_C = math.sqrt(2.0 / math.pi)
 
 
+def _gelu_tanh(xp: Any, x: Any) -> Any:
+    """tanh(sqrt(2/pi) (x + 0.044715 x^3)) in one array the kernel owns, in the formula's order."""
+    t = _cube(xp, x)
+    t = xp.multiply(t, 0.044715, out=t)
+    t = xp.add(t, x, out=t)
+    t = xp.multiply(t, _GELU_C, out=t)
+    return xp.tanh(t, out=t)
+
+
 def _gelu_kernel(ctx: KernelContext, x: Any) -> Any:
-    return 0.5 * x * (1.0 + ctx.xp.tanh(_GELU_C * (x + 0.044715 * x**3)))
+    # 0.5 x (1 + t) as ((1 + t) x) 0.5: the same bits (a product is commutative and halving is exact)
+    xp = ctx.xp
+    y = _gelu_tanh(xp, x)
+    y = xp.add(y, 1.0, out=y)
+    y = xp.multiply(y, x, out=y)
+    return xp.multiply(y, 0.5, out=y)
 
 
 def _gelu_grad_kernel(ctx: KernelContext, dy: Any, x: Any) -> Any:
-    t = ctx.xp.tanh(_GELU_C * (x + 0.044715 * x**3))
-    return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_C * (1.0 + 3 * 0.044715 * x * x))
+    """dy (0.5 (1 + t) + 0.5 x (1 - t^2) C (1 + 3 * 0.044715 x x)), each term in the formula's order,
+    in three arrays the kernel owns."""
+    xp = ctx.xp
+    t = _gelu_tanh(xp, x)
+    poly = xp.multiply(x, 3 * 0.044715, out=owned(xp, x))  # (0.134145 x) x + 1
+    poly = xp.multiply(poly, x, out=poly)
+    poly = xp.add(poly, 1.0, out=poly)
+    b = xp.multiply(t, t, out=owned(xp, x))  # 1 - t t
+    b = xp.subtract(1.0, b, out=b)
+    # ((0.5 x)(1 - t t)) C as ((1 - t t) x) (C / 2): the same bits, as halving is exact (no underflow)
+    b = xp.multiply(b, x, out=b)
+    b = xp.multiply(b, _GELU_C / 2, out=b)
+    b = xp.multiply(b, poly, out=b)
+    t = xp.add(t, 1.0, out=t)  # 0.5 (1 + t), then + b, then times dy
+    t = xp.multiply(t, 0.5, out=t)
+    t = xp.add(t, b, out=t)
+    return xp.multiply(t, dy, out=t)
 
 
 def _relu_grad_kernel(ctx: KernelContext, dy: Any, y: Any) -> Any:
-    return dy * (y > 0).astype(dy.dtype)
+    return ctx.xp.multiply(dy, y > 0, out=owned(ctx.xp, dy))  # bool to dy's dtype inside the loop
 
 
 def _y(g: GradContext) -> Any:
