@@ -15,6 +15,7 @@ from sbpflow.errors import ShapeError
 from sbpflow.ops.base import Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop, sig
 from sbpflow.ops.reduction import normalize_axes
 from sbpflow.ops.rows import all_broadcast
+from sbpflow.ops.rowwise import row_dot, row_max, row_mean, row_sum
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import TensorMeta
 
@@ -42,26 +43,64 @@ def _axis(op: str, meta: TensorMeta, attrs: Attrs) -> int:
 # ---- softmax and log_softmax ---------------------------------------------------------------------
 
 
+# The kernels below compute in arrays they own, with ``out=``, the operations of the formulas in their
+# comments in the same order, without a temporary per operation. Along the last axis (every softmax of
+# a GPT, layer norm and cross entropy) they reduce with rowwise.py, whose sums add in their own order
+# (the last bit may differ from xp.sum's); along another axis with xp's own.
+
+
+def _max(xp: Any, x: Any, axis: int) -> Any:
+    return row_max(xp, x) if axis == x.ndim - 1 else xp.max(x, axis=axis, keepdims=True)
+
+
+def _sum(xp: Any, x: Any, axis: int) -> Any:
+    return row_sum(xp, x) if axis == x.ndim - 1 else xp.sum(x, axis=axis, keepdims=True)
+
+
+def _dot(xp: Any, a: Any, b: Any, axis: int) -> Any:
+    if axis == a.ndim - 1:
+        return row_dot(xp, a, b)
+    return xp.sum(xp.multiply(a, b), axis=axis, keepdims=True)
+
+
+def _shifted(xp: Any, x: Any, axis: int) -> Any:
+    """x - max(x) along ``axis``, in a new C-contiguous array (the shift keeps exp from overflowing)."""
+    return xp.subtract(x, _max(xp, x, axis), out=xp.empty(x.shape, dtype=x.dtype))
+
+
 def _softmax_kernel(ctx: KernelContext, x: Any) -> Any:
+    # e / sum(e), e = exp(x - max x)
+    xp = ctx.xp
     axis = _axis("softmax", ctx.in_metas[0], ctx.attrs)
-    e = ctx.xp.exp(x - ctx.xp.max(x, axis=axis, keepdims=True))  # shifted: no overflow
-    return e / ctx.xp.sum(e, axis=axis, keepdims=True)
+    e = _shifted(xp, x, axis)
+    e = xp.exp(e, out=e)
+    return xp.divide(e, _sum(xp, e, axis), out=e)
 
 
 def _log_softmax_kernel(ctx: KernelContext, x: Any) -> Any:
+    # s - log(sum(exp(s))), s = x - max x
+    xp = ctx.xp
     axis = _axis("log_softmax", ctx.in_metas[0], ctx.attrs)
-    shifted = x - ctx.xp.max(x, axis=axis, keepdims=True)
-    return shifted - ctx.xp.log(ctx.xp.sum(ctx.xp.exp(shifted), axis=axis, keepdims=True))
+    shifted = _shifted(xp, x, axis)
+    lse = _sum(xp, xp.exp(shifted), axis)
+    return xp.subtract(shifted, xp.log(lse, out=lse), out=shifted)
 
 
 def _softmax_grad_kernel(ctx: KernelContext, y: Any, dy: Any) -> Any:
+    # y (dy - sum(dy y))
+    xp = ctx.xp
     axis = _axis("softmax_grad", ctx.in_metas[0], ctx.attrs)
-    return y * (dy - ctx.xp.sum(dy * y, axis=axis, keepdims=True))
+    p = xp.subtract(dy, _dot(xp, dy, y, axis))
+    return xp.multiply(p, y, out=p)
 
 
 def _log_softmax_grad_kernel(ctx: KernelContext, y: Any, dy: Any) -> Any:
+    # dy - exp(y) sum(dy)
+    xp = ctx.xp
     axis = _axis("log_softmax_grad", ctx.in_metas[0], ctx.attrs)
-    return dy - ctx.xp.exp(y) * ctx.xp.sum(dy, axis=axis, keepdims=True)
+    e = xp.exp(y)
+    e = xp.multiply(e, _sum(xp, dy, axis), out=e)
+    return xp.subtract(dy, e, out=e)
 
 
 def _unary_infer(op: str) -> Callable[[Metas, Attrs], Metas]:
@@ -149,15 +188,20 @@ def _layer_norm_infer(metas: Metas, attrs: Attrs) -> Metas:
 
 
 def _normalize(xp: Any, x: Any, eps: float) -> tuple[Any, Any]:
-    """``(x - mean) * rstd`` over the last axis, and ``rstd`` (biased variance, as torch)."""
-    centered = x - xp.mean(x, axis=-1, keepdims=True)
-    rstd = 1.0 / xp.sqrt(xp.mean(centered * centered, axis=-1, keepdims=True) + x.dtype.type(eps))
-    return centered * rstd, rstd
+    """``(x - mean) * rstd`` over the last axis in a new array, and ``rstd`` (biased variance, as torch):
+    one reduction for the mean, one pass to centre, one reduction for the variance, one pass to scale."""
+    centered = xp.subtract(x, row_mean(xp, x))
+    var = row_dot(xp, centered, centered)
+    var = xp.divide(var, x.shape[-1], out=var)
+    rstd = xp.sqrt(xp.add(var, x.dtype.type(eps), out=var), out=var)
+    rstd = xp.divide(1.0, rstd, out=rstd)
+    return xp.multiply(centered, rstd, out=centered), rstd
 
 
 def _layer_norm_kernel(ctx: KernelContext, x: Any, w: Any, b: Any) -> Any:
-    xhat, _ = _normalize(ctx.xp, x, float(ctx.attrs["eps"]))
-    return xhat * w + b
+    xp = ctx.xp
+    y, _ = _normalize(xp, x, float(ctx.attrs["eps"]))  # xhat, then xhat * w + b in place
+    return xp.add(xp.multiply(y, w, out=y), b, out=y)
 
 
 defop(
@@ -196,15 +240,20 @@ def _layer_norm_grad_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
 
 
 def _layer_norm_grad_kernel(ctx: KernelContext, dy: Any, x: Any, w: Any) -> tuple[Any, Any, Any]:
+    """rstd (gx - mean(gx) - xhat mean(gx xhat)) with gx = dy w, in the kernel's two arrays (xhat and
+    gx); dweight = sum(dy xhat) and dbias = sum(dy) over the rows."""
     xp = ctx.xp
     xhat, rstd = _normalize(xp, x, float(ctx.attrs["eps"]))
-    rows = tuple(range(x.ndim - 1))
-    dbias = xp.sum(dy, axis=rows).reshape(w.shape)
-    dweight = xp.sum(dy * xhat, axis=rows).reshape(w.shape)
-    gx = dy * w  # gradient w.r.t. xhat; then through the normalisation along the last axis
-    mean_g = xp.mean(gx, axis=-1, keepdims=True)
-    mean_gx = xp.mean(gx * xhat, axis=-1, keepdims=True)
-    return rstd * (gx - mean_g - xhat * mean_gx), dweight, dbias
+    dy_rows, xhat_rows = dy.reshape(-1, x.shape[-1]), xhat.reshape(-1, x.shape[-1])
+    dbias = xp.einsum("ri->i", dy_rows)  # the parameters' sums over every row, without temporaries
+    dweight = xp.einsum("ri,ri->i", dy_rows, xhat_rows)
+    gx = xp.multiply(dy, w)  # gradient w.r.t. xhat; then through the normalisation along the last axis
+    mean_g = row_mean(xp, gx)
+    mean_gx = row_dot(xp, gx, xhat)
+    mean_gx = xp.divide(mean_gx, x.shape[-1], out=mean_gx)
+    dx = xp.subtract(gx, mean_g, out=gx)
+    dx = xp.subtract(dx, xp.multiply(xhat, mean_gx, out=xhat), out=dx)
+    return xp.multiply(dx, rstd, out=dx), dweight, dbias
 
 
 defop(
@@ -256,13 +305,22 @@ def _kept(ctx: KernelContext, labels: Any) -> tuple[Any, Any]:
     return kept, ctx.xp.where(kept, labels, 0)
 
 
+def _array(x: Any) -> Any:
+    """``x`` as an ``out=`` target where it is an array (1-d logits reduce to a scalar: none)."""
+    return x if getattr(x, "ndim", 0) else None
+
+
 def _ce_kernel(ctx: KernelContext, logits: Any, labels: Any) -> Any:
+    # where(kept, max + log(sum(exp(logits - max))) - logits[label], 0)
     xp = ctx.xp
     kept, safe = _kept(ctx, labels)
-    m = xp.max(logits, axis=-1, keepdims=True)
-    lse = m[..., 0] + xp.log(xp.sum(xp.exp(logits - m), axis=-1))
+    m = row_max(xp, logits)
+    e = xp.subtract(logits, m)
+    lse = row_sum(xp, xp.exp(e, out=e))[..., 0]
+    lse = xp.add(m[..., 0], xp.log(lse, out=_array(lse)), out=_array(lse))
     picked = xp.take_along_axis(logits, safe[..., None].astype(xp.int64), axis=-1)[..., 0]
-    return xp.asarray(xp.where(kept, lse - picked, 0.0)).astype(logits.dtype, copy=False)
+    loss = xp.where(kept, xp.subtract(lse, picked, out=_array(lse)), 0.0)
+    return xp.asarray(loss).astype(logits.dtype, copy=False)
 
 
 defop(
@@ -297,12 +355,22 @@ def _ce_grad_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
 
 
 def _ce_grad_kernel(ctx: KernelContext, logits: Any, labels: Any, dy: Any) -> Any:
+    """e * (dy / sum(e)) - onehot * dy (dy zero where ignored), e = exp(logits - max): the onehot term
+    is subtracted at the label of each row only (elsewhere it is a zero, and x - 0 == x)."""
     xp = ctx.xp
     kept, safe = _kept(ctx, labels)
-    e = xp.exp(logits - xp.max(logits, axis=-1, keepdims=True))
-    onehot = safe[..., None] == xp.arange(logits.shape[-1])
-    scale = xp.where(kept, dy, 0.0)[..., None] / xp.sum(e, axis=-1, keepdims=True)
-    return (e * scale - onehot * xp.where(kept, dy, 0.0)[..., None]).astype(logits.dtype, copy=False)
+    n_classes = logits.shape[-1]
+    e = _shifted(xp, logits, logits.ndim - 1)  # C-contiguous, so that rows below is a view of it
+    e = xp.exp(e, out=e)
+    dy_kept = xp.where(kept, dy, 0.0)
+    e = xp.multiply(e, dy_kept[..., None] / row_sum(xp, e), out=e)
+    # a label outside 0..V-1 (unchecked: see _kept) matches no class, so nothing is subtracted for it
+    label = safe.reshape(-1)
+    valid = (label >= 0) & (label < n_classes)
+    rows = e.reshape(-1, n_classes)
+    at = (xp.arange(rows.shape[0]), xp.where(valid, label, 0))
+    rows[at] = rows[at] - xp.where(valid, dy_kept.reshape(-1), 0.0).astype(e.dtype, copy=False)
+    return e
 
 
 defop(
