@@ -78,9 +78,13 @@ def _matmul_infer(metas: Metas, attrs: Attrs) -> Metas:
 
 def _matmul_kernel(ctx: KernelContext, a: Any, b: Any) -> Any:
     xp = ctx.xp
-    return xp.matmul(
-        _swap_last(a, bool(ctx.attrs["transpose_a"]), xp), b.T if ctx.attrs["transpose_b"] else b
-    )
+    b = b.T if ctx.attrs["transpose_b"] else b
+    if ctx.attrs["transpose_a"]:
+        return xp.matmul(_swap_last(a, True, xp), b)
+    if a.ndim > 2 and a.flags.c_contiguous:
+        # the batch rows as the rows of one GEMM: numpy's matmul otherwise calls BLAS once per batch item
+        return xp.matmul(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
+    return xp.matmul(a, b)
 
 
 def _swap_last_op(g: GradContext, x: Any, ndim: int) -> Any:

@@ -69,7 +69,9 @@ def _causal_kernel(ctx: KernelContext, x: Any) -> Any:
     q0, k0 = ctx.in_offset(0, nd - 2), ctx.in_offset(0, nd - 1)  # global offsets of this shard
     q = xp.arange(q0, q0 + x.shape[-2]).reshape(-1, 1)
     k = xp.arange(k0, k0 + x.shape[-1]).reshape(1, -1)
-    return xp.where(k > q, fill_value(xp, x.dtype, ctx.attrs["value"]), x)
+    out = x.copy()  # then fill: half the time of xp.where, which selects element by element
+    xp.copyto(out, fill_value(xp, x.dtype, ctx.attrs["value"]), where=k > q)
+    return out
 
 
 defop(

