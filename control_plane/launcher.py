@@ -88,27 +88,14 @@ def run(
     of ``steps``; ``init_from`` starts the parameters from a safetensors/.npz file (or a checkpoint).
     On Ray, a lost worker restarts the job from its last checkpoint up to ``max_restarts`` times.
     """
-    unknown = sorted(set(option_fields) - set(FIELD_NAMES))
-    if unknown:
-        raise TypeError(
-            f"run() got unexpected keyword(s) {unknown}; RunOptions' fields are {list(FIELD_NAMES)}"
-        )
-    how = (options or RunOptions()).replace(**option_fields)
+    how = _run_options(options, option_fields)
     runner = BACKENDS[how.backend]
     given = job if isinstance(job, Compiled) else None
     job = job.state.job if isinstance(job, Compiled) else job
     steps = job.config.steps if steps is None else steps
     if steps < 1:
         raise SbpflowError(f"steps={steps}: a run trains for at least one step")
-    first_step = 0
-    if resume_from is not None:
-        resume_from = str(resolve(resume_from))
-        first_step = CheckpointReader(resume_from).step
-        if first_step >= steps:
-            raise SbpflowError(
-                f"the checkpoint {resume_from} is at step {first_step} and the job trains {steps} steps: "
-                "nothing is left to train; pass a larger steps="
-            )
+    resume_from, first_step = _resume_point(resume_from, steps)
     context = LaunchContext(
         steps=steps - first_step,
         run=how,
@@ -143,6 +130,30 @@ def launch(compiled: Compiled, **kwargs: Any) -> RunResult:
     :func:`run`'s keywords: its lowering is finished on the same state (``pipeline.finish``), no pass runs
     again. ``run(job, ...)`` is ``launch(pipeline.compile(job, lower="none"), ...)``."""
     return run(compiled, **kwargs)
+
+
+def _run_options(options: RunOptions | None, fields: dict[str, Any]) -> RunOptions:
+    """``options`` (default ``RunOptions()``) with ``run``'s keywords that name its fields on top."""
+    unknown = sorted(set(fields) - set(FIELD_NAMES))
+    if unknown:
+        raise TypeError(
+            f"run() got unexpected keyword(s) {unknown}; RunOptions' fields are {list(FIELD_NAMES)}"
+        )
+    return (options or RunOptions()).replace(**fields)
+
+
+def _resume_point(resume_from: str | None, steps: int) -> tuple[str | None, int]:
+    """The checkpoint a run resumes from (a directory of them: its latest) and its step (0: none)."""
+    if resume_from is None:
+        return None, 0
+    resume_from = str(resolve(resume_from))
+    first_step = CheckpointReader(resume_from).step
+    if first_step >= steps:
+        raise SbpflowError(
+            f"the checkpoint {resume_from} is at step {first_step} and the job trains {steps} steps: "
+            "nothing is left to train; pass a larger steps="
+        )
+    return resume_from, first_step
 
 
 def compile_for_run(job: Job | Compiled) -> Compiled:
