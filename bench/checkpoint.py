@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from sbpflow.checkpoint import write as ck  # noqa: E402
 from sbpflow.checkpoint.read import CheckpointReader  # noqa: E402
 from sbpflow.placement import placement  # noqa: E402
+from sbpflow.run_state import JobState  # noqa: E402
 from sbpflow.sbp import S  # noqa: E402
 from sbpflow.sharding import shard_index  # noqa: E402
 
@@ -135,8 +136,8 @@ def restart() -> None:
         if r.attempt == 2 and "step" not in marks:
             marks["step"], marks["first"] = time.monotonic(), r.step.step
 
-    def state(name: str) -> None:
-        if "kill" in marks and name == "STARTING" and "restart" not in marks:
+    def state(name: JobState) -> None:
+        if "kill" in marks and name == JobState.STARTING and "restart" not in marks:
             marks["restart"] = time.monotonic()
 
     with tempfile.TemporaryDirectory() as d:

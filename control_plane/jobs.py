@@ -391,7 +391,7 @@ class JobManager:
         # a restart goes on from a checkpoint: without any, a job does not restart
         how = self.config.run if checkpointing else self.config.run.replace(max_restarts=0)
         try:
-            listeners.on_state("COMPILING")
+            listeners.on_state(JobState.COMPILING)
             # Submit's compile; a job re-queued by a restarted control plane is compiled again from its Job
             compiled = r.compiled or pipeline.compile(r.job, lower="none")
             result = launch(

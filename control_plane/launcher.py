@@ -13,7 +13,7 @@ Backends (:data:`BACKENDS`):
 - ``"inprocess"``: every rank is threads of this process over the in-process transport; the test vehicle
   and the fastest embedded mode.
 
-Both call the same listeners as the run gets on: ``on_state("COMPILING" | "STARTING" | "RUNNING")``,
+Both call the same listeners as the run gets on: ``on_state(JobState.COMPILING | STARTING | RUNNING)``,
 ``on_step(StepMetrics)`` once per completed step, ``on_report(WorkerReport)`` for every worker report,
 and ``on_attempt(attempt, first_step, reason, message)`` when a restart begins attempt ``attempt`` from
 the checkpoint at ``first_step`` (then ``on_state`` says ``"STARTING"`` and ``"RUNNING"`` again).
@@ -43,6 +43,7 @@ from sbpflow.device import array_module
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
 from sbpflow.run_options import FIELD_NAMES, RunOptions
+from sbpflow.run_state import JobState
 from sbpflow.v1 import job_pb2 as jp
 from sbpflow.v1 import plan_pb2 as pp
 from sbpflow.v1 import service_pb2 as sp
@@ -112,7 +113,7 @@ def run(
         resume_from=resume_from,
         init_from=init_from,
     )
-    context.state("COMPILING")
+    context.state(JobState.COMPILING)
     compiled = compile_for_run(given or job)
     graph = compiled.state.graph
     loss = graph.tensors[job.loss] if job.loss else None
@@ -184,7 +185,7 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
     devices = {d.rank: d for d in plan.devices}
     ranks = list(devices)
     xp = _array_module(plan)
-    ctx.state("STARTING")
+    ctx.state(JobState.STARTING)
     with InProcessWorld(ranks, timeout=ctx.run.timeout) as world:
         program = executor.build(
             plan,
@@ -202,7 +203,7 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
             plan,
             range(ctx.first_step, ctx.first_step + ctx.steps),
         )
-        ctx.state("RUNNING")
+        ctx.state(JobState.RUNNING)
         tracker.restart_clock()
         try:
             results = executor.execute(program, ctx.run.timeout, ctx.run.trace, [world.abort], ctx.cancel)

@@ -16,6 +16,7 @@ from sbpflow.actor_workers.reporting import report
 from sbpflow.control_plane.reports import ReportHub
 from sbpflow.control_plane.step_tracker import ReportListener, StateListener
 from sbpflow.run_options import RunOptions
+from sbpflow.run_state import JobState
 
 AttemptListener = Callable[[int, int, str, str], None]  # (attempt, first step, reason, message)
 
@@ -52,9 +53,9 @@ class LaunchContext:
     resume_from: str | None = None  # a checkpoint directory: every variable starts from it
     init_from: str | None = None  # safetensors/.npz/checkpoint: the parameters it holds start from it
 
-    def state(self, name: str) -> None:
+    def state(self, state: JobState) -> None:
         if self.on_state is not None:
-            self.on_state(name)
+            self.on_state(state)
 
     def new_attempt(self, reason: str, message: str) -> None:
         """Tell ``on_attempt`` that this attempt (``self.attempt`` from ``self.first_step``) begins."""

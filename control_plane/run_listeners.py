@@ -37,8 +37,7 @@ class RunListeners:
         self.first_step = first_step  # the run's steps count from here (it resumes a checkpoint)
         self._state_since = time.monotonic()
 
-    def on_state(self, name: str) -> None:
-        new = JobState[name]
+    def on_state(self, new: JobState) -> None:
         if self.m.store.get(self.job_id).state == new:
             return
         now = time.monotonic()

@@ -39,6 +39,7 @@ from sbpflow.control_plane.reports import ReportHub
 from sbpflow.control_plane.run_context import LaunchContext, RunResult
 from sbpflow.control_plane.step_tracker import StepTracker
 from sbpflow.errors import SbpflowError
+from sbpflow.run_state import JobState
 from sbpflow.sharding import assemble_value
 from sbpflow.v1 import job_pb2 as jp
 from sbpflow.v1 import plan_pb2 as pp
@@ -121,7 +122,7 @@ def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker)
                     attempt = _Attempt(types, job_id, current, hub.address)
                     try:
                         attempt.start(compiled, _start(compiled, current))
-                        current.state("RUNNING")
+                        current.state(JobState.RUNNING)
                         tracker.restart_clock()
                         outcomes = attempt.wait()
                         result = _result(compiled, current, attempt, outcomes)
@@ -204,7 +205,7 @@ class _Attempt:
 
         from sbpflow.actor_workers.worker import remote_class
 
-        self.options.state("STARTING")
+        self.options.state(JobState.STARTING)
         bundles = [BUNDLES[self.types[r]].resources for r in self.ranks]
         self.pg = placement_group(bundles, strategy="PACK", name=f"sbpflow-{self.job_id}")
         ready, _ = ray.wait([self.pg.ready()], timeout=SETUP_SECONDS)

@@ -19,13 +19,14 @@ from typing import Any
 import numpy as np
 
 from sbpflow.graph import TensorDecl
+from sbpflow.run_state import JobState
 from sbpflow.sharding import assemble_value
 from sbpflow.v1 import service_pb2 as sp
 
 WINDOW = 8  # samples/s is measured over the last WINDOW steps: reports arrive in bursts, steps do not
 StepListener = Callable[[sp.StepMetrics], None]
 ReportListener = Callable[[sp.WorkerReport], None]
-StateListener = Callable[[str], None]
+StateListener = Callable[[JobState], None]
 
 
 class StepTracker:

@@ -22,6 +22,7 @@ from sbpflow.actor_workers.transport.base import TransportError
 from sbpflow.control_plane import launcher as api
 from sbpflow.errors import SbpflowError, ShapeError
 from sbpflow.ops.base import OPS, KernelContext, get_op
+from sbpflow.run_state import JobState
 from tests.client.test_examples import load
 from tests.control_plane.compiler.test_autodiff import as_float64
 
@@ -180,7 +181,7 @@ def test_listeners_see_states_every_step_and_every_workers_reports() -> None:
         on_report=reports.append,
         job_id="j1",
     )
-    assert states == ["COMPILING", "STARTING", "RUNNING"]
+    assert states == [JobState.COMPILING, JobState.STARTING, JobState.RUNNING]
     assert [m.step for m in steps] == [1, 2, 3]
     assert [m.loss for m in steps] == pytest.approx(result.losses, rel=1e-6)
     assert all(m.samples_per_second > 0 and m.step_seconds > 0 for m in steps)

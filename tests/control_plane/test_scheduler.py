@@ -25,6 +25,7 @@ from sbpflow.control_plane import scheduler
 from sbpflow.control_plane.reports import ReportHub
 from sbpflow.data import ArrayFileSource
 from sbpflow.graph import TensorKind
+from sbpflow.run_state import JobState
 from tests.actor_workers.test_equivalence import LAYOUTS, mlp_job
 from tests.control_plane.compiler.test_autodiff import as_float64
 
@@ -67,7 +68,7 @@ def test_sf_run_defaults_to_ray_and_workers_report_in_protobuf() -> None:
     result = sf.run(
         job, steps=STEPS, on_report=reports.append, on_step=steps.append, on_state=states.append, job_id="rep"
     )
-    assert states == ["COMPILING", "STARTING", "RUNNING"]
+    assert states == [JobState.COMPILING, JobState.STARTING, JobState.RUNNING]
     assert [m.step for m in steps] == [1, 2, 3]
     assert [m.loss for m in steps] == pytest.approx(result.losses, rel=1e-6)
     kinds = {(r.rank, r.WhichOneof("payload")) for r in reports}
