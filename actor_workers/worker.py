@@ -68,8 +68,10 @@ class WorkerOutcome:
 
 class Reporter:
     """Sends WorkerReports to the control plane from a background thread; a lost control plane never
-    stalls the worker (reports that cannot be sent are dropped after a short retry). Calls ``on_cancel``
-    when an ack says the job must stop."""
+    stalls the worker (reports that cannot be sent are dropped after a short retry). ``credential``: the
+    one the control plane minted for this job attempt, sent as the bearer (never the client token). Calls
+    ``on_cancel`` when an ack says the job must stop, or the hub answers that this attempt is no longer
+    the current one (FAILED_PRECONDITION)."""
 
     def __init__(
         self,
@@ -78,7 +80,7 @@ class Reporter:
         attempt: int,
         rank: int,
         worker_id: str,
-        token: str = "",
+        credential: str = "",
         on_cancel: Any = None,
         host: str = "",
     ) -> None:
@@ -87,7 +89,7 @@ class Reporter:
         from sbpflow.v1 import service_pb2_grpc as sg
 
         self._ids = (job_id, attempt, rank, worker_id, host)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = (("authorization", f"Bearer {credential}"),) if credential else ()
         self._channel = grpc.insecure_channel(address) if address else None
         self._stub = sg.WorkerServiceStub(self._channel) if self._channel is not None else None
         self._queue: queue.Queue[sp.WorkerReport | None] = queue.Queue()
@@ -106,6 +108,8 @@ class Reporter:
             self._channel.close()
 
     def _loop(self) -> None:
+        import grpc
+
         while True:
             try:
                 msg = self._queue.get(timeout=HEARTBEAT_SECONDS)
@@ -117,7 +121,11 @@ class Reporter:
                 continue
             try:
                 ack = self._stub.Report(msg, timeout=5.0, metadata=self._metadata)
-            except Exception:  # noqa: BLE001 - the control plane may be restarting; the run goes on
+            except grpc.RpcError as e:  # the control plane may be restarting; the run goes on
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and self._on_cancel is not None:
+                    self._on_cancel(f"the control plane no longer runs this attempt: {e.details()}")
+                continue
+            except Exception:  # noqa: BLE001 - a report that cannot be sent is dropped
                 continue
             if ack.cancel and self._on_cancel is not None and msg.WhichOneof("payload") != "done":
                 self._on_cancel("the control plane cancelled the job")
@@ -132,7 +140,7 @@ class Worker:
         attempt: int,
         rank: int,
         report_address: str = "",
-        token: str = "",
+        credential: str = "",
         host: str | None = None,
         host_id: str | None = None,
         shared_memory: bool = True,
@@ -148,7 +156,7 @@ class Worker:
             raise ValueError(f"device type {device_type!r} has no data plane; use one of {sorted(PLANES)}")
         self.plane = PLANES[device_type](rank, self.host, host_id or node_id, shared_memory)
         self.reporter = Reporter(
-            report_address, job_id, attempt, rank, self.worker_id, token, self.abort, self.host
+            report_address, job_id, attempt, rank, self.worker_id, credential, self.abort, self.host
         )
         self._engine: Any = None
         self._program: Any = None

@@ -7,7 +7,9 @@ in constant time.
 
 Open on purpose: the gRPC health service (``grpc.health.v1.Health``) and HTTP ``/healthz`` and
 ``/readyz``, because load balancers and Kubernetes probes call them without credentials and they
-reveal nothing about jobs. Everything else, server reflection included, needs the token.
+reveal nothing about jobs. Everything else, server reflection included, needs the token — but the
+WorkerService, which checks its own per-attempt worker credentials instead (``reports.py``): workers
+never hold the client token.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import grpc
 
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/",)
+SELF_CHECKED_GRPC_PREFIXES = ("/sbpflow.v1.WorkerService/",)  # ReportHub checks worker credentials
 OPEN_HTTP_PATHS = frozenset({"/healthz", "/readyz"})
 
 
@@ -62,7 +65,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         self, continuation: Callable[[grpc.HandlerCallDetails], Any], details: grpc.HandlerCallDetails
     ) -> Any:
         method = details.method  # type: ignore[attr-defined]
-        if not self._check.enabled or method.startswith(OPEN_GRPC_PREFIXES):
+        if not self._check.enabled or method.startswith(OPEN_GRPC_PREFIXES + SELF_CHECKED_GRPC_PREFIXES):
             return continuation(details)
         metadata = dict(details.invocation_metadata or ())  # type: ignore[attr-defined]
         auth = metadata.get("authorization")

@@ -66,7 +66,6 @@ class ManagerConfig:
     slots: int | None = None  # capacity in device slots; None: the Ray cluster's CPUs / this machine's
     max_job_bytes: int | None = None  # refuse larger Job protobufs at Submit
     keep_run_results: bool = False  # keep each RunResult in memory (the embedded `sbpflow run`)
-    report_token: str = ""  # the bearer token Ray workers send with their reports (the server's own)
     checkpoint_root: str | None = None  # job ID's checkpoints go to <root>/<ID> (checkpoint_every > 0)
 
 
@@ -403,7 +402,6 @@ class JobManager:
                 on_attempt=listeners.on_attempt,
                 cancel=r.cancel,
                 report_hub=self.report_hub,
-                report_token=self.config.report_token,
                 job_id=job_id,
                 attempt=rec.attempt,
                 **checkpointing,

@@ -64,7 +64,6 @@ def run(
     on_attempt: AttemptListener | None = None,
     cancel: threading.Event | None = None,
     report_hub: ReportHub | None = None,
-    report_token: str = "",
     job_id: str = "",
     attempt: int = 1,
     checkpoint_dir: str | None = None,
@@ -105,7 +104,6 @@ def run(
         on_attempt=on_attempt,
         cancel=cancel,
         report_hub=report_hub,
-        report_token=report_token,
         job_id=job_id,
         attempt=attempt,
         first_step=first_step,
@@ -235,14 +233,11 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
 
 
 def _whole_plan(compiled: Compiled) -> pp.Plan:
-    """Every rank's tasks in one Plan, from the rank plans of a job lowered on demand."""
-    plan, seen = pp.Plan(), set[str]()
+    """Every rank's tasks in one Plan: the whole header (a rank plan has only its own tensors) and every
+    rank plan's DevicePlan and communicators, of a job lowered on demand."""
+    plan, seen = compiled.header(), set[str]()
     for _, data in compiled.rank_plans(list(compiled.device_types())):
         one = pp.Plan.FromString(data)
-        if not plan.HasField("job"):  # the header every rank plan shares
-            plan.CopyFrom(one)
-            plan.ClearField("devices")
-            plan.ClearField("communicators")
         plan.devices.extend(one.devices)
         plan.communicators.extend(c for c in one.communicators if c.id not in seen)
         seen.update(c.id for c in one.communicators)

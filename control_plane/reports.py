@@ -1,10 +1,20 @@
 """WorkerService: where Ray worker actors report to the control plane, in ``WorkerReport`` protobufs.
 
-A :class:`ReportHub` is the servicer. Whoever runs a job subscribes to its ``(job_id, attempt)`` with
-:meth:`ReportHub.listen` and gets every report of that attempt; reports of other attempts, and of jobs
-nobody listens to, are dropped and answered with ``cancel=True`` so that a stray worker of an old
-attempt stops. :meth:`ReportHub.cancel` makes every later answer to a job's workers ``cancel=True``:
-that is how a Cancel reaches workers even when the driver cannot call them.
+A :class:`ReportHub` is the servicer. Whoever runs a job subscribes to one attempt with
+:meth:`ReportHub.listen`, naming the attempt's ranks, and gets back the attempt's **credential**: an
+HMAC of the job id and attempt under a secret the hub draws at start and keeps in memory. The driver
+hands it to that attempt's workers (never the client token), and they send it as
+``authorization: Bearer <credential>``. A report is delivered only when
+
+- it carries its job's and attempt's credential (else PERMISSION_DENIED; the bearer-token interceptor
+  lets WorkerService through to this check, see ``auth.py``);
+- its attempt is the one being listened to (else FAILED_PRECONDITION, on which a worker stops: a stray
+  worker of an old attempt, or of a job that has ended);
+- its rank is one of the attempt's ranks, and a step report's step goes forward for its rank (else
+  INVALID_ARGUMENT).
+
+:meth:`ReportHub.cancel` makes every later answer to a job's workers ``cancel=True``: that is how a
+Cancel reaches workers even when the driver cannot call them.
 
 The hub is added to the control plane's gRPC server (``hub.add_to(server)``), or serves on its own
 loopback port (``hub.serve()``) for the embedded ``sf.run``.
@@ -12,10 +22,14 @@ loopback port (``hub.serve()``) for the embedded ``sf.run``.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -27,33 +41,58 @@ Listener = Callable[[sp.WorkerReport], None]
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+class ReportRefused(Exception):
+    """A report the hub does not deliver: its gRPC code and why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _Listening:
+    """One attempt being listened to: who gets its reports, its ranks, each rank's last step."""
+
+    attempt: int
+    listener: Listener
+    ranks: frozenset[int]
+    last_step: dict[int, int] = field(default_factory=dict)
+
+
 class ReportHub(sg.WorkerServiceServicer):
-    """Routes each WorkerReport to the listener of its job attempt."""
+    """Checks each WorkerReport's credential, attempt, rank and step, and routes it to its listener."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._listeners: dict[tuple[str, int], Listener] = {}
+        self._secret = secrets.token_bytes(32)  # in memory only: a restarted hub's workers are gone
+        self._listening: dict[str, _Listening] = {}  # job id -> its current attempt
         self._cancelled: set[str] = set()
         self._server: grpc.Server | None = None
         self.address = ""  # host:port once serving (own server) or set by the server it is added to
 
     # ---- for the driver ------------------------------------------------------------------------------
+    def credential(self, job_id: str, attempt: int) -> str:
+        """The credential of ``(job_id, attempt)``'s workers."""
+        msg = f"{len(job_id)}:{job_id}:{attempt}".encode()
+        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()
+
     @contextmanager
-    def listen(self, job_id: str, attempt: int, listener: Listener) -> Iterator[None]:
-        """Deliver the reports of ``(job_id, attempt)`` to ``listener`` until the block ends."""
-        key = (job_id, attempt)
+    def listen(self, job_id: str, attempt: int, listener: Listener, ranks: Iterable[int]) -> Iterator[str]:
+        """Deliver the reports of ``(job_id, attempt)`` from ``ranks`` to ``listener`` until the block
+        ends; the block gets the credential to give the attempt's workers."""
         with self._lock:
-            if key in self._listeners:
+            if job_id in self._listening:
+                held = self._listening[job_id].attempt
                 raise ValueError(
-                    f"job {job_id!r} attempt {attempt} already has a listener; one run per attempt"
+                    f"job {job_id!r} attempt {held} already has a listener; one attempt of a job at a time"
                 )
-            self._listeners[key] = listener
+            self._listening[job_id] = _Listening(attempt, listener, frozenset(ranks))
             self._cancelled.discard(job_id)
         try:
-            yield
+            yield self.credential(job_id, attempt)
         finally:
             with self._lock:
-                self._listeners.pop(key, None)
+                self._listening.pop(job_id, None)
 
     def cancel(self, job_id: str) -> None:
         """Answer every later report of ``job_id`` with ``cancel=True``."""
@@ -62,22 +101,55 @@ class ReportHub(sg.WorkerServiceServicer):
 
     # ---- the service -----------------------------------------------------------------------------------
     def Report(self, request: sp.WorkerReport, context: Any) -> sp.ReportAck:  # noqa: N802 - gRPC's name
-        return self._deliver(request)
+        try:
+            return self._deliver(request, _bearer(context))
+        except ReportRefused as e:
+            context.abort(e.code, str(e))
+            raise  # unreachable: abort raises
 
     def ReportStream(self, request_iterator: Iterable[sp.WorkerReport], context: Any) -> sp.ReportAck:  # noqa: N802
         ack = sp.ReportAck()
-        for request in request_iterator:
-            ack = self._deliver(request)
-            if ack.cancel:
-                break
+        given = _bearer(context)
+        try:
+            for request in request_iterator:
+                ack = self._deliver(request, given)
+                if ack.cancel:
+                    break
+        except ReportRefused as e:
+            context.abort(e.code, str(e))
         return ack
 
-    def _deliver(self, report: sp.WorkerReport) -> sp.ReportAck:
+    def _deliver(self, report: sp.WorkerReport, given: str) -> sp.ReportAck:
+        job, attempt, rank = report.job_id, int(report.attempt), int(report.rank)
+        who = f"WorkerReport of job {job[:64]!r} attempt {attempt} rank {rank}"
+        if not hmac.compare_digest(given.encode(), self.credential(job, attempt).encode()):
+            raise ReportRefused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{who}: {'no' if not given else 'a wrong'} worker credential; only the workers the control "
+                "plane started for that attempt may report (they carry its credential, not the client token)",
+            )
         with self._lock:
-            listener = self._listeners.get((report.job_id, report.attempt))
-            cancel = listener is None or report.job_id in self._cancelled
-        if listener is not None:
-            listener(report)
+            cur = self._listening.get(job)
+            if cur is None or cur.attempt != attempt:
+                now = "no attempt is running" if cur is None else f"the current attempt is {cur.attempt}"
+                raise ReportRefused(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"{who}: {now}; this worker should stop"
+                )
+            if rank not in cur.ranks:
+                raise ReportRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{who}: rank {rank} is not one of the job's ranks {sorted(cur.ranks)}",
+                )
+            if report.WhichOneof("payload") == "step":
+                last = cur.last_step.get(rank, 0)
+                if report.step.step <= last:
+                    raise ReportRefused(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{who}: step {report.step.step} does not go forward (the rank reported step {last})",
+                    )
+                cur.last_step[rank] = int(report.step.step)
+            listener, cancel = cur.listener, job in self._cancelled
+        listener(report)
         return sp.ReportAck(cancel=cancel)
 
     # ---- serving -------------------------------------------------------------------------------------
@@ -108,3 +180,12 @@ class ReportHub(sg.WorkerServiceServicer):
         if self._server is not None:
             self._server.stop(grace).wait()
             self._server = None
+
+
+def _bearer(context: Any) -> str:
+    """The bearer credential of a call's metadata ('' without one)."""
+    value = dict(context.invocation_metadata() or ()).get("authorization", "")
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    scheme, _, given = str(value).partition(" ")
+    return given.strip() if scheme.lower() == "bearer" else ""

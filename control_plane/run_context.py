@@ -45,7 +45,6 @@ class LaunchContext:
     on_attempt: AttemptListener | None = None
     cancel: threading.Event | None = None
     report_hub: ReportHub | None = None
-    report_token: str = ""
     job_id: str = ""
     attempt: int = 1
     first_step: int = 0  # ``steps`` steps run from here: a resume's checkpoint step

@@ -18,7 +18,8 @@
 6. always tears down: every worker actor killed, the placement group removed.
 
 Workers report progress in ``WorkerReport`` protobufs to a WorkerService (:mod:`.reports`): the control
-plane's own when it passes its hub, otherwise a hub served on a loopback port for this run.
+plane's own when it passes its hub, otherwise a hub served on a loopback port for this run. Each
+attempt's workers get that attempt's credential from the hub (``hub.listen``), never the client token.
 """
 
 from __future__ import annotations
@@ -118,8 +119,8 @@ def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker)
     try:
         while True:
             try:
-                with hub.listen(job_id, current.attempt, on_report):
-                    attempt = _Attempt(types, job_id, current, hub.address)
+                with hub.listen(job_id, current.attempt, on_report, ranks) as credential:
+                    attempt = _Attempt(types, job_id, current, hub.address, credential)
                     try:
                         attempt.start(compiled, _start(compiled, current))
                         current.state(JobState.RUNNING)
@@ -183,13 +184,19 @@ class _Attempt:
     """The workers of one attempt and their placement group."""
 
     def __init__(
-        self, types: dict[int, jp.DeviceType.ValueType], job_id: str, options: LaunchContext, address: str
+        self,
+        types: dict[int, jp.DeviceType.ValueType],
+        job_id: str,
+        options: LaunchContext,
+        address: str,
+        credential: str,
     ) -> None:
         self.ranks = list(types)
         self.types = dict(types)
         self.options = options
         self.job_id = job_id
         self.address = address
+        self.credential = credential  # minted by the hub for this job attempt; workers report with it
         self.workers: dict[int, Any] = {}
         self.info: dict[int, dict[str, Any]] = {}
         self.pg: Any = None
@@ -227,7 +234,7 @@ class _Attempt:
                 self.options.attempt,
                 rank,
                 self.address,
-                self.options.report_token,
+                self.credential,
                 device_type=DEVICE_TYPES[self.types[rank]],
             )
         # each worker's own node address and id (a worker on another node listens there)

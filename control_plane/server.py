@@ -249,7 +249,6 @@ class ControlPlane:
             run=config.run,
             slots=config.slots,
             max_job_bytes=config.max_message_bytes,
-            report_token=config.auth_token or "",
             checkpoint_root=config.checkpoint_root,
         )
         self.hub = _report_hub(config)
@@ -341,9 +340,9 @@ def _advertised(host: str) -> str:
 
 
 def _report_hub(cfg: ServerConfig) -> Any:
-    """The WorkerService for Ray workers, on this server (workers send the server's token with their
-    reports); None (the run serves its own, on loopback) for the in-process backend, or when TLS guards
-    the port (workers do not carry the CA yet)."""
+    """The WorkerService for Ray workers, on this server (workers send their attempt's credential with
+    their reports, see reports.py); None (the run serves its own, on loopback) for the in-process
+    backend, or when TLS guards the port (workers do not carry the CA yet)."""
     if cfg.run.backend != "ray" or cfg.tls_cert:
         return None
     from sbpflow.control_plane.reports import ReportHub

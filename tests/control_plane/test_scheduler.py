@@ -22,7 +22,6 @@ import pytest
 import sbpflow as sf
 from sbpflow.actor_workers.runtime.errors import RuntimeFailure
 from sbpflow.control_plane import scheduler
-from sbpflow.control_plane.reports import ReportHub
 from sbpflow.data import ArrayFileSource
 from sbpflow.graph import TensorKind
 from sbpflow.run_state import JobState
@@ -139,30 +138,6 @@ def test_cancel_stops_every_worker_promptly() -> None:
             LAYOUTS["mlp-dp4"](), steps=100_000, cancel=cancel, on_step=lambda m: cancel.set(), timeout=300
         )
     assert not sbpflow_actors()
-
-
-def test_reports_of_jobs_nobody_listens_to_are_answered_with_cancel() -> None:
-    import grpc
-
-    from sbpflow.actor_workers.reporting import report
-    from sbpflow.v1 import service_pb2 as sp
-    from sbpflow.v1 import service_pb2_grpc as sg
-
-    hub = ReportHub()
-    address = hub.serve()
-    got: list[Any] = []
-    try:
-        with grpc.insecure_channel(address) as channel:
-            stub = sg.WorkerServiceStub(channel)
-            assert stub.Report(report("x", 1, 0, heartbeat=sp.Heartbeat())).cancel
-            with hub.listen("x", 1, got.append):
-                assert not stub.Report(report("x", 1, 0, heartbeat=sp.Heartbeat())).cancel
-                assert stub.Report(report("x", 2, 0, heartbeat=sp.Heartbeat())).cancel  # another attempt
-                hub.cancel("x")
-                assert stub.Report(report("x", 1, 0, heartbeat=sp.Heartbeat())).cancel
-    finally:
-        hub.stop()
-    assert len(got) == 2
 
 
 def test_a_job_larger_than_the_cluster_is_refused_with_what_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:

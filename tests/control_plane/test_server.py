@@ -322,7 +322,7 @@ def test_a_job_on_ray_workers_reports_through_the_servers_own_worker_service_wit
     ray_local: str, tmp_path: Path, mlp: ModuleType
 ) -> None:
     """The whole path: Submit with a token -> compile -> 2 Ray worker processes -> their WorkerReports
-    (sent with the server's token) to this server's WorkerService -> per-worker states and losses."""
+    (sent with their attempt's credential) to this server's WorkerService -> per-worker states and losses."""
     plane = start(tmp_path, run=MANAGER_DEFAULTS, auth_token="s3cret", slots=2)
     try:
         assert plane.hub is not None and plane.hub.address.endswith(f":{plane.port}")
