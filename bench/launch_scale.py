@@ -49,11 +49,13 @@ def check_rank_plan(plan: pp.Plan, rank: int, world: frozenset[int]) -> None:
     """What a worker can check of its own Plan before building anything; raise naming what is wrong."""
     if [d.rank for d in plan.devices] != [rank]:
         raise PlanCheckError(f"rank {rank} got DevicePlans of ranks {[d.rank for d in plan.devices]}")
-    if not plan.HasField("job") or not plan.job.graph.ops:
-        raise PlanCheckError(f"rank {rank}'s plan carries no job")
     d = plan.devices[0]
     if not d.tasks:
         raise PlanCheckError(f"rank {rank}'s DevicePlan has no tasks")
+    tensors = {t.name for t in plan.tensors}
+    unknown = sorted({r.tensor for r in d.registers if r.tensor and r.tensor not in tensors})
+    if unknown:
+        raise PlanCheckError(f"rank {rank}'s registers hold tensors {unknown[:3]} its plan's tensors lack")
     regs = {r.id for r in d.registers}
     comms = {c.id: c for c in plan.communicators}
     for t in d.tasks:

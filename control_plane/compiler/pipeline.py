@@ -33,6 +33,7 @@ from typing import Literal, TypeVar
 from sbpflow import wire
 from sbpflow.control_plane.compiler import boxing_pass, comm_order, memory, micro_batching, sbp_inference
 from sbpflow.control_plane.compiler.lowering import lower as lowering
+from sbpflow.control_plane.compiler.lowering.boxing import Memo
 from sbpflow.control_plane.compiler.lowering.on_demand import LAZY_ABOVE, check_order, estimate_tasks
 from sbpflow.control_plane.compiler.lowering.tasks import LoweringError
 from sbpflow.control_plane.compiler.memory import DeviceMemory
@@ -42,6 +43,7 @@ from sbpflow.control_plane.compiler.verify import verify_compiled
 from sbpflow.errors import PlacementError
 from sbpflow.graph import BOXING, Graph
 from sbpflow.job import Job
+from sbpflow.placement import Placement
 from sbpflow.sbp import format_nd
 from sbpflow.v1 import job_pb2 as jp
 from sbpflow.v1 import plan_pb2 as pp
@@ -70,7 +72,10 @@ class Compiled:
     lazy: lowering.Lowered | None = None  # on demand: the representatives' walk (totals, call log)
     job_id: str = ""
     _devices: dict[int, pp.DevicePlan] = field(default_factory=dict, repr=False)
-    _job: bytes | None = field(default=None, repr=False)  # the serialised Plan header every rank shares
+    _headers: dict[tuple[Placement, ...], bytes] = field(default_factory=dict, repr=False)  # of rank plans
+    _placed: dict[int, tuple[Placement, ...]] = field(default_factory=dict, repr=False)  # ``placed_on``
+    _header: pp.Plan | None = field(default=None, repr=False)  # ``header()``, kept while rank plans are made
+    _memo: Memo = field(default_factory=Memo, repr=False)  # what every walk of this state shares
 
     def summary(self) -> str:
         return summarize(self)
@@ -90,13 +95,18 @@ class Compiled:
 
     def device_plans(self, ranks: list[int]) -> dict[int, pp.DevicePlan]:
         """Several ranks' DevicePlans lowered in one walk (not cached: a control plane ships them)."""
-        low = lowering.lower(self.state, [r for r in ranks if r not in self._devices])
+        low = lowering.lower(self.state, [r for r in ranks if r not in self._devices], memo=self._memo)
         for rank, d in low.devices.items():
             d.memory.CopyFrom(self.memory[rank].to_proto())
         return {r: self._devices.get(r) or low.devices[r] for r in ranks}
 
+    def header(self) -> pp.Plan:
+        """The whole plan's header (``lowering.plan_header``: the job and every tensor), without devices."""
+        return lowering.plan_header(self.state, self.job_id)
+
     def rank_plan(self, rank: int) -> pp.Plan:
-        """The Plan one worker needs: its DevicePlan, the communicators it is a member of, the job."""
+        """The Plan one worker needs: its DevicePlan, the communicators it is a member of, and the header's
+        tables as far as they concern it — the tensors placed on it, not ``Plan.job`` (``rank_header``)."""
         return pp.Plan.FromString(self._rank_plan_bytes(self.device_plan(rank)))
 
     def rank_plans(self, ranks: Sequence[int], batch: int = 32) -> Iterator[tuple[int, bytes]]:
@@ -120,10 +130,9 @@ class Compiled:
         return dict(sorted((r, types[pl]) for pl in placements for r in pl.ranks))
 
     def _rank_plan_bytes(self, d: pp.DevicePlan) -> bytes:
-        # A parsed concatenation of messages is their merge, so the job (the same for every rank, and
-        # big) is serialised once, and the DevicePlan is written as Plan's field 3 without copying it.
-        if self._job is None:
-            self._job = lowering.plan_header(self.state, self.job_id).SerializeToString()
+        # A parsed concatenation of messages is their merge, so the header (the same for every rank of the
+        # same placements) is serialised once, and the DevicePlan is written as Plan's field 3 uncopied.
+        header = self._rank_header(d.rank)
         ids = sorted({t.communicator for t in d.tasks if t.communicator})
         comms = pp.Plan(
             communicators=[
@@ -131,7 +140,40 @@ class Compiled:
             ]
         )
         body = d.SerializeToString()
-        return self._job + _DEVICES_TAG + _varint(len(body)) + body + comms.SerializeToString()
+        return header + _DEVICES_TAG + _varint(len(body)) + body + comms.SerializeToString()
+
+    def _rank_header(self, rank: int) -> bytes:
+        if not self._placed:
+            self._placed = placed_on(self.state)
+        key = self._placed[rank]
+        if key not in self._headers:
+            whole = self._header = self._header or self.header()
+            self._headers[key] = rank_header(whole, self.state, frozenset(key)).SerializeToString()
+        return self._headers[key]
+
+
+def placed_on(state: CompileState) -> dict[int, tuple[Placement, ...]]:
+    """Each rank -> the placements it is in, in the graph's order of first use."""
+    pls = dict.fromkeys(t.placement for t in state.graph.tensors.values() if t.placement is not None)
+    out: dict[int, list[Placement]] = {}
+    for pl in pls:
+        for r in pl.ranks:
+            out.setdefault(r, []).append(pl)
+    return {r: tuple(p) for r, p in out.items()}
+
+
+def rank_header(header: pp.Plan, state: CompileState, mine: frozenset[Placement]) -> pp.Plan:
+    """``header`` as a rank in the placements ``mine`` gets it: without ``Plan.job`` (the runtime never
+    reads it) and with only the tensors placed on that rank (those its tasks, store and checkpoints
+    read), in the header's order; every other table as it is."""
+    decls = list(state.graph.tensors.values())
+    assert [t.name for t in header.tensors] == [d.name for d in decls], "the header's tensors are the graph's"
+    out = pp.Plan()
+    out.CopyFrom(header)
+    out.ClearField("job")
+    del out.tensors[:]
+    out.tensors.extend(t for t, d in zip(header.tensors, decls, strict=True) if d.placement in mine)
+    return out
 
 
 _DEVICES_TAG = bytes([pp.Plan.DEVICES_FIELD_NUMBER << 3 | 2])  # field 3, length-delimited

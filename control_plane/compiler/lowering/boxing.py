@@ -33,8 +33,9 @@ from sbpflow.control_plane.compiler.lowering.tasks import (
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.graph import BOXING, Graph, OpNode
 from sbpflow.placement import Placement
-from sbpflow.sbp import B, format_nd
+from sbpflow.sbp import B, NdSbp, format_nd
 from sbpflow.sharding import Index, shard_index, split_range
+from sbpflow.v1 import job_pb2 as jp
 from sbpflow.v1 import plan_pb2 as pp
 
 COLLECTIVE = {
@@ -106,16 +107,30 @@ def p2p_layout(plan: BoxingPlan, step: BoxingStep) -> _P2P:
 
 
 @dataclass
+class Memo:
+    """What a walk works out that does not depend on the ranks it builds: kept across the walks of one
+    compiled state (``Compiled.rank_plans`` lowers a big job in many), so each is worked out once."""
+
+    attrs: dict[str, list[tuple[str, object]]] = field(default_factory=dict)  # op -> its attrs as protos
+    sbps: dict[NdSbp, jp.NdSbp] = field(default_factory=dict)
+    boxing: dict[tuple[int, int, int, int], tuple[BoxingStep, pp.Boxing]] = field(default_factory=dict)
+    p2ps: dict[int, _P2P] = field(default_factory=dict)  # id(step) -> its layout (which keeps it alive)
+    group_of: dict[tuple[Placement, int], dict[tuple[int, ...], list[int]]] = field(default_factory=dict)
+
+
+@dataclass
 class Lowerer(TaskEmitter):
     """One walk of the lowering: :class:`TaskEmitter` plus the boxing steps and the communicator order."""
 
     comm: CommOrder = field(default_factory=CommOrder)
+    memo: Memo = field(default_factory=Memo)
     _groups: dict[tuple[Placement, int], list[list[tuple[int, ...]]]] = field(default_factory=dict)
-    _boxing: dict[tuple[int, int, int, int], tuple[BoxingStep, pp.Boxing]] = field(default_factory=dict)
-    _p2ps: dict[int, _P2P] = field(default_factory=dict)
     _visits: dict[int, list[int]] = field(default_factory=dict)  # step -> destinations touching built ranks
-    _group_of: dict[tuple[Placement, int], dict[tuple[int, ...], list[int]]] = field(default_factory=dict)
     trail: list[tuple[str, BoxingPlan, int]] | None = None  # every boxing step emitted, in order
+
+    def __post_init__(self) -> None:
+        self._attrs, self._sbps = self.memo.attrs, self.memo.sbps
+        self._boxing, self._p2ps, self._group_of = self.memo.boxing, self.memo.p2ps, self.memo.group_of
 
     def emit_op(self, op: OpNode, state: CompileState) -> None:
         if op.op_type == BOXING:

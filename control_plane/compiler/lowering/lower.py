@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from sbpflow import wire
 from sbpflow.boxing import BoxingPlan
 from sbpflow.control_plane.compiler import micro_batching
-from sbpflow.control_plane.compiler.lowering.boxing import Lowerer
+from sbpflow.control_plane.compiler.lowering.boxing import Lowerer, Memo
 from sbpflow.control_plane.compiler.lowering.tasks import SOURCE_KINDS, K, LoweringError
 from sbpflow.control_plane.compiler.micro_batching import Layout
 from sbpflow.control_plane.compiler.schedule import Phase
@@ -93,14 +93,17 @@ def plan_header(state: CompileState, job_id: str = "") -> pp.Plan:
     return plan
 
 
-def lower(state: CompileState, ranks: Iterable[int] | None = None, log: bool = False) -> Lowered:
+def lower(
+    state: CompileState, ranks: Iterable[int] | None = None, log: bool = False, memo: Memo | None = None
+) -> Lowered:
     """Walk the graph in the one global order and build the tasks of ``ranks`` (default: all).
 
     The walk visits every (op, micro-batch) of every rank, but an emission whose placement holds none of
     ``ranks`` only advances the id counters (by its placement's size), so one rank of a 1024-device job
     costs its own tasks plus a few microseconds per emission: its DevicePlan is the full plan's, id for id,
     without the other ranks' tasks. ``log=True`` also records every communicator call of every rank in
-    order (what :func:`comm_order.check_calls` proves deadlock-free without the tasks).
+    order (what :func:`comm_order.check_calls` proves deadlock-free without the tasks). ``memo``: what an
+    earlier walk of ``state`` worked out that does not depend on ``ranks`` (:class:`~.boxing.Memo`).
     """
     g = state.graph
     _require_layout(g)
@@ -111,7 +114,7 @@ def lower(state: CompileState, ranks: Iterable[int] | None = None, log: bool = F
         if keep - devices.keys():
             raise LoweringError(f"rank(s) {sorted(keep - devices.keys())} hold no tensor of this job")
         devices = {r: d for r, d in devices.items() if r in keep}
-    low = Lowerer(g, devices, keep, trail=[] if log else None)
+    low = Lowerer(g, devices, keep, trail=[] if log else None, memo=memo or Memo())
     ops = {o.name: o for o in g.ops}
     for decl in g.tensors.values():
         if decl.kind in SOURCE_KINDS:

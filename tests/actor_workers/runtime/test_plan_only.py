@@ -10,6 +10,7 @@ or the job decoder.
 from __future__ import annotations
 
 import ast
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,9 @@ def train(plans: list[pp.Plan], loss: str, names: list[str]) -> tuple[list[Any],
         program = programs[0]
         for other in programs[1:]:
             program.ranks.update(other.ranks)
+        # a rank plan holds only its own tensors: results are read back with every plan's
+        tensors = {n: d for p in programs for n, d in p.tensors.items()}
+        program = dataclasses.replace(program, tables=dataclasses.replace(program.tables, tensors=tensors))
         executor.execute(program, TIMEOUT, abort_hooks=[world.abort])
     return executor.fetched(program, loss, STEPS), executor.variables(program, names)
 
