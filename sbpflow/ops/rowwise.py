@@ -4,15 +4,13 @@ numpy's ``sum`` along a short contiguous axis (a softmax row of 64) pays the set
 summation once per row, ~5x the time of ``einsum``'s sum of products, which runs one loop down each row
 and makes no temporary for a dot product. It adds in another order, so the last bit may differ from
 ``xp.sum``; a row's result depends on that row alone, so a shard's rows match the whole tensor's. numpy's
-``max`` along a short row is not vectorised; halving the row with elementwise maxima is, and gives the
-same values (a maximum is exact), so numpy takes that path for rows up to ``_TREE_MAX`` long.
+``max`` along a row is not vectorised (~1 ns an element); its ``argmax`` is, and the element it points at
+is the same value, in a third of the time on every shape of the GPT examples.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-_TREE_MAX = 128  # longer rows: numpy's max is as fast as the halving (measured on 2048 x 768)
 
 
 def row_sum(xp: Any, x: Any) -> Any:
@@ -32,11 +30,7 @@ def row_mean(xp: Any, x: Any) -> Any:
 
 def row_max(xp: Any, x: Any) -> Any:
     """``max(x, axis=-1, keepdims=True)`` (nan where a row has one, as numpy's max)."""
-    n = x.shape[-1]
-    if xp.__name__ != "numpy" or not 1 < n <= _TREE_MAX:
+    if xp.__name__ != "numpy" or x.shape[-1] == 0:
         return xp.max(x, axis=-1, keepdims=True)
-    while n > 1:  # the two halves overlap by one element when n is odd; max(a, a) == a
-        half = (n + 1) // 2
-        x = xp.maximum(x[..., :half], x[..., n - half : n])
-        n = half
-    return x
+    # numpy's argmax is vectorised along a row and returns the first nan where there is one
+    return xp.take_along_axis(x, xp.argmax(x, axis=-1)[..., None], axis=-1)
