@@ -67,6 +67,9 @@ def server_config(args: argparse.Namespace) -> Any:
         max_message_bytes=args.max_message_bytes,
         checkpoint_root=args.checkpoint_root,
         open_metrics=args.open_metrics,
+        data_roots=tuple(args.data_root),
+        insecure=args.insecure,
+        max_streams=args.max_streams,
     )
 
 
@@ -172,6 +175,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sbpflow import wire
     from sbpflow.client.cli import _job_from_args
     from sbpflow.client.progress_bar import ProgressBar
+    from sbpflow.control_plane.data_policy import DataPolicy
     from sbpflow.control_plane.jobs import JobManager, ManagerConfig, job_ranks
     from sbpflow.control_plane.store.job_store import JobStore
 
@@ -180,6 +184,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         run=run_options_from_args(args, RUN_DEFAULTS, trace=bool(args.trace)),
         slots=max(1, len(job_ranks(job))),
         keep_run_results=True,
+        data_policy=DataPolicy.embedded(),  # the working directory and sf.corpus's cache
     )
     with tempfile.TemporaryDirectory(prefix="sbpflow-run-") as tmp, JobStore(Path(tmp) / "jobs.db") as store:
         manager = JobManager(store, config)
@@ -230,6 +235,24 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default="sbpflow-jobs.db", help="SQLite job store file")
     p.add_argument("--slots", type=int, help="device slots (default: the Ray cluster's CPUs)")
     p.add_argument("--auth-token", help="require this bearer token (env SBPFLOW_TOKEN)")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --host without a token (only on a network where every client is trusted)",
+    )
+    p.add_argument(
+        "--data-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="jobs may read data files only under DIR (repeatable; symlinks resolved); default: none",
+    )
+    p.add_argument(
+        "--max-streams",
+        type=int,
+        default=1024,
+        help="open Watch/Logs streams at once; more are refused (RESOURCE_EXHAUSTED), unary calls keep their threads",
+    )
     p.add_argument(
         "--open-metrics",
         action="store_true",

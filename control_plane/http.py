@@ -58,8 +58,10 @@ class StatusEndpoint:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         open_paths: frozenset[str] = OPEN_HTTP_PATHS,
+        unready: Callable[[], str] = lambda: "",
     ) -> None:
         self.manager, self.store, self.check = manager, manager.store, check
+        self.unready = unready  # why the server cannot take calls now ("" when it can): /readyz
         self.open_paths = open_paths  # answered without the token: the probes, and /metrics if asked
         self._server = ThreadingHTTPServer((host, port), _handler_class(self))
         self._server.daemon_threads = True
@@ -104,8 +106,11 @@ class StatusEndpoint:
 
     def readyz(self, query: dict[str, list[str]]) -> Response:
         if not self.manager.ready:
-            return 503, "text/plain", b"not ready: starting or shutting down\n"
+            return _json(503, {"ready": False, "reason": "starting or shutting down"})
         self.store.count()  # the store answers
+        reason = self.unready()  # the store cannot write, or every unary handler is busy
+        if reason:
+            return _json(503, {"ready": False, "reason": reason})
         return 200, "text/plain", b"ready\n"
 
     def jobs(self, query: dict[str, list[str]]) -> Response:

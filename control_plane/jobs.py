@@ -49,6 +49,7 @@ from sbpflow.v1 import service_pb2 as sp
 
 if TYPE_CHECKING:
     from sbpflow.control_plane.compiler.pipeline import Compiled
+    from sbpflow.control_plane.data_policy import DataPolicy
     from sbpflow.control_plane.metrics import Metrics
     from sbpflow.control_plane.run_context import RunResult
 
@@ -67,6 +68,7 @@ class ManagerConfig:
     max_job_bytes: int | None = None  # refuse larger Job protobufs at Submit
     keep_run_results: bool = False  # keep each RunResult in memory (the embedded `sbpflow run`)
     checkpoint_root: str | None = None  # job ID's checkpoints go to <root>/<ID> (checkpoint_every > 0)
+    data_policy: DataPolicy | None = None  # which files jobs' data may name (data_policy.py); None: any
 
 
 def job_ranks(job: Job) -> set[int]:
@@ -208,7 +210,9 @@ class JobManager:
     ) -> JobRecord:
         if self._closed:
             raise SbpflowError("the control plane is shutting down; submit to another or retry later")
-        compiled = compile_submit(job_bytes, self.capacity, self.config.max_job_bytes)
+        compiled = compile_submit(
+            job_bytes, self.capacity, self.config.max_job_bytes, self.config.data_policy
+        )
         job = compiled.state.job
         slots = len(job_ranks(job))
         if slots > self.capacity:
@@ -392,6 +396,8 @@ class JobManager:
         try:
             listeners.on_state(JobState.COMPILING)
             # Submit's compile; a job re-queued by a restarted control plane is compiled again from its Job
+            if self.config.data_policy is not None:  # a re-queued job was checked under the roots of its day
+                self.config.data_policy.check(r.job)
             compiled = r.compiled or pipeline.compile(r.job, lower="none")
             result = launch(
                 compiled,

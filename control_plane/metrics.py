@@ -16,12 +16,15 @@ manager's live worker rows) at scrape time, so they are never stale:
 | ``sbpflow_step_seconds`` | | wall time of each step |
 | ``sbpflow_jobs_finished_total`` | state | jobs that ended, by terminal state |
 
-Per-job series cover the jobs in flight and the ``RECENT`` newest others, so the series count stays
-bounded on a long-lived server.
+Per-job series cover the jobs in flight (the ``MAX_JOBS`` newest) and, for ``EXPIRE_SECONDS``
+after it ended, each ended one among the ``RECENT`` newest: a job's series expire once it has ended.
+Labels are bounded: the job id, and the job's name cut to ``MAX_NAME`` characters (names are user
+strings), so ``/metrics`` stays bounded on a long-lived server whatever jobs were submitted.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -33,6 +36,9 @@ from sbpflow.control_plane.store.schema import WorkerRecord
 from sbpflow.run_state import IN_FLIGHT, JobState, WorkerState
 
 RECENT = 50
+EXPIRE_SECONDS = 300.0  # an ended job's series stay this long
+MAX_JOBS = 1000  # in-flight jobs with series
+MAX_NAME = 64  # characters of a job's name in its label
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _UP = frozenset({WorkerState.STARTING, WorkerState.RUNNING})
 _STEP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -60,14 +66,16 @@ class _StoreCollector(Collector):
         up = GaugeMetricFamily(
             "sbpflow_worker_up", "1 while a worker starts or runs", labels=["job_id", "rank"]
         )
-        recs = {r.id: r for r in self._store.list(limit=RECENT)}
-        recs.update((r.id, r) for r in self._store.list(IN_FLIGHT, limit=1 << 30))
+        since = time.time() - EXPIRE_SECONDS
+        recs = {r.id: r for r in self._store.list(limit=RECENT) if (r.finished or r.updated) >= since}
+        recs.update((r.id, r) for r in self._store.list(IN_FLIGHT, limit=MAX_JOBS))
         for r in recs.values():
-            step.add_metric([r.id, r.name], r.step)
+            key = [r.id, r.name[:MAX_NAME]]
+            step.add_metric(key, r.step)
             if r.loss is not None:
-                loss.add_metric([r.id, r.name], r.loss)
-            sps.add_metric([r.id, r.name], r.samples_per_second or 0.0)
-            attempt.add_metric([r.id, r.name], r.attempt)
+                loss.add_metric(key, r.loss)
+            sps.add_metric(key, r.samples_per_second or 0.0)
+            attempt.add_metric(key, r.attempt)
             if r.state in IN_FLIGHT:
                 for w in self._workers(r.id):
                     up.add_metric([r.id, str(w.rank)], 1.0 if w.state in _UP else 0.0)

@@ -37,6 +37,8 @@ from grpc_reflection.v1alpha import reflection
 
 from sbpflow.control_plane import status
 from sbpflow.control_plane.auth import OPEN_HTTP_PATHS, AuthInterceptor, TokenCheck
+from sbpflow.control_plane.data_policy import DataAccessDenied, DataPolicy
+from sbpflow.control_plane.isolation import CallCounter, CapacityInterceptor, StreamGate, check_bind, unready
 from sbpflow.control_plane.jobs import JobManager, ManagerConfig
 from sbpflow.control_plane.metrics import Metrics
 from sbpflow.control_plane.resume import NotResumable
@@ -56,6 +58,7 @@ POLL_SECONDS = 1.0  # streams re-check their client at least this often
 
 # Exception type -> gRPC status code; the first matching row wins (subclasses before their bases).
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (DataAccessDenied, grpc.StatusCode.PERMISSION_DENIED),
     (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownJobError, grpc.StatusCode.NOT_FOUND),
     (NotResumable, grpc.StatusCode.FAILED_PRECONDITION),
@@ -76,9 +79,12 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     max_message_bytes: int = 64 * 1024 * 1024
-    threads: int = 64  # gRPC handler threads; each open Watch or Logs stream holds one
+    threads: int = 64  # gRPC handler threads for unary calls; streams have threads of their own
+    max_streams: int = 1024  # open Watch/Logs streams at once; beyond: RESOURCE_EXHAUSTED (isolation.py)
     checkpoint_root: str | None = None  # job ID checkpoints to <root>/ID; None: no checkpoints, no Resume
     open_metrics: bool = False  # /metrics without the token (Prometheus scraping by annotation)
+    data_roots: tuple[str, ...] = ()  # jobs' data files only under these (data_policy.py); (): none
+    insecure: bool = False  # allow a non-loopback host without auth_token
 
 
 def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
@@ -250,12 +256,15 @@ class ControlPlane:
             slots=config.slots,
             max_job_bytes=config.max_message_bytes,
             checkpoint_root=config.checkpoint_root,
+            data_policy=DataPolicy.under(config.data_roots),
         )
         self.hub = _report_hub(config)
         self.manager = JobManager(self.store, manager_config, report_hub=self.hub)
         self.manager.metrics = Metrics(self.store, self.manager.workers)
         self.check = TokenCheck(config.auth_token)
         self.health = health.HealthServicer()
+        self.streams = StreamGate(config.max_streams)
+        self.unary = CallCounter(config.threads)
         self.port = 0
         self.http_port: int | None = None
         self._grpc: grpc.Server | None = None
@@ -272,11 +281,13 @@ class ControlPlane:
 
     def start(self) -> ControlPlane:
         cfg = self.config
+        check_bind(cfg.host, cfg.auth_token, cfg.insecure)
         limit = cfg.max_message_bytes
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.threads, thread_name_prefix="sbpflow-grpc"),
-            interceptors=[AuthInterceptor(self.check)],
+            # streams beyond max_streams are refused, so `threads` threads stay for unary calls
+            futures.ThreadPoolExecutor(cfg.threads + cfg.max_streams, thread_name_prefix="sbpflow-grpc"),
+            interceptors=[AuthInterceptor(self.check), CapacityInterceptor(self.streams, self.unary)],
             options=options,
         )
         server.add_generic_rpc_handlers([_job_service_handler(JobServicer(self.manager))])
@@ -309,6 +320,7 @@ class ControlPlane:
                 cfg.tls_cert,
                 cfg.tls_key,
                 open_paths=OPEN_HTTP_PATHS | ({"/metrics"} if cfg.open_metrics else set()),
+                unready=lambda: unready(self.store, self.unary),
             )
             self.http_port = self._http.start()
         for name in ("", SERVICE):
@@ -357,6 +369,8 @@ def serve(config: ServerConfig, announce: Callable[[str], None] = print) -> None
     if plane.http_address:
         announce(f"status endpoint: {plane.http_address}/  (/healthz /readyz /v1/jobs /metrics)")
     announce(f"store: {config.store}; backend: {config.run.backend}; {plane.manager.capacity} slot(s)")
+    roots = ", ".join(config.data_roots) or "none (--data-root DIR): only synthetic or inline data"
+    announce(f"data roots: {roots}")
     if config.checkpoint_root is not None:
         announce(f"checkpoints: {config.checkpoint_root}/<job id>; a lost worker restarts a job up to "
                  f"{config.run.max_restarts} time(s)")  # fmt: skip

@@ -22,6 +22,7 @@ from sbpflow.wire import WireError, job_from_proto
 
 if TYPE_CHECKING:
     from sbpflow.control_plane.compiler.pipeline import Compiled
+    from sbpflow.control_plane.data_policy import DataPolicy
 
 
 class ValidationError(SbpflowError, ValueError):
@@ -51,7 +52,12 @@ def validate_submit(job_bytes: bytes, cluster_size: int | None, max_bytes: int |
     return compile_submit(job_bytes, cluster_size, max_bytes).state.job
 
 
-def compile_submit(job_bytes: bytes, cluster_size: int | None, max_bytes: int | None = None) -> Compiled:
+def compile_submit(
+    job_bytes: bytes,
+    cluster_size: int | None,
+    max_bytes: int | None = None,
+    data_policy: DataPolicy | None = None,
+) -> Compiled:
     """Parse, convert, verify and compile (without lowering) ``job_bytes``; return the compiled job, its
     graph passes done (``Compiled.state.job`` is the submitted ``Job``; lower it with ``pipeline.finish``).
 
@@ -84,6 +90,8 @@ def compile_submit(job_bytes: bytes, cluster_size: int | None, max_bytes: int | 
         job.verify()
     except SbpflowError as e:
         raise ValidationError(_message(e), kind="graph", field="job.graph") from e
+    if data_policy is not None:  # before anything opens a file the job names (PERMISSION_DENIED)
+        data_policy.check(job)
     if job.data is None:
         raise ValidationError(
             f"job {job.name!r} has no data source; give the job one (e.g. pass a sbpflow.data source to "

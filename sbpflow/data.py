@@ -96,6 +96,11 @@ class ArrayFileSource(_Common):
                 out[k] = np.load(p, mmap_mode="r")
             except FileNotFoundError:
                 raise DataError(f"data field {k!r}: file {p!r} does not exist") from None
+            except (OSError, ValueError) as e:  # numpy's message may quote the file's bytes: never pass it on
+                raise DataError(
+                    f"data field {k!r}: {p!r} is not a readable .npy array file ({type(e).__name__}); write "
+                    "it with numpy.save"
+                ) from None
         return out
 
     @property

@@ -27,6 +27,10 @@ class StoreError(SbpflowError):
     """A store operation that cannot be done (unknown job, bad arguments)."""
 
 
+class StoreUnavailable(SbpflowError):
+    """The store cannot write (disk full, read-only, I/O error): UNAVAILABLE, and /readyz answers 503."""
+
+
 class UnknownJobError(StoreError, KeyError):
     """No job has this id."""
 
@@ -40,6 +44,7 @@ class StoreDb:
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
         self._lock = threading.RLock()
+        self.write_error = ""  # why the last write failed; "" once one succeeds (/readyz)
         # isolation_level=None: autocommit; each change opens its own BEGIN IMMEDIATE ... COMMIT.
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
         with self._lock:
@@ -118,12 +123,31 @@ class _Tx:
         self._store._lock.acquire()
         try:
             self._store._db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as e:
+            self._store._lock.release()
+            raise self._failed(e) from e
         except BaseException:
             self._store._lock.release()
             raise
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         try:
-            self._store._db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+            try:
+                self._store._db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+            except sqlite3.Error as e:
+                if isinstance(exc, sqlite3.Error):
+                    raise self._failed(exc) from exc
+                raise self._failed(e) from e
+            if isinstance(exc, sqlite3.Error):
+                raise self._failed(exc) from exc
+            if exc_type is None:
+                self._store.write_error = ""
         finally:
             self._store._lock.release()
+
+    def _failed(self, e: sqlite3.Error) -> StoreUnavailable:
+        self._store.write_error = f"{type(e).__name__}: {e}"
+        return StoreUnavailable(
+            f"the job store {self._store.path} cannot write ({self._store.write_error}); free disk space or "
+            "fix the store's volume, then retry"
+        )

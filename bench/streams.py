@@ -1,0 +1,76 @@
+"""Streams against unary calls (issue 13's isolation target: >= 500 Watch streams held while p99 Get
+< 100 ms). Starts a control plane (in-process backend, 64 unary threads, the default stream limit),
+opens N Watch streams on a running job, then times Gets; prints streams held, refused, p50/p99 Get.
+
+    python bench/streams.py --streams 500 --gets 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from sbpflow import wire
+from sbpflow.control_plane.server import ControlPlane, ServerConfig
+from sbpflow.run_options import MANAGER_DEFAULTS
+from sbpflow.v1 import service_pb2 as sp
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", type=int, default=500)
+    ap.add_argument("--gets", type=int, default=500)
+    args = ap.parse_args()
+    from tests.client.test_examples import load
+
+    job = load("mlp").make_job(steps=100_000)
+    with tempfile.TemporaryDirectory() as tmp:
+        plane = ControlPlane(
+            ServerConfig(store=str(Path(tmp) / "jobs.db"), run=MANAGER_DEFAULTS.replace(backend="inprocess"),
+                         slots=4, http_port=None)
+        ).start()  # fmt: skip
+        channel = grpc.insecure_channel(plane.address)
+        submit = channel.unary_unary(
+            "/sbpflow.v1.JobService/Submit", response_deserializer=sp.SubmitJobResponse.FromString
+        )
+        job_id = submit(sp.SubmitJobRequest(job=wire.job_to_proto(job)).SerializeToString()).job_id
+        watch = channel.unary_stream(
+            "/sbpflow.v1.JobService/Watch",
+            request_serializer=sp.WatchJobRequest.SerializeToString,
+            response_deserializer=sp.JobEvent.FromString,
+        )
+        get = channel.unary_unary(
+            "/sbpflow.v1.JobService/Get",
+            request_serializer=sp.GetJobRequest.SerializeToString,
+            response_deserializer=sp.JobStatus.FromString,
+        )
+        streams = [watch(sp.WatchJobRequest(job_id=job_id)) for _ in range(args.streams)]
+        t0 = time.perf_counter()
+        for s in streams:
+            next(s)
+        deadline = time.monotonic() + 60
+        while plane.streams.open < args.streams and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print(f"{plane.streams.open} streams held (opened in {time.perf_counter() - t0:.1f} s)")
+        times = []
+        for _ in range(args.gets):
+            t = time.perf_counter()
+            get(sp.GetJobRequest(job_id=job_id), timeout=10)
+            times.append(time.perf_counter() - t)
+        ms = np.asarray(times) * 1e3
+        print(
+            f"{args.gets} Gets while they are held: p50 {np.median(ms):.1f} ms, p99 {np.percentile(ms, 99):.1f} ms, max {ms.max():.1f} ms"
+        )
+        for s in streams:
+            s.cancel()
+        channel.close()
+        plane.stop()
+
+
+if __name__ == "__main__":
+    main()
