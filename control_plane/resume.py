@@ -5,7 +5,9 @@ A job's checkpoints live in ``<checkpoint_root>/<job id>/`` (``ManagerConfig.che
 
 - A job goes on from its own latest complete checkpoint; one that wrote none yet passes on the
   checkpoint it was started from (``JobRecord.resume_checkpoint``, set by a Resume call), so a chain of
-  resumed jobs never loses the last checkpoint of the chain (:func:`start_checkpoint`).
+  resumed jobs never loses the last checkpoint of the chain (:func:`start_checkpoint`). Where a run is
+  about to start from it, every byte is checked first (``on_corrupt``): a corrupt or truncated latest
+  checkpoint is passed over for the previous intact one, and ``on_corrupt`` is told.
 - A Resume makes a *new job* linked to the old one (``resumed_from``): the old job keeps its state,
   history and checkpoints; the new one has its own id, events, attempts and checkpoint folder.
 - The new job must hold exactly the checkpoint's model: every variable of the job after the compiler's
@@ -22,7 +24,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from sbpflow.checkpoint.format import CheckpointError
-from sbpflow.checkpoint.read import CheckpointInfo, CheckpointReader, latest
+from sbpflow.checkpoint.read import (
+    CheckpointInfo,
+    CheckpointReader,
+    CorruptCheckpoint,
+    OnCorrupt,
+    latest,
+    latest_intact,
+    verify,
+)
 from sbpflow.control_plane.store.schema import JobRecord
 from sbpflow.control_plane.validation import ValidationError
 from sbpflow.errors import SbpflowError
@@ -42,20 +52,33 @@ def job_dir(root: str | Path, job_id: str) -> Path:
     return Path(root) / job_id
 
 
-def start_checkpoint(root: str | Path, rec: JobRecord) -> CheckpointInfo | None:
+def start_checkpoint(
+    root: str | Path, rec: JobRecord, on_corrupt: OnCorrupt | None = None
+) -> CheckpointInfo | None:
     """The checkpoint ``rec``'s job goes on from: its own latest complete one, else the one it started
-    from; None when there is neither (or that one is gone or damaged)."""
-    own = latest(job_dir(root, rec.id))
+    from; None when there is neither (or that one is gone or damaged). With ``on_corrupt``, each is
+    verified (every byte read) and a corrupt one passed over and reported; without, only listed (cheap:
+    for status)."""
+    mine = job_dir(root, rec.id)
+    own = latest(mine) if on_corrupt is None else latest_intact(mine, on_corrupt)
     if own is not None or not rec.resume_checkpoint:
         return own
     try:
+        if on_corrupt is not None:
+            verify(rec.resume_checkpoint)
         reader = CheckpointReader(rec.resume_checkpoint)
-    except (OSError, ValueError, CheckpointError):
+    except CheckpointError as exc:
+        if on_corrupt is not None:
+            on_corrupt(CorruptCheckpoint(CheckpointInfo(-1, Path(rec.resume_checkpoint), 0), exc))
+        return None
+    except (OSError, ValueError):
         return None
     return CheckpointInfo(reader.step, reader.path, sum(reader.manifest.files.values()))
 
 
-def checkpoint_to_resume(root: str | None, rec: JobRecord) -> CheckpointInfo:
+def checkpoint_to_resume(
+    root: str | None, rec: JobRecord, on_corrupt: OnCorrupt | None = None
+) -> CheckpointInfo:
     """The checkpoint a Resume of ``rec``'s job starts from, or ``NotResumable`` saying why there is none."""
     if not rec.state.terminal:
         raise NotResumable(
@@ -67,7 +90,7 @@ def checkpoint_to_resume(root: str | None, rec: JobRecord) -> CheckpointInfo:
             "this control plane keeps no checkpoints; start it with --checkpoint-root DIR (and submit jobs "
             "with checkpoint_every > 0) to resume jobs"
         )
-    found = start_checkpoint(root, rec)
+    found = start_checkpoint(root, rec, on_corrupt)
     if found is None:
         raise NotResumable(
             f"job {rec.id} has no complete checkpoint in {job_dir(root, rec.id)}: it stopped before its "

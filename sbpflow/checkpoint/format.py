@@ -3,7 +3,15 @@
 A checkpoint directory ``step-NNNNNNNN`` holds one ``rank-NNNNN.<token>.safetensors`` file per writing
 rank and, once all are there, ``manifest.json`` (:class:`Manifest`: every logical tensor and the pieces
 of the files that hold it). :func:`write_safetensors` writes a safetensors file atomically;
-:class:`SafetensorsFile` maps one for reading without copies. How checkpoints are written is in
+:class:`SafetensorsFile` maps one for reading without copies.
+
+Integrity (format version 2): the manifest holds each file's size and CRC-32 (of all its bytes, as
+``zlib.crc32`` or any crc32 tool computes it) and each piece's CRC-32 (of the entry's bytes), written
+as ``"crc32:1a2b3c4d"``. A writer computes each entry's CRC once, while the bytes are in memory; the
+file's follows from the header's and the entries' by :func:`crc32_combine`, so no byte is read twice.
+CRC-32 was chosen by measurement: ~7.6 GB/s here against ~1.5 for blake2b and ~2.2 for sha256 (memcpy
+~11), and it is in the standard library; it catches accidental damage (garbage, truncation, a torn
+write), not a forger. A version 1 manifest (sizes only) still reads; it is checked by size alone. How checkpoints are written is in
 :mod:`sbpflow.checkpoint`, how they are listed and read in :mod:`sbpflow.checkpoint.read`.
 """
 
@@ -13,6 +21,7 @@ import json
 import os
 import re
 import struct
+import zlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +32,8 @@ import numpy as np
 from sbpflow.errors import SbpflowError
 from sbpflow.sharding import Index
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: sizes only, no checksums
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 RANK_FILE = re.compile(r"^rank-(\d{5})\.([A-Za-z0-9_-]+)\.safetensors$")
@@ -62,6 +72,7 @@ class Piece:
     key: str
     start: tuple[int, ...]
     stop: tuple[int, ...]
+    checksum: str = ""  # of the entry's bytes ("crc32:..."); '' in a version 1 checkpoint
 
     @property
     def index(self) -> Index:
@@ -91,6 +102,7 @@ class Manifest:
     tensors: tuple[TensorEntry, ...]
     files: Mapping[str, int] = field(default_factory=dict)  # file -> bytes, checked on open
     ranks: tuple[int, ...] = ()
+    checksums: Mapping[str, str] = field(default_factory=dict)  # file -> "crc32:..." of all its bytes
     format_version: int = FORMAT_VERSION
 
     @property
@@ -112,9 +124,10 @@ class Manifest:
     @staticmethod
     def from_json(text: str) -> Manifest:
         d = json.loads(text)
-        if d.get("format_version") != FORMAT_VERSION:
+        version = d.get("format_version")
+        if version not in READABLE_VERSIONS:
             raise CheckpointError(
-                f"manifest format_version {d.get('format_version')!r} is not {FORMAT_VERSION}; "
+                f"manifest format_version {version!r} is not one of {list(READABLE_VERSIONS)}; "
                 "read it with the sbpflow version that wrote it"
             )
         tensors = tuple(
@@ -124,16 +137,77 @@ class Manifest:
                 t["dtype"],
                 t["kind"],
                 t["partial"],
-                tuple(Piece(p["file"], p["key"], tuple(p["start"]), tuple(p["stop"])) for p in t["pieces"]),
+                tuple(
+                    Piece(p["file"], p["key"], tuple(p["start"]), tuple(p["stop"]), p.get("checksum", ""))
+                    for p in t["pieces"]
+                ),
             )
             for t in d["tensors"]
         )
-        return Manifest(d["job"], d["step"], d["seed"], tensors, d["files"], tuple(d["ranks"]))
+        files, ranks, sums = d["files"], tuple(d["ranks"]), d.get("checksums", {})
+        return Manifest(d["job"], d["step"], d["seed"], tensors, files, ranks, sums, version)
 
 
 def step_dir(root: str | Path, step: int) -> Path:
     """The directory of the checkpoint after ``step`` steps under ``root``."""
     return Path(root) / f"step-{step:08d}"
+
+
+# ---- checksums -----------------------------------------------------------------------------------------
+
+CRC_PREFIX = "crc32:"
+_CRC_POLY = 0xEDB88320  # CRC-32 (zlib's), bit-reflected
+
+
+def crc_text(crc: int) -> str:
+    return f"{CRC_PREFIX}{crc & 0xFFFFFFFF:08x}"
+
+
+def crc_of(data: Any, crc: int = 0) -> int:
+    """CRC-32 of ``data`` (bytes or a C-contiguous array, read in place), continuing ``crc``."""
+    if isinstance(data, np.ndarray):
+        data = data.reshape(-1).view(np.uint8) if data.size else b""
+    return zlib.crc32(data, crc)
+
+
+def _multmod(a: int, b: int) -> int:
+    """a * b modulo the CRC polynomial (zlib's multmodp, bit-reflected)."""
+    m, p = 1 << 31, 0
+    while m:
+        if a & m:
+            p ^= b
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+        m >>= 1
+    return p
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..31
+for _ in range(31):
+    _X2N.append(_multmod(_X2N[-1], _X2N[-1]))
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc1`` = CRC(A), ``crc2`` = CRC(B) and ``len2`` = len(B) (zlib's
+    crc32_combine, which Python's zlib does not expose): O(log len2), no byte read."""
+    p, k, n = 1 << 31, 3, len2  # x^(8 * len2)
+    while n:
+        if n & 1:
+            p = _multmod(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmod(p, crc1) ^ crc2
+
+
+def file_crc(path: str | Path, chunk: int = 1 << 24) -> tuple[int, int]:
+    """CRC-32 and size of the whole file at ``path``, read once in chunks."""
+    crc, size = 0, 0
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return crc, size
 
 
 # ---- safetensors ---------------------------------------------------------------------------------------
@@ -146,7 +220,9 @@ def write_safetensors(
     sync_dir: bool = True,
 ) -> int:
     """Write ``tensors`` to ``path`` atomically (temp name, fsync, rename, and with ``sync_dir`` an fsync
-    of the directory so the rename survives a crash); returns the bytes written."""
+    of the directory so the rename survives a crash); returns the bytes written. An entry's bytes are
+    written in file order, so ``file_crc(path)`` is the header's CRC combined with the entries'
+    (:func:`safetensors_crc`)."""
     path = Path(path)
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     arrays, offset = [], 0
@@ -175,6 +251,12 @@ def write_safetensors(
 
 def read_safetensors_header(path: str | Path) -> tuple[dict[str, Any], int]:
     """The JSON header of a safetensors file and the offset where its data begins."""
+    header, base, _ = _read_header(path)
+    return header, base
+
+
+def _read_header(path: str | Path) -> tuple[dict[str, Any], int, int]:
+    """The header, the offset of the data and the CRC-32 of the header's bytes (length included)."""
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
@@ -182,12 +264,23 @@ def read_safetensors_header(path: str | Path) -> tuple[dict[str, Any], int]:
         (n,) = struct.unpack("<Q", head)
         if n > 100_000_000:
             raise CheckpointError(f"{path}: header length {n} is implausible; the file is corrupt")
+        raw = f.read(n)
         try:
-            return json.loads(f.read(n)), 8 + n
+            return json.loads(raw), 8 + n, zlib.crc32(raw, zlib.crc32(head))
         except ValueError as exc:
             raise CheckpointError(
                 f"{path}: the safetensors header is not JSON ({exc}); the file is corrupt"
             ) from None
+
+
+def safetensors_crc(header_crc: int, header: Mapping[str, Any], entry_crcs: Mapping[str, int]) -> int:
+    """The CRC-32 of a whole safetensors file from its header's CRC and each entry's (every entry named
+    in ``entry_crcs``; their bytes follow the header in ``data_offsets`` order, with no gaps)."""
+    crc = header_crc
+    entries = sorted((e["data_offsets"], k) for k, e in header.items() if k != "__metadata__")
+    for (a, b), key in entries:
+        crc = crc32_combine(crc, entry_crcs[key], int(b) - int(a))
+    return crc
 
 
 class SafetensorsFile:
@@ -195,7 +288,7 @@ class SafetensorsFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.header, self._base = read_safetensors_header(self.path)
+        self.header, self._base, self.header_crc = _read_header(self.path)
         self.metadata: dict[str, str] = self.header.pop("__metadata__", {}) or {}
         size = self.path.stat().st_size
         end = max((int(e["data_offsets"][1]) for e in self.header.values()), default=0)

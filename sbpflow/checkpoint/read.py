@@ -1,7 +1,12 @@
 """Finding and reading sbpflow checkpoints, and exporting or importing their logical tensors.
 
 :func:`list_checkpoints` and :func:`latest` find the complete checkpoints under a root (those whose
-manifest reads); :func:`prune` removes what none of them refers to. :class:`CheckpointReader` gives any
+manifest reads); :func:`prune` removes what none of them refers to (and the ``*.tmp`` files of writers
+that died). :func:`verify` reads every byte of a checkpoint against the manifest's sizes and CRCs, and
+:func:`latest_intact` is the newest checkpoint that passes, telling ``on_corrupt`` of each newer one that
+did not: resume and restart choose with it, so a corrupt or truncated latest checkpoint falls back to
+the previous one. The reader verifies each piece's CRC before it first reads it, and refuses a file of
+the wrong size when it opens the checkpoint. :class:`CheckpointReader` gives any
 slice of any logical tensor of a checkpoint from whichever files hold it, through memory maps, so a rank
 of a new layout reads exactly the bytes of its shard. :func:`export` writes logical tensors to
 safetensors or ``.npz``; :func:`open_tensors` reads either back (or a checkpoint) with the same ``read``.
@@ -10,7 +15,7 @@ The format is in :mod:`sbpflow.checkpoint.format`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +28,9 @@ from sbpflow.checkpoint.format import (
     Manifest,
     Piece,
     SafetensorsFile,
+    crc_of,
+    crc_text,
+    file_crc,
     write_safetensors,
 )
 from sbpflow.sharding import Index
@@ -57,12 +65,66 @@ def latest(root: str | Path) -> CheckpointInfo | None:
     return found[-1] if found else None
 
 
-def resolve(path: str | Path) -> Path:
-    """A checkpoint directory from either itself or a root holding several (the latest)."""
+@dataclass(frozen=True)
+class CorruptCheckpoint:
+    """A complete checkpoint that failed :func:`verify`, and why."""
+
+    info: CheckpointInfo
+    error: CheckpointError
+
+
+OnCorrupt = Callable[[CorruptCheckpoint], None]
+
+
+def verify(path: str | Path) -> Manifest:
+    """Read every file of the checkpoint at ``path`` once and check its size and CRC-32 against the
+    manifest (a version 1 manifest: sizes only); its manifest, or a ``CheckpointError`` naming the file
+    and both values."""
+    path = Path(path)
+    try:
+        m = Manifest.from_json((path / MANIFEST).read_text())
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint {path}: its manifest does not read ({exc})") from None
+    for name, size in m.files.items():
+        want = m.checksums.get(name, "")
+        try:
+            crc, have = file_crc(path / name) if want else (0, (path / name).stat().st_size)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {path}: file {name} does not read ({exc})") from None
+        if have != size:
+            raise CheckpointError(f"file {name} has {have} bytes, the manifest says {size} (truncated?)")
+        if want and crc_text(crc) != want:
+            raise CheckpointError(f"file {name} has checksum {crc_text(crc)}, the manifest says {want}")
+    return m
+
+
+def latest_intact(root: str | Path, on_corrupt: OnCorrupt = lambda c: None) -> CheckpointInfo | None:
+    """The newest complete checkpoint under ``root`` that passes :func:`verify` (every byte read);
+    ``on_corrupt`` hears of each newer one that did not. None when none passes."""
+    for info in reversed(list_checkpoints(root)):
+        try:
+            verify(info.path)
+        except CheckpointError as exc:
+            on_corrupt(CorruptCheckpoint(info, exc))
+            continue
+        return info
+    return None
+
+
+def corrupt_note(c: CorruptCheckpoint, resumes_at: int) -> str:
+    """What a log line says of a corrupt checkpoint passed over for the one at ``resumes_at``."""
+    then = f"resuming from step-{resumes_at:08d}" if resumes_at else "starting again from step 0"
+    return f"checkpoint {c.info.path.name} is corrupt ({c.error}); {then}"
+
+
+def resolve(path: str | Path, on_corrupt: OnCorrupt | None = None) -> Path:
+    """A checkpoint directory from either itself or a root holding several: the latest, or with
+    ``on_corrupt`` the latest intact one (:func:`latest_intact`: every byte read, the corrupt ones
+    passed over and reported)."""
     p = Path(path)
     if (p / MANIFEST).exists():
         return p
-    last = latest(p)
+    last = latest(p) if on_corrupt is None else latest_intact(p, on_corrupt)
     if last is None:
         raise CheckpointError(
             f"{p} holds no complete checkpoint (no step-NNNNNNNN/{MANIFEST}); pass a checkpoint directory "
@@ -73,7 +135,8 @@ def resolve(path: str | Path) -> Path:
 
 def prune(root: str | Path, keep_tokens: Sequence[str] = ()) -> list[Path]:
     """Remove what no complete checkpoint refers to: step directories without a manifest, temp files,
-    and rank files the manifest does not list. Call it only while no writer runs. Returns what went."""
+    and rank files the manifest does not list. A directory whose manifest does not read (damaged, or of
+    a newer format) loses only its temp files. Call it only while no writer runs. Returns what went."""
     import shutil
 
     gone: list[Path] = []
@@ -85,7 +148,10 @@ def prune(root: str | Path, keep_tokens: Sequence[str] = ()) -> list[Path]:
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d)
             continue
-        listed = set(Manifest.from_json((d / MANIFEST).read_text()).files)
+        try:
+            listed = set(Manifest.from_json((d / MANIFEST).read_text()).files)
+        except (OSError, ValueError, KeyError, CheckpointError):
+            listed = {f.name for f in d.iterdir() if not f.name.endswith(".tmp")}
         for f in d.iterdir():
             if f.name != MANIFEST and f.name not in listed:
                 f.unlink(missing_ok=True)
@@ -104,6 +170,7 @@ class CheckpointReader:
         self.path = resolve(path)
         self.manifest = Manifest.from_json((self.path / MANIFEST).read_text())
         self._files: dict[str, SafetensorsFile] = {}
+        self._verified: set[tuple[str, str]] = set()  # pieces whose CRC was checked
         for name, size in self.manifest.files.items():
             have = (self.path / name).stat().st_size if (self.path / name).exists() else -1
             if have != size:
@@ -129,7 +196,18 @@ class CheckpointReader:
         return f
 
     def piece(self, p: Piece) -> np.ndarray:
-        return self._file(p.file)[p.key]
+        """The whole stored piece ``p``; its CRC is checked the first time (every byte of it read, even
+        when only a slice is wanted: resharding along another axis reads more than it keeps)."""
+        a = self._file(p.file)[p.key]
+        if p.checksum and (p.file, p.key) not in self._verified:
+            have = crc_text(crc_of(a))
+            if have != p.checksum:
+                raise CheckpointError(
+                    f"checkpoint {self.path}: tensor {p.key!r} in file {p.file} has checksum {have}, the "
+                    f"manifest says {p.checksum}; the file is corrupt: resume from an earlier checkpoint"
+                )
+            self._verified.add((p.file, p.key))
+        return a
 
     def read(self, name: str, index: Index | None = None) -> np.ndarray:
         """The logical tensor ``name``, or its slice ``index``, as a new array."""

@@ -12,6 +12,9 @@ only (chosen by the tensor's name, so replicas share the writing); partial-sum (
 written and marked ``partial``: the logical value is their sum. ZeRO-sharded state stays sharded — no
 rank ever gathers a tensor to save it.
 
+Integrity: each entry's CRC-32 is in its file's metadata and, with each file's, in the manifest
+(:mod:`sbpflow.checkpoint.format`); the reader verifies a piece before it first reads it.
+
 Atomicity: a rank writes ``*.tmp``, fsyncs, renames; whoever finds every rank's file present writes the
 manifest the same way (two ranks racing write the same manifest; the rename is atomic). ``<token>``
 names the attempt that wrote a file, so a file left by a dead attempt is never mixed into a new one.
@@ -49,7 +52,10 @@ from sbpflow.checkpoint.format import (
     Piece,
     SafetensorsFile,
     TensorEntry,
+    crc_of,
+    crc_text,
     fsync_dir,
+    safetensors_crc,
     step_dir,
     write_safetensors,
 )
@@ -96,13 +102,14 @@ def write_rank(root: str | Path, step: int, rank: int, token: str, shards: Itera
     d.mkdir(parents=True, exist_ok=True)
     tensors, meta = {}, {}
     for s in shards:
-        tensors[s.name] = s.value
+        tensors[s.name] = value = np.ascontiguousarray(s.value)  # the bytes written, and their CRC
         meta[s.name] = {
             "start": [i.start for i in s.index],
             "stop": [i.stop for i in s.index],
             "shape": list(s.shape),
             "kind": s.kind,
             "partial": s.partial,
+            "checksum": crc_text(crc_of(value)),
         }
     path = d / f"rank-{rank:05d}.{token}.safetensors"
     # no directory fsync here: the manifest's, in the same directory after every rank file is there,
@@ -119,22 +126,25 @@ def try_complete(root: str | Path, step: int, token: str, ranks: Sequence[int], 
     if not all((d / n).exists() for n in names.values()):
         return False
     entries: dict[str, dict[str, Any]] = {}
-    files = {}
+    files, checksums = {}, {}
     for name in names.values():
         f = SafetensorsFile(d / name)
         files[name] = f.path.stat().st_size
-        for key, m in json.loads(f.metadata.get(META_KEY, "{}")).items():
+        metas = json.loads(f.metadata.get(META_KEY, "{}"))
+        crcs = {key: int(m["checksum"].split(":")[1], 16) for key, m in metas.items()}
+        checksums[name] = crc_text(safetensors_crc(f.header_crc, f.header, crcs))  # no data read
+        for key, m in metas.items():
             e = entries.setdefault(
                 key,
                 {"shape": tuple(m["shape"]), "kind": m["kind"], "partial": m["partial"], "pieces": []},
             )
             e["dtype"] = NP_DTYPES[f.header[key]["dtype"]]
-            e["pieces"].append(Piece(name, key, tuple(m["start"]), tuple(m["stop"])))
+            e["pieces"].append(Piece(name, key, tuple(m["start"]), tuple(m["stop"]), m["checksum"]))
     tensors = tuple(
         TensorEntry(k, e["shape"], e["dtype"], e["kind"], e["partial"], tuple(e["pieces"]))
         for k, e in sorted(entries.items())
     )
-    manifest = Manifest(job, step, seed, tensors, files, tuple(ranks))
+    manifest = Manifest(job, step, seed, tensors, files, tuple(ranks), checksums)
     tmp = d / f"{MANIFEST}.{token}.{os.getpid()}-{secrets.token_hex(4)}.tmp"  # racers: own names
     with open(tmp, "w") as out:
         out.write(manifest.to_json())

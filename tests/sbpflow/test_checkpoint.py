@@ -6,21 +6,34 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from sbpflow.checkpoint import write as ck
-from sbpflow.checkpoint.format import CheckpointError, SafetensorsFile, step_dir, write_safetensors
+from sbpflow.checkpoint.format import (
+    MANIFEST,
+    CheckpointError,
+    SafetensorsFile,
+    crc32_combine,
+    step_dir,
+    write_safetensors,
+)
 from sbpflow.checkpoint.read import (
     CheckpointReader,
+    CorruptCheckpoint,
+    corrupt_note,
     export,
     latest,
+    latest_intact,
     list_checkpoints,
     open_tensors,
     prune,
     read_logical,
+    resolve,
+    verify,
 )
 from sbpflow.placement import placement
 from sbpflow.sbp import B, P, S
@@ -187,3 +200,111 @@ def test_export_then_import_gives_the_logical_tensors(tmp_path: Path, fmt: str) 
     np.testing.assert_array_equal(back.read("w", (slice(1, 3), slice(0, 5))), w[1:3])
     with pytest.raises(CheckpointError, match="unknown; use one of"):
         export(tmp_path, tmp_path / "x", "pickle")
+
+
+# ---- integrity: checksums, fallback, old checkpoints, temp files ----------------------------------------
+
+
+def complete(root: Path, step: int, value: np.ndarray, layout: str = "s0x4") -> Path:
+    ck.try_complete(root, step, "a1", save(root, step, value, layout), "job", 0)
+    return step_dir(root, step)
+
+
+def garble(f: Path, at: int = -16) -> None:
+    """Overwrite bytes near the end of ``f`` (tensor data) with garbage of the same size."""
+    raw = bytearray(f.read_bytes())
+    raw[at:] = bytes(b ^ 0x5A for b in raw[at:])
+    f.write_bytes(bytes(raw))
+
+
+def test_crc32_combine_is_zlibs() -> None:
+    rng = np.random.default_rng(0)
+    for la, lb in [(0, 0), (1, 0), (0, 1), (7, 9), (100, 4097), (5, 1 << 16)]:
+        a, b = rng.bytes(la), rng.bytes(lb)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b)
+
+
+def test_the_manifest_holds_each_files_and_each_pieces_crc32(tmp_path: Path) -> None:
+    d = complete(tmp_path, 1, np.arange(40.0).reshape(8, 5))
+    m = json.loads((d / MANIFEST).read_text())
+    assert m["format_version"] == 2 and set(m["checksums"]) == set(m["files"])
+    for name, want in m["checksums"].items():  # of every byte, as any crc32 tool computes it
+        assert want == f"crc32:{zlib.crc32((d / name).read_bytes()):08x}"
+    for p in m["tensors"][0]["pieces"]:
+        entry = SafetensorsFile(d / p["file"])[p["key"]]
+        assert p["checksum"] == f"crc32:{zlib.crc32(entry.tobytes()):08x}"
+    assert verify(d).step == 1
+
+
+def test_a_shard_overwritten_with_same_size_garbage_is_refused_naming_it(tmp_path: Path) -> None:
+    d = complete(tmp_path, 1, np.arange(40.0).reshape(8, 5))
+    f = d / "rank-00002.a1.safetensors"
+    size = f.stat().st_size
+    garble(f)
+    assert f.stat().st_size == size
+    r = CheckpointReader(d)  # sizes match: it opens
+    np.testing.assert_array_equal(r.read("w", (slice(0, 2), slice(0, 5))), np.arange(10.0).reshape(2, 5))
+    with pytest.raises(CheckpointError, match=r"tensor 'w' in file rank-00002\.a1\.safetensors has checksum "
+                       r"crc32:[0-9a-f]{8}, the manifest says crc32:[0-9a-f]{8}"):  # fmt: skip
+        r.read("w")
+    with pytest.raises(CheckpointError, match=r"file rank-00002\.a1\.safetensors has checksum crc32:"):
+        verify(d)
+
+
+def test_a_truncated_shard_is_refused(tmp_path: Path) -> None:
+    d = complete(tmp_path, 1, np.ones((8, 2)))
+    f = d / "rank-00003.a1.safetensors"
+    f.write_bytes(f.read_bytes()[:-3])
+    with pytest.raises(
+        CheckpointError, match=r"rank-00003\.a1\.safetensors has \d+ bytes, the manifest says"
+    ):
+        verify(d)
+    with pytest.raises(CheckpointError, match="rank-00003.a1.safetensors has"):
+        CheckpointReader(d)
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_intact_one(tmp_path: Path) -> None:
+    complete(tmp_path, 2, np.ones((8, 2)))
+    complete(tmp_path, 4, np.ones((8, 2)) * 2)
+    d6 = complete(tmp_path, 6, np.ones((8, 2)) * 3)
+    garble(step_dir(tmp_path, 4) / "rank-00000.a1.safetensors")
+    (d6 / "rank-00001.a1.safetensors").write_bytes(b"short")
+    passed: list[CorruptCheckpoint] = []
+    found = latest_intact(tmp_path, passed.append)
+    assert found is not None and found.step == 2
+    assert [c.info.step for c in passed] == [6, 4]
+    assert latest(tmp_path).step == 6  # type: ignore[union-attr]  # listing alone reads no bytes
+    assert resolve(tmp_path, lambda c: None) == step_dir(tmp_path, 2)
+    note = corrupt_note(passed[0], found.step)
+    assert note.startswith("checkpoint step-00000006 is corrupt (file rank-00001.a1.safetensors has 5 bytes")
+    assert note.endswith("; resuming from step-00000002")
+    np.testing.assert_array_equal(read_logical(resolve(tmp_path, lambda c: None))["w"], np.ones((8, 2)))
+
+
+def test_a_version_1_checkpoint_without_checksums_still_loads(tmp_path: Path) -> None:
+    d = complete(tmp_path, 3, np.arange(16.0).reshape(8, 2))
+    m = json.loads((d / MANIFEST).read_text())
+    m["format_version"] = 1
+    del m["checksums"]
+    for t in m["tensors"]:
+        for p in t["pieces"]:
+            del p["checksum"]
+    (d / MANIFEST).write_text(json.dumps(m))
+    assert verify(d).format_version == 1 and latest_intact(tmp_path).step == 3  # type: ignore[union-attr]
+    np.testing.assert_array_equal(read_logical(tmp_path)["w"], np.arange(16.0).reshape(8, 2))
+
+
+def test_temp_files_of_a_dead_writer_are_cleaned_up(tmp_path: Path) -> None:
+    d = complete(tmp_path, 2, np.ones((8, 2)))
+    (d / "rank-00001.a2.safetensors.tmp").write_bytes(b"half")  # a later attempt died rewriting step 2
+    (d / f"{MANIFEST}.a2.123-abcd.tmp").write_text("{")
+    partial = step_dir(tmp_path, 4)
+    partial.mkdir()
+    (partial / "rank-00000.a2.safetensors.tmp").write_bytes(b"half")
+    damaged = complete(tmp_path, 6, np.ones((8, 2)))
+    (damaged / MANIFEST).write_text("{not json")
+    (damaged / "rank-00000.a3.safetensors.tmp").write_bytes(b"half")
+    gone = prune(tmp_path)
+    assert not list(tmp_path.rglob("*.tmp")) and not partial.exists()
+    assert len(gone) == 4 and (damaged / "rank-00000.a1.safetensors").exists()  # kept: not ours to judge
+    assert [c.step for c in list_checkpoints(tmp_path)] == [2] and verify(d).step == 2
