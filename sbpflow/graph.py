@@ -185,6 +185,12 @@ def _verify_op(g: Graph, node: OpNode, produced: set[str]) -> None:
     except ShapeError as e:
         ins = ", ".join(f"{i}: {g.tensors[i].meta}" for i in node.inputs)
         raise GraphError(f"op {node.name!r} ({node.op_type}) with inputs {ins}: {e}") from None
+    except (TypeError, ValueError, KeyError, IndexError, ArithmeticError) as e:  # attrs of the wrong kind
+        given = {k: type(v).__name__ for k, v in node.attrs.items()}
+        raise GraphError(
+            f"op {node.name!r} ({node.op_type}) has attributes its shape inference cannot use ({given}: "
+            f"{type(e).__name__}: {str(e)[:200]}); give the attributes the op declares, of their types"
+        ) from None
     declared = tuple(g.tensors[o].meta for o in node.outputs)
     if outs != declared:
         raise GraphError(

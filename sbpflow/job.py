@@ -126,6 +126,11 @@ class Job:
     format_version: int = FORMAT_VERSION
 
     def verify(self) -> None:
+        """Check the job: every value within ``sbpflow.limits`` first (cheap, and what makes the rest
+        safe on untrusted input), then the graph and the references between the job's parts."""
+        from sbpflow.limits import check_job
+
+        check_job(self)
         self.graph.verify()
         names = {p.tensor for p in self.parameters}
         for p in self.parameters:
@@ -137,3 +142,32 @@ class Job:
             missing = [n for n in self.optimizer.parameters if n not in names]
             if missing:
                 raise SbpflowError(f"the optimizer updates {missing}, which are not parameters of the job")
+        fetched = [n for n in self.fetches if n not in self.graph.tensors]
+        if fetched:
+            raise SbpflowError(f"the job fetches {fetched}, which are not tensors of the graph")
+
+    def check_inputs(self) -> None:
+        """Every input tensor of the graph is fed by a field of the data source with its dtype and shape
+        (``[global_batch_size, *sample_shape]``). A file-backed array source declares no fields without
+        opening its files, so it is checked when a worker opens them."""
+        from sbpflow.data import ArrayFileSource
+        from sbpflow.graph import TensorKind
+
+        if self.data is None or isinstance(self.data, ArrayFileSource):
+            return
+        given = {f.name: f for f in self.data.fields()}
+        for t in self.graph.of_kind(TensorKind.input):
+            f = given.get(t.name)
+            if f is None:
+                raise SbpflowError(
+                    f"input tensor {t.name!r} is fed by no field of the data source (it has {sorted(given)}); "
+                    "name the graph's inputs after the source's fields"
+                )
+            want = (self.data.batch_size, *f.sample_shape)
+            if t.meta.shape != want or t.meta.dtype != f.dtype:
+                raise SbpflowError(
+                    f"input tensor {t.name!r} is {t.meta!r}, but data field {f.name!r} gives batches of "
+                    f"[{', '.join(map(str, want))}] {f.dtype.value} (global_batch_size="
+                    f"{self.data.batch_size}, sample_shape={list(f.sample_shape)}); make the data source "
+                    "and the graph's input agree (trace the job again from the source)"
+                )

@@ -8,6 +8,7 @@ on untrusted input at Submit.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ from sbpflow.job import (
     Precision,
     WarmupCosine,
 )
+from sbpflow.limits import LIMITS, check_shape, check_whole
 from sbpflow.ops.base import AttrValue
 from sbpflow.placement import Placement
 from sbpflow.random import Initializer, make_initializer
@@ -260,8 +262,8 @@ def array_to_proto(a: np.ndarray) -> pb.ArrayData:
 
 def array_from_proto(m: pb.ArrayData) -> np.ndarray:
     dtype = dtype_from_proto(m.dtype).to_numpy().newbyteorder("<")
-    shape = tuple(m.shape)
-    expected = int(np.prod(shape)) * dtype.itemsize
+    shape = check_shape("ArrayData.shape", m.shape)  # before numpy multiplies it out in int64
+    expected = math.prod(shape) * dtype.itemsize
     if len(m.data) != expected:
         raise WireError(
             f"array of shape {list(shape)} {dtype.name} needs {expected} bytes, got {len(m.data)}"
@@ -295,6 +297,16 @@ def data_to_proto(d: DataSource) -> pb.DataSource:
 
 
 def data_from_proto(m: pb.DataSource) -> DataSource:
+    for unread in ("placement", "sbp"):  # the inputs' placements and SBPs are the graph's input tensors'
+        if m.HasField(unread):
+            raise WireError(
+                f"DataSource.{unread} is set, but sbpflow does not read it: the graph's input tensors carry "
+                "the placement and SBP of the data; leave it unset"
+            )
+    if m.fields and m.WhichOneof("kind") != "synthetic":
+        raise WireError(
+            "DataSource.fields is set for a non-synthetic source, which declares its own fields; leave it unset"
+        )
     common: dict[str, Any] = dict(
         batch_size=m.global_batch_size, shuffle=m.shuffle, seed=m.seed, drop_last=m.drop_last
     )
@@ -310,7 +322,12 @@ def data_from_proto(m: pb.DataSource) -> DataSource:
         return TokenFileSource(path=t.path, dtype=dtype_from_proto(t.dtype), seq_len=t.seq_len, **common)
     if kind == "synthetic":
         params = dict(m.synthetic.params)
-        n = int(params.pop("num_samples", 1 << 20))
+        n = check_whole(
+            "DataSource.synthetic.params['num_samples']",
+            params.pop("num_samples", 1 << 20),
+            1,
+            LIMITS.samples,
+        )
         fields = tuple(_field_from_proto(f) for f in m.fields)
         return SyntheticSource(
             kind=m.synthetic.kind, sample_fields=fields, params=params, num_samples=n, **common

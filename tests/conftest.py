@@ -1,6 +1,7 @@
-"""Test-session settings. Under CI (``CI`` set), Hypothesis is derandomized and keeps no example
-database, so a clean clone draws the same examples every run: a red CI is a real failure, reproducible
-with ``CI=true python -m pytest``; locally Hypothesis keeps exploring new examples."""
+"""Test-session settings. Hypothesis is derandomized and keeps no example database on every run, not
+only under CI: a clean clone draws the same examples every time, so ``python -m pytest -q`` is green on
+every run and a red run is a real failure, reproducible by running it again. ``HYPOTHESIS_EXPLORE=1``
+lets Hypothesis explore new examples (and keep a database) when hunting for bugs locally."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from hypothesis import settings
 # Set before anything imports Ray: a single-node Ray then advertises 127.0.0.1, not the external address.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-settings.register_profile("ci", derandomize=True, database=None)
-if os.environ.get("CI"):
-    settings.load_profile("ci")
+settings.register_profile("deterministic", derandomize=True, database=None)
+settings.register_profile("ci", derandomize=True, database=None)  # the same; kept for --hypothesis-profile=ci
+settings.register_profile("explore")
+settings.load_profile("explore" if os.environ.get("HYPOTHESIS_EXPLORE") else "deterministic")
 
 
 @pytest.fixture(scope="session")

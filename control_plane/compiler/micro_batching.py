@@ -73,12 +73,19 @@ def check_stages(g: Graph) -> int:
     not ``0 .. S-1`` or when data flows from a later stage to an earlier one."""
     producer = {o: node for node in g.ops for o in node.outputs}
     used = sorted({o.stage for o in g.ops})
+    if used and used[0] < 0:
+        example = next(o for o in g.ops if o.stage == used[0])
+        raise PipelineError(
+            f"op {example.name!r} is in stage {example.stage}; pipeline stages are numbered from 0: "
+            "renumber the set_stage() calls"
+        )
     if used and used != list(range(len(used))):
-        missing = sorted(set(range(used[-1] + 1)) - set(used))
-        example = next(o for o in g.ops if o.stage > missing[0])
+        # the first gap, without enumerating up to the largest stage (a user's number, maybe 2**31-1)
+        first = next((i for i, s in enumerate(used) if s != i), len(used))
+        example = next(o for o in g.ops if o.stage > first)
         raise PipelineError(
             f"pipeline stages must be numbered 0 .. S-1 without gaps, but the ops use stages {used} (no op is in "
-            f"stage {missing[0]}; op {example.name!r} is in stage {example.stage}); renumber the set_stage() calls"
+            f"stage {first}; op {example.name!r} is in stage {example.stage}); renumber the set_stage() calls"
         )
     flows = {(producer[i].stage, o.stage) for o in g.ops for i in o.inputs if i in producer}
     for node in g.ops:
