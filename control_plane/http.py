@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import ssl
 import threading
 from collections.abc import Callable, Sequence
@@ -122,7 +123,7 @@ class StatusEndpoint:
     def job(self, job_id: str) -> Response:
         rec = self.store.get(job_id)
         body = status.as_json(status.job_status(rec, self.manager.workers(job_id)))
-        body["losses"] = [p.loss for p in self.store.losses(job_id)]
+        body["losses"] = [status.json_float(p.loss) for p in self.store.losses(job_id)]
         return _json(200, body)
 
     def metrics(self, query: dict[str, list[str]]) -> Response:
@@ -158,7 +159,10 @@ def _state(name: str) -> JobState:
 
 
 def loss_svg(points: Sequence[LossPoint], width: int = 240, height: int = 48) -> str:
-    """A loss curve as an inline SVG polyline (empty before the first step)."""
+    """A loss curve as an inline SVG polyline (empty before the first step); a NaN or infinite loss
+    is left out of the line (the title still says it)."""
+    title = f"loss {points[0].loss:.4g} -> {points[-1].loss:.4g} over {len(points)} steps" if points else ""
+    points = [p for p in points if math.isfinite(p.loss)]
     if not points:
         return ""
     lo, hi = min(p.loss for p in points), max(p.loss for p in points)
@@ -166,7 +170,6 @@ def loss_svg(points: Sequence[LossPoint], width: int = 240, height: int = 48) ->
     sx = (width - 4) / max(last - first, 1)
     sy = (height - 4) / (hi - lo) if hi > lo else 0.0
     xy = " ".join(f"{2 + (p.step - first) * sx:.1f},{height - 2 - (p.loss - lo) * sy:.1f}" for p in points)
-    title = f"loss {points[0].loss:.4g} -> {points[-1].loss:.4g} over {len(points)} steps"
     return (
         f"<svg width='{width}' height='{height}' viewBox='0 0 {width} {height}' role='img'>"
         f"<title>{html.escape(title)}</title>"

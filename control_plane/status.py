@@ -4,10 +4,16 @@ The gRPC servicer and the HTTP status endpoint both answer through these functio
 the same on both. A ``JobEvent``'s status is rebuilt from the event itself (state, reason, message)
 over the job's current record, carrying forward the step and loss of the events before it: that is
 what the job looked like right after the event, without storing a snapshot per event.
+
+Non-finite numbers: a NaN or infinite loss is a double like any other in the messages. JSON has no NaN,
+so the JSON spells them as proto3's JSON mapping does, as the strings ``"NaN"``, ``"Infinity"`` and
+``"-Infinity"`` (:func:`as_json` for messages, :func:`json_float` for plain numbers such as the loss
+history); every other number stays a number.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -116,6 +122,13 @@ def result_proto(job_id: str, result: RunResult) -> sp.JobResult:
         host = value.get() if hasattr(value, "get") and not isinstance(value, np.ndarray) else value  # cupy
         m.parameters[name].CopyFrom(array_to_proto(np.asarray(host)))
     return m
+
+
+def json_float(x: float) -> float | str:
+    """``x`` for JSON: itself when finite, else ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (proto3 JSON)."""
+    if math.isfinite(x):
+        return x
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
 
 
 _INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import math
 import sqlite3
 import time
 import uuid
@@ -24,7 +25,14 @@ from dataclasses import dataclass
 
 from sbpflow.control_plane.store.db import StoreError
 from sbpflow.control_plane.store.schema import COLUMNS as _COLUMNS
-from sbpflow.control_plane.store.schema import JobEvent, JobRecord, LossPoint, record_from_row
+from sbpflow.control_plane.store.schema import (
+    JobEvent,
+    JobRecord,
+    LossPoint,
+    loss_column,
+    loss_from_column,
+    record_from_row,
+)
 from sbpflow.control_plane.store.tables import JobSideTables
 from sbpflow.run_state import IN_FLIGHT, TERMINAL, JobState, allowed, legal_next
 
@@ -191,20 +199,23 @@ class JobStore(JobSideTables):
     def record_step(
         self, job_id: str, step: int, loss: float, samples_per_second: float, step_seconds: float = 0.0
     ) -> None:
-        """Record a completed step: the job's step/loss/throughput, the loss history and a "step" event."""
+        """Record a completed step: the job's step/loss/throughput, the loss history and a "step" event.
+        A NaN or infinite loss is kept as it is (see ``schema``: NaN is NULL plus a flag in SQLite)."""
         now = time.time()
+        value, nan = loss_column(loss), math.isnan(loss)
         with self._tx():
             rec = self._get(job_id)
             self._db.execute(
                 "INSERT OR REPLACE INTO losses (job_id, step, loss, samples_per_second, time) "
                 "VALUES (?, ?, ?, ?, ?)",
-                (job_id, step, float(loss), float(samples_per_second), now),
+                (job_id, step, value, float(samples_per_second), now),
             )
             self._db.execute(
                 "UPDATE jobs SET step = MAX(step, ?), loss = CASE WHEN ? >= step THEN ? ELSE loss END, "
+                "loss_nan = CASE WHEN ? >= step THEN ? ELSE loss_nan END, "
                 "samples_per_second = CASE WHEN ? >= step THEN ? ELSE samples_per_second END, "
                 "updated = ? WHERE id = ?",
-                (step, step, float(loss), step, float(samples_per_second), now, job_id),
+                (step, step, value, step, nan, step, float(samples_per_second), now, job_id),
             )
             data: dict[str, object] = {
                 "step": step,
@@ -222,7 +233,7 @@ class JobStore(JobSideTables):
                 "SELECT step, loss, samples_per_second, time FROM losses WHERE job_id = ? ORDER BY step",
                 (job_id,),
             ).fetchall()
-        return [LossPoint(int(s), float(l), float(r), float(t)) for s, l, r, t in rows]
+        return [LossPoint(int(s), float(loss_from_column(l)), float(r), float(t)) for s, l, r, t in rows]
 
     def events(self, job_id: str, after_seq: int = 0) -> builtins.list[JobEvent]:
         """The job's events with ``seq > after_seq``, in order."""

@@ -5,19 +5,23 @@ version 2 added, per job, the submitter (``client_id``, ``idempotency_key`` — 
 same pair returns the first job), ``total_steps`` and ``slots`` (devices it needs), and the tables
 ``workers`` (one row per rank), ``logs`` and ``results`` (the JobResult protobuf of a finished job).
 Version 3 added ``resumed_from`` (the job whose checkpoint a resumed job started from) and
-``resume_checkpoint`` (that checkpoint's path). A file of an older version is migrated in place on open
-by ``MIGRATIONS[v]`` for each version ``v`` it is behind.
+``resume_checkpoint`` (that checkpoint's path). Version 4 keeps non-finite losses: SQLite stores an
+infinity in a REAL column but turns NaN into NULL, so ``losses.loss`` may be NULL, which there means NaN
+(every row of ``losses`` has a loss), and ``jobs.loss_nan`` says that the job's last loss is NaN (its
+``loss`` NULL then, which otherwise means no step yet). A file of an older version is migrated in place
+on open by ``MIGRATIONS[v]`` for each version ``v`` it is behind.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sbpflow.run_state import JobState, WorkerState
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     total_steps INTEGER NOT NULL DEFAULT 0,
     slots INTEGER NOT NULL DEFAULT 0,
     resumed_from TEXT NOT NULL DEFAULT '',
-    resume_checkpoint TEXT NOT NULL DEFAULT ''
+    resume_checkpoint TEXT NOT NULL DEFAULT '',
+    loss_nan INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 CREATE INDEX IF NOT EXISTS jobs_created ON jobs(created);
@@ -124,12 +129,21 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE TABLE IF NOT EXISTS losses (
     job_id TEXT NOT NULL REFERENCES jobs(id),
     step INTEGER NOT NULL,
-    loss REAL NOT NULL,
+    loss REAL,  -- NULL: NaN (SQLite cannot hold a NaN REAL)
     samples_per_second REAL NOT NULL,
     time REAL NOT NULL,
     PRIMARY KEY (job_id, step)
 );
 """
+_LOSSES_V4 = """
+CREATE TABLE losses_v4 (
+    job_id TEXT NOT NULL REFERENCES jobs(id),
+    step INTEGER NOT NULL,
+    loss REAL,
+    samples_per_second REAL NOT NULL,
+    time REAL NOT NULL,
+    PRIMARY KEY (job_id, step)
+)"""
 
 # Version 2's additions; also run (after MIGRATIONS[1]) on a version-1 file.
 _V2 = """
@@ -174,11 +188,18 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE jobs ADD COLUMN resumed_from TEXT NOT NULL DEFAULT ''",
         "ALTER TABLE jobs ADD COLUMN resume_checkpoint TEXT NOT NULL DEFAULT ''",
     ),
+    3: (  # SQLite cannot drop a NOT NULL: the losses table is rebuilt with a nullable loss
+        "ALTER TABLE jobs ADD COLUMN loss_nan INTEGER NOT NULL DEFAULT 0",
+        _LOSSES_V4,
+        "INSERT INTO losses_v4 SELECT job_id, step, loss, samples_per_second, time FROM losses",
+        "DROP TABLE losses",
+        "ALTER TABLE losses_v4 RENAME TO losses",
+    ),
 }
 
 COLUMNS = (
     "id, name, state, reason, message, attempt, step, loss, samples_per_second, created, updated, "
-    "started, finished, job_proto, client_id, total_steps, slots, resumed_from, resume_checkpoint"
+    "started, finished, job_proto, client_id, total_steps, slots, resumed_from, resume_checkpoint, loss_nan"
 )
 
 
@@ -186,10 +207,20 @@ def _opt(x: Any) -> float | None:
     return None if x is None else float(x)
 
 
+def loss_column(loss: float) -> float | None:
+    """A loss as the REAL column holds it: NaN as NULL (an infinity is kept as it is)."""
+    return None if math.isnan(loss) else float(loss)
+
+
+def loss_from_column(x: Any, nan: bool = True) -> float | None:
+    """A stored loss back: NULL is NaN where ``nan`` (a losses row, or a job whose loss_nan is set)."""
+    return (math.nan if nan else None) if x is None else float(x)
+
+
 def record_from_row(row: Sequence[Any]) -> JobRecord:
     """A ``JobRecord`` from a row of ``SELECT {COLUMNS} FROM jobs``."""
     (id_, name, state, reason, message, attempt, step, loss, sps, created, updated, started, finished,
-     blob, client_id, total_steps, slots, resumed_from, resume_checkpoint) = row  # fmt: skip
+     blob, client_id, total_steps, slots, resumed_from, resume_checkpoint, loss_nan) = row  # fmt: skip
     return JobRecord(
         id=str(id_),
         name=str(name),
@@ -198,7 +229,7 @@ def record_from_row(row: Sequence[Any]) -> JobRecord:
         message=str(message),
         attempt=int(attempt),
         step=int(step),
-        loss=_opt(loss),
+        loss=loss_from_column(loss, bool(loss_nan)),
         samples_per_second=_opt(sps),
         created=float(created),
         updated=float(updated),

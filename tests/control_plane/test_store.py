@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import sqlite3
 import threading
 from pathlib import Path
@@ -281,14 +283,61 @@ def test_a_version_2_store_is_migrated(tmp_path: Path) -> None:
     con = sqlite3.connect(path)  # make it what version 2 wrote: no resume columns
     con.executescript(
         "ALTER TABLE jobs DROP COLUMN resumed_from; ALTER TABLE jobs DROP COLUMN resume_checkpoint; "
-        "PRAGMA user_version=2;"
+        "ALTER TABLE jobs DROP COLUMN loss_nan; PRAGMA user_version=2;"
     )
     con.commit()
     con.close()
     with JobStore(path) as s:
         rec = s.get(job_id)
         assert (rec.resumed_from, rec.resume_checkpoint) == ("", "")
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+
+
+def test_a_version_3_store_is_migrated_and_then_keeps_nan_losses(tmp_path: Path) -> None:
+    path = tmp_path / "v3.db"
+    with JobStore(path) as s:
+        job_id = s.create(b"x", "j").id
+        run_to(s, job_id, S.COMPILING, S.STARTING, S.RUNNING)
+        s.record_step(job_id, 1, 0.5, 10.0)
+    con = sqlite3.connect(path)  # what version 3 wrote: a NOT NULL loss, no loss_nan
+    con.executescript(
+        "ALTER TABLE jobs DROP COLUMN loss_nan; ALTER TABLE losses RENAME TO old; "
+        "CREATE TABLE losses (job_id TEXT NOT NULL REFERENCES jobs(id), step INTEGER NOT NULL, "
+        "loss REAL NOT NULL, samples_per_second REAL NOT NULL, time REAL NOT NULL, PRIMARY KEY (job_id, step)); "
+        "INSERT INTO losses SELECT * FROM old; DROP TABLE old; PRAGMA user_version=3;"
+    )
+    con.commit()
+    con.close()
+    with JobStore(path) as s:
+        assert [p.loss for p in s.losses(job_id)] == [0.5]
+        s.record_step(job_id, 2, math.nan, 10.0)
+        assert math.isnan(s.losses(job_id)[1].loss) and math.isnan(s.get(job_id).loss or 0.0)
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 4
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_losses_round_trip_through_the_store_status_and_json(
+    store: JobStore, value: float
+) -> None:
+    from sbpflow.control_plane import status
+
+    rec = store.create(b"x", "diverges")
+    run_to(store, rec.id, S.COMPILING, S.STARTING, S.RUNNING)
+    store.record_step(rec.id, 1, 2.0, 10.0)
+    store.record_step(rec.id, 2, value, 10.0)
+    got = store.get(rec.id)
+    assert got.step == 2 and got.loss is not None and repr(got.loss) == repr(value)
+    assert [repr(p.loss) for p in store.losses(rec.id)] == ["2.0", repr(value)]
+    events = [e for e in store.events(rec.id) if e.kind == "step"]
+    assert repr(events[-1].data["loss"]) == repr(value)
+    st = status.job_status(got)
+    assert st.HasField("loss") and repr(st.loss) == repr(value)
+    spelled = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}[repr(value)]
+    text = json.dumps(status.as_json(st), allow_nan=False)  # valid JSON: no bare NaN
+    assert json.loads(text)["loss"] == spelled == status.json_float(value)
+    msgs = list(status.job_events(got, store.events(rec.id)))
+    assert repr(msgs[-1].step.loss) == repr(value) and repr(msgs[-1].status.loss) == repr(value)
+    assert [r.id for r in store.list()] == [rec.id]  # List still works
 
 
 def test_concurrent_writers_from_threads(store: JobStore) -> None:
