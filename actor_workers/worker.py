@@ -34,6 +34,7 @@ from typing import Any
 from sbpflow.actor_workers import reporting as progress
 from sbpflow.actor_workers.reporting import report
 from sbpflow.device import asnumpy
+from sbpflow.numerics import non_finite_parameters
 from sbpflow.v1 import plan_pb2 as pp
 from sbpflow.v1 import service_pb2 as sp
 
@@ -64,6 +65,7 @@ class WorkerOutcome:
     peak_rss_bytes: int = 0
     trace: list[Any] = field(default_factory=list)
     failure: WorkerFailure | None = None
+    non_finite: list[str] = field(default_factory=list)  # parameters whose shard holds NaN or inf
 
 
 class Reporter:
@@ -270,10 +272,13 @@ class Worker:
         losses = (
             {s: asnumpy(v) for s, v in rc.fetched.get((self._loss, -1), {}).items()} if self._loss else {}
         )
+        bad = non_finite_parameters(rc.tables.tensors, rc.store)  # isfinite per shard: nothing gathered
         self.reporter.send(memory=sp.MemoryReport(peak_bytes=_peak_rss()))
         self.reporter.send(done=sp.Done())
         self.reporter.close()
-        return WorkerOutcome(self.rank, losses, result.seconds, result.acts, _peak_rss(), result.trace)
+        return WorkerOutcome(
+            self.rank, losses, result.seconds, result.acts, _peak_rss(), result.trace, non_finite=bad
+        )
 
     def shards(self, names: Sequence[str]) -> dict[str, Any]:
         """This rank's shard of each variable in ``names`` that it holds."""

@@ -23,6 +23,10 @@ Rules:
   ``WORKER_LOST``) naming the rank. After a control-plane restart, a job that was in flight and has a
   checkpoint is queued again as its next attempt (``RESUMED_AFTER_RESTART``) and goes on from it; one
   without stays FAILED (``CONTROL_PLANE_RESTARTED``).
+- A run whose loss goes NaN or infinite ends FAILED with ``NON_FINITE_LOSS`` at that step; one whose final
+  parameters are not finite ends FAILED with ``NON_FINITE_PARAMETERS`` (:mod:`sbpflow.numerics`).
+- A corrupt latest checkpoint is passed over for the previous intact one. A log line, and a
+  ``CHECKPOINT_CORRUPT`` reason event, say so.
 - Reasons are machine-readable words (service.proto's JobStatus.reason); messages say what happened.
 """
 
@@ -36,6 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sbpflow.checkpoint.read import CorruptCheckpoint, corrupt_note
 from sbpflow.control_plane import resume as resuming
 from sbpflow.control_plane.run_listeners import RunListeners
 from sbpflow.control_plane.store.job_store import JobStore, Resumable
@@ -43,6 +48,7 @@ from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
 from sbpflow.control_plane.validation import ValidationError, compile_submit
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
+from sbpflow.numerics import NonFinite
 from sbpflow.run_options import MANAGER_DEFAULTS, RunOptions
 from sbpflow.run_state import JobState
 from sbpflow.v1 import service_pb2 as sp
@@ -57,6 +63,7 @@ WAITING = "WAITING_FOR_RESOURCES"
 CANCELLED_BY_USER = "CANCELLED_BY_USER"
 SHUTDOWN = "CONTROL_PLANE_SHUTDOWN"
 WORKER_LOST = "WORKER_LOST"
+CHECKPOINT_CORRUPT = "CHECKPOINT_CORRUPT"  # a corrupt checkpoint was passed over for an earlier one
 
 _TERMINAL_CODES = frozenset({sp.JOB_STATE_SUCCEEDED, sp.JOB_STATE_FAILED, sp.JOB_STATE_CANCELLED})
 
@@ -188,9 +195,10 @@ class JobManager:
         from sbpflow.checkpoint.read import CheckpointReader
 
         rec = self.store.get(job_id)
-        found = resuming.checkpoint_to_resume(self.config.checkpoint_root, rec)
+        passed: list[CorruptCheckpoint] = []
+        found = resuming.checkpoint_to_resume(self.config.checkpoint_root, rec, passed.append)
         reader = CheckpointReader(found.path)
-        return self._admit(
+        new = self._admit(
             rec.job_proto if job_bytes is None else job_bytes,
             client_id,
             idempotency_key,
@@ -198,6 +206,9 @@ class JobManager:
             resumed_from=rec.id,
             resume_checkpoint=str(found.path),
         )
+        for c in passed:
+            self.store.append_log(new.id, -1, "WARNING", corrupt_note(c, found.step))
+        return new
 
     def _admit(
         self,
@@ -358,13 +369,15 @@ class JobManager:
         """How a job left in flight by a previous control plane goes on: from its checkpoint, if it has
         one with steps left after it."""
         root = self.config.checkpoint_root
-        found = resuming.start_checkpoint(root, rec) if root is not None else None
+        passed: list[CorruptCheckpoint] = []
+        found = resuming.start_checkpoint(root, rec, passed.append) if root is not None else None
         if found is None or found.step >= rec.total_steps:
             return None
         return Resumable(
             found.step,
             f"the job was {rec.state.name} at step {rec.step} when the control plane stopped; attempt "
-            f"{rec.attempt + 1} resumes from its checkpoint {found.path} (step {found.step})",
+            f"{rec.attempt + 1} resumes from its checkpoint {found.path} (step {found.step})"
+            + "".join(f"; {corrupt_note(c, found.step)}" for c in passed),
         )
 
     def _checkpointing(self, rec: JobRecord) -> tuple[dict[str, Any], int]:
@@ -374,9 +387,14 @@ class JobManager:
         root = self.config.checkpoint_root
         if root is None:
             return {}, 0
-        found = resuming.start_checkpoint(root, rec)
+        passed: list[CorruptCheckpoint] = []
+        found = resuming.start_checkpoint(root, rec, passed.append)
         if found is not None and found.step >= rec.total_steps:
             found = None
+        for c in passed:  # a log line and a "reason" event each
+            note = corrupt_note(c, 0 if found is None else found.step)
+            self.store.append_log(rec.id, -1, "WARNING", note)
+            self.store.set_reason(rec.id, CHECKPOINT_CORRUPT, note)
         kwargs = {
             "checkpoint_dir": str(resuming.job_dir(root, rec.id)),
             "resume_from": None if found is None else str(found.path),
@@ -417,6 +435,8 @@ class JobManager:
             self._finish(job_id, JobState.CANCELLED, reason, r.cancel_message)
         except RuntimeFailure as e:
             self._finish(job_id, JobState.FAILED, "WORKER_ERROR", str(e))
+        except NonFinite as e:  # NON_FINITE_LOSS (the step's loss is stored) or NON_FINITE_PARAMETERS
+            self._finish(job_id, JobState.FAILED, e.reason, str(e))
         except SbpflowError as e:
             self._finish(job_id, JobState.FAILED, "RUN_ERROR", str(e))
         except Exception as e:  # a bug: keep the traceback in the job's log, never lose the job

@@ -17,12 +17,16 @@ Both call the same listeners as the run gets on: ``on_state(JobState.COMPILING |
 ``on_step(StepMetrics)`` once per completed step, ``on_report(WorkerReport)`` for every worker report,
 and ``on_attempt(attempt, first_step, reason, message)`` when a restart begins attempt ``attempt`` from
 the checkpoint at ``first_step`` (then ``on_state`` says ``"STARTING"`` and ``"RUNNING"`` again).
-Setting ``cancel`` stops every rank promptly and raises :class:`RunCancelled`.
+Setting ``cancel`` stops every rank promptly and raises :class:`RunCancelled`. A NaN or infinite loss
+stops every rank the same way and raises :class:`~sbpflow.numerics.NonFiniteLoss` naming the step (the
+step tracker checks each assembled loss); finite losses but non-finite final parameters (each rank checks
+its shards) raise :class:`~sbpflow.numerics.NonFiniteParameters` naming them.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +36,7 @@ from sbpflow.actor_workers.reporting import step_report, watch_steps
 from sbpflow.actor_workers.runtime import executor
 from sbpflow.actor_workers.runtime.errors import RunCancelled, RuntimeFailure
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
-from sbpflow.checkpoint.read import CheckpointReader, resolve
+from sbpflow.checkpoint.read import CheckpointReader, CorruptCheckpoint, corrupt_note, resolve
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.reports import ReportHub
@@ -42,6 +46,7 @@ from sbpflow.control_plane.step_tracker import ReportListener, StateListener, St
 from sbpflow.device import array_module
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
+from sbpflow.numerics import NonFiniteParameters, non_finite_parameters
 from sbpflow.run_options import FIELD_NAMES, RunOptions
 from sbpflow.run_state import JobState
 from sbpflow.v1 import job_pb2 as jp
@@ -51,6 +56,7 @@ from sbpflow.v1 import service_pb2 as sp
 __all__ = ["BACKENDS", "RunCancelled", "launch", "run"]
 
 Backend = Callable[[Compiled, LaunchContext, StepTracker], RunResult]
+log = logging.getLogger(__name__)
 
 
 def run(
@@ -96,13 +102,14 @@ def run(
     if steps < 1:
         raise SbpflowError(f"steps={steps}: a run trains for at least one step")
     resume_from, first_step = _resume_point(resume_from, steps)
+    stop = _Stop(cancel)  # set by a cancel, or by the tracker at a non-finite loss
     context = LaunchContext(
         steps=steps - first_step,
         run=how,
         on_state=on_state,
         on_report=on_report,
         on_attempt=on_attempt,
-        cancel=cancel,
+        cancel=stop,
         report_hub=report_hub,
         job_id=job_id,
         attempt=attempt,
@@ -115,13 +122,32 @@ def run(
     compiled = compile_for_run(given or job)
     graph = compiled.state.graph
     loss = graph.tensors[job.loss] if job.loss else None
-    tracker = StepTracker(loss, job.data.batch_size if job.data is not None else 0, on_step)
+    samples = job.data.batch_size if job.data is not None else 0
+    tracker = StepTracker(loss, samples, on_step, job=job.name, first_step=first_step, stop=stop.set)
     try:
-        return runner(compiled, context, tracker)
+        result = runner(compiled, context, tracker)
     except RuntimeFailure as failure:
+        if tracker.non_finite is not None:
+            raise tracker.non_finite from failure
         if cancel is not None and cancel.is_set():
             raise RunCancelled(f"job {job.name!r} was cancelled at step {len(tracker.losses)}") from failure
         raise
+    if tracker.non_finite is not None:  # at the last step, or found only in the outcome
+        raise tracker.non_finite
+    if result.non_finite:
+        raise NonFiniteParameters(job.name, result.first_step + len(result.losses), result.non_finite)
+    return result
+
+
+class _Stop(threading.Event):
+    """The run's stop event: set by the tracker (a non-finite loss), or read as set once ``cancel`` is."""
+
+    def __init__(self, cancel: threading.Event | None) -> None:
+        super().__init__()
+        self._cancel = cancel
+
+    def is_set(self) -> bool:
+        return super().is_set() or (self._cancel is not None and self._cancel.is_set())
 
 
 def launch(compiled: Compiled, **kwargs: Any) -> RunResult:
@@ -142,11 +168,15 @@ def _run_options(options: RunOptions | None, fields: dict[str, Any]) -> RunOptio
 
 
 def _resume_point(resume_from: str | None, steps: int) -> tuple[str | None, int]:
-    """The checkpoint a run resumes from (a directory of them: its latest) and its step (0: none)."""
+    """The checkpoint a run resumes from (a directory of them: its latest intact one, each corrupt one
+    passed over logged) and its step (0: none)."""
     if resume_from is None:
         return None, 0
-    resume_from = str(resolve(resume_from))
+    passed: list[CorruptCheckpoint] = []
+    resume_from = str(resolve(resume_from, passed.append))
     first_step = CheckpointReader(resume_from).step
+    for c in passed:
+        log.warning("%s", corrupt_note(c, first_step))
     if first_step >= steps:
         raise SbpflowError(
             f"the checkpoint {resume_from} is at step {first_step} and the job trains {steps} steps: "
@@ -218,6 +248,11 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
         ctx.report(rank, done=sp.Done())
     first = ctx.first_step
     losses = [float(x) for x in executor.fetched(program, loss, ctx.steps, first_step=first)] if loss else []
+    bad = {
+        n
+        for rp in program.ranks.values()
+        for n in non_finite_parameters(rp.context.tables.tensors, rp.context.store)
+    }
     parameters = None
     if ctx.run.return_parameters:
         parameters = executor.variables(program, [p.tensor for p in job.parameters])
@@ -229,7 +264,7 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
     # store; free a finished run's memory now rather than whenever the cycle collector next runs.
     del program, results, world
     gc.collect()
-    return RunResult(losses, parameters, events, seconds, first_step=first)
+    return RunResult(losses, parameters, events, seconds, first_step=first, non_finite=tuple(sorted(bad)))
 
 
 def _whole_plan(compiled: Compiled) -> pp.Plan:

@@ -32,6 +32,7 @@ class RunResult:
     seconds: float = 0.0  # wall time of the run, compile excluded
     first_step: int = 0  # the step the run started at (a resume's checkpoint step): losses[0] is its loss
     attempts: int = 1  # attempts it took (a restart after a lost worker makes another)
+    non_finite: tuple[str, ...] = ()  # parameters that hold NaN or infinite values after the run
 
 
 @dataclass(frozen=True)

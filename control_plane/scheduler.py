@@ -127,17 +127,18 @@ def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker)
                         tracker.restart_clock()
                         outcomes = attempt.wait()
                         result = _result(compiled, current, attempt, outcomes)
+                        tracker.settle(result.losses, current.first_step - options.first_step)
                     finally:
                         attempt.teardown()
             except RuntimeFailure as failure:
                 if not isinstance(failure.cause, WorkerLost) or restarts >= options.run.max_restarts:
                     raise
                 restarts += 1
-                current = _restart(options, current, tracker)
+                current, skipped = _restart(options, current, tracker)
                 current.new_attempt(
                     "WORKER_LOST",
                     f"{failure}; attempt {current.attempt} (restart {restarts} of at most "
-                    f"{options.run.max_restarts}) resumes from step {current.first_step}",
+                    f"{options.run.max_restarts}) resumes from step {current.first_step}{skipped}",
                 )
                 continue
             done = current.first_step - options.first_step  # steps earlier attempts trained
@@ -163,21 +164,25 @@ def _start(compiled: Compiled, options: LaunchContext) -> Any:
     )
 
 
-def _restart(first: LaunchContext, failed: LaunchContext, tracker: StepTracker) -> LaunchContext:
-    """The options of the attempt after ``failed``: from the latest checkpoint of the run's directory
-    (or from where the run started when none was written), its steps forgotten by the tracker."""
-    from sbpflow.checkpoint.read import latest
+def _restart(first: LaunchContext, failed: LaunchContext, tracker: StepTracker) -> tuple[LaunchContext, str]:
+    """The options of the attempt after ``failed``: from the latest intact checkpoint of the run's
+    directory (or from where the run started when none was written), its steps forgotten by the
+    tracker; and a note naming the corrupt checkpoints passed over ('' if none)."""
+    from sbpflow.checkpoint.read import corrupt_note, latest_intact
 
-    last = latest(first.checkpoint_dir) if first.checkpoint_dir else None
+    corrupt: list[Any] = []
+    last = latest_intact(first.checkpoint_dir, corrupt.append) if first.checkpoint_dir else None
     end = failed.first_step + failed.steps
     if last is not None and first.first_step < last.step < end:
         at, resume = last.step, str(last.path)
     else:
         at, resume = first.first_step, first.resume_from
     tracker.rewind(at - first.first_step)
-    return dataclasses.replace(
+    skipped = "".join(f"; {corrupt_note(c, at)}" for c in corrupt)
+    new = dataclasses.replace(
         failed, attempt=failed.attempt + 1, first_step=at, steps=end - at, resume_from=resume
     )
+    return new, skipped
 
 
 class _Attempt:
@@ -429,4 +434,5 @@ def _result(
     if options.run.trace:
         trace = sorted((e for o in outcomes.values() for e in o.trace), key=lambda e: e.start)
     seconds = max((o.seconds for o in outcomes.values()), default=0.0)
-    return RunResult(losses, parameters, trace, seconds, first_step=options.first_step)
+    bad = tuple(sorted({n for o in outcomes.values() for n in o.non_finite}))
+    return RunResult(losses, parameters, trace, seconds, first_step=options.first_step, non_finite=bad)

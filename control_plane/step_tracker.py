@@ -6,6 +6,13 @@ over them), so a step is complete when every rank of its placement has reported 
 assembled the way :func:`sbpflow.sharding.assemble` assembles any tensor (partials summed, copies
 checked equal). Both backends feed the same tracker: the in-process one from its SINK fetch acts, the
 Ray one from the workers' ``StepReport``s.
+
+A non-finite loss (NaN, an infinity) is checked here, where each step's loss is assembled, so both
+backends share the check: the step is still reported (the store keeps its NaN), later steps are not, and
+``on_non_finite`` decides. The run's default (:func:`fail_on_non_finite`) records a
+:class:`~sbpflow.numerics.NonFiniteLoss` in ``non_finite`` and says "stop" (the launcher aborts every
+rank and raises it). Under dynamic loss scaling (issue 18) a non-finite step is an overflow the scaler
+skips: that policy returns True, the step is counted in ``skipped`` and the run goes on.
 """
 
 from __future__ import annotations
@@ -13,12 +20,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from sbpflow.graph import TensorDecl
+from sbpflow.numerics import NonFiniteLoss, finite
 from sbpflow.run_state import JobState
 from sbpflow.sharding import assemble_value
 from sbpflow.v1 import service_pb2 as sp
@@ -27,6 +35,12 @@ WINDOW = 8  # samples/s is measured over the last WINDOW steps: reports arrive i
 StepListener = Callable[[sp.StepMetrics], None]
 ReportListener = Callable[[sp.WorkerReport], None]
 StateListener = Callable[[JobState], None]
+NonFinitePolicy = Callable[[int, float], bool]  # (job step, loss) -> True: skip and count the step
+
+
+def fail_on_non_finite(step: int, value: float) -> bool:
+    """The policy without loss scaling: a non-finite loss stops the run (it is never skipped)."""
+    return False
 
 
 class StepTracker:
@@ -36,8 +50,22 @@ class StepTracker:
     step's loss. Thread-safe: reports arrive from stream threads or gRPC handler threads.
     """
 
-    def __init__(self, loss: TensorDecl | None, samples_per_step: int, on_step: StepListener | None) -> None:
+    def __init__(
+        self,
+        loss: TensorDecl | None,
+        samples_per_step: int,
+        on_step: StepListener | None,
+        *,
+        job: str = "",
+        first_step: int = 0,
+        on_non_finite: NonFinitePolicy = fail_on_non_finite,
+        stop: Callable[[], None] = lambda: None,
+    ) -> None:
         self._decl = loss
+        self._job, self._first_step = job, first_step  # the run's step s is the job's first_step + s
+        self._policy, self._stop = on_non_finite, stop
+        self.non_finite: NonFiniteLoss | None = None  # set when a non-finite loss stopped the run
+        self.skipped = 0  # non-finite steps the policy skipped
         self._ranks = tuple(loss.placement.ranks) if loss is not None and loss.placement else ()
         self._samples = samples_per_step
         self._on_step = on_step
@@ -64,25 +92,54 @@ class StepTracker:
         if self._decl is None or rank not in self._ranks:
             return
         with self._lock:
+            if self.non_finite is not None:
+                return  # the run stops at the step that diverged: later ones are not reported
             shares = self._pending.setdefault(step, {})
             shares[rank] = np.asarray(value)
             done = []
-            while len(self._pending.get(len(self.losses), {})) == len(self._ranks):
+            while self.non_finite is None and len(self._pending.get(len(self.losses), {})) == len(
+                self._ranks
+            ):
                 shares = self._pending.pop(len(self.losses))
-                loss = float(assemble_value(self._decl, shares))
-                now = time.monotonic()
-                seconds, self._last = now - self._last, now
-                self._recent.append(now)
-                self.losses.append(loss)
-                span = now - self._recent[0]
-                done.append(
-                    sp.StepMetrics(
-                        step=len(self.losses),
-                        loss=loss,
-                        samples_per_second=self._samples * (len(self._recent) - 1) / max(span, 1e-9),
-                        step_seconds=seconds,
-                    )
-                )
-        for metrics in done:
+                done.append(self._complete(float(assemble_value(self._decl, shares))))
+        self._emit(done)
+
+    def settle(self, losses: Sequence[float], start: int) -> None:
+        """The run's assembled losses of steps ``start, start + 1, ...`` (an attempt's outcome): complete
+        the steps whose reports never came (a report can be dropped; the outcome holds every step)."""
+        with self._lock:
+            done = []
+            while self.non_finite is None and start <= len(self.losses) < start + len(losses):
+                self._pending.pop(len(self.losses), None)
+                done.append(self._complete(float(losses[len(self.losses) - start])))
+        self._emit(done)
+
+    def _complete(self, loss: float) -> tuple[sp.StepMetrics, bool]:
+        """Step ``len(losses)`` is complete with ``loss``: its metrics, and whether the run must stop.
+        Called under the lock."""
+        now = time.monotonic()
+        seconds, self._last = now - self._last, now
+        self._recent.append(now)
+        self.losses.append(loss)
+        span = now - self._recent[0]
+        metrics = sp.StepMetrics(
+            step=len(self.losses),
+            loss=loss,
+            samples_per_second=self._samples * (len(self._recent) - 1) / max(span, 1e-9),
+            step_seconds=seconds,
+        )
+        if finite(loss):
+            return metrics, False
+        step = self._first_step + len(self.losses)
+        if self._policy(step, loss):
+            self.skipped += 1
+            return metrics, False
+        self.non_finite = NonFiniteLoss(self._job, step, loss)
+        return metrics, True
+
+    def _emit(self, done: list[tuple[sp.StepMetrics, bool]]) -> None:
+        for metrics, stop in done:
             if self._on_step is not None:
                 self._on_step(metrics)
+            if stop:
+                self._stop()

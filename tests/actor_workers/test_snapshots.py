@@ -256,3 +256,78 @@ def test_a_killed_worker_restarts_the_job_from_its_last_checkpoint_and_it_ends_a
     assert got.parameters is not None and want.parameters is not None
     for name, value in want.parameters.items():
         np.testing.assert_allclose(got.parameters[name], value, rtol=1e-10, atol=1e-14, err_msg=name)
+
+
+# ---- integrity: a corrupt latest checkpoint is passed over -------------------------------------------
+
+
+def garble_a_shard(step_path: Path) -> None:
+    """Overwrite the tail of one rank file (tensor bytes) with garbage of the same size."""
+    f = sorted(step_path.glob("rank-*.safetensors"))[0]
+    raw = bytearray(f.read_bytes())
+    raw[-64:] = bytes(b ^ 0xA5 for b in raw[-64:])
+    f.write_bytes(bytes(raw))
+
+
+def test_resuming_a_root_whose_latest_checkpoint_is_corrupt_goes_on_from_the_previous_one(
+    saved: tuple[Path, sf.RunResult], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import shutil
+
+    src, full = saved
+    root = tmp_path / "copy"
+    shutil.copytree(src, root)
+    garble_a_shard(step_dir(root, 6))
+    garble_a_shard(step_dir(root, 4))
+    with pytest.raises(CheckpointError, match=r"tensor '.*' in file rank-\d{5}\..*has checksum crc32:"):
+        sf.run(
+            f64(mlp_job(ranks=4), checkpoint_every=2), backend="inprocess", resume_from=str(step_dir(root, 4))
+        )
+    with caplog.at_level("WARNING", logger="sbpflow.control_plane.launcher"):
+        got = sf.run(
+            f64(mlp_job(ranks=4), checkpoint_every=2), backend="inprocess", resume_from=str(root), timeout=60
+        )
+    assert got.first_step == 2
+    np.testing.assert_array_equal(got.losses, full.losses[2:])
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("checkpoint step-00000006 is corrupt (file rank-") for m in said), said
+    assert any(m.endswith("; resuming from step-00000002") for m in said), said
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_ray_restart_passes_over_a_corrupt_latest_checkpoint(tmp_path: Path) -> None:
+    import ray
+
+    want = sf.run(ray_job(), backend="inprocess", timeout=300)
+    attempts: list[tuple[int, int, str, str]] = []
+    killed: dict[str, Any] = {}
+
+    def corrupt_10_then_kill(r: Any) -> None:
+        if r.WhichOneof("payload") != "step" or r.attempt != 1 or r.step.step < 11 or killed:
+            return
+        deadline = time.monotonic() + 30  # the writers finish step 10 in the background
+        while not (step_dir(tmp_path, 10) / MANIFEST).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        garble_a_shard(step_dir(tmp_path, 10))
+        info = ray.get(ray.get_actor("sbpflow-corrupt-a1-r1").info.remote())
+        killed.update(info)
+        os.kill(info["pid"], signal.SIGKILL)
+
+    got = sf.run(
+        ray_job(checkpoint_every=5),
+        backend="ray",
+        job_id="corrupt",
+        on_report=corrupt_10_then_kill,
+        on_attempt=lambda *a: attempts.append(a),
+        checkpoint_dir=str(tmp_path),
+        max_restarts=1,
+        timeout=300,
+    )
+    assert killed and got.attempts == 2
+    ((attempt, first, reason, message),) = attempts
+    assert (attempt, first, reason) == (2, 5, "WORKER_LOST")
+    assert (
+        "checkpoint step-00000010 is corrupt (file rank-" in message
+        and "resuming from step-00000005" in message
+    )
+    np.testing.assert_allclose(got.losses, want.losses, rtol=1e-12, atol=0)

@@ -392,3 +392,23 @@ def test_a_lost_ray_worker_shows_as_the_next_attempt(tmp_path: Path, mlp: Module
         m.cancel(rec.id)
         assert wait_end(m, rec.id) == JobState.CANCELLED
         m.shutdown()
+
+
+def test_resume_passes_over_a_corrupt_latest_checkpoint_saying_so(
+    manager: JobManager, mlp: ModuleType, ended: str
+) -> None:
+    root = Path(manager.config.checkpoint_root or "") / ended
+    f = sorted(step_dir(root, 4).glob("rank-*.safetensors"))[0]
+    raw = bytearray(f.read_bytes())
+    raw[-32:] = bytes(b ^ 0xFF for b in raw[-32:])  # same size: only the checksum tells
+    f.write_bytes(bytes(raw))
+    new = manager.resume(ended, blob(job_of(mlp, 6)))
+    assert new.resume_checkpoint == str(step_dir(root, 2))
+    assert wait_end(manager, new.id) == JobState.SUCCEEDED
+    assert [p.step for p in manager.store.losses(new.id)] == [3, 4, 5, 6]
+    logs = [line.text for line in manager.store.logs(new.id)]
+    assert any(
+        t.startswith(f"checkpoint step-00000004 is corrupt (file {f.name} has checksum crc32:")
+        and t.endswith("; resuming from step-00000002")
+        for t in logs
+    ), logs
