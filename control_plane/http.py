@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import math
 import ssl
 import threading
@@ -37,6 +38,9 @@ from sbpflow.run_state import JobState
 Response = tuple[int, str, bytes]  # status, content type, body
 JSON = "application/json"
 PAGE_JOBS = 50
+MAX_LIMIT = 1000  # ?limit= on /v1/jobs
+MAX_ID = 256  # characters of a job id in a path
+log = logging.getLogger("sbpflow.control_plane.http")
 
 
 def _json(code: int, obj: Any) -> Response:
@@ -98,12 +102,15 @@ class StatusEndpoint:
                 return self.job(path.removeprefix("/v1/jobs/"))
             route = self.routes.get(path.rstrip("/") or "/")
             if route is None:
-                return _error(404, f"no page {path}; try one of {sorted(self.routes)} or /v1/jobs/ID")
+                return _error(404, f"no page {path[:80]!r}; try one of {sorted(self.routes)} or /v1/jobs/ID")
             return route(query)
         except UnknownJobError as e:
-            return _error(404, str(e))
+            return _error(404, str(e)[:4000])
         except (StoreError, ValueError) as e:
-            return _error(400, str(e))
+            return _error(400, str(e)[:4000])
+        except Exception as e:  # the contract: a status and a JSON body, never a dropped connection
+            log.exception("internal error answering %s", path[:200])
+            return _error(500, f"internal error ({type(e).__name__}); the server's log has the traceback")
 
     def readyz(self, query: dict[str, list[str]]) -> Response:
         if not self.manager.ready:
@@ -116,11 +123,13 @@ class StatusEndpoint:
 
     def jobs(self, query: dict[str, list[str]]) -> Response:
         states = [_state(s) for v in query.get("state", []) for s in v.split(",")] or None
-        limit = int(query.get("limit", ["100"])[0])
+        limit = _int(query, "limit", 100, 1, MAX_LIMIT)
         recs = self.store.list(states, limit=limit)
         return _json(200, {"jobs": [status.as_json(status.job_status(r)) for r in recs]})
 
     def job(self, job_id: str) -> Response:
+        if len(job_id) > MAX_ID or not job_id.isprintable():
+            raise ValueError(f"{job_id[:40]!r}... is not a job id; use an id from /v1/jobs")
         rec = self.store.get(job_id)
         body = status.as_json(status.job_status(rec, self.manager.workers(job_id)))
         body["losses"] = [status.json_float(p.loss) for p in self.store.losses(job_id)]
@@ -151,10 +160,18 @@ class StatusEndpoint:
         return 200, "text/html; charset=utf-8", body.encode()
 
 
+def _int(query: dict[str, list[str]], name: str, default: int, lo: int, hi: int) -> int:
+    """The query parameter ``name`` as an int in ``lo .. hi`` (ValueError naming it otherwise)."""
+    text = query.get(name, [str(default)])[0].strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 12 and lo <= int(text) <= hi):
+        raise ValueError(f"{name}={text[:40]!r}: give an integer in {lo}..{hi}")
+    return int(text)
+
+
 def _state(name: str) -> JobState:
     key = name.strip().upper().removeprefix("JOB_STATE_")
     if key not in JobState.__members__:
-        raise ValueError(f"state={name!r} is unknown; use one of {', '.join(JobState.__members__)}")
+        raise ValueError(f"state={name[:40]!r} is unknown; use one of {', '.join(JobState.__members__)}")
     return JobState[key]
 
 
@@ -180,19 +197,45 @@ def loss_svg(points: Sequence[LossPoint], width: int = 240, height: int = 48) ->
 def _handler_class(endpoint: StatusEndpoint) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "sbpflow"
+        default_request_version = "HTTP/1.0"  # so even an unparsable request line gets a status line
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            url = urlsplit(self.path)
-            code, ctype, body = endpoint.answer(
-                url.path, parse_qs(url.query), self.headers.get("Authorization")
+            try:
+                url = urlsplit(self.path)
+                query = parse_qs(url.query, max_num_fields=64)
+            except ValueError as e:
+                self._reply(_error(400, f"malformed request target: {str(e)[:200]}"))
+                return
+            self._reply(endpoint.answer(url.path, query, self.headers.get("Authorization")))
+
+        def do_HEAD(self) -> None:  # noqa: N802
+            self._reply(_error(405, "HEAD is not served; use GET"), allow=True)
+
+        def _refuse_method(self) -> None:
+            self._reply(
+                _error(405, f"{self.command} is not served: the status endpoint is read-only; use GET"),
+                allow=True,
             )
+
+        do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse_method  # noqa: N815
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """http.server's own refusals (a malformed request line, over-long headers) as JSON too."""
+            self.close_connection = True
+            self._reply(_error(code, message or explain or "malformed request"))
+
+        def _reply(self, response: Response, allow: bool = False) -> None:
+            code, ctype, body = response
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             if code == 401:
                 self.send_header("WWW-Authenticate", 'Bearer realm="sbpflow"')
+            if allow:
+                self.send_header("Allow", "GET")
             self.end_headers()
-            self.wfile.write(body)
+            if self.command != "HEAD":
+                self.wfile.write(body)
 
         def log_message(self, format: str, *args: Any) -> None:
             pass  # no access log on stderr

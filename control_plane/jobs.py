@@ -45,7 +45,7 @@ from sbpflow.control_plane import resume as resuming
 from sbpflow.control_plane.run_listeners import RunListeners
 from sbpflow.control_plane.store.job_store import JobStore, Resumable
 from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
-from sbpflow.control_plane.validation import ValidationError, compile_submit
+from sbpflow.control_plane.validation import ValidationError, compile_submit, describe_cluster
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
 from sbpflow.numerics import NonFinite
@@ -76,6 +76,7 @@ class ManagerConfig:
     keep_run_results: bool = False  # keep each RunResult in memory (the embedded `sbpflow run`)
     checkpoint_root: str | None = None  # job ID's checkpoints go to <root>/<ID> (checkpoint_every > 0)
     data_policy: DataPolicy | None = None  # which files jobs' data may name (data_policy.py); None: any
+    device_memory: int | None = None  # bytes per device at Submit; None: Ray's or the machine's; 0: off
 
 
 def job_ranks(job: Job) -> set[int]:
@@ -131,6 +132,7 @@ class JobManager:
         self.metrics = metrics
         self.report_hub = report_hub
         self.capacity = cluster_capacity(config)
+        self.cluster = describe_cluster(config.run.backend, self.capacity, config.device_memory)
         self.changed = threading.Condition()
         self.version = 0  # grows on every change that a stream may be waiting for
         self._lock = threading.RLock()
@@ -221,9 +223,7 @@ class JobManager:
     ) -> JobRecord:
         if self._closed:
             raise SbpflowError("the control plane is shutting down; submit to another or retry later")
-        compiled = compile_submit(
-            job_bytes, self.capacity, self.config.max_job_bytes, self.config.data_policy
-        )
+        compiled = compile_submit(job_bytes, self.cluster, self.config.max_job_bytes, self.config.data_policy)
         job = compiled.state.job
         slots = len(job_ranks(job))
         if slots > self.capacity:

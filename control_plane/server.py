@@ -8,9 +8,10 @@ WorkerService for Ray workers, and the HTTP status endpoint, all over one job st
     plane.stop()
 
 ``sbpflow server`` runs ``serve(config)``, which blocks until SIGINT/SIGTERM. Rules:
-- errors map to gRPC codes by the table ``_CODES`` (bad input INVALID_ARGUMENT with validate_submit's
-  message; unknown id NOT_FOUND; a job that cannot be resumed FAILED_PRECONDITION; shutting down
-  UNAVAILABLE), every message saying what to do;
+- errors map to gRPC codes by the table ``rpc_contract.CODES`` (bad input INVALID_ARGUMENT with
+  validate_submit's message; a job too big for the workers RESOURCE_EXHAUSTED; unknown id NOT_FOUND;
+  a job that cannot be resumed FAILED_PRECONDITION; shutting down UNAVAILABLE; anything else INTERNAL,
+  logged), every message saying what to do, never UNKNOWN;
 - Resume makes a new job from an ended job's latest checkpoint (``control_plane/resume.py``); a job's
   status carries ``resumed_from``, ``resume_checkpoint`` and ``last_checkpoint``;
 - Submit reads its request bytes itself, so a malformed protobuf is INVALID_ARGUMENT, not INTERNAL;
@@ -37,14 +38,19 @@ from grpc_reflection.v1alpha import reflection
 
 from sbpflow.control_plane import status
 from sbpflow.control_plane.auth import OPEN_HTTP_PATHS, AuthInterceptor, TokenCheck
-from sbpflow.control_plane.data_policy import DataAccessDenied, DataPolicy
+from sbpflow.control_plane.data_policy import DataPolicy
 from sbpflow.control_plane.isolation import CallCounter, CapacityInterceptor, StreamGate, check_bind, unready
 from sbpflow.control_plane.jobs import JobManager, ManagerConfig
 from sbpflow.control_plane.metrics import Metrics
-from sbpflow.control_plane.resume import NotResumable
-from sbpflow.control_plane.store.db import StoreError, UnknownJobError
+from sbpflow.control_plane.rpc_contract import (
+    MAX_DETAILS,
+    MAX_OFFSET,
+    check_keys,
+    contract,
+    guard,
+    valid_job_id,
+)
 from sbpflow.control_plane.store.job_store import JobStore
-from sbpflow.control_plane.validation import ValidationError
 from sbpflow.errors import SbpflowError
 from sbpflow.run_options import MANAGER_DEFAULTS, RunOptions
 from sbpflow.run_state import JobState
@@ -55,16 +61,6 @@ T = TypeVar("T")
 SERVICE = "sbpflow.v1.JobService"
 DEFAULT_PAGE, MAX_PAGE = 100, 1000
 POLL_SECONDS = 1.0  # streams re-check their client at least this often
-
-# Exception type -> gRPC status code; the first matching row wins (subclasses before their bases).
-_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (DataAccessDenied, grpc.StatusCode.PERMISSION_DENIED),
-    (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
-    (UnknownJobError, grpc.StatusCode.NOT_FOUND),
-    (NotResumable, grpc.StatusCode.FAILED_PRECONDITION),
-    (StoreError, grpc.StatusCode.INVALID_ARGUMENT),
-    (SbpflowError, grpc.StatusCode.UNAVAILABLE),
-)
 
 
 @dataclass(frozen=True)
@@ -85,16 +81,7 @@ class ServerConfig:
     open_metrics: bool = False  # /metrics without the token (Prometheus scraping by annotation)
     data_roots: tuple[str, ...] = ()  # jobs' data files only under these (data_policy.py); (): none
     insecure: bool = False  # allow a non-loopback host without auth_token
-
-
-def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
-    """Run ``fn``; an sbpflow error aborts the call with the code of its row in ``_CODES``."""
-    try:
-        return fn()
-    except SbpflowError as e:
-        code = next(c for t, c in _CODES if isinstance(e, t))
-        context.abort(code, str(e))
-        raise  # unreachable: abort raises
+    device_memory: int | None = None  # bytes per device at Submit; None: Ray's or the machine's; 0: off
 
 
 class JobServicer:
@@ -126,21 +113,25 @@ class JobServicer:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "SubmitJobRequest.job is missing; set it to sbpflow.wire.job_to_proto(job)",
             )
+        check_keys(context, req)
         blob = req.job.SerializeToString()
-        rec = _guard(context, lambda: self.manager.submit(blob, req.client_id, req.idempotency_key))
+        rec = guard(context, lambda: self.manager.submit(blob, req.client_id, req.idempotency_key))
         return sp.SubmitJobResponse(job_id=rec.id, status=self.status_of(rec.id))
 
     def Resume(self, request: sp.ResumeJobRequest, context: grpc.ServicerContext) -> sp.ResumeJobResponse:  # noqa: N802
+        check_keys(context, request)
         blob = request.job.SerializeToString() if request.HasField("job") else None
-        rec = _guard(
+        rec = guard(
             context,
-            lambda: self.manager.resume(request.job_id, blob, request.client_id, request.idempotency_key),
+            lambda: self.manager.resume(
+                valid_job_id(context, request.job_id), blob, request.client_id, request.idempotency_key
+            ),
         )
         step = 0
         if rec.resume_checkpoint:
             from sbpflow.checkpoint.read import CheckpointReader
 
-            step = _guard(context, lambda: CheckpointReader(rec.resume_checkpoint).step)
+            step = guard(context, lambda: CheckpointReader(rec.resume_checkpoint).step)
         return sp.ResumeJobResponse(
             job_id=rec.id,
             status=self.status_of(rec.id),
@@ -149,20 +140,27 @@ class JobServicer:
         )
 
     def Get(self, request: sp.GetJobRequest, context: grpc.ServicerContext) -> sp.JobStatus:  # noqa: N802
-        return _guard(context, lambda: self.status_of(request.job_id))
+        return guard(context, lambda: self.status_of(valid_job_id(context, request.job_id)))
 
     def List(self, request: sp.ListJobsRequest, context: grpc.ServicerContext) -> sp.ListJobsResponse:  # noqa: N802
         size = request.page_size or DEFAULT_PAGE
         token = request.page_token or "0"
-        if not token.isdigit() or not 0 < size <= MAX_PAGE:
+        if not (token.isascii() and token.isdigit() and int(token) <= MAX_OFFSET) or not 0 < size <= MAX_PAGE:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"page_size={request.page_size}, page_token={request.page_token!r}: give a page size of 1.."
+                f"page_size={request.page_size}, page_token={request.page_token[:40]!r}: give a page size of 1.."
                 f"{MAX_PAGE} (0 = {DEFAULT_PAGE}) and a token from a previous ListJobsResponse",
+            )
+        unknown = [s for s in request.states if s not in sp.JobState.values()]
+        if unknown:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"states={list(request.states)[:20]}: {unknown[0]} is not a JobState; use the values of "
+                "sbpflow.v1.JobState (e.g. JOB_STATE_RUNNING)",
             )
         states = [JobState(sp.JobState.Name(s)) for s in request.states if s] or None
         offset = int(token)
-        recs = _guard(context, lambda: self.store.list(states, limit=size + 1, offset=offset))
+        recs = guard(context, lambda: self.store.list(states, limit=size + 1, offset=offset))
         more = len(recs) > size
         jobs = [status.job_status(r) for r in recs[:size]]
         for m in jobs:
@@ -173,17 +171,20 @@ class JobServicer:
         )
 
     def Watch(self, request: sp.WatchJobRequest, context: grpc.ServicerContext) -> Iterator[sp.JobEvent]:  # noqa: N802
-        _guard(context, lambda: self.store.get(request.job_id))
+        guard(context, lambda: self.store.get(valid_job_id(context, request.job_id)))
         for ev in self.manager.follow(request.job_id, request.after_seq, context.is_active, POLL_SECONDS):
             ev.status.options.CopyFrom(self.options)
             yield ev
 
     def Cancel(self, request: sp.CancelJobRequest, context: grpc.ServicerContext) -> sp.JobStatus:  # noqa: N802
-        _guard(context, lambda: self.manager.cancel(request.job_id, request.reason))
+        guard(
+            context,
+            lambda: self.manager.cancel(valid_job_id(context, request.job_id), request.reason[:MAX_DETAILS]),
+        )
         return self.status_of(request.job_id)
 
     def Logs(self, request: sp.LogsRequest, context: grpc.ServicerContext) -> Iterator[sp.LogLine]:  # noqa: N802
-        _guard(context, lambda: self.store.get(request.job_id))
+        guard(context, lambda: self.store.get(valid_job_id(context, request.job_id)))
         seq = 0
         while context.is_active():
             seen = self.manager.version
@@ -197,7 +198,7 @@ class JobServicer:
             self.manager.wait_changed(seen, POLL_SECONDS)
 
     def GetResult(self, request: sp.GetResultRequest, context: grpc.ServicerContext) -> sp.JobResult:  # noqa: N802
-        rec = _guard(context, lambda: self.store.get(request.job_id))
+        rec = guard(context, lambda: self.store.get(valid_job_id(context, request.job_id)))
         if not rec.state.terminal:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -221,7 +222,8 @@ class JobServicer:
 
 
 def _job_service_handler(servicer: JobServicer) -> grpc.GenericRpcHandler:
-    """JobService's handlers; Submit receives raw bytes (see JobServicer.Submit)."""
+    """JobService's handlers under the status contract (``rpc_contract.contract``), each receiving raw
+    bytes that the contract parses into its request type (Submit parses its own, see JobServicer.Submit)."""
     unary, stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
     # name: (kind, request type or None for raw bytes)
     methods: dict[str, tuple[Callable[..., Any], Any]] = {
@@ -236,8 +238,7 @@ def _job_service_handler(servicer: JobServicer) -> grpc.GenericRpcHandler:
     }
     handlers = {
         name: kind(
-            getattr(servicer, name),
-            request_deserializer=(req.FromString if req is not None else None),
+            contract(getattr(servicer, name), streaming=kind is stream, request_type=req),
             response_serializer=lambda m: m.SerializeToString(),
         )
         for name, (kind, req) in methods.items()
@@ -257,6 +258,7 @@ class ControlPlane:
             max_job_bytes=config.max_message_bytes,
             checkpoint_root=config.checkpoint_root,
             data_policy=DataPolicy.under(config.data_roots),
+            device_memory=config.device_memory,
         )
         self.hub = _report_hub(config)
         self.manager = JobManager(self.store, manager_config, report_hub=self.hub)
