@@ -190,6 +190,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
     3: (  # SQLite cannot drop a NOT NULL: the losses table is rebuilt with a nullable loss
         "ALTER TABLE jobs ADD COLUMN loss_nan INTEGER NOT NULL DEFAULT 0",
+        _LOSSES_V4.replace("losses_v4", "IF NOT EXISTS losses"),  # a file that never had one
         _LOSSES_V4,
         "INSERT INTO losses_v4 SELECT job_id, step, loss, samples_per_second, time FROM losses",
         "DROP TABLE losses",
