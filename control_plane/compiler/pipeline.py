@@ -95,10 +95,21 @@ class Compiled:
 
     def device_plans(self, ranks: list[int]) -> dict[int, pp.DevicePlan]:
         """Several ranks' DevicePlans lowered in one walk (not cached: a control plane ships them)."""
+        return self._walk(ranks)[0]
+
+    def _walk(self, ranks: list[int]) -> tuple[dict[int, pp.DevicePlan], dict[int, list[str]]]:
+        """``device_plans`` and, for the ranks this walk built, the communicators each is a member of (every
+        call on a communicator involves each of its ranks, so a built member has a task on it)."""
         low = lowering.lower(self.state, [r for r in ranks if r not in self._devices], memo=self._memo)
         for rank, d in low.devices.items():
             d.memory.CopyFrom(self.memory[rank].to_proto())
-        return {r: self._devices.get(r) or low.devices[r] for r in ranks}
+        members: dict[int, list[str]] = {}
+        for c in low.communicators:
+            for r in c.ranks:
+                members.setdefault(r, []).append(c.id)
+        return {r: self._devices.get(r) or low.devices[r] for r in ranks}, {
+            r: members[r] for r in low.devices
+        }
 
     def header(self) -> pp.Plan:
         """The whole plan's header (``lowering.plan_header``: the job and every tensor), without devices."""
@@ -116,9 +127,9 @@ class Compiled:
         index = {d.rank: d for d in self.plan.devices} if self.plan is not None else {}
         for i in range(0, len(ranks), batch):
             part = list(ranks[i : i + batch])
-            devices = {r: index[r] for r in part} if index else self.device_plans(part)
+            devices, members = ({r: index[r] for r in part}, {}) if index else self._walk(part)
             for r in part:
-                yield r, self._rank_plan_bytes(devices.pop(r))
+                yield r, self._rank_plan_bytes(devices.pop(r), members.get(r))
 
     def device_types(self) -> dict[int, jp.DeviceType.ValueType]:
         """Every rank with tasks (one worker each) -> its ``DeviceType``: the plan's devices or, lowered on
@@ -129,11 +140,12 @@ class Compiled:
         types = {pl: wire.placement_to_proto(pl).device_type for pl in placements}
         return dict(sorted((r, types[pl]) for pl in placements for r in pl.ranks))
 
-    def _rank_plan_bytes(self, d: pp.DevicePlan) -> bytes:
+    def _rank_plan_bytes(self, d: pp.DevicePlan, communicators: list[str] | None = None) -> bytes:
         # A parsed concatenation of messages is their merge, so the header (the same for every rank of the
         # same placements) is serialised once, and the DevicePlan is written as Plan's field 3 uncopied.
         header = self._rank_header(d.rank)
-        ids = sorted({t.communicator for t in d.tasks if t.communicator})
+        used = {t.communicator for t in d.tasks if t.communicator} if communicators is None else communicators
+        ids = sorted(used)
         comms = pp.Plan(
             communicators=[
                 pp.Communicator(id=c, ranks=[int(r) for r in c.split(":", 1)[1].split(",")]) for c in ids

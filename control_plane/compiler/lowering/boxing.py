@@ -27,6 +27,7 @@ from sbpflow.control_plane.compiler.lowering.tasks import (
     K,
     LoweringError,
     TaskEmitter,
+    placement_of,
     rank_coords,
     shard_shape,
 )
@@ -116,6 +117,17 @@ class Memo:
     boxing: dict[tuple[int, int, int, int], tuple[BoxingStep, pp.Boxing]] = field(default_factory=dict)
     p2ps: dict[int, _P2P] = field(default_factory=dict)  # id(step) -> its layout (which keeps it alive)
     group_of: dict[tuple[Placement, int], dict[tuple[int, ...], list[int]]] = field(default_factory=dict)
+    transfers: dict[int, tuple[list[Transfer], list[pp.Transfer]]] = field(
+        default_factory=dict
+    )  # by id(list)
+    src_regions: dict[tuple[int, int], pp.Region] = field(default_factory=dict)  # (id(step), rank) -> region
+
+    def transfer_protos(self, trs: list[Transfer]) -> list[pp.Transfer]:
+        """The protos of a pair's transfers (a list a cached p2p layout holds, so ``id`` names it)."""
+        got = self.transfers.get(id(trs))
+        if got is None:
+            got = self.transfers[id(trs)] = (trs, [transfer_proto(tr) for tr in trs])
+        return got[1]
 
 
 @dataclass
@@ -126,6 +138,7 @@ class Lowerer(TaskEmitter):
     memo: Memo = field(default_factory=Memo)
     _groups: dict[tuple[Placement, int], list[list[tuple[int, ...]]]] = field(default_factory=dict)
     _visits: dict[int, list[int]] = field(default_factory=dict)  # step -> destinations touching built ranks
+    _spans: dict[str, tuple[int, int] | None] = field(default_factory=dict)  # op -> ``span``
     trail: list[tuple[str, BoxingPlan, int]] | None = None  # every boxing step emitted, in order
 
     def __post_init__(self) -> None:
@@ -133,10 +146,44 @@ class Lowerer(TaskEmitter):
         self._boxing, self._p2ps, self._group_of = self.memo.boxing, self.memo.p2ps, self.memo.group_of
 
     def emit_op(self, op: OpNode, state: CompileState) -> None:
+        if self.keep is not None and self.trail is None:  # a partial walk: skip what no built rank is in
+            if op.name not in self._spans:
+                self._spans[op.name] = self.span(op, state)
+            span = self._spans[op.name]
+            if span is not None:
+                self.seek(self.next_task + span[0], self.next_reg + span[1])
+                return
         if op.op_type == BOXING:
             self.emit_boxing(op, state.boxings.get(op.name) or plan_of(self.graph, op))
         else:
             self.emit_kernel(op)
+
+    def span(self, op: OpNode, state: CompileState) -> tuple[int, int] | None:
+        """The (tasks, registers) ``op`` emits over every rank when none of its ranks is built, else
+        ``None``: a walk that builds none of them only counts them (no task, register or communicator
+        call of a built rank is among them). The op's checks run in the walks that build its ranks."""
+        assert self.keep is not None
+        keep = self.keep
+        if op.op_type != BOXING:
+            where = placement_of(self.graph, op)
+            if not keep.isdisjoint(where.ranks):
+                return None
+            return where.size, where.size * len(op.outputs)
+        plan = state.boxings.get(op.name) or plan_of(self.graph, op)
+        if not (keep.isdisjoint(plan.src.ranks) and keep.isdisjoint(plan.dst.ranks)):
+            return None
+        if plan.is_identity:
+            return plan.src.size, plan.src.size
+        tasks = registers = 0
+        for step in plan.steps:
+            if step.collective is Collective.p2p:
+                lay = self._p2ps.get(id(step))
+                if lay is None:
+                    lay = self._p2ps[id(step)] = p2p_layout(plan, step)
+                tasks, registers = tasks + lay.total[0], registers + lay.total[1]
+            else:
+                tasks, registers = tasks + plan.src.size, registers + plan.src.size
+        return tasks, registers
 
     def emit_boxing(self, op: OpNode, plan: BoxingPlan) -> None:
         src, dst = (self.graph.tensors[op.inputs[0]], self.graph.tensors[op.outputs[0]])
@@ -320,16 +367,19 @@ class Lowerer(TaskEmitter):
         )
         if send is not None:
             send.boxing.peer = d
-            send.boxing.transfers.extend(transfer_proto(tr) for tr in trs)
-            src_index = shard_index(plan.meta.shape, plan.src.shape, step.from_sbp, src_coord)
-            send.boxing.src_region.CopyFrom(region_proto(src_index))
+            send.boxing.transfers.extend(self.memo.transfer_protos(trs))
+            region = self.memo.src_regions.get((id(step), s))
+            if region is None:
+                src_index = shard_index(plan.meta.shape, plan.src.shape, step.from_sbp, src_coord)
+                region = self.memo.src_regions[(id(step), s)] = region_proto(src_index)
+            send.boxing.src_region.CopyFrom(region)
         self.read(send, source)
         recv = self._boxing_task(
             d, op, K.TASK_KIND_RECV, step, pp.COLLECTIVE_KIND_RECV, nbytes, index, dest.coord
         )
         if recv is not None:
             recv.boxing.peer = s
-            recv.boxing.transfers.extend(transfer_proto(tr) for tr in trs)
+            recv.boxing.transfers.extend(self.memo.transfer_protos(trs))
         piece = self.produce(recv, d, shape, plan.meta.dtype)
         call = Call(op.name, _boxing_name(step), call_kind(pp.COLLECTIVE_KIND_SEND), nbytes)
         self.comm.add(
