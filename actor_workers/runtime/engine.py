@@ -227,6 +227,7 @@ class Engine:
                     return
                 if a is not None:
                     self._finish(a, outs)
+                    s.current = None
                 while not heap or (s.order is not None and heap[0][3] is not s.level[s.pos]):
                     if s.remaining == 0:
                         s.current = None
@@ -242,7 +243,7 @@ class Engine:
                 s.remaining -= 1
                 s.current = a
                 it = a.it
-                values = self._take(a)
+                values = self._take(a) if a.in_regs or a.out_regs else []
             try:
                 if trace:
                     t0 = perf()
@@ -281,7 +282,7 @@ class Engine:
             reg.last = v
             readers = reg.readers
             if readers:
-                reg.pending.append(len(readers))
+                reg.pending.append(reg.n_readers)
                 for c, i in readers:
                     box = c.inboxes[i]
                     box.append(v)
@@ -295,10 +296,12 @@ class Engine:
                 if reg.free == 1:
                     a.missing -= 1
         acks = a.acks
-        for j, reg in enumerate(a.in_regs):
+        j = 0
+        for reg in a.in_regs:
             pending = reg.pending
             k = acks[j] - reg.freed
             acks[j] += 1
+            j += 1
             pending[k] -= 1
             if k == 0 and pending[0] == 0:
                 was = reg.free
@@ -314,7 +317,6 @@ class Engine:
                         self._push(p)
         a.it += 1
         a.busy = False
-        a.stream.current = None
         if a.missing == 0 and a.it < a.iterations:
             self._push(a)
         self._left -= 1

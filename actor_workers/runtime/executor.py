@@ -16,7 +16,8 @@ Everything comes from the plan: each task's mesh coordinate and, for boxing task
 the plan's tables (:mod:`.plan_tables`: the tensors with their placements and nd-SBPs, the initialisers,
 the data source, the config) for the rest. ``Plan.job`` is never read, and no boxing is re-planned. What
 is read off the plan before the actors are built (loop edges, donated inputs, recycled buffers, boxings
-that move nothing) is in :mod:`.executor_analysis`.
+that move nothing) is in :mod:`.executor_analysis`; the acts that only hand a value on (those boxings, the
+variables' looped SOURCEs) are then bypassed (:mod:`.bypass`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from sbpflow import wire
 from sbpflow.actor_workers.runtime import boxing_tasks, plan_tables, tasks
 from sbpflow.actor_workers.runtime import executor_analysis as analysis
 from sbpflow.actor_workers.runtime.actor import ActorSpec
+from sbpflow.actor_workers.runtime.bypass import bypass
 from sbpflow.actor_workers.runtime.engine import AbortHook, Engine, RunResult
 from sbpflow.actor_workers.runtime.executor_analysis import KIND, ExecutorError
 from sbpflow.actor_workers.runtime.group import EngineGroup
@@ -161,6 +163,10 @@ def _build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: 
                 trace_args={"micro_batch": task.micro_batch, "task": task.id},
             )
         )
+    passing = {
+        t.id for t in device.tasks if t.id in no_ops or (t.kind == pp.TASK_KIND_SOURCE and t.id in loops)
+    }
+    actors, registers = bypass(actors, registers, passing - guards.keys())
     return RankProgram(device.rank, actors, registers, rc)
 
 

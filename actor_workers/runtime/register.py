@@ -38,7 +38,18 @@ class RegisterSpec:
 class Register:
     """The run-time state of a register. Only touched under the engine's lock."""
 
-    __slots__ = ("spec", "count", "free", "pending", "freed", "peak", "last", "producer", "readers")
+    __slots__ = (
+        "spec",
+        "count",
+        "free",
+        "pending",
+        "freed",
+        "peak",
+        "last",
+        "producer",
+        "readers",
+        "n_readers",
+    )
 
     def __init__(self, spec: RegisterSpec) -> None:
         self.spec = spec
@@ -52,6 +63,7 @@ class Register:
         self.last: Any = None
         self.producer: Actor | None = None
         self.readers: list[tuple[Actor, int]] = []  # (consumer, index of this register in its inputs)
+        self.n_readers = len(spec.consumers)
 
     def live(self) -> int:
         return self.count - self.free
