@@ -33,6 +33,7 @@ from typing import Any
 
 from sbpflow.actor_workers import reporting as progress
 from sbpflow.actor_workers.reporting import report
+from sbpflow.actor_workers.runtime import threads
 from sbpflow.device import asnumpy
 from sbpflow.numerics import non_finite_parameters
 from sbpflow.v1 import plan_pb2 as pp
@@ -150,6 +151,9 @@ class Worker:
     ) -> None:
         from sbpflow.actor_workers.planes import PLANES
 
+        cpus = _assigned_cpus()
+        if cpus is not None:  # a Ray worker: BLAS on its slots, so workers sharing a host don't oversubscribe
+            threads.pin(threads.slot_threads(cpus))
         self.rank = rank
         self.worker_id = _actor_id()
         node_ip, node_id = _node()
@@ -317,6 +321,19 @@ def _node() -> tuple[str, str | None]:
     except Exception:  # noqa: BLE001 - not inside Ray
         pass
     return "127.0.0.1", None
+
+
+def _assigned_cpus() -> float | None:
+    """The CPUs Ray gave this actor (its bundle), or None outside a Ray actor."""
+    try:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        if ctx.get_actor_id() is None:
+            return None
+        return float(ctx.get_assigned_resources().get("CPU", 0.0))
+    except Exception:  # noqa: BLE001 - not inside Ray (a test builds a Worker directly)
+        return None
 
 
 def _actor_id() -> str:

@@ -33,7 +33,7 @@ from typing import Any
 
 from sbpflow.actor_workers import snapshots as checkpointing
 from sbpflow.actor_workers.reporting import step_report, watch_steps
-from sbpflow.actor_workers.runtime import executor
+from sbpflow.actor_workers.runtime import executor, threads
 from sbpflow.actor_workers.runtime.errors import RunCancelled, RuntimeFailure
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.checkpoint.read import CheckpointReader, CorruptCheckpoint, corrupt_note, resolve
@@ -234,7 +234,8 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
         ctx.state(JobState.RUNNING)
         tracker.restart_clock()
         try:
-            results = executor.execute(program, ctx.run.timeout, ctx.run.trace, [world.abort], ctx.cancel)
+            with threads.limited(ctx.run.threads):
+                results = executor.execute(program, ctx.run.timeout, ctx.run.trace, [world.abort], ctx.cancel)
             checkpointing.close_all(writers)
         except RuntimeFailure as failure:
             checkpointing.close_all(writers, raise_errors=False)

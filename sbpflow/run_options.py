@@ -70,6 +70,14 @@ class RunOptions:
     return_parameters: bool = field(
         default=False, metadata=_help("keep every parameter's trained logical value in the result")
     )
+    threads: int = field(
+        default=0,
+        metadata=_help(
+            "BLAS / intra-op threads for the kernels of an inprocess run (0: the process's setting); a ray "
+            "worker always uses its device slots (1 thread per CPU it holds)",
+            metavar="N",
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_NAMES:
@@ -86,6 +94,10 @@ class RunOptions:
             raise RunOptionsError("max_restarts", self.max_restarts, "give a whole number, 0 or more")
         if self.max_restarts < 0:
             raise RunOptionsError("max_restarts", self.max_restarts, "give 0 (never restart) or more")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+            raise RunOptionsError(
+                "threads", self.threads, "give a whole number of threads, or 0 to leave them"
+            )
         for name in ("trace", "return_parameters"):
             if not isinstance(getattr(self, name), bool):
                 raise RunOptionsError(name, getattr(self, name), "give True or False")

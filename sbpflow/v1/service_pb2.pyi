@@ -266,6 +266,7 @@ class RunOptions(_message.Message):
     MAX_RESTARTS_FIELD_NUMBER: _builtins.int
     TRACE_FIELD_NUMBER: _builtins.int
     RETURN_PARAMETERS_FIELD_NUMBER: _builtins.int
+    THREADS_FIELD_NUMBER: _builtins.int
     backend: _builtins.str
     """"ray" (one Ray worker process per rank) or "inprocess" (every rank a thread of the control plane)."""
     ray_address: _builtins.str
@@ -278,6 +279,8 @@ class RunOptions(_message.Message):
     """Record a trace of every act."""
     return_parameters: _builtins.bool
     """Keep every parameter's trained value in the job's result."""
+    threads: _builtins.int
+    """BLAS / intra-op threads of an in-process run's kernels; 0 = the process's setting (>= 0)."""
     def __init__(
         self,
         *,
@@ -287,10 +290,11 @@ class RunOptions(_message.Message):
         max_restarts: _builtins.int | None = ...,
         trace: _builtins.bool | None = ...,
         return_parameters: _builtins.bool | None = ...,
+        threads: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_backend", b"_backend", "_max_restarts", b"_max_restarts", "_ray_address", b"_ray_address", "_return_parameters", b"_return_parameters", "_timeout", b"_timeout", "_trace", b"_trace", "backend", b"backend", "max_restarts", b"max_restarts", "ray_address", b"ray_address", "return_parameters", b"return_parameters", "timeout", b"timeout", "trace", b"trace"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_backend", b"_backend", "_max_restarts", b"_max_restarts", "_ray_address", b"_ray_address", "_return_parameters", b"_return_parameters", "_threads", b"_threads", "_timeout", b"_timeout", "_trace", b"_trace", "backend", b"backend", "max_restarts", b"max_restarts", "ray_address", b"ray_address", "return_parameters", b"return_parameters", "threads", b"threads", "timeout", b"timeout", "trace", b"trace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_backend", b"_backend", "_max_restarts", b"_max_restarts", "_ray_address", b"_ray_address", "_return_parameters", b"_return_parameters", "_timeout", b"_timeout", "_trace", b"_trace", "backend", b"backend", "max_restarts", b"max_restarts", "ray_address", b"ray_address", "return_parameters", b"return_parameters", "timeout", b"timeout", "trace", b"trace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_backend", b"_backend", "_max_restarts", b"_max_restarts", "_ray_address", b"_ray_address", "_return_parameters", b"_return_parameters", "_threads", b"_threads", "_timeout", b"_timeout", "_trace", b"_trace", "backend", b"backend", "max_restarts", b"max_restarts", "ray_address", b"ray_address", "return_parameters", b"return_parameters", "threads", b"threads", "timeout", b"timeout", "trace", b"trace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__backend: _TypeAlias = _typing.Literal["backend"]  # noqa: Y015
     _WhichOneofArgType__backend: _TypeAlias = _typing.Literal["_backend", b"_backend"]  # noqa: Y015
@@ -300,6 +304,8 @@ class RunOptions(_message.Message):
     _WhichOneofArgType__ray_address: _TypeAlias = _typing.Literal["_ray_address", b"_ray_address"]  # noqa: Y015
     _WhichOneofReturnType__return_parameters: _TypeAlias = _typing.Literal["return_parameters"]  # noqa: Y015
     _WhichOneofArgType__return_parameters: _TypeAlias = _typing.Literal["_return_parameters", b"_return_parameters"]  # noqa: Y015
+    _WhichOneofReturnType__threads: _TypeAlias = _typing.Literal["threads"]  # noqa: Y015
+    _WhichOneofArgType__threads: _TypeAlias = _typing.Literal["_threads", b"_threads"]  # noqa: Y015
     _WhichOneofReturnType__timeout: _TypeAlias = _typing.Literal["timeout"]  # noqa: Y015
     _WhichOneofArgType__timeout: _TypeAlias = _typing.Literal["_timeout", b"_timeout"]  # noqa: Y015
     _WhichOneofReturnType__trace: _TypeAlias = _typing.Literal["trace"]  # noqa: Y015
@@ -312,6 +318,8 @@ class RunOptions(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ray_address) -> _WhichOneofReturnType__ray_address | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__return_parameters) -> _WhichOneofReturnType__return_parameters | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__threads) -> _WhichOneofReturnType__threads | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout) -> _WhichOneofReturnType__timeout | None: ...
     @_typing.overload
