@@ -24,6 +24,7 @@ from math import prod
 from sbpflow.boxing import BoxingPlan, BoxingStep, Collective, Transfer, plan_boxing
 from sbpflow.control_plane.compiler.comm_order import Call, CommOrder, call_kind, pair_ranks
 from sbpflow.control_plane.compiler.lowering.tasks import (
+    STREAM,
     K,
     LoweringError,
     TaskEmitter,
@@ -121,6 +122,7 @@ class Memo:
         default_factory=dict
     )  # by id(list)
     src_regions: dict[tuple[int, int], pp.Region] = field(default_factory=dict)  # (id(step), rank) -> region
+    copies: dict[tuple[NdSbp, NdSbp], BoxingStep] = field(default_factory=dict)  # an identity boxing's step
 
     def transfer_protos(self, trs: list[Transfer]) -> list[pp.Transfer]:
         """The protos of a pair's transfers (a list a cached p2p layout holds, so ``id`` names it)."""
@@ -139,6 +141,8 @@ class Lowerer(TaskEmitter):
     _groups: dict[tuple[Placement, int], list[list[tuple[int, ...]]]] = field(default_factory=dict)
     _visits: dict[int, list[int]] = field(default_factory=dict)  # step -> destinations touching built ranks
     _spans: dict[str, tuple[int, int] | None] = field(default_factory=dict)  # op -> ``span``
+    _emission: tuple[str, int] = ("", 0)  # the (op, micro-batch) whose boxing task protos ``_protos`` holds
+    _protos: dict[tuple[int, int, int, int, int], pp.Task] = field(default_factory=dict)
     trail: list[tuple[str, BoxingPlan, int]] | None = None  # every boxing step emitted, in order
 
     def __post_init__(self) -> None:
@@ -199,6 +203,7 @@ class Lowerer(TaskEmitter):
         cur = {r: self.holder(src.name, r, f"boxing op {op.name!r}") for r in self.built(plan.src)}
         if plan.is_identity:  # a no-op boxing still needs the output register: a local copy
             step = BoxingStep(Collective.local_slice, 0, plan.src_sbp, plan.dst_sbp, 0)
+            step = self.memo.copies.setdefault((plan.src_sbp, plan.dst_sbp), step)  # one object: a key by id
             self.collective(op, plan, step, cur, dst.name, 0)
             return
         for i, step in enumerate(plan.steps):
@@ -226,9 +231,15 @@ class Lowerer(TaskEmitter):
     ) -> pp.Task | None:
         """A task of step ``index`` of a boxing, with the part of its ``Task.boxing`` every rank shares;
         the caller adds this rank's group, transfers and regions."""
-        t = self.task(rank, kind, op.name, op.stage, coord)
-        if t is not None:
-            key = (id(step), collective, nbytes, index)  # the step is kept alive beside its proto
+        if rank not in self.devices:
+            self.next_task += 1
+            return None
+        if self._emission != (op.name, self.micro_batch):  # the protos of one emission's tasks
+            self._emission = (op.name, self.micro_batch)
+            self._protos.clear()
+        key = (id(step), collective, nbytes, index)  # the step is kept alive beside its proto
+        task = self._protos.get((kind, *key))
+        if task is None:
             if key not in self._boxing:
                 proto = pp.Boxing(
                     from_sbp=format_nd(step.from_sbp),
@@ -242,8 +253,11 @@ class Lowerer(TaskEmitter):
                     mesh_axis=step.mesh_axis or 0,
                 )
                 self._boxing[key] = (step, proto)
-            t.boxing.CopyFrom(self._boxing[key][1])
-        return t
+            task = pp.Task(kind=kind, stream=STREAM[kind], op_name=op.name, stage=op.stage)  # type: ignore[arg-type]
+            task.micro_batch = self.micro_batch
+            task.boxing.CopyFrom(self._boxing[key][1])
+            self._protos[(kind, *key)] = task
+        return self.like(rank, task, coord)
 
     def group_of(self, pl: Placement, axis: int, coord: tuple[int, ...]) -> list[int]:
         """The ranks of the group along mesh ``axis`` through ``coord``, in mesh order."""

@@ -130,6 +130,20 @@ class TaskEmitter:
             coord=coord,
         )  # type: ignore[arg-type]
 
+    def like(self, rank: int, proto: pp.Task, coord: Sequence[int]) -> pp.Task | None:
+        """A new task on ``rank`` equal to ``proto`` (what every rank and micro-batch of an emission shares)
+        but for its id and coordinate: :meth:`task`'s, without building the shared part again."""
+        tid = self.next_task
+        self.next_task += 1
+        device = self.devices.get(rank)
+        if device is None:
+            return None
+        t = device.tasks.add()
+        t.CopyFrom(proto)
+        t.id = tid
+        t.coord.extend(coord)
+        return t
+
     def sbp_proto(self, nd: NdSbp) -> jp.NdSbp:
         m = self._sbps.get(nd)
         if m is None:
@@ -172,11 +186,14 @@ class TaskEmitter:
             task.in_registers.append(register)
             self.registers[register].consumer_tasks.append(task.id)
 
-    def holder(self, tensor: str, rank: int, who: str) -> int:
-        """This micro-batch's register of ``tensor`` on ``rank``, else the per-step one."""
+    def holder(self, tensor: str, rank: int, who: str | OpNode) -> int:
+        """This micro-batch's register of ``tensor`` on ``rank``, else the per-step one; ``who`` reads it
+        (an op, or what the error names)."""
         reg = self.held.get((tensor, rank, self.micro_batch))
         reg = self.held.get((tensor, rank, -1)) if reg is None else reg
         if reg is None:
+            if isinstance(who, OpNode):  # formatted only here: kernels read millions of registers
+                who = f"op {who.name!r} ({who.op_type})"
             decl = self.graph.tensors[tensor]
             raise LoweringError(
                 f"{who} on rank {rank} reads {decl!r}, which rank {rank} does not hold; the boxing pass must "
@@ -204,12 +221,21 @@ class TaskEmitter:
         the last one's register is the per-step value everything after the micro-batches reads."""
         decl = self.graph.tensors[tensor]
         assert decl.placement is not None
+        kind, proto = K.TASK_KIND_ACCUMULATE, None
         for coord, rank in self.each(decl.placement, 1, 1):
-            t = self.task(rank, K.TASK_KIND_ACCUMULATE, f"accumulate/{tensor}", stage, coord)
+            if proto is None:
+                proto = pp.Task(
+                    kind=kind,
+                    stream=STREAM[kind],  # type: ignore[arg-type]
+                    op_name=f"accumulate/{tensor}",
+                    stage=stage,
+                    micro_batch=self.micro_batch,
+                )
+                proto.attrs["tensor"].CopyFrom(wire.attr_to_proto(tensor))
+                proto.attrs["first"].CopyFrom(wire.attr_to_proto(k == 0))
+                proto.attrs["divide_by"].CopyFrom(wire.attr_to_proto(m if k == m - 1 else 1))
+            t = self.like(rank, proto, coord)
             assert t is not None
-            t.attrs["tensor"].CopyFrom(wire.attr_to_proto(tensor))
-            t.attrs["first"].CopyFrom(wire.attr_to_proto(k == 0))
-            t.attrs["divide_by"].CopyFrom(wire.attr_to_proto(m if k == m - 1 else 1))
             if k > 0:
                 self.read(t, self.held[(tensor, rank, -2)])  # the running sum so far
             self.read(t, self.holder(tensor, rank, f"accumulation of {tensor!r}"))
@@ -225,17 +251,26 @@ class TaskEmitter:
                 raise LoweringError(
                     f"op {op.name!r} ({op.op_type}) runs on {where} but writes {o!r}; an op writes on its placement"
                 )
+        proto = None
         for coord, rank in self.each(where, 1, len(outs)):
-            t = self.task(rank, kind, op.name, op.stage, coord)
+            if proto is None:  # what this emission's tasks share, built once
+                proto = pp.Task(
+                    kind=kind,
+                    stream=STREAM[kind],  # type: ignore[arg-type]
+                    op_name=op.name,
+                    stage=op.stage,
+                    micro_batch=self.micro_batch,
+                    op_type=op.op_type,
+                )
+                attrs = self._attrs.get(op.name)
+                if attrs is None:  # once per op, not per (rank, micro-batch)
+                    attrs = self._attrs[op.name] = [(k, wire.attr_to_proto(v)) for k, v in op.attrs.items()]
+                for k, v in attrs:
+                    proto.attrs[k].CopyFrom(v)  # type: ignore[arg-type]
+            t = self.like(rank, proto, coord)
             assert t is not None
-            t.op_type = op.op_type
-            attrs = self._attrs.get(op.name)
-            if attrs is None:  # once per op, not per (rank, micro-batch)
-                attrs = self._attrs[op.name] = [(k, wire.attr_to_proto(v)) for k, v in op.attrs.items()]
-            for k, v in attrs:
-                t.attrs[k].CopyFrom(v)  # type: ignore[arg-type]
             for i in op.inputs:
-                self.read(t, self.holder(i, rank, f"op {op.name!r} ({op.op_type})"))
+                self.read(t, self.holder(i, rank, op))
             for o in outs:
                 self.produce_shard(t, rank, o, coord)
 
