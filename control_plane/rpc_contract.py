@@ -22,7 +22,8 @@ from google.protobuf.message import DecodeError
 
 from sbpflow.control_plane.data_policy import DataAccessDenied
 from sbpflow.control_plane.resume import NotResumable
-from sbpflow.control_plane.store.db import StoreError, UnknownJobError
+from sbpflow.control_plane.scheduler import SchedulingError
+from sbpflow.control_plane.store.db import StoreError, StoreUnavailable, UnknownJobError
 from sbpflow.control_plane.validation import AdmissionError, ValidationError
 from sbpflow.errors import SbpflowError
 
@@ -36,7 +37,10 @@ CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (UnknownJobError, grpc.StatusCode.NOT_FOUND),
     (NotResumable, grpc.StatusCode.FAILED_PRECONDITION),
     (StoreError, grpc.StatusCode.INVALID_ARGUMENT),
-    (SbpflowError, grpc.StatusCode.UNAVAILABLE),
+    # only where a retry can help: the store could not write, the cluster could not be reached
+    (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (SchedulingError, grpc.StatusCode.UNAVAILABLE),
+    (SbpflowError, grpc.StatusCode.FAILED_PRECONDITION),
 )
 
 
