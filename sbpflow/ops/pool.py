@@ -1,0 +1,230 @@
+"""Pooling over NCHW images: max_pool2d, avg_pool2d, adaptive_avg_pool2d, and their backward ops.
+
+Rows: each output element reads one window of one (sample, channel) plane, so the batch and channel
+axes split freely and the spatial axes stay whole (a window straddling shards would need halos). The
+average pools are linear, so they also take ``P`` to ``P``; max pooling is not (max(a) + max(b) is not
+max(a + b)), but its backward op is linear in dy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sbpflow.errors import ShapeError
+from sbpflow.ops.base import (
+    Attrs,
+    AttrValue,
+    GradContext,
+    KernelContext,
+    Metas,
+    NoGrad,
+    Signature,
+    defop,
+    sig,
+)
+from sbpflow.ops.conv import check_float, out_size, pair, scatter_windows, windows
+from sbpflow.ops.rows import all_broadcast
+from sbpflow.sbp import B, P, Split
+from sbpflow.tensor_meta import TensorMeta
+
+# stride (0, 0): the kernel size, as torch's stride=None
+_POOL_ATTRS: dict[str, AttrValue] = {"kernel_size": (2, 2), "stride": (0, 0), "padding": (0, 0)}
+
+
+def _geometry(op: str, attrs: Attrs) -> dict[str, tuple[int, int]]:
+    """kernel, stride (defaulting to the kernel) and padding, plus dilation 1 for conv's window helpers."""
+    kernel = pair(op, attrs, "kernel_size", 1)
+    stride = pair(op, attrs, "stride", 0)
+    stride = kernel if stride == (0, 0) else pair(op, attrs, "stride", 1)
+    padding = pair(op, attrs, "padding", 0)
+    if padding[0] * 2 > kernel[0] or padding[1] * 2 > kernel[1]:
+        raise ShapeError(f"op {op!r}: padding {list(padding)} must be at most half the kernel {list(kernel)}")
+    return {"kernel": kernel, "stride": stride, "padding": padding, "dilation": (1, 1)}
+
+
+def _pool_shape(op: str, x: TensorMeta, attrs: Attrs) -> tuple[int, ...]:
+    if x.ndim != 4:
+        raise ShapeError(f"op {op!r}: x {x} must be [N, C, H, W]")
+    g = _geometry(op, attrs)
+    oh, ow = (out_size(x.shape[2 + i], g["kernel"][i], g["stride"][i], g["padding"][i], 1) for i in (0, 1))
+    if oh < 1 or ow < 1:
+        raise ShapeError(f"op {op!r}: the kernel {list(g['kernel'])} is larger than the padded input {x}")
+    return (*x.shape[:2], oh, ow)
+
+
+def _planes_rows(n_in: int, linear: tuple[Signature, ...] = ()) -> list[Signature]:
+    return [
+        *(sig([Split(a)] * n_in, [Split(a)]) for a in (0, 1)),  # whole planes on each rank
+        *linear,
+        all_broadcast(n_in, 1),
+    ]
+
+
+def _infer(op: str, backward: bool = False) -> Any:
+    def infer(metas: Metas, attrs: Attrs) -> Metas:
+        check_float(op, **{f"in{i}": m for i, m in enumerate(metas)})
+        if not backward:
+            return (TensorMeta(_pool_shape(op, metas[0], attrs), metas[0].dtype),)
+        x, dy = (metas[0], metas[-1]) if len(metas) == 2 else (_grad_x(op, metas[0], attrs), metas[0])
+        if _pool_shape(op, x, attrs) != dy.shape:
+            raise ShapeError(f"op {op!r}: dy {dy} is not the pooled shape of x {x}")
+        return (x,)
+
+    return infer
+
+
+def _grad_x(op: str, dy: TensorMeta, attrs: Attrs) -> TensorMeta:
+    return TensorMeta((*dy.shape[:2], *pair(op, attrs, "input_hw", 1)), dy.dtype)
+
+
+# ---- max_pool2d ----------------------------------------------------------------------------------
+
+
+def _max_windows(ctx: KernelContext, x: Any) -> Any:
+    g = _geometry("max_pool2d", ctx.attrs)
+    cols = windows(ctx.xp, x, g["kernel"], g, fill=-ctx.xp.inf)  # padding never wins the max
+    return cols.reshape(*cols.shape[:4], -1)  # [N, C, OH, OW, KH*KW] (a copy)
+
+
+def _max_pool_kernel(ctx: KernelContext, x: Any) -> Any:
+    return ctx.xp.max(_max_windows(ctx, x), axis=-1)
+
+
+def _max_pool_grad_kernel(ctx: KernelContext, x: Any, dy: Any) -> Any:
+    # dy goes to the first maximum of each window (as torch), added where windows overlap
+    xp = ctx.xp
+    cols = _max_windows(ctx, x)
+    first = xp.argmax(cols, axis=-1)[..., None]
+    hits = xp.arange(cols.shape[-1]) == first  # [N, C, OH, OW, KH*KW] one-hot
+    g = _geometry("max_pool2d_grad", ctx.attrs)
+    dcols = xp.where(hits, dy[..., None], 0.0).astype(dy.dtype).reshape(*cols.shape[:4], *g["kernel"])
+    return xp.ascontiguousarray(scatter_windows(xp, dcols, x.shape, g))
+
+
+defop(
+    "max_pool2d",
+    inputs=("x",),
+    infer=_infer("max_pool2d"),
+    rows=lambda m, a: _planes_rows(1),
+    kernel=_max_pool_kernel,
+    grad=lambda g: [g.call("max_pool2d_grad", g.inputs[0], g.dy, **g.attrs)],
+    attrs=_POOL_ATTRS,
+    doc="max over each kernel window of x [N, C, H, W] (padding counts as -inf)",
+)
+defop(
+    "max_pool2d_grad",
+    inputs=("x", "dy"),
+    outputs=("dx",),
+    infer=_infer("max_pool2d_grad", backward=True),
+    rows=lambda m, a: _planes_rows(2, (sig([B, P], [P]),)),  # linear in dy, given whole x
+    kernel=_max_pool_grad_kernel,
+    grad=NoGrad("backward op of max_pool2d"),
+    attrs=_POOL_ATTRS,
+    doc="gradient of max_pool2d: dy routed to each window's (first) maximum",
+)
+
+
+# ---- avg_pool2d ----------------------------------------------------------------------------------
+
+
+def _avg_pool_kernel(ctx: KernelContext, x: Any) -> Any:
+    g = _geometry("avg_pool2d", ctx.attrs)
+    cols = windows(ctx.xp, x, g["kernel"], g)  # zero padding counted in the mean, as torch's default
+    return ctx.xp.mean(cols, axis=(4, 5))
+
+
+def _avg_pool_grad_kernel(ctx: KernelContext, dy: Any) -> Any:
+    xp = ctx.xp
+    g = _geometry("avg_pool2d_grad", ctx.attrs)
+    kh, kw = g["kernel"]
+    share = xp.broadcast_to((dy / (kh * kw))[..., None, None], (*dy.shape, kh, kw))
+    x_shape = (*dy.shape[:2], *pair("avg_pool2d_grad", ctx.attrs, "input_hw", 1))
+    return xp.ascontiguousarray(scatter_windows(xp, share, x_shape, g))
+
+
+def _input_hw(g: GradContext) -> tuple[int, ...]:
+    return tuple(g.in_metas[0].shape[2:])
+
+
+defop(
+    "avg_pool2d",
+    inputs=("x",),
+    infer=_infer("avg_pool2d"),
+    rows=lambda m, a: _planes_rows(1, (sig([P], [P]),)),
+    kernel=_avg_pool_kernel,
+    grad=lambda g: [g.call("avg_pool2d_grad", g.dy, input_hw=_input_hw(g), **g.attrs)],
+    attrs=_POOL_ATTRS,
+    doc="mean over each kernel window of x [N, C, H, W], zero padding included in the count",
+)
+defop(
+    "avg_pool2d_grad",
+    inputs=("dy",),
+    outputs=("dx",),
+    infer=_infer("avg_pool2d_grad", backward=True),
+    rows=lambda m, a: _planes_rows(1, (sig([P], [P]),)),
+    kernel=_avg_pool_grad_kernel,
+    grad=NoGrad("backward op of avg_pool2d"),
+    attrs={**_POOL_ATTRS, "input_hw": (1, 1)},
+    doc="gradient of avg_pool2d: each dy spread evenly over its window",
+)
+
+
+# ---- adaptive_avg_pool2d -------------------------------------------------------------------------
+
+
+def _bins(xp: Any, size: int, out: int, dtype: Any) -> Any:
+    """[out, size]: row i averages torch's bin [floor(i size / out), ceil((i + 1) size / out))."""
+    m = xp.zeros((out, size), dtype=dtype)
+    for i in range(out):
+        lo, hi = (i * size) // out, -(-((i + 1) * size) // out)
+        m[i, lo:hi] = 1.0 / (hi - lo)
+    return m
+
+
+def _adaptive_infer(op: str, backward: bool) -> Any:
+    def infer(metas: Metas, attrs: Attrs) -> Metas:
+        (x,) = metas
+        check_float(op, x=x)
+        if x.ndim != 4:
+            raise ShapeError(f"op {op!r}: {'dy' if backward else 'x'} {x} must be [N, C, H, W]")
+        key = "input_hw" if backward else "output_size"
+        return (TensorMeta((*x.shape[:2], *pair(op, attrs, key, 1)), x.dtype),)
+
+    return infer
+
+
+def _adaptive_kernel(backward: bool) -> Any:
+    def kernel(ctx: KernelContext, x: Any) -> Any:
+        xp = ctx.xp
+        oh, ow = pair("adaptive_avg_pool2d", ctx.attrs, "output_size", 1)
+        h, w = pair("adaptive_avg_pool2d", ctx.attrs, "input_hw", 1) if backward else x.shape[2:]
+        rows, cols = _bins(xp, h, oh, x.dtype), _bins(xp, w, ow, x.dtype)
+        spec = "ncij,ih,jw->nchw" if backward else "nchw,ih,jw->ncij"
+        return xp.ascontiguousarray(xp.einsum(spec, x, rows, cols))
+
+    return kernel
+
+
+defop(
+    "adaptive_avg_pool2d",
+    inputs=("x",),
+    infer=_adaptive_infer("adaptive_avg_pool2d", False),
+    rows=lambda m, a: _planes_rows(1, (sig([P], [P]),)),
+    kernel=_adaptive_kernel(False),
+    grad=lambda g: [
+        g.call("adaptive_avg_pool2d_grad", g.dy, output_size=g.attrs["output_size"], input_hw=_input_hw(g))
+    ],
+    attrs={"output_size": (1, 1)},
+    doc="mean over torch's adaptive bins of x [N, C, H, W] to [N, C, *output_size]",
+)
+defop(
+    "adaptive_avg_pool2d_grad",
+    inputs=("dy",),
+    outputs=("dx",),
+    infer=_adaptive_infer("adaptive_avg_pool2d_grad", True),
+    rows=lambda m, a: _planes_rows(1, (sig([P], [P]),)),
+    kernel=_adaptive_kernel(True),
+    grad=NoGrad("backward op of adaptive_avg_pool2d"),
+    attrs={"output_size": (1, 1), "input_hw": (1, 1)},
+    doc="gradient of adaptive_avg_pool2d: each dy spread evenly over its bin",
+)
