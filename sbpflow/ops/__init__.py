@@ -1,6 +1,18 @@
 """The op library. Importing this package registers every op family in :data:`OPS`."""
 
-from sbpflow.ops import activation, conv, elementwise, indexing, linalg, masking, nn, optim, pool, reduction, shape  # noqa: F401  (each registers its ops)
+from sbpflow.ops import (  # noqa: F401  (each registers its ops)
+    activation,
+    conv,
+    elementwise,
+    indexing,
+    linalg,
+    masking,
+    nn,
+    optim,
+    pool,
+    reduction,
+    shape,
+)
 from sbpflow.ops.base import OPS, NdSignature, NoGrad, OpDef, Signature, defop, get_op
 
 __all__ = ["OPS", "NdSignature", "NoGrad", "OpDef", "Signature", "defop", "get_op"]
