@@ -26,3 +26,21 @@ def test_the_in_process_switch_holds_within_the_run_only() -> None:
 def test_threads_is_a_whole_number_or_zero(bad: object) -> None:
     with pytest.raises(RunOptionsError, match="threads"):
         RunOptions(threads=bad)  # type: ignore[arg-type]
+
+
+def _blas_threads(worker: object) -> int | None:
+    return threads.blas_threads()
+
+
+def test_a_ray_worker_pins_its_blas_to_its_one_cpu_over_an_inherited_setting(ray_local: str) -> None:
+    pytest.importorskip("threadpoolctl")
+    import ray
+
+    from sbpflow.actor_workers.worker import remote_class
+
+    env = {"env_vars": {"OPENBLAS_NUM_THREADS": "2", "OMP_NUM_THREADS": "2"}}  # would oversubscribe a host
+    worker = remote_class().options(num_cpus=1, runtime_env=env).remote("job", 1, 0)
+    try:
+        assert ray.get(worker.__ray_call__.remote(_blas_threads), timeout=120) == 1
+    finally:
+        ray.kill(worker)
