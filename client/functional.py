@@ -85,6 +85,76 @@ def dropout(x: Tensor, rate: float = 0.5, training: bool = True) -> Tensor:
     return tracer.emit("dropout", (x,), {"rate": float(rate), "rng_id": tensor_rng_id(name)}, name=name)[0]
 
 
+# ---- convolution, pooling and batch norm (NCHW) --------------------------------------------------------
+
+
+def _pair(v: int | Sequence[int]) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def conv2d(
+    x: Tensor,
+    weight: Any,
+    bias: Any = None,
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+) -> Tensor:
+    """x [N, C, H, W] with weight [O, C/groups, KH, KW] (+ bias [O]), as torch's conv2d."""
+    geometry = {"stride": _pair(stride), "padding": _pair(padding), "dilation": _pair(dilation)}
+    y = _op("conv2d", x, weight, groups=groups, **geometry)  # y: [N, O, OH, OW]  S(0) under DP
+    return y if bias is None else _op("add", y, bias.reshape(1, bias.shape[0], 1, 1))
+
+
+def max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0) -> Tensor:
+    s = (0, 0) if stride is None else _pair(stride)  # (0, 0): the kernel size
+    return _op("max_pool2d", x, kernel_size=_pair(kernel_size), stride=s, padding=_pair(padding))
+
+
+def avg_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0) -> Tensor:
+    """Zero padding counts in each window's mean (torch's count_include_pad=True)."""
+    s = (0, 0) if stride is None else _pair(stride)
+    return _op("avg_pool2d", x, kernel_size=_pair(kernel_size), stride=s, padding=_pair(padding))
+
+
+def adaptive_avg_pool2d(x: Tensor, output_size: int | Sequence[int]) -> Tensor:
+    return _op("adaptive_avg_pool2d", x, output_size=_pair(output_size))
+
+
+def batch_norm(
+    x: Tensor,
+    running_mean: Any,
+    running_var: Any,
+    weight: Any = None,
+    bias: Any = None,
+    training: bool = True,
+    eps: float = 1e-5,
+) -> Tensor:
+    """Normalise each channel (axis 1) by the batch's statistics in training, else by the running ones.
+
+    Synchronised batch norm is the SBP of the statistics, not a special op: under data parallelism the
+    means over the batch of an ``S(0)`` x are partial sums ``P``, and the compiler all-reduces them to
+    ``B`` where the centring reads them, so every rank normalises by the global batch's statistics.
+    The running statistics are read in eval mode only; training does not update them (a forward op
+    that writes a variable needs a compiler change), so set them from a trained model's statistics.
+    """
+    axes = tuple(a for a in range(x.ndim) if a != 1)
+    stat_shape = tuple(x.shape[1] if a == 1 else 1 for a in range(x.ndim))  # [1, C, 1, 1]
+    if training:
+        mean = x.mean(axes, keepdims=True)  # mean: [1, C, 1, 1]  P under DP, all-reduced to B below
+        centered = x - mean
+        var = (centered * centered).mean(axes, keepdims=True)  # biased, as torch normalises
+    else:
+        centered = x - running_mean.reshape(stat_shape)
+        var = running_var.reshape(stat_shape)
+    scale = 1.0 / (var + eps).sqrt()  # [1, C, 1, 1]: the per-channel work stays on C numbers
+    if weight is not None:
+        scale = scale * weight.reshape(stat_shape)
+    y = centered * scale  # y: [N, C, H, W]  S(0) under DP
+    return y if bias is None else y + bias.reshape(stat_shape)
+
+
 # ---- lookup and losses ----------------------------------------------------------------------------------
 
 

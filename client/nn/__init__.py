@@ -2,6 +2,7 @@
 
 from sbpflow.client import functional
 from sbpflow.client.nn import parallel
+from sbpflow.client.nn.conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d
 from sbpflow.client.nn.layers import (
     GELU,
     MLP,
@@ -19,6 +20,11 @@ from sbpflow.client.nn.parameter import Parameter
 from sbpflow.client.nn.transformer import GPT, Block, CausalSelfAttention, FeedForward, GPTConfig
 
 __all__ = [
+    "AdaptiveAvgPool2d",
+    "AvgPool2d",
+    "BatchNorm2d",
+    "Conv2d",
+    "MaxPool2d",
     "GELU",
     "GPT",
     "MLP",

@@ -1,0 +1,195 @@
+"""ResNet (He et al. 2016) image classification, data parallel, traced into a Job.
+
+    sbpflow run examples/resnet.py --ranks 2                         # ResNet-18, 16x16 images, width 8
+    sbpflow plan examples/resnet.py --ranks 8 --set depth=50 --set width=64 --set image_size=224
+    python examples/resnet.py --data DIR                             # DIR/images.npy, DIR/labels.npy
+
+Data parallel: the images are ``S(0)`` and the parameters are left to the compiler (``B``, their
+gradients ``P`` all-reduced). Batch norm is synchronised across the ranks by SBP alone: its means over
+the batch of an ``S(0)`` activation are partial sums ``P``, which the compiler all-reduces to ``B``.
+
+Data: generated images by default (``SyntheticSource``: N(0, 1) pixels and uniform labels, each a pure
+function of (seed, sample), so the same on every layout; a model can only memorise them). ``--data DIR``
+reads ``images.npy`` [N, C, H, W] float32 and ``labels.npy`` [N] int64 from DIR, memory-mapped, each
+rank reading its own rows (``ArrayFileSource``); a folder of shards ``images_*.npy`` / ``labels_*.npy``
+is concatenated in memory (``ArraySource``, which a job carries inline: for small sets only).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+import sbpflow as sf
+from sbpflow.client.summary import summarize
+from sbpflow.data import ArrayFileSource, ArraySource, DataField, DataSource, SyntheticSource
+from sbpflow.dtype import DType
+
+F = sf.nn.functional
+
+# blocks per stage, and whether a stage's block is the bottleneck (1x1, 3x3, 1x1 with 4x expansion)
+DEPTHS = {18: ((2, 2, 2, 2), False), 34: ((3, 4, 6, 3), False), 50: ((3, 4, 6, 3), True)}
+
+
+class BasicBlock(sf.nn.Module):
+    expansion = 1
+
+    def __init__(self, c_in: int, width: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = sf.nn.Conv2d(c_in, width, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = sf.nn.BatchNorm2d(width)
+        self.conv2 = sf.nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn2 = sf.nn.BatchNorm2d(width)
+        self.down = _shortcut(c_in, width, stride)
+
+    def forward(self, x: sf.Tensor) -> sf.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))  # y: [N, width, H/s, W/s]  S(0)
+        y = self.bn2(self.conv2(y))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+class Bottleneck(sf.nn.Module):
+    expansion = 4
+
+    def __init__(self, c_in: int, width: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = sf.nn.Conv2d(c_in, width, 1, bias=False)
+        self.bn1 = sf.nn.BatchNorm2d(width)
+        self.conv2 = sf.nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)  # stride here (v1.5)
+        self.bn2 = sf.nn.BatchNorm2d(width)
+        self.conv3 = sf.nn.Conv2d(width, width * 4, 1, bias=False)
+        self.bn3 = sf.nn.BatchNorm2d(width * 4)
+        self.down = _shortcut(c_in, width * 4, stride)
+
+    def forward(self, x: sf.Tensor) -> sf.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+def _shortcut(c_in: int, c_out: int, stride: int) -> sf.nn.Module | None:
+    """A 1x1 projection where the block changes the shape, else the identity (None)."""
+    if stride == 1 and c_in == c_out:
+        return None
+    return sf.nn.Sequential(sf.nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), sf.nn.BatchNorm2d(c_out))
+
+
+class ResNet(sf.nn.Module):
+    """ResNet-``depth`` over ``channels``-channel images; ``small_stem``: a 3x3 stride-1 stem (for images
+    of 32 pixels or fewer) instead of ImageNet's 7x7 stride-2 one. Both pool 3x3 stride 2 after it."""
+
+    def __init__(
+        self, depth: int, classes: int, width: int, channels: int = 3, small_stem: bool = True
+    ) -> None:
+        super().__init__()
+        if depth not in DEPTHS:
+            raise SystemExit(f"depth {depth}: use one of {sorted(DEPTHS)}")
+        blocks, bottleneck = DEPTHS[depth]
+        kernel, stride = (3, 1) if small_stem else (7, 2)
+        self.stem = sf.nn.Conv2d(channels, width, kernel, stride=stride, padding=kernel // 2, bias=False)
+        self.stem_bn = sf.nn.BatchNorm2d(width)
+        self.pool = sf.nn.MaxPool2d(3, stride=2, padding=1)
+        block = Bottleneck if bottleneck else BasicBlock
+        layers: list[sf.nn.Module] = []
+        c = width
+        for stage, n in enumerate(blocks):
+            w = width * 2**stage
+            for i in range(n):
+                layers.append(block(c, w, 2 if stage > 0 and i == 0 else 1))
+                c = w * block.expansion
+        self.layers = sf.nn.Sequential(*layers)
+        self.head_pool = sf.nn.AdaptiveAvgPool2d(1)
+        self.fc = sf.nn.Linear(c, classes)
+
+    def forward(self, images: sf.Tensor) -> sf.Tensor:
+        x = self.pool(F.relu(self.stem_bn(self.stem(images))))  # x: [N, width, H/2, W/2]  S(0)
+        x = self.head_pool(self.layers(x))  # x: [N, C, 1, 1]  S(0)
+        return self.fc(x.reshape(x.shape[0], x.shape[1]))  # logits: [N, classes]  S(0)
+
+
+class TrainResNet(sf.Graph):
+    def __init__(self, model: ResNet, lr: float, steps: int) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(sf.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+        self.config.steps = steps
+
+    def build(self, images: sf.Tensor, labels: sf.Tensor) -> sf.Tensor:
+        loss = F.cross_entropy(self.model(images), labels)
+        loss.backward()
+        return loss
+
+
+def synthetic_images(
+    batch_size: int, image_size: int, channels: int, classes: int, seed: int
+) -> SyntheticSource:
+    fields = (
+        DataField("images", (channels, image_size, image_size), DType.float32),
+        DataField("labels", (), DType.int64),
+    )
+    return SyntheticSource(batch_size=batch_size, sample_fields=fields, params={"vocab": classes}, seed=seed)
+
+
+def npy_folder(path: str, batch_size: int, seed: int = 0) -> DataSource:
+    """``images.npy`` + ``labels.npy`` (memory-mapped), or shards ``images_*.npy`` + ``labels_*.npy``."""
+    root = Path(path)
+    if (root / "images.npy").is_file() and (root / "labels.npy").is_file():
+        paths = {"images": str(root / "images.npy"), "labels": str(root / "labels.npy")}
+        return ArrayFileSource(batch_size=batch_size, paths=paths, shuffle=True, seed=seed)
+    images, labels = sorted(root.glob("images_*.npy")), sorted(root.glob("labels_*.npy"))
+    if not images or len(images) != len(labels):
+        raise SystemExit(
+            f"{path}: expected images.npy and labels.npy, or as many images_*.npy as labels_*.npy shards"
+        )
+    arrays: dict[str, np.ndarray] = {
+        "images": np.concatenate([np.load(p) for p in images]).astype(np.float32, copy=False),
+        "labels": np.concatenate([np.load(p) for p in labels]).astype(np.int64, copy=False),
+    }
+    return ArraySource(batch_size=batch_size, arrays=arrays, shuffle=True, seed=seed)
+
+
+def make_job(
+    ranks: int = 2,
+    depth: int = 18,
+    width: int = 8,
+    image_size: int = 16,
+    channels: int = 3,
+    classes: int = 10,
+    batch_size: int = 8,
+    steps: int = 10,
+    lr: float = 0.05,
+    seed: int = 0,
+    data: str = "",
+) -> sf.Job:
+    where = sf.placement("cpu", ranks=list(range(ranks)))
+    source = npy_folder(data, batch_size, seed) if data else None
+    if source is not None:
+        f = {d.name: d for d in source.fields()}["images"]
+        channels, image_size = f.sample_shape[0], f.sample_shape[1]
+    model = ResNet(depth, classes, width, channels, small_stem=image_size <= 32)
+    graph = TrainResNet(model, lr, steps)
+    graph.config.seed = seed
+    source = source or synthetic_images(batch_size, image_size, channels, classes, seed)
+    return graph.trace(source, placement=where, input_sbp=sf.sbp.split(0))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--depth", type=int, default=18, choices=sorted(DEPTHS))
+    ap.add_argument("--width", type=int, default=8)
+    ap.add_argument("--image-size", type=int, default=16)
+    ap.add_argument("--classes", type=int, default=10)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--data", default="", help="a folder of .npy files (see the module docstring)")
+    job = make_job(**vars(ap.parse_args()))
+    print(summarize(job))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The paper's case-study models under their parallel layouts train exactly as one device does.
+
+Each model's example, in float64 for 5 steps on the in-process runtime, against
+:func:`sbpflow.reference.train` (losses and final parameters within 1e-9 relative), as
+``test_equivalence.py`` does for the MLP and the GPT.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sbpflow.control_plane.compiler.pipeline import compile as compile_job
+from sbpflow.graph import BOXING
+from sbpflow.job import Job
+from tests.actor_workers.test_equivalence import STEPS, assert_trains_like_one_device
+from tests.client.test_examples import load
+from tests.control_plane.compiler.test_autodiff import as_float64
+
+# ---- ResNet-18, data parallel (batch norm synchronised by P -> B of its batch statistics) ----------
+
+RESNET: dict[str, Any] = {
+    "depth": 18,
+    "width": 4,
+    "image_size": 8,
+    "classes": 5,
+    "batch_size": 8,
+    "steps": STEPS,
+}
+
+
+def resnet_job(ranks: int) -> Job:
+    return load("resnet").make_job(ranks=ranks, **RESNET)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_resnet18_data_parallel_equals_one_device(ranks: int) -> None:
+    assert_trains_like_one_device(as_float64(resnet_job(ranks), batches=STEPS), tol=1e-9)
+
+
+def test_resnet18_batch_norm_statistics_are_reduced_across_ranks_under_data_parallelism() -> None:
+    """Every batch-norm mean over the batch is P per rank and reaches its readers only through a boxing
+    that sums it over the ranks (all-reduce to B, or reduce-scatter over channels): synchronised BN."""
+    compiled = compile_job(resnet_job(4), lower=False)
+    graph, plans = compiled.state.graph, compiled.state.boxings
+    means = {o.outputs[0] for o in graph.ops if o.op_type == "mean"}  # only batch norm takes means
+    assert len(means) == 2 * 20, "a mean and a variance per batch norm: ResNet-18 has 20"
+    assert {str(graph.tensors[m].sbp) for m in means} == {"(P,)"}
+    for o in graph.ops:
+        read = means.intersection(o.inputs)
+        if read:
+            assert o.op_type == BOXING, f"{o.name} reads the partial statistic {read} unreduced"
+            assert repr(plans[o.name]).startswith("P -> "), plans[o.name]
