@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sbpflow.client.cli_exit import UsageError, run_command
 from sbpflow.client.cli_jobs import JOB_COMMANDS, RUN_DEFAULTS, RUN_EXCLUDED, _client_flags, cmd_run
 from sbpflow.client.run_flags import add_run_flags
 from sbpflow.errors import SbpflowError
@@ -20,13 +21,16 @@ def _load_example(path: str) -> Any:
     """Import a user's example file; it must define ``make_job(**kwargs) -> sbpflow.job.Job``."""
     file = Path(path)
     if not file.is_file():
-        raise SbpflowError(f"{path}: no such file; pass a Python file that defines make_job()")
+        raise UsageError(f"{path}: no such file; pass a Python file that defines make_job()")
     spec = importlib.util.spec_from_file_location(file.stem, file)
-    assert spec and spec.loader
+    if file.suffix != ".py" or spec is None or spec.loader is None:
+        raise UsageError(
+            f"{path}: not a Python file; pass an example that defines make_job(), e.g. examples/mlp.py"
+        )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "make_job"):
-        raise SbpflowError(f"{path} defines no make_job(); add `def make_job(**kwargs) -> Job`")
+        raise UsageError(f"{path} defines no make_job(); add `def make_job(**kwargs) -> Job`")
     return module
 
 
@@ -46,23 +50,20 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """make_job keyword arguments from --ranks/--tp/--dp/--layers and any --set KEY=VALUE."""
-    import ast
+def _make_kwargs(args: argparse.Namespace, make_job: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """make_job keyword arguments from --ranks/--tp/--dp/--layers and any --set KEY=VALUE, each --set
+    value typed by ``make_job``'s annotation of KEY (or its default's type) where it has one."""
+    from sbpflow.client.set_values import param_types, parse_set
 
     kw: dict[str, Any] = {
         k: getattr(args, k) for k in ("ranks", "dp", "layers") if getattr(args, k) is not None
     }
     if args.tp:
         kw["tp"] = True
+    types = param_types(make_job) if make_job is not None else {}
     for item in args.set or ():
-        key, sep, text = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise SbpflowError(f"--set {item!r}: write KEY=VALUE, e.g. --set hidden=64")
-        try:
-            kw[key] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            kw[key] = text  # a bare word is a string
+        key, value = parse_set(item, types)
+        kw[key] = value
     return kw
 
 
@@ -71,12 +72,12 @@ def _job_from_args(args: argparse.Namespace) -> Any:
     import inspect
 
     make_job = _load_example(args.example).make_job
-    kw = _make_kwargs(args)
+    kw = _make_kwargs(args, make_job)
     params = inspect.signature(make_job).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     unknown = sorted(k for k in kw if k not in params and not takes_any)
     if unknown:
-        raise SbpflowError(
+        raise UsageError(
             f"{args.example}: make_job() takes no {unknown}; it takes {[p for p in params if p != 'self']}"
         )
     return _with_config(make_job(**kw), args)
@@ -102,20 +103,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from sbpflow.control_plane.compiler.pipeline import compile
 
     compiled = compile(_job_from_args(args))
-    print(compiled.summary())
+    if args.json:
+        from sbpflow.client import cli_json
+
+        cli_json.emit(cli_json.plan(compiled))
+    else:
+        print(compiled.summary())
+    say = (lambda text: print(text, file=sys.stderr)) if args.json else print  # stdout holds the JSON
     if args.out:
         if compiled.plan is None:
             raise SbpflowError(f"no plan to write to {args.out}: {'; '.join(compiled.notes)}")
         data = compiled.plan.SerializeToString()
         Path(args.out).write_bytes(data)
-        print(f"wrote {args.out} ({len(data)} bytes)")
+        say(f"wrote {args.out} ({len(data)} bytes)")
     if args.html:
         page = render.html_page(compiled.state, compiled.memory, compiled.notes)
         Path(args.html).write_text(page, encoding="utf-8")
-        print(f"wrote {args.html}")
+        say(f"wrote {args.html}")
     if args.dot:
         Path(args.dot).write_text(render.dot(compiled.state), encoding="utf-8")
-        print(f"wrote {args.dot} (render with: dot -Tsvg {args.dot} -o plan.svg)")
+        say(f"wrote {args.dot} (render with: dot -Tsvg {args.dot} -o plan.svg)")
     return 0
 
 
@@ -146,11 +153,20 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
 }
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse's help, each flag's default shown unless its help already says it (or it has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = "default" in text or action.default in (None, False, [], argparse.SUPPRESS)
+        return text if shown or not action.option_strings else text + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sbpflow", description="SBP global tensors and an actor runtime")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_Formatter)
         if name == "trace":
             p.add_argument("example", help="a Python file defining make_job()")
             p.add_argument("--out", help="write the Job protobuf to this file")
@@ -191,16 +207,18 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", help="write the Plan protobuf to this file")
             p.add_argument("--html", help="write a self-contained HTML picture of the graph to this file")
             p.add_argument("--dot", help="write Graphviz dot text of the graph to this file")
+            p.add_argument(
+                "--json",
+                action="store_true",
+                help="print the summary as JSON (keys: the README's Scripting section)",
+            )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit code (``cli_exit``: 0 done, 1 failed, 2 a usage error)."""
     args = build_parser().parse_args(argv)
-    try:
-        return COMMANDS[args.command][0](args)
-    except (SbpflowError, NotImplementedError) as e:
-        print(f"sbpflow: error: {e}", file=sys.stderr)
-        return 2
+    return run_command(lambda: COMMANDS[args.command][0](args))
 
 
 if __name__ == "__main__":

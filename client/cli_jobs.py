@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sbpflow.client.cli_exit import UsageError
 from sbpflow.client.run_flags import add_run_flags, run_options_from_args
 from sbpflow.errors import SbpflowError
 from sbpflow.run_options import MANAGER_DEFAULTS
@@ -33,7 +34,9 @@ SERVER_EXCLUDED = ("trace",)
 def _client(args: argparse.Namespace) -> Any:
     from sbpflow.client.client import Client
 
-    return Client(args.address, token=args.token, tls_ca=args.tls_ca)
+    # the token from the environment is read here, not as the flag's default: --help shows defaults
+    token = args.token or os.environ.get("SBPFLOW_TOKEN") or None
+    return Client(args.address, token=token, tls_ca=args.tls_ca)
 
 
 def _state(code: Any) -> str:
@@ -100,7 +103,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if args.example:
         job = _job_from_args(args)
     elif _make_kwargs(args) or args.steps is not None or args.checkpoint_every is not None:
-        raise SbpflowError(
+        raise UsageError(
             "--ranks/--tp/--dp/--layers/--set/--steps/--checkpoint-every re-trace the job's example: give the "
             f"example file too, e.g. `sbpflow resume {args.id} examples/mlp.py --ranks 2`"
         )
@@ -114,11 +117,15 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """One job in detail, or a table of the newest jobs."""
+    from sbpflow.client import cli_json
     from sbpflow.v1 import service_pb2 as sp
 
     with _client(args) as client:
         if args.id:
             st = client.get(args.id)
+            if args.json:
+                cli_json.emit(cli_json.job(st))
+                return 0
             loss = f"{st.loss:.6f}" if st.HasField("loss") else "-"
             print(f"job {st.job_id} ({st.name}): {_state(st.state)}" + (f" {st.reason}" if st.reason else ""))
             if st.message:
@@ -135,8 +142,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                 state = sp.WorkerState.Name(w.state).removeprefix("WORKER_STATE_")
                 print(f"  rank {w.rank}: {state}  step {w.step}  {w.host}".rstrip())
             return 0
+        listed = client.list(limit=args.limit)  # before the header: a failed call prints no table
+        if args.json:
+            cli_json.emit(cli_json.jobs(listed))
+            return 0
         print(f"{'ID':16}  {'NAME':16}  {'STATE':10}  {'STEP':>11}  {'LOSS':>10}  REASON")
-        for st in client.list(limit=args.limit):
+        for st in listed:
             loss = f"{st.loss:10.5g}" if st.HasField("loss") else f"{'-':>10}"
             step = f"{st.step}/{st.total_steps}"
             print(
@@ -222,9 +233,7 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("SBPFLOW_ADDRESS", DEFAULT_ADDRESS),
         help=f"the control plane, host:port (env SBPFLOW_ADDRESS; default {DEFAULT_ADDRESS})",
     )
-    p.add_argument(
-        "--token", default=os.environ.get("SBPFLOW_TOKEN"), help="bearer token (env SBPFLOW_TOKEN)"
-    )
+    p.add_argument("--token", help="bearer token (default: env SBPFLOW_TOKEN)")
     p.add_argument("--tls-ca", help="PEM certificate to trust for a TLS server")  # fmt: skip
 
 
@@ -276,6 +285,11 @@ def _id(p: argparse.ArgumentParser) -> None:
 def _status(p: argparse.ArgumentParser) -> None:
     p.add_argument("id", nargs="?", help="a job id; without one, list the newest jobs")
     p.add_argument("--limit", type=int, default=20, help="jobs to list")
+    _json_flag(p)
+
+
+def _json_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON (keys: the README's Scripting section)")
 
 
 def _cancel(p: argparse.ArgumentParser) -> None:
@@ -300,9 +314,13 @@ def _checkpoint_dir(args: argparse.Namespace) -> Path:
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     """List a job's complete checkpoints (partial ones are never listed)."""
     from sbpflow.checkpoint.read import list_checkpoints
+    from sbpflow.client import cli_json
 
     where = _checkpoint_dir(args)
     found = list_checkpoints(where)
+    if args.json:
+        cli_json.emit(cli_json.checkpoints(found))
+        return 0 if found else 1
     if not found:
         print(f"no complete checkpoint in {where}", file=sys.stderr)
         return 1
@@ -332,6 +350,11 @@ def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _checkpoints_flags(p: argparse.ArgumentParser) -> None:
+    _checkpoint_flags(p)
+    _json_flag(p)
+
+
 def _export_flags(p: argparse.ArgumentParser) -> None:
     _checkpoint_flags(p)
     p.add_argument("--format", choices=("safetensors", "npz"), default="safetensors")
@@ -354,6 +377,6 @@ JOB_COMMANDS: dict[
         True,
     ),
     "logs": (cmd_logs, "print a job's log lines", _logs, True),
-    "checkpoints": (cmd_checkpoints, "list a job's complete checkpoints", _checkpoint_flags, False),
+    "checkpoints": (cmd_checkpoints, "list a job's complete checkpoints", _checkpoints_flags, False),
     "export": (cmd_export, "export a checkpoint's parameters to safetensors or .npz", _export_flags, False),
 }

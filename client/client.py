@@ -34,19 +34,43 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class ClientError(SbpflowError):
-    """A call the control plane refused or could not answer; ``code`` is the gRPC status code."""
+    """A call the control plane refused or could not answer; ``code`` is the gRPC status code, ``details``
+    the server's (or gRPC's) message. ``text`` replaces ``CODE: details`` as the message where the cause
+    is known (no server at the address, a server that does not speak gRPC)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
+    def __init__(self, code: grpc.StatusCode, message: str, text: str = "") -> None:
+        super().__init__(text or f"{code.name}: {message}")
         self.code = code
         self.details = message
 
 
-def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+# gRPC's words for "nothing answered" and for "something answered, but not in HTTP/2" (an HTTP/1 server)
+_NOBODY = ("failed to connect to all addresses", "Connection refused", "errors resolving", "Socket closed")
+_NOT_GRPC = ("Failed parsing HTTP/2", "http1.x server", "Expected SETTINGS frame")
+
+
+def _error(e: grpc.RpcError, address: str) -> ClientError:
+    """A ``ClientError`` for a failed call, in plain words where the channel never reached a server."""
+    code, details = e.code(), e.details() or ""  # type: ignore[attr-defined]
+    text = ""
+    if code == grpc.StatusCode.UNAVAILABLE and any(w in details for w in _NOT_GRPC):
+        text = (
+            f"{address} answers, but not as a gRPC control plane (an HTTP port? `sbpflow server` serves "
+            "gRPC on --port, 50051 by default, and its status page on --http-port)"
+        )
+    elif code == grpc.StatusCode.UNAVAILABLE and any(w in details for w in _NOBODY):
+        text = (
+            f"no control plane at {address}: start one with `sbpflow server`, or point --address "
+            f"(env SBPFLOW_ADDRESS) at yours ({details.rsplit(': ', 1)[-1]})"
+        )
+    return ClientError(code, details, text)
+
+
+def _call(fn: Any, *args: Any, address: str = "", **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except grpc.RpcError as e:
-        raise ClientError(e.code(), e.details() or "") from None  # type: ignore[attr-defined]
+        raise _error(e, address) from None
 
 
 def _job_proto(job: Any) -> job_pb2.Job:
@@ -95,14 +119,20 @@ class Client:
         self.close()
 
     def _unary(self, name: str, request: Any) -> Any:
-        return _call(getattr(self._stub, name), request, metadata=self._metadata, timeout=self.timeout)
+        return _call(
+            getattr(self._stub, name),
+            request,
+            address=self.address,
+            metadata=self._metadata,
+            timeout=self.timeout,
+        )
 
     def _stream(self, name: str, request: Any) -> Iterator[Any]:
         stream = getattr(self._stub, name)(request, metadata=self._metadata)
         try:
             yield from stream
         except grpc.RpcError as e:
-            raise ClientError(e.code(), e.details() or "") from None  # type: ignore[attr-defined]
+            raise _error(e, self.address) from None
         finally:
             stream.cancel()
 

@@ -15,6 +15,7 @@ from collections.abc import Collection
 from dataclasses import fields
 from typing import Any
 
+from sbpflow.client.cli_exit import UsageError
 from sbpflow.errors import SbpflowError
 from sbpflow.run_options import FIELD_NAMES, RunOptions, RunOptionsError
 
@@ -65,4 +66,4 @@ def run_options_from_args(args: argparse.Namespace, defaults: RunOptions, **over
     try:
         return defaults.replace(**(given | overrides))
     except RunOptionsError as e:
-        raise SbpflowError(f"{flag_of(e.field)} {e.value}: {e.fix}") from None
+        raise UsageError(f"{flag_of(e.field)} {e.value}: {e.fix}") from None

@@ -294,7 +294,7 @@ def test_client_and_cli_resume(
         )
         assert cli(["resume", old.job_id, "--ranks", "2", *flags]) == 2
         assert "give the example file too" in capsys.readouterr().err
-        assert cli(["resume", old.job_id, *flags]) == 2  # the job as submitted: 4 steps, none left
+        assert cli(["resume", old.job_id, *flags]) == 1  # the job as submitted: 4 steps, none left (refused)
         assert "nothing is left to train" in capsys.readouterr().err
 
 

@@ -1,0 +1,57 @@
+"""How an ``sbpflow`` command ends: its exit code and its last words.
+
+    0    success
+    1    a job that did not succeed, a call the control plane refused or could not answer, a job the
+         compiler refused: anything but the command line itself
+    2    a usage error: a flag or argument that is wrong (argparse's own, and :class:`UsageError`)
+    130  interrupted (Ctrl-C), without a traceback
+    141  the reader of stdout went away (``sbpflow status | head``): quiet, as other Unix tools end on
+         SIGPIPE
+
+Errors print one line on stderr, ``sbpflow: error: ...``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+from sbpflow.errors import SbpflowError
+
+OK, FAILED, USAGE, INTERRUPTED, BROKEN_PIPE = 0, 1, 2, 130, 141
+
+
+class UsageError(SbpflowError):
+    """The command line is wrong (a bad flag value, an example file that is not one): exit 2."""
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's flush at exit does not fail a second time."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # a stdout without a descriptor (a test's capture)
+        pass
+    finally:
+        os.close(devnull)
+
+
+def run_command(fn: Callable[[], int]) -> int:
+    """``fn()``'s exit code, with each way a command can fail mapped to its code above."""
+    try:
+        code = fn()
+        sys.stdout.flush()  # here, not at exit: a reader that went away is then a BrokenPipeError below
+        return code
+    except UsageError as e:
+        print(f"sbpflow: error: {e}", file=sys.stderr)
+        return USAGE
+    except (SbpflowError, NotImplementedError) as e:
+        print(f"sbpflow: error: {e}", file=sys.stderr)
+        return FAILED
+    except BrokenPipeError:
+        _quiet_stdout()
+        return BROKEN_PIPE
+    except KeyboardInterrupt:
+        print("sbpflow: interrupted", file=sys.stderr)
+        return INTERRUPTED

@@ -1,0 +1,170 @@
+"""The CLI as a script sees it, run as ``sbpflow`` subprocesses against a real control plane on
+loopback: ``--json`` with its documented keys, exit codes (0 done, 1 failed, 2 usage), quiet on a
+closed pipe, typed ``--set`` values, plain words for a missing or wrong server, defaults in ``--help``."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sbpflow.client import cli_json
+from sbpflow.client.cli_exit import UsageError
+from sbpflow.client.set_values import param_types, parse_set
+from sbpflow.control_plane.server import ControlPlane, ServerConfig
+from sbpflow.run_options import MANAGER_DEFAULTS
+
+ROOT = Path(__file__).resolve().parents[2]
+MLP = str(ROOT / "examples" / "mlp.py")
+
+
+def sbpflow(
+    *args: str, token: str | None = "t", stdout: int | None = subprocess.PIPE
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SBPFLOW_")}
+    if token:
+        env["SBPFLOW_TOKEN"] = token
+    return subprocess.run(
+        [sys.executable, "-m", "sbpflow.client.cli", *args],
+        stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=120, env=env,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    tmp = tmp_path_factory.mktemp("scripting")
+    cfg = ServerConfig(
+        store=str(tmp / "jobs.db"),
+        run=MANAGER_DEFAULTS.replace(backend="inprocess"),
+        slots=4,
+        http_port=None,
+        auth_token="t",
+        checkpoint_root=str(tmp / "ckpts"),
+    )
+    p = ControlPlane(cfg).start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def done_job(plane: ControlPlane) -> str:
+    r = sbpflow(
+        "submit", MLP, "--set", "steps=2", "--checkpoint-every", "1", "--watch", "--address", plane.address
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()[0]
+
+
+def test_status_json_has_the_documented_keys(plane: ControlPlane, done_job: str) -> None:
+    r = sbpflow("status", done_job, "--json", "--address", plane.address)
+    assert r.returncode == 0, r.stderr
+    one = json.loads(r.stdout)
+    assert tuple(one) == cli_json.JOB_KEYS
+    assert (one["state"], one["step"], one["total_steps"]) == ("SUCCEEDED", 2, 2)
+    assert isinstance(one["loss"], float) and one["finished"].endswith("Z")
+    assert tuple(one["workers"][0]) == cli_json.WORKER_KEYS
+    listed = json.loads(sbpflow("status", "--json", "--address", plane.address).stdout)
+    assert done_job in [j["job_id"] for j in listed["jobs"]]
+
+
+def test_checkpoints_and_plan_json(plane: ControlPlane, done_job: str) -> None:
+    root = plane.config.checkpoint_root or ""
+    r = sbpflow("checkpoints", done_job, "--checkpoint-root", root, "--json")
+    assert r.returncode == 0, r.stderr
+    found = json.loads(r.stdout)["checkpoints"]
+    assert [c["step"] for c in found] == [1, 2] and tuple(found[0]) == cli_json.CHECKPOINT_KEYS
+    r = sbpflow("plan", MLP, "--ranks", "2", "--tp", "--json", "--dot", os.devnull)
+    plan = json.loads(r.stdout)  # the "wrote" line goes to stderr
+    assert tuple(plan) == cli_json.PLAN_KEYS and plan["job"] == "TrainMLP" and "wrote" in r.stderr
+    assert all(set(o) == {"name", "op_type", "inputs", "outputs"} for o in plan["ops"])
+    assert set(plan["memory"]) == {"0", "1"} and plan["boxing_bytes"] >= 0
+
+
+def test_the_readme_lists_every_json_key() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Scripting") :]
+    for key in (*cli_json.JOB_KEYS, *cli_json.WORKER_KEYS, *cli_json.PLAN_KEYS, *cli_json.CHECKPOINT_KEYS):
+        assert f"`{key}`" in section, key
+
+
+def test_exit_codes(plane: ControlPlane, done_job: str) -> None:
+    assert sbpflow("status", "nope", "--address", plane.address).returncode == 1  # a failed call
+    unauth = sbpflow("status", "--address", plane.address, token=None)
+    assert unauth.returncode == 1 and "UNAUTHENTICATED" in unauth.stderr and "ID" not in unauth.stdout
+    bad = sbpflow("plan", MLP, "--set", "steps=abc")
+    assert bad.returncode == 2
+    assert (
+        "--set steps=abc: make_job's steps takes int, not 'abc'" in bad.stderr
+        and "Traceback" not in bad.stderr
+    )
+    readme = sbpflow("run", str(ROOT / "README.md"))
+    assert (
+        readme.returncode == 2 and "not a Python file" in readme.stderr and "Traceback" not in readme.stderr
+    )
+    assert sbpflow("status", "--limit", "x").returncode == 2  # argparse's own
+
+
+def test_no_server_and_a_wrong_port_in_plain_words() -> None:
+    r = sbpflow("status", "--address", "127.0.0.1:1")
+    assert r.returncode == 1
+    assert "no control plane at 127.0.0.1:1: start one with `sbpflow server`" in r.stderr
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        where = f"127.0.0.1:{httpd.server_address[1]}"
+        r = sbpflow("status", "--address", where)
+    finally:
+        httpd.shutdown()
+    assert r.returncode == 1 and f"{where} answers, but not as a gRPC control plane" in r.stderr
+    assert "HTTP/2" not in r.stderr
+
+
+def test_quiet_when_the_reader_goes_away(plane: ControlPlane, done_job: str) -> None:
+    for args in (["ops"], ["status", "--address", plane.address]):
+        env = {**os.environ, "SBPFLOW_TOKEN": "t"}
+        p = subprocess.Popen(
+            [sys.executable, "-m", "sbpflow.client.cli", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        )  # fmt: skip
+        assert p.stdout is not None and p.stderr is not None
+        p.stdout.close()  # `| head` that has read enough
+        err = p.stderr.read().decode()
+        assert p.wait(60) == 141 and err == "", err
+
+
+def test_help_shows_defaults() -> None:
+    text = sbpflow("server", "--help").stdout
+    assert re.search(r"gRPC port .*\(default:\s+50051\)", text, flags=re.S)
+    assert "(default: sbpflow-jobs.db)" in text and "(default: None)" not in text
+    secret = sbpflow("status", "--help", token="s3cret").stdout
+    assert "s3cret" not in secret and "(default: 20)" in secret
+
+
+def test_set_values_are_typed_by_make_job() -> None:
+    def make_job(steps: int = 1, lr: float = 0.1, tp: bool = False, name: str = "x",
+                 ranks: tuple[int, ...] = (), seed: int | None = None, untyped=3) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+        pass
+
+    types = param_types(make_job)
+    got = dict(parse_set(x, types) for x in
+               ["steps=5", "lr=1", "tp=true", "name=007", "ranks=0,1", "seed=None", "untyped=4", "other=a"])  # fmt: skip
+    assert got == {"steps": 5, "lr": 1.0, "tp": True, "name": "007", "ranks": (0, 1), "seed": None,
+                   "untyped": 4, "other": "a"}  # fmt: skip
+    assert isinstance(got["lr"], float)
+    for bad, words in [("lr=fast", "lr takes float, not 'fast'"), ("untyped=x", "untyped takes int"),
+                       ("seed=1.5", "seed takes int | None"), ("tp=maybe", "tp takes bool")]:  # fmt: skip
+        with pytest.raises(UsageError, match=re.escape(words)):
+            parse_set(bad, types)
