@@ -4,6 +4,7 @@ the README, the contributor guide names files that exist, and the pre-commit hoo
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import yaml
@@ -38,3 +39,48 @@ def test_pre_commit_runs_the_checks_ci_runs() -> None:
     assert entries["mypy"] in ci
     assert "ruff check" in entries["ruff"] and "ruff check ." in ci
     assert entries["ruff-format"] == "ruff format" and "ruff format --check ." in ci
+
+
+# files that may name a path outside the checkout: the KubeRay CRD test data the environment provides
+# beside it (or in $SBPFLOW_KUBERAY_CRDS), and this test's own patterns
+OUTSIDE_OK = {"tests/deploy/test_manifests.py", "tests/test_docs.py"}
+
+
+def test_nothing_points_outside_the_repository() -> None:
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    found = []
+    for name in tracked:
+        path = ROOT / name
+        if name in OUTSIDE_OK or not path.is_file() or path.suffix in {".png", ".pb", ".db", ".safetensors"}:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for bad in re.findall(r"(?<![\w.])/work/|\.\./shared\b|/home/(?!ray\b)\w+|/Users/\w+", text):
+            found.append(f"{name}: {bad}")
+    assert not found, "\n".join(found)
+
+
+def test_the_license_is_the_apache_license_pyproject_names() -> None:
+    text = (ROOT / "LICENSE").read_text()
+    assert (
+        "Apache License" in text
+        and "Version 2.0, January 2004" in text
+        and "END OF TERMS AND CONDITIONS" in text
+    )
+    assert 'license = "Apache-2.0"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_the_readme_links_the_pytorch_page() -> None:
+    assert "docs/from-pytorch.md" in (ROOT / "README.md").read_text()
+    assert (ROOT / "docs" / "from-pytorch.md").is_file()
+
+
+def test_the_readme_server_block_sets_the_token_first_and_waits_until_ready() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("## The control plane") :]
+    block = block[block.index("```bash") : block.index("```", block.index("```bash") + 3)]
+    export, server = block.index("export SBPFLOW_TOKEN="), block.index("sbpflow server")
+    ready, submit = block.index("/readyz"), block.index("sbpflow submit")
+    assert export < server < ready < submit, block

@@ -1,4 +1,4 @@
-"""README.md, deploy/README.md and deploy/netns-cluster.sh say only what the CLI takes: every ``sbpflow``
+"""README.md, docs/from-pytorch.md, deploy/README.md and deploy/netns-cluster.sh say only what the CLI takes: every ``sbpflow``
 command line they show parses with the real parser, and the script is valid bash."""
 
 from __future__ import annotations
@@ -14,7 +14,12 @@ from sbpflow.client.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-SHOWN = {"README.md": 10, "deploy/README.md": 5, "deploy/netns-cluster.sh": 2}  # at least this many commands
+SHOWN = {
+    "README.md": 10,
+    "docs/from-pytorch.md": 5,
+    "deploy/README.md": 5,
+    "deploy/netns-cluster.sh": 2,
+}  # at least
 
 
 def code(name: str) -> str:
@@ -26,14 +31,16 @@ def code(name: str) -> str:
 
 
 def commands(text: str) -> list[str]:
-    """``sbpflow SUBCOMMAND ...`` command lines (continuations joined, comments and pipes cut)."""
+    """``sbpflow SUBCOMMAND ...`` command lines (continuations joined, comments cut, each command of a
+    pipe, a list or a background ``&`` on its own)."""
     subcommands = set(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
     out = []
     for line in re.sub(r"\\\n\s*", " ", text).splitlines():
-        words = re.split(r"\s+#|\s*;\s*|\s*\|", line)[0].split()
-        for i, w in enumerate(words[:-1]):
-            if w == "sbpflow" and words[i + 1] in subcommands and (i == 0 or words[i - 1] != "-n"):
-                out.append(" ".join(words[i:]))
+        for part in re.split(r"\s*(?:;|\|\|?|&&?)\s*", re.split(r"\s+#", line)[0]):  # each command
+            words = part.split()
+            for i, w in enumerate(words[:-1]):
+                if w == "sbpflow" and words[i + 1] in subcommands and (i == 0 or words[i - 1] != "-n"):
+                    out.append(" ".join(words[i:]))
     return out
 
 
