@@ -1,0 +1,134 @@
+"""ResNet-18 training samples/s on CPU: sbpflow on one rank against PyTorch eager, side by side.
+
+    python bench/resnet.py                 # 32x32 images, width 16, batch 32, 12 steps each, 3 repeats
+    python bench/resnet.py --quick         # 16x16, width 8, batch 16: a smoke run
+
+The model is examples/resnet.py's ResNet-18 (3x3 stride-1 stem, 3x3 stride-2 max pool, 4 stages of 2
+basic blocks, batch norm with batch statistics, global average pool, a linear head), softmax cross
+entropy, SGD with momentum 0.9, float32, generated images. PyTorch (``torch==2.13.0``, the ``bench``
+extra) runs the same architecture eagerly. Both run on one thread (BLAS pinned before numpy and torch
+load; ``sf.run(threads=1)``, ``torch.set_num_threads(1)``). A step's time is the median gap between
+consecutive steps after ``WARMUP`` steps (sbpflow: its ``on_step`` reports; torch: a timer around each
+step); the sides alternate ``--repeat`` times and the medians of the repetitions are compared.
+DDP over 2 workers is not measured here (bench/ddp.py does it for the MLP). A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_v] = "1"  # before numpy/torch are imported
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import ModuleType  # noqa: E402
+from typing import Any  # noqa: E402
+
+import sbpflow as sf  # noqa: E402
+
+WARMUP = 2
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("example_resnet", ROOT / "examples" / "resnet.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def sbpflow_step_s(cfg: dict[str, Any], steps: int) -> float:
+    job = example().make_job(ranks=1, steps=steps, **cfg)
+    marks: list[float] = []
+    sf.run(job, backend="inprocess", threads=1, on_step=lambda m: marks.append(time.perf_counter()))
+    gaps = [b - a for a, b in zip(marks[WARMUP:], marks[WARMUP + 1 :], strict=False)]
+    return statistics.median(gaps)
+
+
+def torch_model(cfg: dict[str, Any]) -> Any:
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, c_in: int, c: int, stride: int) -> None:
+            super().__init__()
+            self.conv1 = nn.Conv2d(c_in, c, 3, stride, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(c)
+            self.conv2 = nn.Conv2d(c, c, 3, 1, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(c)
+            self.down = (
+                nn.Sequential(nn.Conv2d(c_in, c, 1, stride, bias=False), nn.BatchNorm2d(c))
+                if stride != 1 or c_in != c
+                else None
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+            return torch.relu(y + (x if self.down is None else self.down(x)))
+
+    w = cfg["width"]
+    layers: list[nn.Module] = [
+        nn.Conv2d(3, w, 3, 1, 1, bias=False),
+        nn.BatchNorm2d(w),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, 1),
+    ]
+    c = w
+    for stage in range(4):
+        for i in range(2):
+            layers.append(Block(c, w * 2**stage, 2 if stage and not i else 1))
+            c = w * 2**stage
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, cfg["classes"])]
+    return nn.Sequential(*layers)
+
+
+def torch_step_s(cfg: dict[str, Any], steps: int) -> float:
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch_model(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+    n, s = cfg["batch_size"], cfg["image_size"]
+    gaps = []
+    for step in range(steps):
+        x, y = torch.randn(n, 3, s, s), torch.randint(0, cfg["classes"], (n,))  # as the generated source
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if step >= WARMUP:
+            gaps.append(time.perf_counter() - t0)
+    return statistics.median(gaps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    cfg = {"depth": 18, "width": 16, "image_size": 32, "batch_size": 32, "classes": 10, "lr": 0.05}
+    if args.quick:
+        cfg.update(width=8, image_size=16, batch_size=16)
+        args.steps, args.repeat = 6, 1
+    ours, theirs = [], []
+    for _ in range(args.repeat):
+        ours.append(sbpflow_step_s(cfg, args.steps))
+        theirs.append(torch_step_s(cfg, args.steps))
+    a, b = statistics.median(ours), statistics.median(theirs)
+    n = cfg["batch_size"]
+    print(f"ResNet-18 {cfg}, 1 thread, median of {args.repeat} x {args.steps - WARMUP - 1}+ steps")
+    print(f"{'':10} {'step':>10} {'samples/s':>10}")
+    print(f"{'sbpflow':10} {a * 1e3:8.1f} ms {n / a:10.1f}")
+    print(f"{'pytorch':10} {b * 1e3:8.1f} ms {n / b:10.1f}")
+    print(f"ratio sbpflow/pytorch samples/s: {b / a:.2f}  (step time {a / b:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
