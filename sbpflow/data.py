@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from sbpflow.data_clicks import click_shapes, read_clicks
 from sbpflow.dtype import DType, as_dtype
 from sbpflow.errors import SbpflowError
 from sbpflow.random import RandomKey, normal, tensor_rng_id, uniform
@@ -171,7 +172,9 @@ class SyntheticSource(_Common):
     ``kind``: ``"normal"`` (every float field N(0, 1); int fields uniform in ``[0, params['vocab'])``),
     ``"tokens"`` (``tokens``/``targets`` of ``params['seq_len']`` ids below ``params['vocab']``, targets
     the tokens shifted by one), ``"regression"`` (``x`` N(0, 1) of ``params['in']`` and
-    ``y = x @ W`` with a fixed teacher ``W`` of ``params['out']`` columns).
+    ``y = x @ W`` with a fixed teacher ``W`` of ``params['out']`` columns), ``"clicks"`` (click logs for
+    Wide & Deep: ``dense``, ``ids`` and ``label`` of :mod:`sbpflow.data_clicks`, from ``params['dense']``,
+    ``params['fields']`` and ``params['vocab']``).
     """
 
     kind: str = "normal"
@@ -190,7 +193,11 @@ class SyntheticSource(_Common):
             )
         if self.kind == "normal":
             return self.sample_fields
-        raise DataError(f"synthetic kind {self.kind!r} is unknown; use 'normal', 'tokens' or 'regression'")
+        if self.kind == "clicks":
+            return tuple(DataField(k, s, d) for k, (s, d) in click_shapes(self.params).items())
+        raise DataError(
+            f"synthetic kind {self.kind!r} is unknown; use 'normal', 'tokens', 'regression' or 'clicks'"
+        )
 
     def _draw(self, f: DataField, ids: np.ndarray) -> np.ndarray:
         shape = (self.num_samples, *f.sample_shape)
@@ -221,6 +228,8 @@ class SyntheticSource(_Common):
                 np.float64,
             )
             return {"x": x.astype(np.float32), "y": (x @ w).astype(np.float32)}
+        if self.kind == "clicks":
+            return read_clicks(self.seed, self.params, self.num_samples, ids)
         return {f.name: self._draw(f, ids) for f in self.fields()}
 
 
