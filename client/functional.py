@@ -50,9 +50,16 @@ def relu(x: Tensor) -> Tensor:
     return _op("relu", x)
 
 
-def gelu(x: Tensor) -> Tensor:
-    """GELU, tanh approximation (GPT-2's)."""
-    return _op("gelu", x)
+def gelu(x: Tensor, approximate: str = "tanh") -> Tensor:
+    """GELU: ``"tanh"``, the tanh approximation (GPT-2's; the default, so that existing models keep their
+    numbers), or ``"none"``, exact through erf (PyTorch's default)."""
+    if approximate not in ("tanh", "none"):
+        raise ShapeError(f"gelu approximate={approximate!r}: use 'tanh' or 'none' (exact, through erf)")
+    return _op("gelu" if approximate == "tanh" else "gelu_erf", x)
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    return _op("sigmoid", x)
 
 
 def tanh(x: Tensor) -> Tensor:
@@ -163,6 +170,39 @@ def embedding(ids: Tensor, weight: Any) -> Tensor:
     return _op("embedding", weight, ids)
 
 
+def gather(x: Tensor, indices: Tensor, axis: int = 0) -> Tensor:
+    """``np.take(x, indices, axis)`` (ONNX Gather): out [*x[:axis], *indices.shape, *x[axis+1:]].
+
+    Not PyTorch's ``torch.gather`` (that is ``take_along_axis``). A table split by rows along ``axis``
+    gives each rank its rows and zeros elsewhere: a partial sum ``P``, as the embedding's vocabulary split.
+    """
+    return _op("gather", x, indices, axis=axis % x.ndim)
+
+
+def index_select(x: Tensor, axis: int, index: Tensor) -> Tensor:
+    """PyTorch's ``index_select``: the slices of ``x`` at a 1-d ``index`` along ``axis``."""
+    if index.ndim != 1:
+        raise ShapeError(f"index_select of {x.name!r}: index {list(index.shape)} must be 1-d; use gather")
+    return gather(x, index, axis)
+
+
+def one_hot(indices: Tensor, depth: int, dtype: Any = DType.float32) -> Tensor:
+    """[*indices.shape, depth]: 1 at each index, 0 elsewhere (a row of zeros for one outside the range)."""
+    return _op("one_hot", indices, depth=depth, dtype=as_dtype(dtype))
+
+
+def topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` largest of each last-axis row, descending, and their int64 positions (ties: lower first)."""
+    values, indices = emit("topk", x, k=k)
+    return values, indices
+
+
+def flatten(x: Tensor, start_axis: int = 0, end_axis: int = -1) -> Tensor:
+    """Axes ``start_axis..end_axis`` merged into one, as torch.flatten (a reshape: a split of the first
+    merged axis survives where the sizes divide)."""
+    return x.flatten(start_axis, end_axis)
+
+
 def cross_entropy(
     logits: Tensor, labels: Tensor, ignore_index: int = -100, reduction: str = "mean"
 ) -> Tensor:
@@ -183,6 +223,12 @@ def cross_entropy(
     count = _op("sum", valid, axes=None, keepdims=False)  # count: []
     none_valid = _op("cast", _op("eq_scalar", count, value=0), dtype=per.dtype)
     return _op("div", total, _op("add", count, none_valid))  # max(count, 1): count is an integer
+
+
+def binary_cross_entropy_with_logits(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+    """-(t log sigmoid(x) + (1 - t) log(1 - sigmoid(x))) in the stable form; ``"mean"``, ``"sum"`` or
+    ``"none"``. Under data parallelism the mean is a partial sum ``P`` of each rank's share."""
+    return _op("binary_cross_entropy_with_logits", logits, targets, reduction=reduction)
 
 
 def mse_loss(pred: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:

@@ -86,8 +86,33 @@ class ReLU(Module):
 
 
 class GELU(Module):
+    """``approximate="tanh"`` (the default: GPT-2's form) or ``"none"`` (exact, through erf)."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        self.approximate = approximate
+
     def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(x)
+        return F.gelu(x, self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class Sigmoid(Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.sigmoid(x)
+
+
+class Flatten(Module):
+    """Axes ``start_axis..end_axis`` merged into one, as torch.nn.Flatten (default: all but the batch)."""
+
+    def __init__(self, start_axis: int = 1, end_axis: int = -1) -> None:
+        super().__init__()
+        self.start_axis, self.end_axis = start_axis, end_axis
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.flatten(x, self.start_axis, self.end_axis)
 
 
 class Tanh(Module):
@@ -141,7 +166,7 @@ class Sequential(ModuleList):
         return x
 
 
-_ACTIVATIONS: dict[str, type[Module]] = {"relu": ReLU, "gelu": GELU, "tanh": Tanh}
+_ACTIVATIONS: dict[str, type[Module]] = {"relu": ReLU, "gelu": GELU, "tanh": Tanh, "sigmoid": Sigmoid}
 
 
 class MLP(Sequential):
