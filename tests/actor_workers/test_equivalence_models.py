@@ -52,3 +52,18 @@ def test_resnet18_batch_norm_statistics_are_reduced_across_ranks_under_data_para
         if read:
             assert o.op_type == BOXING, f"{o.name} reads the partial statistic {read} unreduced"
             assert repr(plans[o.name]).startswith("P -> "), plans[o.name]
+
+
+# ---- Wide & Deep: embedding tables split by rows S(0) (or columns S(1)), the dense tower data parallel -
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"ranks": 2}, {"ranks": 4}, {"ranks": 2, "columns": True}],
+    ids=["rows-2", "rows-4", "columns-2"],
+)
+def test_wide_deep_float64_equals_one_device(kwargs: dict[str, Any]) -> None:
+    """The tables looked up vocabulary parallel (table S(0), ids B -> P, reduce-scattered onto the batch
+    split), the deep one by columns with ``columns``; AdamW, BCE with logits."""
+    job = load("wide_deep").make_job(steps=STEPS, batch_size=16, **kwargs)
+    assert_trains_like_one_device(as_float64(job, batches=STEPS), tol=1e-9)
