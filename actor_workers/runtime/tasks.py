@@ -105,8 +105,9 @@ class Recycler:
     """A variable's update writes each new value into the array of the value two steps back.
 
     At step ``s`` the update reads ``v_s`` and makes ``v_{s+1}``. Every reader of ``v_{s-1}`` has finished
-    by then: the variable's SOURCE emitted ``v_s`` into a one-slot register, which it could only do once
-    every reader of ``v_{s-1}`` acked, and readers ack after their act. So ``v_{s-1}``'s array is dead —
+    by then: the variable's SOURCE emitted ``v_s`` into a one-slot register (or, with the SOURCE bypassed,
+    the SINK wrote it into the one-slot loop edge the readers read), which it could only do once every
+    reader of ``v_{s-1}`` acked, and readers ack after their act. So ``v_{s-1}``'s array is dead —
     unless a reader passed on a view of it (a reshape, a local slice): :func:`guard_aliases` watches the
     readers' outputs and turns recycling off for good when one shares memory with the value it read.
     Only arrays the update itself made are recycled (never the store's initial value, which a caller may
