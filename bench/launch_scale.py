@@ -9,7 +9,8 @@ state (``pipeline.finish``: lazy above ``LAZY_ABOVE`` tasks, or ``--lower lazy``
 control plane lowers the ranks in batches and serialises each rank's Plan (``Compiled.rank_plans``, the
 scheduler's own call), and hands the bytes to that rank's :class:`FakeWorker`, which parses them as a Ray
 worker would and checks them (:func:`check_rank_plan`): its DevicePlan and only it, every task's
-registers local, every communicator it uses present and holding it, the job present. No Ray, no data
+registers local, every communicator it uses present and holding it, every tensor its registers hold in
+its tables (a rank plan carries only the tensors placed on its rank, and no ``Plan.job``). No Ray, no data
 plane: the figures are the control plane's, the part that grows with the number of ranks.
 
 Reported: the wall time of each phase (the launch split into the control plane's lowering and

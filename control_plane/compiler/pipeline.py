@@ -16,10 +16,13 @@ is skipped with a note and ``Compiled.plan`` is ``None``.
 Lowering materialises every rank's tasks (``Compiled.plan``) unless the job is big: above
 ``LAZY_ABOVE`` estimated tasks (or with ``lower="lazy"``) the plan is lowered on demand —
 ``Compiled.device_plan(rank)`` / ``Compiled.rank_plan(rank)`` build one rank's DevicePlan (cached), equal
-to its entry in the full plan — which is what a control plane ships each worker anyway. The compile
-itself then lowers one representative rank per memory class (``memory.rank_classes``: a pipeline stage
-with even splits is one class) for the memory estimate, and proves the communicator order from the
-walk's one sequence of boxing steps (``check_order``) instead of from every rank's tasks.
+to its entry in the full plan — which is what a control plane ships each worker anyway
+(``Compiled.rank_plans``: a rank's Plan is its DevicePlan, its communicators and the header's tables
+as far as they concern it — the tensors placed on the rank, and no ``Plan.job``, which the runtime never
+reads; ``Compiled.header()`` is the whole header). The compile itself then lowers one representative
+rank per memory class (``memory.rank_classes``: a pipeline stage with even splits is one class) for the
+memory estimate, and proves the communicator order from the walk's one sequence of boxing steps
+(``check_order``) instead of from every rank's tasks.
 """
 
 from __future__ import annotations
