@@ -35,6 +35,7 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import importlib.util  # noqa: E402
+import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -131,6 +132,11 @@ EXTRA: dict[str, tuple[tuple[TensorMeta, ...], dict[str, Any]]] = {
     "slice": ((X,), {"starts": (0, 0, 0), "stops": (16, 64, 128)}),
     "slice_grad": ((TensorMeta((16, 64, 128), F32),), {"shape": X.shape, "starts": (0, 0, 0)}),
     "sgd_update": ((X, X, X), {"lr": 0.01, "momentum": 0.9}),
+    # what the fusion pass (SBPFLOW_FUSION=1) makes of the GPT's c_proj bias add and residual add
+    "fused_elementwise": (
+        (TensorMeta((16, 64, 64), F32), TensorMeta((64,), F32), TensorMeta((16, 64, 64), F32)),
+        {"chain": '[["add",{},["in0","in1"]],["add",{},["in2","s0"]]]'},
+    ),
 }
 
 
@@ -184,6 +190,28 @@ def sbpflow_call(case: Case, arrays: list[np.ndarray]) -> Callable[[], Any]:
 # ---- the PyTorch side ------------------------------------------------------------------------------------
 
 
+def _torch_chain(chain: str, t: list[Any]) -> Callable[[], Any]:
+    import torch
+    from torch.nn import functional as F
+
+    fns: dict[str, Callable[..., Any]] = {
+        "add": torch.add,
+        "mul": torch.mul,
+        "sub": torch.sub,
+        "gelu": lambda x: F.gelu(x, approximate="tanh"),
+        "tanh": torch.tanh,
+    }
+    steps = json.loads(chain)
+
+    def run() -> Any:
+        vals: list[Any] = []
+        for op, _, refs in steps:
+            vals.append(fns[op](*(t[int(r[2:])] if r.startswith("in") else vals[int(r[1:])] for r in refs)))
+        return vals[-1]
+
+    return run
+
+
 def torch_call(case: Case, arrays: list[np.ndarray]) -> Callable[[], Any]:
     import torch
     from torch.nn import functional as F
@@ -206,6 +234,8 @@ def torch_call(case: Case, arrays: list[np.ndarray]) -> Callable[[], Any]:
             "rdiv_scalar": lambda: v / x,
             "pow_scalar": lambda: x**v,
         }[op]
+    if op == "fused_elementwise":  # PyTorch eager runs the chain op by op
+        return _torch_chain(str(a["chain"]), t)
     if len(t) >= 1:
         x = t[0]
         simple = {

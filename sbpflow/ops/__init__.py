@@ -4,6 +4,7 @@ from sbpflow.ops import (  # noqa: F401  (each registers its ops)
     activation,
     conv,
     elementwise,
+    fused,
     indexing,
     linalg,
     masking,

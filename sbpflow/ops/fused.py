@@ -1,0 +1,291 @@
+"""``fused_elementwise``: a chain of elementwise ops run as one kernel (the compiler's fusion pass makes it).
+
+The chain is data, never code: ``attrs["chain"]`` is a JSON list of steps ``[op_type, attrs, refs]``, where
+each ref names a fused input (``"in0"``) or an earlier step's result (``"s0"``); the last step's result is
+the op's output. Only the ops of :data:`FUSABLE` may appear: elementwise ops whose kernels read nothing
+but their arrays and attrs (no shard offsets, no random streams).
+
+* Inference runs each step's own inference in order.
+* Rows are the composition of the steps' rows: a signature of the fused inputs for which every step has a
+  row agreeing on every intermediate. So splits pass where every step splits alike, and ``P`` passes only
+  along inputs through which every step on the way is linear (a ``P`` into ``gelu`` has no row).
+* The kernel runs the steps on ``xp``; a simple step writes with ``out=`` into an intermediate that dies
+  there (the chain owns it), so a chain of k simple steps allocates one array, not k.
+* The gradient is the steps' gradient rules composed in reverse, on intermediates the rule recomputes
+  with the unfused ops. The pass runs after autodiff, so a compiled job never uses it; eager mode and the
+  op tests do.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from sbpflow.dtype import DType, as_dtype
+from sbpflow.errors import ShapeError
+from sbpflow.ops.base import (
+    REQUIRED,
+    Attrs,
+    GradContext,
+    KernelContext,
+    Metas,
+    NoGrad,
+    Signature,
+    defop,
+    get_op,
+)
+from sbpflow.ops.elementwise import scalar_of
+from sbpflow.sbp import Sbp
+from sbpflow.tensor_meta import TensorMeta
+
+# An in-place writer: (xp, args, attrs, out) -> result, with ``out`` an owned buffer of the result's shape
+# and dtype, or None (allocate).
+Writer = Callable[[Any, Sequence[Any], Attrs, Any], Any]
+
+
+def _ufunc(name: str) -> Writer:
+    return lambda xp, args, a, out: getattr(xp, name)(*args, out=out)
+
+
+def _scalar(name: str, reverse: bool = False) -> Writer:
+    def write(xp: Any, args: Sequence[Any], a: Attrs, out: Any) -> Any:
+        (x,) = args
+        v = scalar_of(x.dtype, a["value"])
+        return getattr(xp, name)(v, x, out=out) if reverse else getattr(xp, name)(x, v, out=out)
+
+    return write
+
+
+def _relu(xp: Any, args: Sequence[Any], a: Attrs, out: Any) -> Any:
+    return xp.maximum(args[0], args[0].dtype.type(0), out=out)
+
+
+# Steps written in place; every other fusable op runs its own registered kernel.
+_WRITERS: dict[str, Writer] = {
+    "add": _ufunc("add"),
+    "sub": _ufunc("subtract"),
+    "mul": _ufunc("multiply"),
+    "div": _ufunc("divide"),
+    "neg": _ufunc("negative"),
+    "exp": _ufunc("exp"),
+    "log": _ufunc("log"),
+    "sqrt": _ufunc("sqrt"),
+    "tanh": _ufunc("tanh"),
+    "relu": _relu,
+    "add_scalar": _scalar("add"),
+    "mul_scalar": _scalar("multiply"),
+    "rsub_scalar": _scalar("subtract", reverse=True),
+    "rdiv_scalar": _scalar("divide", reverse=True),
+}
+
+FUSABLE: frozenset[str] = frozenset(
+    {
+        *_WRITERS,
+        "pow_scalar",
+        "gelu",
+        "gelu_grad",
+        "relu_grad",
+        "sigmoid",
+        "gelu_erf",
+        "gelu_erf_grad",
+        "cast",
+        "eq_scalar",
+        "ne_scalar",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Step:
+    op: str
+    attrs: dict[str, Any]
+    refs: tuple[str, ...]  # "in<i>" or "s<k>"
+
+
+def encode(steps: Sequence[tuple[str, Attrs, Sequence[str]]]) -> str:
+    """The ``chain`` attribute for steps ``(op_type, attrs, refs)``: JSON, a dtype by its name."""
+    out = []
+    for op, attrs, refs in steps:
+        plain = {
+            k: (v.value if isinstance(v, DType) else list(v) if isinstance(v, tuple) else v)
+            for k, v in attrs.items()
+        }
+        out.append([op, plain, list(refs)])
+    return json.dumps(out, sort_keys=True, separators=(",", ":"))
+
+
+@lru_cache(maxsize=512)
+def parse(chain: str) -> tuple[Step, ...]:
+    """The steps of a ``chain`` attribute, each op checked fusable and each ref checked to point back."""
+    try:
+        raw = json.loads(chain)
+        steps = [Step(str(op), dict(attrs), tuple(str(r) for r in refs)) for op, attrs, refs in raw]
+    except (ValueError, TypeError) as e:
+        raise ShapeError(
+            f"op 'fused_elementwise' has a malformed chain ({e}); the fusion pass writes it"
+        ) from None
+    if not steps:
+        raise ShapeError("op 'fused_elementwise' needs a chain of at least one step")
+    for k, s in enumerate(steps):
+        if s.op not in FUSABLE:
+            raise ShapeError(f"op 'fused_elementwise' cannot fuse {s.op!r}; fusable ops: {sorted(FUSABLE)}")
+        if "dtype" in s.attrs:
+            s.attrs["dtype"] = as_dtype(s.attrs["dtype"])
+        s.attrs.update(get_op(s.op).normalize_attrs(s.attrs))
+        for r in s.refs:
+            if not (r.startswith("in") and r[2:].isdigit()) and not (
+                r.startswith("s") and int(r[1:] or k) < k
+            ):
+                raise ShapeError(
+                    f"op 'fused_elementwise': step {k} ({s.op}) reads {r!r}, not an input or earlier step"
+                )
+    return tuple(steps)
+
+
+def _metas(steps: tuple[Step, ...], ins: Metas) -> list[Metas]:
+    """Each step's input metas; the last entry is ([the output meta]) after all steps."""
+    outs: list[TensorMeta] = []
+    per_step: list[Metas] = []
+    for s in steps:
+        args = tuple(ins[int(r[2:])] if r.startswith("in") else outs[int(r[1:])] for r in s.refs)
+        per_step.append(args)
+        (out,) = get_op(s.op).run_infer(args, s.attrs)
+        outs.append(out)
+    return [*per_step, (outs[-1],)]
+
+
+@lru_cache(maxsize=512)
+def _plan(chain: str, ins: Metas) -> tuple[list[Metas], list[int], list[int | None]]:
+    """Per chain and input metas: the step metas, each step result's last reader (the output: len), and
+    per step the position of an argument whose buffer it may write into (an intermediate dying there with
+    the result's meta), or None."""
+    steps = parse(chain)
+    metas = _metas(steps, ins)
+    last = [len(steps)] * len(steps)
+    for k, s in enumerate(steps):
+        for r in s.refs:
+            if r.startswith("s"):
+                last[int(r[1:])] = k
+    last[-1] = len(steps)
+    reuse: list[int | None] = []
+    for k, s in enumerate(steps):
+        out_meta = metas[k + 1][0] if k + 1 == len(steps) else _result_meta(metas, steps, k)
+        pos = None
+        if s.op in _WRITERS:
+            for j, r in enumerate(s.refs):
+                if (
+                    r.startswith("s")
+                    and last[int(r[1:])] == k
+                    and metas[k][j] == out_meta
+                    and s.refs.count(r) == 1
+                ):
+                    pos = j
+                    break
+        reuse.append(pos)
+    return metas, last, reuse
+
+
+def _result_meta(metas: list[Metas], steps: tuple[Step, ...], k: int) -> TensorMeta:
+    (out,) = get_op(steps[k].op).run_infer(metas[k], steps[k].attrs)
+    return out
+
+
+def _infer(metas: Metas, attrs: Attrs) -> Metas:
+    return _metas(parse(attrs["chain"]), metas)[-1]
+
+
+def _rows(metas: Metas, attrs: Attrs) -> list[Signature]:
+    """The composed rows: partial assignments (fused inputs' SBPs, step results' SBPs) grown step by step."""
+    steps = parse(attrs["chain"])
+    step_metas = _metas(steps, metas)
+    states: list[tuple[tuple[Sbp | None, ...], tuple[Sbp, ...]]] = [((None,) * len(metas), ())]
+    for k, s in enumerate(steps):
+        grown: dict[tuple[tuple[Sbp | None, ...], tuple[Sbp, ...]], None] = {}
+        for row in get_op(s.op).rows(step_metas[k], s.attrs):
+            for ins, outs in states:
+                new = list(ins)
+                ok = True
+                for r, want in zip(s.refs, row.ins, strict=True):
+                    if r.startswith("s"):
+                        ok = ok and outs[int(r[1:])] == want
+                    else:
+                        i = int(r[2:])
+                        ok = ok and new[i] in (None, want)
+                        new[i] = want
+                if ok:
+                    grown[(tuple(new), (*outs, row.outs[0]))] = None
+        states = list(grown)
+    return [
+        Signature(tuple(i for i in ins if i is not None), (outs[-1],))
+        for ins, outs in states
+        if None not in ins
+    ]
+
+
+@lru_cache(maxsize=512)
+def _program(
+    chain: str, ins: Metas
+) -> tuple[tuple[Step, Writer | None, tuple[int, ...], int | None, Metas, Metas], ...]:
+    """Per chain and input metas, what the kernel does per step: the step, its writer (None: its own
+    kernel), where its arguments lie in [inputs..., step results...], the argument it writes into, and
+    its input and output metas."""
+    steps = parse(chain)
+    metas, _, reuse = _plan(chain, ins)
+    n = len(ins)
+    out = []
+    for k, s in enumerate(steps):
+        where = tuple(int(r[2:]) if r.startswith("in") else n + int(r[1:]) for r in s.refs)
+        out.append((s, _WRITERS.get(s.op), where, reuse[k], metas[k], (_result_meta(metas, steps, k),)))
+    return tuple(out)
+
+
+def _kernel(ctx: KernelContext, *arrays: Any) -> Any:
+    xp, pool = ctx.xp, list(arrays)
+    for s, writer, where, pos, in_metas, out_metas in _program(ctx.attrs["chain"], ctx.in_metas):
+        args = [pool[i] for i in where]
+        if writer is not None:  # a 0-d step result may be a numpy scalar, which cannot be written into
+            buf = None if pos is None or not isinstance(args[pos], xp.ndarray) else args[pos]
+            pool.append(writer(xp, args, s.attrs, buf))
+        else:
+            inner = KernelContext(xp, s.attrs, in_metas, out_metas, ctx.in_index[:0], ctx.out_index[:1])
+            pool.append(get_op(s.op).run_kernel(inner, args)[0])
+    return pool[-1]
+
+
+def _grad(g: GradContext) -> list[Any]:
+    """The steps' rules in reverse; intermediates recomputed with the unfused ops."""
+    steps = parse(g.attrs["chain"])
+    metas = _metas(steps, g.in_metas)
+    vals: list[Any] = []
+    for k, s in enumerate(steps):
+        args = [g.inputs[int(r[2:])] if r.startswith("in") else vals[int(r[1:])] for r in s.refs]
+        vals.append(g.outputs[0] if k == len(steps) - 1 else g.call(s.op, *args, **s.attrs))
+    grads: dict[str, Any] = {f"s{len(steps) - 1}": g.dy}
+    for k in reversed(range(len(steps))):
+        s, dy = steps[k], grads.get(f"s{k}")
+        rule = get_op(s.op).grad
+        if dy is None or isinstance(rule, NoGrad):
+            continue
+        xs = tuple(g.inputs[int(r[2:])] if r.startswith("in") else vals[int(r[1:])] for r in s.refs)
+        out_meta = (metas[k + 1][0],) if k + 1 == len(steps) else (_result_meta(metas, steps, k),)
+        inner = GradContext(g.builder, xs, (vals[k],), (dy,), metas[k], out_meta, s.attrs)
+        for r, d in zip(s.refs, rule(inner), strict=True):
+            if d is not None:
+                grads[r] = d if r not in grads else g.call("add", grads[r], d)
+    return [grads.get(f"in{i}") for i in range(len(g.inputs))]
+
+
+defop(
+    "fused_elementwise",
+    inputs=("*xs",),
+    attrs={"chain": REQUIRED},
+    infer=_infer,
+    rows=_rows,
+    kernel=_kernel,
+    grad=_grad,
+    doc="a chain of elementwise ops as one kernel (attrs['chain']: JSON steps [op, attrs, refs]); made by "
+    "the compiler's fusion pass",
+)

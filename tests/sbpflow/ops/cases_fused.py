@@ -1,0 +1,90 @@
+"""Cases for sbpflow/ops/fused.py: the chains the fusion pass makes, each against a plain numpy formula.
+
+Each case fixes one chain (``chain`` attribute) and draws shapes and values; the oracle then checks every
+composed SBP row (a P input into a linear chain included), the gradient test the composed rules.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+from sbpflow.ops.fused import encode
+from tests.sbpflow.ops.cases import Example, OpCase, arrays, case, shapes
+
+_C = math.sqrt(2.0 / math.pi)
+
+
+def _gelu(z: np.ndarray) -> np.ndarray:
+    return 0.5 * z * (1.0 + np.tanh(_C * (z + 0.044715 * z**3)))
+
+
+# bias add, then the residual add (attention's and the MLP's c_proj in the GPT block)
+_BIAS_RESIDUAL = encode([("add", {}, ["in0", "in1"]), ("add", {}, ["in2", "s0"])])
+# bias add, a scale and GELU
+_BIAS_SCALE_GELU = encode(
+    [("add", {}, ["in0", "in1"]), ("mul_scalar", {"value": 0.5}, ["s0"]), ("gelu", {}, ["s1"])]
+)
+# an intermediate read twice: (x - y) * (x - y) + x, then tanh
+_SQUARE_TANH = encode(
+    [("sub", {}, ["in0", "in1"]), ("mul", {}, ["s0", "s0"]), ("add", {}, ["s1", "in0"]), ("tanh", {}, ["s2"])]
+)
+
+
+@st.composite
+def _bias_chain(draw: st.DrawFn, chain: str, residual: bool) -> Example:
+    shape = draw(shapes(min_dims=2))
+    ins = [arrays(shape, draw), arrays(shape[-1:], draw)]
+    if residual:
+        ins.append(arrays(shape, draw))
+    return Example(tuple(ins), {"chain": chain})
+
+
+@st.composite
+def _pair(draw: st.DrawFn, chain: str) -> Example:
+    shape = draw(shapes())
+    return Example((arrays(shape, draw), arrays(shape, draw)), {"chain": chain})
+
+
+def _bias_residual(x: np.ndarray, b: np.ndarray, r: np.ndarray, chain: Any) -> list[np.ndarray]:
+    return [r + (x + b)]
+
+
+def _bias_scale_gelu(x: np.ndarray, b: np.ndarray, chain: Any) -> list[np.ndarray]:
+    return [_gelu((x + b) * 0.5)]
+
+
+def _square_tanh(x: np.ndarray, y: np.ndarray, chain: Any) -> list[np.ndarray]:
+    return [np.tanh((x - y) ** 2 + x)]
+
+
+case(
+    OpCase(
+        "fused_elementwise",
+        _bias_chain(_BIAS_RESIDUAL, residual=True),
+        _bias_residual,
+        differentiable=(0, 1, 2),
+        name="fused_elementwise/bias_residual",
+    )
+)
+case(
+    OpCase(
+        "fused_elementwise",
+        _bias_chain(_BIAS_SCALE_GELU, residual=False),
+        _bias_scale_gelu,
+        differentiable=(0, 1),
+        name="fused_elementwise/bias_scale_gelu",
+    )
+)
+case(
+    OpCase(
+        "fused_elementwise",
+        _pair(_SQUARE_TANH),
+        _square_tanh,
+        differentiable=(0, 1),
+        name="fused_elementwise/square_tanh",
+    )
+)
