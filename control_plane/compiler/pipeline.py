@@ -1,7 +1,7 @@
 """The compiler driver: ``compile(job)`` runs the passes in order and lowers the result to a Plan.
 
     CompileState.start -> autodiff -> optimizer -> mixed_precision -> zero -> recompute
-        -> sbp_inference -> boxing_pass -> micro_batching -> lowering -> memory
+        -> sbp_inference -> boxing_pass -> fusion -> micro_batching -> lowering -> memory
         -> comm_order.check
 
 Each pass is a module of this package with ``run(state)``; :data:`PASSES` is the tuple of them, in order
@@ -34,7 +34,14 @@ from types import ModuleType
 from typing import Literal, TypeVar
 
 from sbpflow import wire
-from sbpflow.control_plane.compiler import boxing_pass, comm_order, memory, micro_batching, sbp_inference
+from sbpflow.control_plane.compiler import (
+    boxing_pass,
+    comm_order,
+    fusion,
+    memory,
+    micro_batching,
+    sbp_inference,
+)
 from sbpflow.control_plane.compiler.lowering import lower as lowering
 from sbpflow.control_plane.compiler.lowering.boxing import Memo
 from sbpflow.control_plane.compiler.lowering.on_demand import LAZY_ABOVE, check_order, estimate_tasks
@@ -55,7 +62,7 @@ T = TypeVar("T")
 
 # The graph passes in the order of docs/ARCHITECTURE.md's compiler section; lowering, memory planning
 # and the order check follow in ``compile``.
-PASSES: tuple[ModuleType, ...] = (*REWRITES, sbp_inference, boxing_pass, micro_batching)
+PASSES: tuple[ModuleType, ...] = (*REWRITES, sbp_inference, boxing_pass, fusion, micro_batching)
 
 
 def pass_name(p: ModuleType) -> str:
