@@ -90,7 +90,8 @@ def chains(state: CompileState) -> list[list[OpNode]]:
                 every.remove(c)
         every.append(chain)
         open_[chain.tail] = chain
-    return [sorted(c.ops, key=g.ops.index) for c in every if len(c.ops) > 1]
+    at = {o.name: i for i, o in enumerate(g.ops)}
+    return [sorted(c.ops, key=lambda o: at[o.name]) for c in every if len(c.ops) > 1]
 
 
 def fuse(state: CompileState, ops: list[OpNode]) -> OpNode:
