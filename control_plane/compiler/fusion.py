@@ -95,7 +95,8 @@ def chains(state: CompileState) -> list[list[OpNode]]:
 
 
 def fuse(state: CompileState, ops: list[OpNode]) -> OpNode:
-    """Replace the chain ``ops`` (in program order) with one fused op where its last op was."""
+    """The fused op for the chain ``ops`` (in program order): its intermediates' declarations and the
+    ops' choices are replaced; the caller puts the node where the last op was (:func:`run`)."""
     g = state.graph
     made = {o.outputs[0]: k for k, o in enumerate(ops)}
     inputs: list[str] = []
@@ -122,8 +123,6 @@ def fuse(state: CompileState, ops: list[OpNode]) -> OpNode:
         last.checkpoint,
         last.scope,
     )
-    gone = {o.name for o in ops}
-    g.ops[:] = [node if o is last else o for o in g.ops if o.name not in gone or o is last]
     for t in list(made)[:-1]:
         del g.tensors[t]
     sbp = [g.tensors[t].sbp for t in (*inputs, *last.outputs)]
@@ -142,5 +141,10 @@ def fuse(state: CompileState, ops: list[OpNode]) -> OpNode:
 def run(state: CompileState) -> None:
     if not enabled():
         return
-    for ops in chains(state):
-        fuse(state, ops)
+    found = chains(state)
+    if not found:
+        return
+    at_last = {ops[-1].name: fuse(state, ops) for ops in found}
+    gone = {o.name for ops in found for o in ops}
+    g = state.graph
+    g.ops[:] = [at_last.get(o.name, o) for o in g.ops if o.name not in gone or o.name in at_last]
