@@ -17,7 +17,8 @@ Rules:
   is compiled again from its stored Job (those compiles live in memory only).
 - Each running job has one thread that calls ``sbpflow.control_plane.launcher.launch`` and turns its listeners
   (``run_listeners.py``) into store writes: states, steps (loss history), per-worker rows and log lines. Every store write
-  wakes the ``changed`` condition, which ``Watch`` and ``Logs`` streams wait on.
+  is a notice to ``feed`` (``job_feed.py``): a job's ``Watch`` streams wake on its own changes and share
+  one store read a change; ``Logs`` streams wait on every change.
 - Checkpoints (``checkpoint_root``): job ID writes them to ``<root>/ID``. A lost worker restarts the run
   from the latest one (up to ``max_restarts``): the job's attempt grows, with a "state" event (reason
   ``WORKER_LOST``) naming the rank. After a control-plane restart, a job that was in flight and has a
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from sbpflow.checkpoint.read import CorruptCheckpoint, corrupt_note
 from sbpflow.control_plane import resume as resuming
+from sbpflow.control_plane.job_feed import JobFeed
 from sbpflow.control_plane.run_listeners import RunListeners
 from sbpflow.control_plane.store.job_store import JobStore, Resumable
 from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
@@ -133,8 +135,7 @@ class JobManager:
         self.report_hub = report_hub
         self.capacity = cluster_capacity(config)
         self.cluster = describe_cluster(config.run.backend, self.capacity, config.device_memory)
-        self.changed = threading.Condition()
-        self.version = 0  # grows on every change that a stream may be waiting for
+        self.feed = JobFeed(store)  # what Watch and Logs streams wait on
         self._lock = threading.RLock()
         self._queue: list[str] = []  # PENDING job ids, oldest first
         self._running: dict[str, RunningJob] = {}
@@ -255,7 +256,7 @@ class JobManager:
         if fresh and resumed_from:  # not again for a retried (deduplicated) Resume
             self.store.append_log(rec.id, -1, "INFO", f"resumes job {resumed_from} from {resume_checkpoint}")
         self._schedule()
-        self._notify()
+        self._notify(rec.id)
         return self.store.get(rec.id)
 
     def cancel(self, job_id: str, reason: str = "") -> JobRecord:
@@ -273,7 +274,7 @@ class JobManager:
                 self._running[rec.id].cancel_message = message
                 self._running[rec.id].cancel.set()
         self._schedule()
-        self._notify()
+        self._notify(job_id)
         return self.store.get(job_id)
 
     def workers(self, job_id: str) -> list[WorkerRecord]:
@@ -292,26 +293,35 @@ class JobManager:
             self.changed.wait_for(lambda: self.version != seen, timeout)
             return self.version
 
+    @property
+    def changed(self) -> threading.Condition:
+        return self.feed.changed
+
+    @property
+    def version(self) -> int:
+        """Grows on every change that a stream may be waiting for."""
+        return self.feed.version
+
     def follow(
         self, job_id: str, after_seq: int = 0, active: Callable[[], bool] = lambda: True, poll: float = 1.0
     ) -> Iterator[sp.JobEvent]:
         """The job's events after ``after_seq`` as ``JobEvent`` messages, then new ones as they happen,
-        until the one that ends the job (or ``active()`` turns false; checked every ``poll`` s)."""
-        from sbpflow.control_plane.status import job_events
-
+        until the one that ends the job (or ``active()`` turns false; checked every ``poll`` s). Woken by
+        this job's changes only; its followers share one store read a change (``job_feed.py``)."""
         self.store.get(job_id)
         seq, last = after_seq, None
-        while active():
-            seen = self.version
-            rec = self.store.get(job_id)
-            for ev in job_events(rec, self.store.events(job_id, seq), last):
-                yield ev
-                seq, last = ev.seq, ev.status
-                if ev.HasField("state_change") and ev.status.state in _TERMINAL_CODES:
-                    return
-            if rec.state.terminal:
-                return  # read before its events: they were all sent (or were before after_seq)
-            self.wait_changed(seen, poll)
+        with self.feed.following(job_id, after_seq):
+            while active():
+                seen = self.feed.job_version(job_id)
+                events, ended = self.feed.read(job_id, seq, last, seen, poll)
+                for ev in events:
+                    yield ev
+                    seq, last = ev.seq, ev.status
+                    if ev.HasField("state_change") and ev.status.state in _TERMINAL_CODES:
+                        return
+                if ended:
+                    return  # read before its events: they were all sent (or were before after_seq)
+                self.feed.wait(job_id, seen, poll)
 
     @property
     def used_slots(self) -> int:
@@ -320,10 +330,9 @@ class JobManager:
 
     # ---- scheduling -------------------------------------------------------------------------------
 
-    def _notify(self) -> None:
-        with self.changed:
-            self.version += 1
-            self.changed.notify_all()
+    def _notify(self, job_id: str | None = None) -> None:
+        """After a store write about ``job_id`` (None: one that may concern any job)."""
+        self.feed.notify(job_id)
 
     def _schedule(self) -> None:
         """Start queued jobs, oldest first, while they fit; mark the rest as waiting."""
@@ -349,6 +358,7 @@ class JobManager:
                     f"needs {slots} of the cluster's {self.capacity} slot(s); waits for running or "
                     "earlier jobs to finish",
                 )
+                self._notify(job_id)
 
     def _start(self, job_id: str, job: Job, slots: int, compiled: Compiled | None = None) -> None:
         r = RunningJob(job, slots, compiled)
@@ -457,7 +467,7 @@ class JobManager:
                     self.store.upsert_worker(w)
                 del self._running[job_id]
             self._schedule()
-            self._notify()
+            self._notify(job_id)
 
     def _finish(self, job_id: str, state: JobState, reason: str, message: str) -> None:
         level = "INFO" if state == JobState.SUCCEEDED else "ERROR"

@@ -47,14 +47,14 @@ class RunListeners:
         self.m.store.transition(self.job_id, new)
         if new == JobState.STARTING:
             self._log(f"compiled; starting {self.r.slots} worker(s) on backend {self.m.config.run.backend}")
-        self.m._notify()
+        self.m._notify(self.job_id)
 
     def on_step(self, s: sp.StepMetrics) -> None:
         step = self.first_step + s.step  # the run numbers its steps from its start
         self.m.store.record_step(self.job_id, step, s.loss, s.samples_per_second, s.step_seconds)
         if self.m.metrics is not None:
             self.m.metrics.step_seconds.observe(s.step_seconds)
-        self.m._notify()
+        self.m._notify(self.job_id)
 
     def on_attempt(self, attempt: int, first_step: int, reason: str, message: str) -> None:
         """A restart: the job goes back to STARTING as attempt ``attempt`` from step ``first_step``; the
@@ -62,7 +62,7 @@ class RunListeners:
         self.r.workers.clear()
         self.m.store.new_attempt(self.job_id, attempt, JobState.STARTING, reason, message, first_step)
         self.m.store.append_log(self.job_id, -1, "WARNING", f"attempt {attempt}: {reason}: {message}")
-        self.m._notify()
+        self.m._notify(self.job_id)
 
     def on_report(self, rep: sp.WorkerReport) -> None:
         kind = rep.WhichOneof("payload") or "heartbeat"
@@ -83,7 +83,7 @@ class RunListeners:
                 self.job_id, rep.rank, "ERROR", f"{where}{e.cause}\n{e.traceback}".rstrip()
             )
         if kind in ("log", "error", "done"):
-            self.m._notify()
+            self.m._notify(self.job_id)
 
     def _log(self, text: str) -> None:
         self.m.store.append_log(self.job_id, -1, "INFO", text)

@@ -5,6 +5,7 @@ expire and carry no long names; no open bind without a token."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -22,6 +23,9 @@ from sbpflow.client.client import Client
 from sbpflow.control_plane import metrics as metrics_module
 from sbpflow.control_plane.data_policy import DataPolicy
 from sbpflow.control_plane.isolation import InsecureBind, is_loopback
+from sbpflow.control_plane.job_feed import JobFeed
+from sbpflow.control_plane.store.job_store import JobStore
+from sbpflow.control_plane.store.schema import JobEvent, JobRecord
 from sbpflow.data import ArrayFileSource, DataError, TokenFileSource
 from sbpflow.errors import SbpflowError
 from sbpflow.v1 import service_pb2 as sp
@@ -221,3 +225,44 @@ def test_a_non_loopback_bind_needs_a_token_or_insecure(tmp_path: Path) -> None:
     cfg = server_config(args)
     assert cfg.data_roots == ("/a", "/b") and cfg.insecure and cfg.max_streams == 9
     assert isinstance(InsecureBind("x"), SbpflowError)
+
+
+class _CountingStore:
+    """A job store that counts ``get`` and ``events`` calls."""
+
+    def __init__(self, store: JobStore) -> None:
+        self.store, self.reads = store, 0
+
+    def get(self, job_id: str) -> JobRecord:
+        self.reads += 1
+        return self.store.get(job_id)
+
+    def events(self, job_id: str, after_seq: int = 0) -> list[JobEvent]:
+        self.reads += 1
+        return self.store.events(job_id, after_seq)
+
+
+def test_a_follower_is_woken_by_its_own_job_only_and_followers_share_one_read() -> None:
+    store = JobStore(":memory:")
+    a, b = (store.create(b"", name).id for name in ("a", "b"))
+    counting = _CountingStore(store)
+    feed = JobFeed(counting, min_interval=0.0)  # type: ignore[arg-type]
+    with contextlib.ExitStack() as followers:
+        followers.enter_context(feed.following(a))
+        for _ in range(50):
+            followers.enter_context(feed.following(b))
+        seen_b = feed.job_version(b)
+        for _ in range(3):
+            store.set_reason(a, "R", f"a changed {_}")
+            feed.notify(a)
+        assert feed.job_version(b) == seen_b  # job A's writes do not wake job B's followers
+        assert all(len(feed.read(b, 0, None, seen_b, 60.0)[0]) == 1 for _ in range(50))
+        assert counting.reads == 2  # 50 followers of B: one store.get + store.events between them
+        store.set_reason(b, "R", "b changed")
+        feed.notify(b)
+        seen_b = feed.job_version(b)
+        got = [feed.read(b, 1, None, seen_b, 60.0)[0] for _ in range(50)]
+        assert counting.reads == 4 and all([e.seq for e in g] == [2] for g in got)
+        assert {g[0].status.message for g in got} == {"b changed"}
+        replay, ended = feed.read(a, 0, None, feed.job_version(a), 60.0)  # A's own tail, from the start
+        assert [e.seq for e in replay] == [1, 2, 3, 4] and not ended
