@@ -1,6 +1,8 @@
 """Streams against unary calls (issue 13's isolation target: >= 500 Watch streams held while p99 Get
 < 100 ms). Starts a control plane (in-process backend, 64 unary threads, the default stream limit),
-opens N Watch streams on a running job, then times Gets; prints streams held, refused, p50/p99 Get.
+opens N Watch streams on a running job, then times Gets; prints streams held, p50/p99/max Get, and
+what the server did meanwhile: steps trained, job-store reads (``store.get`` + ``store.events``) and
+events sent to the streams.
 
     python bench/streams.py --streams 500 --gets 500
 """
@@ -49,6 +51,7 @@ def main() -> None:
             request_serializer=sp.GetJobRequest.SerializeToString,
             response_deserializer=sp.JobStatus.FromString,
         )
+        sent = _count_sent(plane.manager)  # before the streams: each Watch calls manager.follow once
         streams = [watch(sp.WatchJobRequest(job_id=job_id)) for _ in range(args.streams)]
         t0 = time.perf_counter()
         for s in streams:
@@ -57,6 +60,8 @@ def main() -> None:
         while plane.streams.open < args.streams and time.monotonic() < deadline:
             time.sleep(0.05)
         print(f"{plane.streams.open} streams held (opened in {time.perf_counter() - t0:.1f} s)")
+        reads = _count_reads(plane.manager.store)
+        steps0, reads0, sent0 = plane.manager.store.get(job_id).step, sum(reads.values()), sent[0]
         times = []
         for _ in range(args.gets):
             t = time.perf_counter()
@@ -66,10 +71,43 @@ def main() -> None:
         print(
             f"{args.gets} Gets while they are held: p50 {np.median(ms):.1f} ms, p99 {np.percentile(ms, 99):.1f} ms, max {ms.max():.1f} ms"
         )
+        steps = plane.manager.store.get(job_id).step - steps0
+        n = sum(reads.values()) - reads0
+        print(
+            f"meanwhile: {steps} steps trained, {n} store reads ({n / max(steps, 1):.1f} a step, Gets' "
+            f"included), {sent[0] - sent0} events sent to the streams"
+        )
         for s in streams:
             s.cancel()
         channel.close()
         plane.stop()
+
+
+def _count_reads(store: object) -> dict[str, int]:
+    """Counts of ``store.get`` and ``store.events`` calls from now on (wraps the instance's methods)."""
+    counts = {"get": 0, "events": 0}
+    for name in counts:
+        inner = getattr(store, name)
+
+        def counted(*args: object, _inner: object = inner, _name: str = name) -> object:
+            counts[_name] += 1
+            return _inner(*args)  # type: ignore[operator]
+
+        setattr(store, name, counted)
+    return counts
+
+
+def _count_sent(manager: object) -> list[int]:
+    """A count of the events ``manager.follow`` yields (to every Watch stream) from now on."""
+    sent, inner = [0], manager.follow  # type: ignore[attr-defined]
+
+    def counted(*args: object) -> object:
+        for ev in inner(*args):
+            sent[0] += 1
+            yield ev
+
+    manager.follow = counted  # type: ignore[attr-defined]
+    return sent
 
 
 if __name__ == "__main__":
