@@ -308,7 +308,11 @@ def test_a_ray_restart_passes_over_a_corrupt_latest_checkpoint(tmp_path: Path) -
         deadline = time.monotonic() + 30  # the writers finish step 10 in the background
         while not (step_dir(tmp_path, 10) / MANIFEST).exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        garble_a_shard(step_dir(tmp_path, 10))
+        # reports lag the workers: on a loaded machine step 15's checkpoint may be complete too, so every
+        # complete checkpoint after step 5 is garbled and the restart must pass over all of them
+        for step in (10, 15, 20):
+            if (step_dir(tmp_path, step) / MANIFEST).exists():
+                garble_a_shard(step_dir(tmp_path, step))
         info = ray.get(ray.get_actor("sbpflow-corrupt-a1-r1").info.remote())
         killed.update(info)
         os.kill(info["pid"], signal.SIGKILL)
@@ -326,8 +330,5 @@ def test_a_ray_restart_passes_over_a_corrupt_latest_checkpoint(tmp_path: Path) -
     assert killed and got.attempts == 2
     ((attempt, first, reason, message),) = attempts
     assert (attempt, first, reason) == (2, 5, "WORKER_LOST")
-    assert (
-        "checkpoint step-00000010 is corrupt (file rank-" in message
-        and "resuming from step-00000005" in message
-    )
+    assert "is corrupt (file rank-" in message and "resuming from step-00000005" in message
     np.testing.assert_allclose(got.losses, want.losses, rtol=1e-12, atol=0)
