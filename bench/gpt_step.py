@@ -57,6 +57,8 @@ from typing import Any  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _shared import blas_kernel  # noqa: E402
+
 import sbpflow as sf  # noqa: E402
 from sbpflow.control_plane.compiler import pipeline  # noqa: E402
 from sbpflow.job import WarmupCosine  # noqa: E402
@@ -431,22 +433,6 @@ SHAPES = {
     "main": Shape("main (examples/charlm.py)", layers=2, heads=4, width=64, seq_len=64, batch=16),
     "small": Shape("GPT-small block", layers=1, heads=12, width=768, seq_len=256, batch=8),
 }
-
-
-def blas_kernel() -> str:
-    """numpy's OpenBLAS core (threadpoolctl, where installed): OPENBLAS_CORETYPE picks an older one."""
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "threadpoolctl not installed"
-    import numpy
-
-    numpy.ones((2, 2)) @ numpy.ones((2, 2))  # numpy's BLAS is loaded
-    return ", ".join(
-        f"{i.get('internal_api')} {i.get('architecture')} x{i.get('num_threads')}"
-        for i in threadpool_info()
-        if i.get("user_api") == "blas"
-    )
 
 
 def main() -> None:

@@ -49,6 +49,8 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _shared import blas_kernel  # noqa: E402
+
 import sbpflow.ops  # noqa: E402, F401  (registers every op)
 from sbpflow.control_plane.compiler import pipeline  # noqa: E402
 from sbpflow.dtype import DType  # noqa: E402
@@ -416,22 +418,6 @@ def time_case(case: Case, repeat: int, block_s: float, rng: np.random.Generator)
         ts.append(_per_call(sb, n_sb))
         tt.append(_per_call(pt, n_pt))
     return statistics.median(ts), statistics.median(tt)
-
-
-def blas_kernel() -> str:
-    """numpy's OpenBLAS core (threadpoolctl, where installed): OPENBLAS_CORETYPE picks an older one."""
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "threadpoolctl not installed"
-    import numpy
-
-    numpy.ones((2, 2)) @ numpy.ones((2, 2))  # numpy's BLAS is loaded
-    return ", ".join(
-        f"{i.get('internal_api')} {i.get('architecture')} x{i.get('num_threads')}"
-        for i in threadpool_info()
-        if i.get("user_api") == "blas"
-    )
 
 
 def main() -> None:

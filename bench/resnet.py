@@ -21,12 +21,13 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_v] = "1"  # before numpy/torch are imported
 
 import argparse  # noqa: E402
-import importlib.util  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import ModuleType  # noqa: E402
 from typing import Any  # noqa: E402
+
+from _shared import load_example  # noqa: E402
 
 import sbpflow as sf  # noqa: E402
 
@@ -35,11 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("example_resnet", ROOT / "examples" / "resnet.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("resnet")
 
 
 def sbpflow_step_s(cfg: dict[str, Any], steps: int) -> float:

@@ -23,7 +23,6 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import importlib.util  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -31,6 +30,7 @@ from types import ModuleType  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
+from _shared import load_example  # noqa: E402
 
 import sbpflow as sf  # noqa: E402
 from sbpflow.data import ArraySource  # noqa: E402
@@ -40,11 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("example_wide_deep", ROOT / "examples" / "wide_deep.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("wide_deep")
 
 
 def batches(job: sf.Job, steps: int) -> dict[str, np.ndarray]:

@@ -1,0 +1,34 @@
+"""What several benchmarks share: loading an example file as a module, and naming numpy's BLAS core."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_example(name: str) -> ModuleType:
+    """``examples/<name>.py`` as a module (the examples are files, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def blas_kernel() -> str:
+    """numpy's OpenBLAS core (threadpoolctl, where installed): OPENBLAS_CORETYPE picks an older one."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "threadpoolctl not installed"
+    import numpy
+
+    numpy.ones((2, 2)) @ numpy.ones((2, 2))  # numpy's BLAS is loaded
+    return ", ".join(
+        f"{i.get('internal_api')} {i.get('architecture')} x{i.get('num_threads')}"
+        for i in threadpool_info()
+        if i.get("user_api") == "blas"
+    )
