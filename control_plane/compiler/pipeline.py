@@ -162,7 +162,7 @@ class Compiled:
             ]
         )
         body = d.SerializeToString()
-        return header + _DEVICES_TAG + _varint(len(body)) + body + comms.SerializeToString()
+        return header + _DEVICES_TAG + varint(len(body)) + body + comms.SerializeToString()
 
     def _rank_header(self, rank: int) -> bytes:
         if not self._placed:
@@ -201,7 +201,8 @@ def rank_header(header: pp.Plan, state: CompileState, mine: frozenset[Placement]
 _DEVICES_TAG = bytes([pp.Plan.DEVICES_FIELD_NUMBER << 3 | 2])  # field 3, length-delimited
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """``n`` as a protobuf varint (a length prefix of a length-delimited field)."""
     out = bytearray()
     while n > 0x7F:
         out.append(n & 0x7F | 0x80)

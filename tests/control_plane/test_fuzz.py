@@ -41,6 +41,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sbpflow import wire
+from sbpflow.control_plane.compiler.pipeline import varint
 from sbpflow.control_plane.server import ControlPlane, ServerConfig
 from sbpflow.device import gpu_available
 from sbpflow.run_options import MANAGER_DEFAULTS
@@ -144,16 +145,7 @@ def stream(channel: grpc.Channel, method: str, request: bytes, timeout: float = 
 def _submit_bytes(job: bytes, client_id: str = "fuzz") -> bytes:
     """A SubmitJobRequest around ``job`` as raw bytes (so that the job may be any bytes at all)."""
     tail = sp.SubmitJobRequest(client_id=client_id).SerializeToString()
-    return b"\x0a" + _varint(len(job)) + job + tail
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+    return b"\x0a" + varint(len(job)) + job + tail
 
 
 def refused_cleanly(fn: Callable[[], Any]) -> grpc.RpcError | None:
