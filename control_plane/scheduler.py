@@ -167,11 +167,18 @@ def _start(compiled: Compiled, options: LaunchContext) -> Any:
 def _restart(first: LaunchContext, failed: LaunchContext, tracker: StepTracker) -> tuple[LaunchContext, str]:
     """The options of the attempt after ``failed``: from the latest intact checkpoint of the run's
     directory (or from where the run started when none was written), its steps forgotten by the
-    tracker; and a note naming the corrupt checkpoints passed over ('' if none)."""
-    from sbpflow.checkpoint.read import corrupt_note, latest_intact
+    tracker; and a note naming the corrupt checkpoints passed over ('' if none).
+
+    A checkpoint later than the last step whose loss reached the tracker is passed over too (the
+    reports of the steps before it died with a worker): the attempt trains those steps again, so the
+    run's losses stay complete and equal to an uninterrupted run's."""
+    from sbpflow.checkpoint.read import corrupt_note, latest_intact, list_checkpoints
 
     corrupt: list[Any] = []
-    last = latest_intact(first.checkpoint_dir, corrupt.append) if first.checkpoint_dir else None
+    known = tracker.known()
+    at_most = None if known is None else first.first_step + known
+    root = first.checkpoint_dir
+    last = latest_intact(root, corrupt.append, at_most) if root else None
     end = failed.first_step + failed.steps
     if last is not None and first.first_step < last.step < end:
         at, resume = last.step, str(last.path)
@@ -179,6 +186,16 @@ def _restart(first: LaunchContext, failed: LaunchContext, tracker: StepTracker) 
         at, resume = first.first_step, first.resume_from
     tracker.rewind(at - first.first_step)
     skipped = "".join(f"; {corrupt_note(c, at)}" for c in corrupt)
+    later = (
+        [c.path.name for c in list_checkpoints(root) if at_most is not None and c.step > at_most]
+        if root
+        else []
+    )
+    if later:
+        skipped += (
+            f"; {', '.join(later)} passed over: the losses of the steps after {at_most} never reached the "
+            f"control plane (their reports went with the worker), so steps {at + 1}-{at_most} train again"
+        )
     new = dataclasses.replace(
         failed, attempt=failed.attempt + 1, first_step=at, steps=end - at, resume_from=resume
     )

@@ -81,6 +81,14 @@ class StepTracker:
         self._recent.clear()
         self._recent.append(self._last)
 
+    def known(self) -> int | None:
+        """How many steps from the run's start have their loss here (None: the run tracks no loss). A
+        restart resumes no later than this, so the run's losses stay complete."""
+        if self._decl is None:
+            return None
+        with self._lock:
+            return len(self.losses)
+
     def rewind(self, steps: int) -> None:
         """Forget every step from ``steps`` on (a restarted attempt trains and reports them again)."""
         with self._lock:

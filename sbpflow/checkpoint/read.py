@@ -98,10 +98,15 @@ def verify(path: str | Path) -> Manifest:
     return m
 
 
-def latest_intact(root: str | Path, on_corrupt: OnCorrupt = lambda c: None) -> CheckpointInfo | None:
-    """The newest complete checkpoint under ``root`` that passes :func:`verify` (every byte read);
-    ``on_corrupt`` hears of each newer one that did not. None when none passes."""
+def latest_intact(
+    root: str | Path, on_corrupt: OnCorrupt = lambda c: None, at_most: int | None = None
+) -> CheckpointInfo | None:
+    """The newest complete checkpoint under ``root`` that passes :func:`verify` (every byte read), of a
+    step no later than ``at_most`` when given (later ones are neither read nor reported); ``on_corrupt``
+    hears of each newer one that did not pass. None when none passes."""
     for info in reversed(list_checkpoints(root)):
+        if at_most is not None and info.step > at_most:
+            continue
         try:
             verify(info.path)
         except CheckpointError as exc:

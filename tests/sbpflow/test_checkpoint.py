@@ -281,6 +281,18 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_intact_one(tmp_p
     np.testing.assert_array_equal(read_logical(resolve(tmp_path, lambda c: None))["w"], np.ones((8, 2)))
 
 
+def test_latest_intact_at_most_a_step_neither_reads_nor_reports_the_later_ones(tmp_path: Path) -> None:
+    complete(tmp_path, 2, np.ones((8, 2)))
+    complete(tmp_path, 4, np.ones((8, 2)) * 2)
+    complete(tmp_path, 6, np.ones((8, 2)) * 3)
+    garble(step_dir(tmp_path, 6) / "rank-00000.a1.safetensors")
+    passed: list[CorruptCheckpoint] = []
+    assert latest_intact(tmp_path, passed.append, at_most=5).step == 4  # type: ignore[union-attr]
+    assert passed == []  # step 6 lies past the bound: not read, so not reported
+    assert latest_intact(tmp_path, passed.append, at_most=4).step == 4  # type: ignore[union-attr]
+    assert latest_intact(tmp_path, passed.append, at_most=1) is None
+
+
 def test_a_version_1_checkpoint_without_checksums_still_loads(tmp_path: Path) -> None:
     d = complete(tmp_path, 3, np.arange(16.0).reshape(8, 2))
     m = json.loads((d / MANIFEST).read_text())
