@@ -67,6 +67,8 @@ class WorkerOutcome:
     trace: list[Any] = field(default_factory=list)
     failure: WorkerFailure | None = None
     non_finite: list[str] = field(default_factory=list)  # parameters whose shard holds NaN or inf
+    # (fetch, micro-batch) -> step -> this rank's share: the job's fetches but the loss
+    fetched: dict[tuple[str, int], dict[int, Any]] = field(default_factory=dict)
 
 
 class Reporter:
@@ -277,11 +279,23 @@ class Worker:
             {s: asnumpy(v) for s, v in rc.fetched.get((self._loss, -1), {}).items()} if self._loss else {}
         )
         bad = non_finite_parameters(rc.tables.tensors, rc.store)  # isfinite per shard: nothing gathered
+        fetched = {
+            key: {s: asnumpy(v) for s, v in values.items()}
+            for key, values in rc.fetched.items()
+            if key[0] != self._loss
+        }
         self.reporter.send(memory=sp.MemoryReport(peak_bytes=_peak_rss()))
         self.reporter.send(done=sp.Done())
         self.reporter.close()
         return WorkerOutcome(
-            self.rank, losses, result.seconds, result.acts, _peak_rss(), result.trace, non_finite=bad
+            self.rank,
+            losses,
+            result.seconds,
+            result.acts,
+            _peak_rss(),
+            result.trace,
+            non_finite=bad,
+            fetched=fetched,
         )
 
     def shards(self, names: Sequence[str]) -> dict[str, Any]:

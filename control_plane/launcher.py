@@ -3,6 +3,7 @@
     result = sf.run(job, return_parameters=True)
     result.losses        # one float per step (the loss averaged over the step's micro-batches)
     result.parameters    # logical (gathered) parameter values after the last step, by name
+    result.outputs       # per step, the value of each tensor build() returned (a forward-only job)
 
 Backends (:data:`BACKENDS`):
 
@@ -40,7 +41,13 @@ from sbpflow.checkpoint.read import CheckpointReader, CorruptCheckpoint, corrupt
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.reports import ReportHub
-from sbpflow.control_plane.run_context import AttemptListener, LaunchContext, RunResult
+from sbpflow.control_plane.run_context import (
+    AttemptListener,
+    LaunchContext,
+    RunResult,
+    assemble_outputs,
+    output_names,
+)
 from sbpflow.control_plane.scheduler import run_on_ray
 from sbpflow.control_plane.step_tracker import ReportListener, StateListener, StepListener, StepTracker
 from sbpflow.device import array_module
@@ -261,11 +268,19 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
     if ctx.run.trace:
         events = sorted((e for r in results.values() for e in r.trace), key=lambda e: e.start)
     seconds = max((r.seconds for r in results.values()), default=0.0)
+    outputs = assemble_outputs(
+        program.tensors,
+        output_names(loss, job.fetches),
+        {r: rp.context.fetched for r, rp in program.ranks.items()},
+        range(first, first + ctx.steps),
+    )
     # Engines, transports and their closures form reference cycles that hold every register and the
     # store; free a finished run's memory now rather than whenever the cycle collector next runs.
     del program, results, world
     gc.collect()
-    return RunResult(losses, parameters, events, seconds, first_step=first, non_finite=tuple(sorted(bad)))
+    return RunResult(
+        losses, parameters, events, seconds, first_step=first, non_finite=tuple(sorted(bad)), outputs=outputs
+    )
 
 
 def _whole_plan(compiled: Compiled) -> pp.Plan:

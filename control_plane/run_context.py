@@ -8,23 +8,27 @@ and this attempt's state and listeners; :class:`RunResult` is what every backend
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from sbpflow.actor_workers.reporting import report
 from sbpflow.control_plane.reports import ReportHub
 from sbpflow.control_plane.step_tracker import ReportListener, StateListener
+from sbpflow.graph import TensorDecl
 from sbpflow.run_options import RunOptions
 from sbpflow.run_state import JobState
+from sbpflow.sharding import assemble_value
 
 AttemptListener = Callable[[int, int, str, str], None]  # (attempt, first step, reason, message)
 
 
 @dataclass(frozen=True)
 class RunResult:
-    """Per step, the loss; on request, every parameter's final logical value and the act trace
-    (``sbpflow.actor_workers.runtime.chrome_trace(result.trace)`` makes it viewable in Perfetto)."""
+    """Per step, the loss; per step, the logical value of each tensor ``build`` returned (``outputs``,
+    by tensor name: what a forward-only job is run for); on request, every parameter's final logical
+    value and the act trace (``sbpflow.actor_workers.runtime.chrome_trace(result.trace)`` makes it
+    viewable in Perfetto)."""
 
     losses: list[float]
     parameters: dict[str, Any] | None = None
@@ -33,6 +37,8 @@ class RunResult:
     first_step: int = 0  # the step the run started at (a resume's checkpoint step): losses[0] is its loss
     attempts: int = 1  # attempts it took (a restart after a lost worker makes another)
     non_finite: tuple[str, ...] = ()  # parameters that hold NaN or infinite values after the run
+    # fetch -> one value per step (a fetch inside a micro-batched step: a tuple, one per micro-batch)
+    outputs: dict[str, list[Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -65,3 +71,30 @@ class LaunchContext:
     def report(self, rank: int, **payload: Any) -> None:
         if self.on_report is not None:
             self.on_report(report(self.job_id, self.attempt, rank, **payload))
+
+
+# (tensor, micro-batch) -> step -> this rank's value: what a rank's SINK fetch tasks recorded
+RankFetches = Mapping[tuple[str, int], Mapping[int, Any]]
+
+
+def output_names(loss: str, fetches: Iterable[str]) -> list[str]:
+    """The fetches a run returns as outputs: every one but the loss (``RunResult.losses`` has it)."""
+    return [n for n in dict.fromkeys(fetches) if n != loss]
+
+
+def assemble_outputs(
+    tensors: Mapping[str, TensorDecl], names: Iterable[str], per_rank: Mapping[int, RankFetches], steps: range
+) -> dict[str, list[Any]]:
+    """Each fetch's logical value per step of ``steps``, from the ranks' recorded shards."""
+    out: dict[str, list[Any]] = {}
+    for name in names:
+        decl = tensors[name]
+        assert decl.placement is not None
+        ranks = decl.placement.ranks
+        keys = sorted(k for (n, k) in per_rank[ranks[0]] if n == name)
+
+        def at(step: int, mb: int, decl: TensorDecl = decl, ranks: Iterable[int] = ranks) -> Any:
+            return assemble_value(decl, {r: per_rank[r][(decl.name, mb)][step] for r in ranks})
+
+        out[name] = [at(s, -1) if keys == [-1] else tuple(at(s, k) for k in keys if k >= 0) for s in steps]
+    return out

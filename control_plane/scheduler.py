@@ -37,7 +37,7 @@ import numpy as np
 from sbpflow.actor_workers.runtime.errors import RuntimeAborted, RuntimeFailure, RuntimeTimeout
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.reports import ReportHub
-from sbpflow.control_plane.run_context import LaunchContext, RunResult
+from sbpflow.control_plane.run_context import LaunchContext, RunResult, assemble_outputs, output_names
 from sbpflow.control_plane.step_tracker import StepTracker
 from sbpflow.errors import SbpflowError
 from sbpflow.run_state import JobState
@@ -452,4 +452,12 @@ def _result(
         trace = sorted((e for o in outcomes.values() for e in o.trace), key=lambda e: e.start)
     seconds = max((o.seconds for o in outcomes.values()), default=0.0)
     bad = tuple(sorted({n for o in outcomes.values() for n in o.non_finite}))
-    return RunResult(losses, parameters, trace, seconds, first_step=options.first_step, non_finite=bad)
+    outputs = assemble_outputs(
+        graph.tensors,
+        output_names(job.loss, job.fetches),
+        {r: o.fetched for r, o in outcomes.items()},
+        range(options.first_step, options.first_step + options.steps),
+    )
+    return RunResult(
+        losses, parameters, trace, seconds, first_step=options.first_step, non_finite=bad, outputs=outputs
+    )
