@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from sbpflow.data_clicks import click_shapes, read_clicks
+from sbpflow.data_mlm import mlm_shapes, read_mlm
 from sbpflow.dtype import DType, as_dtype
 from sbpflow.errors import SbpflowError
 from sbpflow.random import RandomKey, normal, tensor_rng_id, uniform
@@ -174,7 +175,9 @@ class SyntheticSource(_Common):
     the tokens shifted by one), ``"regression"`` (``x`` N(0, 1) of ``params['in']`` and
     ``y = x @ W`` with a fixed teacher ``W`` of ``params['out']`` columns), ``"clicks"`` (click logs for
     Wide & Deep: ``dense``, ``ids`` and ``label`` of :mod:`sbpflow.data_clicks`, from ``params['dense']``,
-    ``params['fields']`` and ``params['vocab']``).
+    ``params['fields']`` and ``params['vocab']``), ``"mlm"`` (masked-language-model pairs for BERT:
+    ``tokens``, ``token_types``, ``positions`` and ``labels`` of :mod:`sbpflow.data_mlm`, from
+    ``params['seq_len']``, ``params['vocab']`` and ``params['predictions']``).
     """
 
     kind: str = "normal"
@@ -195,8 +198,10 @@ class SyntheticSource(_Common):
             return self.sample_fields
         if self.kind == "clicks":
             return tuple(DataField(k, s, d) for k, (s, d) in click_shapes(self.params).items())
+        if self.kind == "mlm":
+            return tuple(DataField(k, s, d) for k, (s, d) in mlm_shapes(self.params).items())
         raise DataError(
-            f"synthetic kind {self.kind!r} is unknown; use 'normal', 'tokens', 'regression' or 'clicks'"
+            f"synthetic kind {self.kind!r} is unknown; use 'normal', 'tokens', 'regression', 'clicks' or 'mlm'"
         )
 
     def _draw(self, f: DataField, ids: np.ndarray) -> np.ndarray:
@@ -230,6 +235,8 @@ class SyntheticSource(_Common):
             return {"x": x.astype(np.float32), "y": (x @ w).astype(np.float32)}
         if self.kind == "clicks":
             return read_clicks(self.seed, self.params, self.num_samples, ids)
+        if self.kind == "mlm":
+            return read_mlm(self.seed, self.params, self.num_samples, ids)
         return {f.name: self._draw(f, ids) for f in self.fields()}
 
 

@@ -67,3 +67,16 @@ def test_wide_deep_float64_equals_one_device(kwargs: dict[str, Any]) -> None:
     split), the deep one by columns with ``columns``; AdamW, BCE with logits."""
     job = load("wide_deep").make_job(steps=STEPS, batch_size=16, **kwargs)
     assert_trains_like_one_device(as_float64(job, batches=STEPS), tol=1e-9)
+
+
+# ---- BERT masked-LM: tensor x data parallel on a 2-d mesh ---------------------------------------------
+
+BERT: dict[str, Any] = {"batch_size": 8, "steps": STEPS, "lr": 1e-2}
+
+
+@pytest.mark.parametrize("ranks, dp", [(1, 1), (2, 1), (2, 2), (4, 2)], ids=["one", "tp2", "dp2", "dp2xtp2"])
+def test_bert_masked_lm_float64_equals_one_device(ranks: int, dp: int) -> None:
+    """Encoder Megatron-split over mesh axis 1, the word embedding (tied to the MLM decoder) split by
+    vocabulary rows there, the batch over axis 0; the loss at the masked positions only."""
+    job = load("bert").make_job(ranks=ranks, dp=dp, **BERT)
+    assert_trains_like_one_device(as_float64(job, batches=STEPS), tol=1e-9)
