@@ -10,8 +10,9 @@ Integrity (format version 2): the manifest holds each file's size and CRC-32 (of
 as ``"crc32:1a2b3c4d"``. A writer computes each entry's CRC once, while the bytes are in memory; the
 file's follows from the header's and the entries' by :func:`crc32_combine`, so no byte is read twice.
 CRC-32 was chosen by measurement: ~7.6 GB/s here against ~1.5 for blake2b and ~2.2 for sha256 (memcpy
-~11), and it is in the standard library; it catches accidental damage (garbage, truncation, a torn
-write), not a forger. A version 1 manifest (sizes only) still reads; it is checked by size alone. How checkpoints are written is in
+~11); it catches accidental damage (garbage, truncation, a torn write), not a forger. It is computed by
+ISA-L (the ``isal`` package: the same CRC-32 as zlib's, SIMD-folded): 17.5 GB/s against the standard
+library's 3.1 on one 128 MB buffer of this machine, which made verifying a shard cost more than reading it. A version 1 manifest (sizes only) still reads; it is checked by size alone. How checkpoints are written is in
 :mod:`sbpflow.checkpoint`, how they are listed and read in :mod:`sbpflow.checkpoint.read`.
 """
 
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from isal import isal_zlib
 
 from sbpflow.errors import SbpflowError
 from sbpflow.sharding import Index
@@ -167,7 +169,7 @@ def crc_of(data: Any, crc: int = 0) -> int:
     """CRC-32 of ``data`` (bytes or a C-contiguous array, read in place), continuing ``crc``."""
     if isinstance(data, np.ndarray):
         data = data.reshape(-1).view(np.uint8) if data.size else b""
-    return zlib.crc32(data, crc)
+    return isal_zlib.crc32(data, crc)
 
 
 def _multmod(a: int, b: int) -> int:
@@ -205,7 +207,7 @@ def file_crc(path: str | Path, chunk: int = 1 << 24) -> tuple[int, int]:
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
+            crc = isal_zlib.crc32(view[:n], crc)
             size += n
     return crc, size
 

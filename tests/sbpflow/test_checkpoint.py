@@ -18,6 +18,8 @@ from sbpflow.checkpoint.format import (
     CheckpointError,
     SafetensorsFile,
     crc32_combine,
+    crc_of,
+    file_crc,
     step_dir,
     write_safetensors,
 )
@@ -222,6 +224,16 @@ def test_crc32_combine_is_zlibs() -> None:
     for la, lb in [(0, 0), (1, 0), (0, 1), (7, 9), (100, 4097), (5, 1 << 16)]:
         a, b = rng.bytes(la), rng.bytes(lb)
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b)
+
+
+def test_the_checkpoint_crc32_is_zlibs_for_arrays_bytes_and_files(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    for n in [0, 1, 7, 4096, (1 << 20) + 3]:
+        a = rng.random(n)
+        assert crc_of(a) == zlib.crc32(a.tobytes()) and crc_of(a.tobytes(), 5) == zlib.crc32(a.tobytes(), 5)
+        f = tmp_path / f"{n}.bin"
+        f.write_bytes(a.tobytes())
+        assert file_crc(f, chunk=1000) == (zlib.crc32(a.tobytes()), a.nbytes)
 
 
 def test_the_manifest_holds_each_files_and_each_pieces_crc32(tmp_path: Path) -> None:
