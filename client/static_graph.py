@@ -32,7 +32,7 @@ from sbpflow.client.tensor import Tensor
 from sbpflow.client.tracing import Tracer
 from sbpflow.data import DataSource
 from sbpflow.graph import TensorKind
-from sbpflow.job import Job, JobConfig, ParameterSpec, PipelineSchedule, Precision
+from sbpflow.job import GRAD_BUCKET_BYTES, Job, JobConfig, ParameterSpec, PipelineSchedule, Precision
 from sbpflow.placement import Placement
 from sbpflow.placement import placement as make_placement
 from sbpflow.sbp import NdSbp, as_nd, check_axes
@@ -53,6 +53,8 @@ class GraphConfig:
     loss_scale: float = 0.0
     seed: int = 0
     checkpoint_every: int = 0
+    grad_bucket_bytes: int = GRAD_BUCKET_BYTES  # gradient all-reduce buckets, in backward order; 0 = off
+    fusion: bool = False  # elementwise chains as one kernel each
 
     def to_job_config(self, steps: int | None = None) -> JobConfig:
         values = asdict(self)

@@ -87,6 +87,9 @@ class OptimizerSpec:
     schedule: LrSchedule = ConstantLR()
 
 
+GRAD_BUCKET_BYTES = 25 * 2**20  # JobConfig.grad_bucket_bytes's default, and a message's without the field
+
+
 @dataclass(frozen=True)
 class JobConfig:
     steps: int = 1
@@ -99,6 +102,10 @@ class JobConfig:
     loss_scale: float = 0.0  # 0 = none (fp32/fp64) or dynamic (fp16)
     seed: int = 0
     checkpoint_every: int = 0
+    # gradient all-reduces packed into buckets of about this many bytes, in backward order (DDP's 25 MiB);
+    # 0 = one all-reduce per gradient (control_plane/compiler/grad_buckets.py)
+    grad_bucket_bytes: int = GRAD_BUCKET_BYTES
+    fusion: bool = False  # chains of elementwise ops as one kernel (control_plane/compiler/fusion.py)
 
     def __post_init__(self) -> None:
         checks = [
@@ -107,6 +114,7 @@ class JobConfig:
             (self.micro_batches >= 1, "micro_batches must be >= 1"),
             (self.zero_stage in (0, 1, 2, 3), f"zero_stage={self.zero_stage}: use 0, 1, 2 or 3"),
             (self.checkpoint_every >= 0, "checkpoint_every must be >= 0 (0 = never)"),
+            (self.grad_bucket_bytes >= 0, "grad_bucket_bytes must be >= 0 (0 = one all-reduce per gradient)"),
         ]
         for ok, msg in checks:
             if not ok:

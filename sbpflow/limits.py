@@ -258,6 +258,9 @@ def _check_config(job: Job, limits: Limits) -> None:
         "give 0 (none/dynamic) or a positive scale",
     )
     check_int("job.config.seed", c.seed, 0, (1 << 64) - 1)
+    check_int("job.config.grad_bucket_bytes", c.grad_bucket_bytes, 0, 1 << 40, "give 0 (off) or a byte count")
+    if not isinstance(c.fusion, bool):
+        raise refuse("job.config.fusion", c.fusion, "must be a bool", "give True or False")
 
 
 def _check_optimizer(job: Job, limits: Limits) -> None:

@@ -19,6 +19,7 @@ from sbpflow.dtype import DType
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.job import (
+    GRAD_BUCKET_BYTES,
     SGD,
     AdamW,
     ConstantLR,
@@ -388,6 +389,8 @@ def config_to_proto(c: JobConfig) -> pb.JobConfig:
         loss_scale=c.loss_scale,
         seed=c.seed,
         checkpoint_every=c.checkpoint_every,
+        grad_bucket_bytes=c.grad_bucket_bytes,
+        fusion=c.fusion,
     )
 
 
@@ -403,6 +406,8 @@ def config_from_proto(m: pb.JobConfig) -> JobConfig:
         m.loss_scale,
         m.seed,
         m.checkpoint_every,
+        m.grad_bucket_bytes if m.HasField("grad_bucket_bytes") else GRAD_BUCKET_BYTES,
+        m.fusion,
     )
 
 

@@ -16,12 +16,12 @@ fused op's signature is one of its composed rows; ``verify_compiled`` checks it 
 op is named after its first op with ``.fused`` (keeping the phase prefix, and a name no twin graph of
 micro-batching knows), placed where its last op was, and its intermediates' declarations are dropped.
 
-Off by default: set ``SBPFLOW_FUSION=1`` (``ENV``) in the compiling process to turn it on.
+Off by default: a job turns it on with ``JobConfig.fusion`` (``GraphConfig.fusion``, ``self.config.fusion
+= True`` in a graph's ``__init__``), so a job compiles the same wherever it is compiled.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from sbpflow.control_plane.compiler.autodiff import GRAD
@@ -31,12 +31,7 @@ from sbpflow.graph import OpNode, TensorKind
 from sbpflow.ops.base import NdSignature
 from sbpflow.ops.fused import FUSABLE, encode
 
-ENV = "SBPFLOW_FUSION"
 FUSED = "fused_elementwise"
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV, "") not in ("", "0")
 
 
 @dataclass
@@ -139,7 +134,7 @@ def fuse(state: CompileState, ops: list[OpNode]) -> OpNode:
 
 
 def run(state: CompileState) -> None:
-    if not enabled():
+    if not state.job.config.fusion:
         return
     found = chains(state)
     if not found:

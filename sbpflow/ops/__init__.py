@@ -10,6 +10,7 @@ from sbpflow.ops import (  # noqa: F401  (each registers its ops)
     masking,
     nn,
     optim,
+    packing,
     pool,
     reduction,
     shape,

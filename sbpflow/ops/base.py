@@ -135,6 +135,14 @@ class GradContext:
     def call_n(self, op_type: str, *inputs: Any, **attrs: AttrValue) -> tuple[Any, ...]:
         return self.builder.call(op_type, *inputs, **attrs)
 
+    def grads_or_zeros(self) -> list[Any]:
+        """One gradient per output, zeros (``full``) for an output that took none: the parts of a
+        gradient that an op with several outputs (split, unpack) joins back."""
+        return [
+            d if d is not None else self.call("full", shape=m.shape, dtype=m.dtype, value=0.0)
+            for d, m in zip(self.grads, self.out_metas, strict=True)
+        ]
+
 
 @dataclass(frozen=True, slots=True)
 class NoGrad:

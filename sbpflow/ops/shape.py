@@ -265,11 +265,7 @@ def _split_grad(g: GradContext) -> list[Any]:
     if all(d is None for d in g.grads):
         return [None]
     # an output that took no gradient contributes zeros to its part of dx
-    dys = [
-        d if d is not None else g.call("full", shape=m.shape, dtype=m.dtype, value=0.0)
-        for d, m in zip(g.grads, g.out_metas, strict=True)
-    ]
-    return [g.call("concat", *dys, axis=g.attrs["axis"])]
+    return [g.call("concat", *g.grads_or_zeros(), axis=g.attrs["axis"])]
 
 
 defop(

@@ -1213,6 +1213,8 @@ class JobConfig(_message.Message):
     LOSS_SCALE_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     CHECKPOINT_EVERY_FIELD_NUMBER: _builtins.int
+    GRAD_BUCKET_BYTES_FIELD_NUMBER: _builtins.int
+    FUSION_FIELD_NUMBER: _builtins.int
     steps: _builtins.int
     """Optimizer steps to run."""
     gradient_accumulation_steps: _builtins.int
@@ -1233,6 +1235,12 @@ class JobConfig(_message.Message):
     """Seed of parameter initialisation and every random op (dropout)."""
     checkpoint_every: _builtins.int
     """Save a checkpoint every this many steps; 0 = never."""
+    grad_bucket_bytes: _builtins.int
+    """Gradient all-reduces packed into buckets of about this many bytes, in backward order; 0 = one
+    all-reduce per gradient; absent = 25 MiB (DDP's default).
+    """
+    fusion: _builtins.bool
+    """Fuse chains of elementwise ops into one kernel each."""
     def __init__(
         self,
         *,
@@ -1246,12 +1254,16 @@ class JobConfig(_message.Message):
         loss_scale: _builtins.float = ...,
         seed: _builtins.int = ...,
         checkpoint_every: _builtins.int = ...,
+        grad_bucket_bytes: _builtins.int | None = ...,
+        fusion: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_grad_bucket_bytes", b"_grad_bucket_bytes", "grad_bucket_bytes", b"grad_bucket_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation_checkpointing", b"activation_checkpointing", "checkpoint_every", b"checkpoint_every", "gradient_accumulation_steps", b"gradient_accumulation_steps", "loss_scale", b"loss_scale", "micro_batches", b"micro_batches", "pipeline_schedule", b"pipeline_schedule", "precision", b"precision", "seed", b"seed", "steps", b"steps", "zero_stage", b"zero_stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grad_bucket_bytes", b"_grad_bucket_bytes", "activation_checkpointing", b"activation_checkpointing", "checkpoint_every", b"checkpoint_every", "fusion", b"fusion", "grad_bucket_bytes", b"grad_bucket_bytes", "gradient_accumulation_steps", b"gradient_accumulation_steps", "loss_scale", b"loss_scale", "micro_batches", b"micro_batches", "pipeline_schedule", b"pipeline_schedule", "precision", b"precision", "seed", b"seed", "steps", b"steps", "zero_stage", b"zero_stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__grad_bucket_bytes: _TypeAlias = _typing.Literal["grad_bucket_bytes"]  # noqa: Y015
+    _WhichOneofArgType__grad_bucket_bytes: _TypeAlias = _typing.Literal["_grad_bucket_bytes", b"_grad_bucket_bytes"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__grad_bucket_bytes) -> _WhichOneofReturnType__grad_bucket_bytes | None: ...
 
 Global___JobConfig: _TypeAlias = JobConfig  # noqa: Y015
 

@@ -12,7 +12,7 @@ from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.control_plane.compiler.verify import verify_compiled
 from sbpflow.dtype import DType
 from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind
-from sbpflow.job import Job
+from sbpflow.job import Job, JobConfig
 from sbpflow.ops.base import get_op
 from sbpflow.ops.fused import encode
 from sbpflow.placement import placement
@@ -23,11 +23,6 @@ from tests.control_plane.compiler.test_sbp_inference import start
 
 TWO = placement("cpu", [0, 1])
 META = TensorMeta((8, 6), DType.float32)
-
-
-@pytest.fixture
-def on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(fusion.ENV, "1")
 
 
 def fused(state: CompileState) -> CompileState:
@@ -44,18 +39,28 @@ def fused_nodes(state: CompileState) -> list[OpNode]:
     return [o for o in state.graph.ops if o.op_type == fusion.FUSED]
 
 
-def job(ops: list[tuple[str, str, tuple[str, ...], str]], x_sbp: object = (S(0),), **sbps: object) -> Job:
-    """x (an input on two ranks) through ``ops`` (name, op_type, inputs, output); ``sbps`` annotate outputs."""
+def job(
+    ops: list[tuple[str, str, tuple[str, ...], str]],
+    x_sbp: object = (S(0),),
+    fuse: bool = True,
+    **sbps: object,
+) -> Job:
+    """x (an input on two ranks) through ``ops`` (name, op_type, inputs, output), fusion on unless ``fuse``
+    is False; ``sbps`` annotate outputs."""
     g = Graph()
     g.add_tensor(TensorDecl("x", META, TensorKind.input, TWO, x_sbp))  # type: ignore[arg-type]
     for name, op, ins, out in ops:
         attrs = {"value": 0.5} if op.endswith("_scalar") else {}
         g.add_tensor(TensorDecl(out, META, placement=TWO, sbp=sbps.get(out)))  # type: ignore[arg-type]
         g.add_op(OpNode(name, op, ins, (out,), attrs, TWO))
-    return Job("fusion", g)
+    return Job("fusion", g, config=JobConfig(fusion=fuse))
 
 
-def test_a_chain_fuses_into_one_op_that_keeps_the_output_name(on: None) -> None:
+def fusing(j: Job) -> Job:
+    return replace(j, config=replace(j.config, fusion=True))
+
+
+def test_a_chain_fuses_into_one_op_that_keeps_the_output_name() -> None:
     state = fused(boxed(CompileState.start(job([
         ("a", "add_scalar", ("x",), "h1"), ("b", "mul", ("h1", "x"), "h2"), ("c", "relu", ("h2",), "y"),
     ]))))  # fmt: skip
@@ -66,13 +71,14 @@ def test_a_chain_fuses_into_one_op_that_keeps_the_output_name(on: None) -> None:
     assert state.choices[node.name].reason == "fused: add_scalar + mul + relu"
 
 
-def test_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(fusion.ENV, raising=False)
-    state = fused(boxed(CompileState.start(job([("a", "relu", ("x",), "h"), ("b", "tanh", ("h",), "y")]))))
-    assert not fused_nodes(state)
+def test_off_by_default() -> None:
+    assert JobConfig().fusion is False
+    ops = [("a", "relu", ("x",), "h"), ("b", "tanh", ("h",), "y")]
+    assert not fused_nodes(fused(boxed(CompileState.start(job(ops, fuse=False)))))
+    assert fused_nodes(fused(boxed(CompileState.start(job(ops)))))
 
 
-def test_a_chain_never_spans_a_boxing(on: None) -> None:
+def test_a_chain_never_spans_a_boxing() -> None:
     # h is annotated B: relu writes h.from_S0 and a boxing all-gathers it before tanh reads it
     state = fused(
         boxed(CompileState.start(job([("a", "relu", ("x",), "h"), ("b", "tanh", ("h",), "y")], h=(B,))))
@@ -81,7 +87,7 @@ def test_a_chain_never_spans_a_boxing(on: None) -> None:
     assert not fused_nodes(state)
 
 
-def test_an_intermediate_read_outside_the_chain_stays(on: None) -> None:
+def test_an_intermediate_read_outside_the_chain_stays() -> None:
     # h is read by tanh and exp: relu stays; tanh, exp and their add form a chain from h
     state = fused(boxed(CompileState.start(job([
         ("a", "relu", ("x",), "h"), ("b", "tanh", ("h",), "t"), ("c", "exp", ("h",), "e"),
@@ -92,7 +98,7 @@ def test_an_intermediate_read_outside_the_chain_stays(on: None) -> None:
     assert [o.op_type for o in state.graph.ops] == ["relu", fusion.FUSED]
 
 
-def test_a_partial_never_flows_into_a_nonlinear_step(on: None) -> None:
+def test_a_partial_never_flows_into_a_nonlinear_step() -> None:
     # x is P: mul_scalar may run on P, tanh may not, so a boxing separates them
     state = fused(
         boxed(CompileState.start(job([("a", "mul_scalar", ("x",), "h"), ("b", "tanh", ("h",), "y")], (P,))))
@@ -116,8 +122,8 @@ def test_composed_rows_pass_p_only_through_linear_chains(steps: list, partial: b
     assert {r.ins for r in rows} >= {(S(0),), (S(1),), (B,)}
 
 
-def test_gpt_fuses_bias_and_residual_but_not_what_backward_reads(on: None) -> None:
-    compiled = pipeline.compile(start("gpt-dp4", layers=1).job)
+def test_gpt_fuses_bias_and_residual_but_not_what_backward_reads() -> None:
+    compiled = pipeline.compile(fusing(start("gpt-dp4", layers=1).job))
     g = compiled.state.graph
     chains = {o.name: chain_ops(o) for o in g.ops if o.op_type == fusion.FUSED}
     assert chains["model.blocks.0.attn.c_proj.add_0.fused"] == ["add", "add"]
@@ -128,8 +134,8 @@ def test_gpt_fuses_bias_and_residual_but_not_what_backward_reads(on: None) -> No
     assert compiled.plan is not None
 
 
-def test_fusion_survives_micro_batching(on: None) -> None:
-    j = start("gpt-dp4", layers=1, batch_size=16).job
+def test_fusion_survives_micro_batching() -> None:
+    j = fusing(start("gpt-dp4", layers=1, batch_size=16).job)
     compiled = pipeline.compile(replace(j, config=replace(j.config, gradient_accumulation_steps=2)))
     assert compiled.state.graph.tensors["tokens"].meta.shape[0] * 2 == j.graph.tensors["tokens"].meta.shape[0]
     assert any(o.op_type == fusion.FUSED for o in compiled.state.graph.ops)
