@@ -73,6 +73,7 @@ def server_config(args: argparse.Namespace) -> Any:
         data_roots=tuple(args.data_root),
         insecure=args.insecure,
         max_streams=args.max_streams,
+        drain_grace=args.drain_grace,
     )
 
 
@@ -266,6 +267,12 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
         "--open-metrics",
         action="store_true",
         help="serve /metrics without the token (for Prometheus scraping by annotation); the rest stays guarded",
+    )
+    p.add_argument(
+        "--drain-grace",
+        type=float,
+        default=25.0,
+        help="on SIGTERM, seconds for running jobs to reach a checkpoint the next server resumes from",
     )
     p.add_argument("--tls-cert", help="PEM certificate: serve gRPC and HTTP over TLS (with --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")

@@ -24,6 +24,8 @@ Rules:
   ``WORKER_LOST``) naming the rank. After a control-plane restart, a job that was in flight and has a
   checkpoint is queued again as its next attempt (``RESUMED_AFTER_RESTART``) and goes on from it; one
   without stays FAILED (``CONTROL_PLANE_RESTARTED``).
+- A drain (SIGTERM, ``drain.py``) refuses admission with ``Draining`` and stops runs with ``drained`` set:
+  their jobs stay in flight, for the next control plane to re-queue from their checkpoint.
 - A run whose loss goes NaN or infinite ends FAILED with ``NON_FINITE_LOSS`` at that step; one whose final
   parameters are not finite ends FAILED with ``NON_FINITE_PARAMETERS`` (:mod:`sbpflow.numerics`).
 - A corrupt latest checkpoint is passed over for the previous intact one. A log line, and a
@@ -43,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from sbpflow.checkpoint.read import CorruptCheckpoint, corrupt_note
 from sbpflow.control_plane import resume as resuming
+from sbpflow.control_plane.drain import Draining
 from sbpflow.control_plane.job_feed import JobFeed
 from sbpflow.control_plane.run_listeners import RunListeners
 from sbpflow.control_plane.store.job_store import JobStore, Resumable
@@ -117,6 +120,7 @@ class RunningJob:
     cancel_message: str = ""
     workers: dict[int, WorkerRecord] = field(default_factory=dict)
     thread: threading.Thread | None = None
+    drained: bool = False  # stopped by a drain: the job stays in flight for the next server (drain.py)
 
 
 class JobManager:
@@ -144,6 +148,7 @@ class JobManager:
         self.run_results: dict[str, RunResult] = {}
         self.ready = False
         self._closed = False
+        self.draining = False
 
     # ---- lifecycle of the manager -----------------------------------------------------------------
 
@@ -168,6 +173,12 @@ class JobManager:
         self._schedule()
         self._notify()
         return reconciled
+
+    def begin_drain(self) -> dict[str, RunningJob]:
+        """Admit and start nothing more (:mod:`.drain` does the rest); returns the running jobs."""
+        with self._lock:
+            self.ready, self.draining = False, True
+            return dict(self._running)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop admitting, cancel every running job and wait for their threads (at most ``timeout`` s)."""
@@ -197,6 +208,8 @@ class JobManager:
         job does not match the checkpoint (see :mod:`.resume`)."""
         from sbpflow.checkpoint.read import CheckpointReader
 
+        if self.draining:
+            raise Draining("resumed job")
         rec = self.store.get(job_id)
         passed: list[CorruptCheckpoint] = []
         found = resuming.checkpoint_to_resume(self.config.checkpoint_root, rec, passed.append)
@@ -222,6 +235,8 @@ class JobManager:
         resumed_from: str = "",
         resume_checkpoint: str = "",
     ) -> JobRecord:
+        if self.draining:
+            raise Draining()
         if self._closed:
             raise SbpflowError("the control plane is shutting down; submit to another or retry later")
         compiled = compile_submit(job_bytes, self.cluster, self.config.max_job_bytes, self.config.data_policy)
@@ -440,11 +455,14 @@ class JobManager:
                 attempt=rec.attempt,
                 **checkpointing,
             )
-        except RunCancelled:
+        except (RunCancelled, RuntimeFailure) as e:
+            if r.drained:  # in flight for the next server, which resumes it from its checkpoint
+                return
+            if isinstance(e, RuntimeFailure):
+                self._finish(job_id, JobState.FAILED, "WORKER_ERROR", str(e))
+                return
             reason = SHUTDOWN if self._closed else CANCELLED_BY_USER
             self._finish(job_id, JobState.CANCELLED, reason, r.cancel_message)
-        except RuntimeFailure as e:
-            self._finish(job_id, JobState.FAILED, "WORKER_ERROR", str(e))
         except NonFinite as e:  # NON_FINITE_LOSS (the step's loss is stored) or NON_FINITE_PARAMETERS
             self._finish(job_id, JobState.FAILED, e.reason, str(e))
         except SbpflowError as e:

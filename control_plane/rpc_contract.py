@@ -21,6 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from sbpflow.control_plane.data_policy import DataAccessDenied
+from sbpflow.control_plane.drain import Draining
 from sbpflow.control_plane.resume import NotResumable
 from sbpflow.control_plane.scheduler import SchedulingError
 from sbpflow.control_plane.store.db import StoreError, StoreUnavailable, UnknownJobError
@@ -39,6 +40,7 @@ CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (StoreError, grpc.StatusCode.INVALID_ARGUMENT),
     # only where a retry can help: the store could not write, the cluster could not be reached
     (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (Draining, grpc.StatusCode.UNAVAILABLE),
     (SchedulingError, grpc.StatusCode.UNAVAILABLE),
     (SbpflowError, grpc.StatusCode.FAILED_PRECONDITION),
 )

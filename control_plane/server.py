@@ -39,6 +39,8 @@ from grpc_reflection.v1alpha import reflection
 from sbpflow.control_plane import status
 from sbpflow.control_plane.auth import OPEN_HTTP_PATHS, AuthInterceptor, TokenCheck
 from sbpflow.control_plane.data_policy import DataPolicy
+from sbpflow.control_plane.drain import Drained
+from sbpflow.control_plane.drain import drain as drain_jobs
 from sbpflow.control_plane.isolation import CallCounter, CapacityInterceptor, StreamGate, check_bind, unready
 from sbpflow.control_plane.jobs import JobManager, ManagerConfig
 from sbpflow.control_plane.metrics import Metrics
@@ -82,6 +84,7 @@ class ServerConfig:
     data_roots: tuple[str, ...] = ()  # jobs' data files only under these (data_policy.py); (): none
     insecure: bool = False  # allow a non-loopback host without auth_token
     device_memory: int | None = None  # bytes per device at Submit; None: Ray's or the machine's; 0: off
+    drain_grace: float = 25.0  # SIGTERM: seconds for running jobs to reach a checkpoint (drain.py)
 
 
 class JobServicer:
@@ -322,12 +325,27 @@ class ControlPlane:
                 cfg.tls_cert,
                 cfg.tls_key,
                 open_paths=OPEN_HTTP_PATHS | ({"/metrics"} if cfg.open_metrics else set()),
-                unready=lambda: unready(self.store, self.unary),
+                unready=self._unready,
             )
             self.http_port = self._http.start()
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self
+
+    def _unready(self) -> str:
+        if self.manager.draining:
+            return "the control plane is draining (SIGTERM); send new jobs to another server"
+        return unready(self.store, self.unary)
+
+    def drain(self, grace: float | None = None) -> Drained:
+        """SIGTERM's way out: refuse new jobs (UNAVAILABLE), let running jobs reach a checkpoint within
+        ``grace`` seconds (default ``config.drain_grace``), stop them in flight for the next server on
+        the same store to resume, then stop (:mod:`.drain`)."""
+        for name in ("", SERVICE):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        drained = drain_jobs(self.manager, self.config.drain_grace if grace is None else grace)
+        self.stop()
+        return drained
 
     def stop(self, grace: float = 2.0) -> None:
         """Stop taking calls, cancel running jobs (reason CONTROL_PLANE_SHUTDOWN), close the store."""
@@ -365,7 +383,8 @@ def _report_hub(cfg: ServerConfig) -> Any:
 
 
 def serve(config: ServerConfig, announce: Callable[[str], None] = print) -> None:
-    """Run a control plane until SIGINT or SIGTERM."""
+    """Run a control plane until SIGINT (stop: running jobs are cancelled) or SIGTERM (drain: running
+    jobs are saved at a checkpoint for the next server on the store, see ``drain.py``)."""
     plane = ControlPlane(config).start()
     announce(f"sbpflow control plane: gRPC on {plane.address}" + (" (TLS)" if config.tls_cert else ""))
     if plane.http_address:
@@ -376,8 +395,21 @@ def serve(config: ServerConfig, announce: Callable[[str], None] = print) -> None
     if config.checkpoint_root is not None:
         announce(f"checkpoints: {config.checkpoint_root}/<job id>; a lost worker restarts a job up to "
                  f"{config.run.max_restarts} time(s)")  # fmt: skip
+    got: list[int] = []
     done = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        got.append(signum)
+        done.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
+        signal.signal(sig, on_signal)
     done.wait()
-    plane.stop()
+    if got[0] != signal.SIGTERM:
+        plane.stop()
+        return
+    announce(f"SIGTERM: draining (admitting nothing; up to {config.drain_grace:g} s for jobs to checkpoint)")
+    d = plane.drain()
+    saved = ", ".join(f"{j} at step {s}" for j, s in sorted(d.saved.items())) or "none"
+    announce(f"drained in {d.seconds:.1f} s: saved {saved}; without a checkpoint {list(d.unsaved)}; "
+             f"ended {list(d.ended)}")  # fmt: skip
