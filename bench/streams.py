@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from _shared import load_example
 
 from sbpflow import wire
 from sbpflow.control_plane.server import ControlPlane, ServerConfig
@@ -28,9 +29,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=500)
     ap.add_argument("--gets", type=int, default=500)
     args = ap.parse_args()
-    from tests.client.test_examples import load
-
-    job = load("mlp").make_job(steps=100_000)
+    job = load_example("mlp").make_job(steps=100_000)
     with tempfile.TemporaryDirectory() as tmp:
         plane = ControlPlane(
             ServerConfig(store=str(Path(tmp) / "jobs.db"), run=MANAGER_DEFAULTS.replace(backend="inprocess"),

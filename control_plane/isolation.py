@@ -6,6 +6,9 @@
   calls (Get, List, Submit, worker reports, ...) always have those to themselves.
 - **Capacity** (:class:`CallCounter`) counts unary calls in flight, so that ``/readyz`` answers 503
   when every unary thread is busy (and when the store cannot write, see ``http.py``).
+- **Priority**: a stream's next message waits (at most ``YIELD_TO_UNARY`` s) while unary calls are in
+  flight, so hundreds of busy streams do not hold the GIL from a Get; a stream message is progress a
+  client reads when it comes, a Get is a caller blocked on its answer.
 - **Bind** (:func:`check_bind`): a server on a non-loopback address without a token would run anyone's
   jobs; it is refused unless ``insecure`` is given.
 """
@@ -22,6 +25,7 @@ import grpc
 from sbpflow.errors import SbpflowError
 
 LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
+YIELD_TO_UNARY = 0.05  # s a stream's message waits at most for the unary calls in flight to finish
 
 
 class InsecureBind(SbpflowError):
@@ -76,11 +80,19 @@ class CallCounter:
     def __init__(self, threads: int) -> None:
         self.threads = threads
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self.busy = 0
 
     def add(self, n: int) -> None:
         with self._lock:
             self.busy += n
+            if self.busy == 0:
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> None:
+        """Until no unary call is in flight, or ``timeout`` s."""
+        with self._lock:
+            self._idle.wait_for(lambda: self.busy == 0, timeout)
 
     @property
     def exhausted(self) -> bool:
@@ -113,7 +125,7 @@ class CapacityInterceptor(grpc.ServerInterceptor):
         )
 
     def _stream(self, behavior: Callable[..., Iterator[Any]], method: str) -> Callable[..., Iterator[Any]]:
-        gate = self.gate
+        gate, unary = self.gate, self.unary
 
         def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             if not gate.enter():
@@ -123,7 +135,9 @@ class CapacityInterceptor(grpc.ServerInterceptor):
                     "Watch or Logs stream, or retry later (Get answers at once)",
                 )
             try:
-                yield from behavior(request, context)
+                for message in behavior(request, context):
+                    unary.wait_idle(YIELD_TO_UNARY)
+                    yield message
             finally:
                 gate.leave()
 

@@ -21,7 +21,14 @@ cost 1,000 SQLite reads a step. Now
   reaches its streams in batches, each event still once and in order) and at least every ``max_age``
   seconds even without a notice;
 - a follower behind the tail (a Watch replaying a job's history from the start) reads the store
-  itself until it has caught up, so a replay neither waits for nor evicts the tail.
+  itself until it has caught up, so a replay neither waits for nor evicts the tail;
+- with many live followers the sends are budgeted: each re-reads at most every
+  ``followers / LIVE_SENDS`` seconds (all jobs' followers counted), and once a job has more than
+  ``CONFLATE_AT`` followers, of each run of consecutive step events in one read only the newest is sent
+  (every event carries the job's whole status; state changes and log lines are never skipped, and the
+  skipped seqs are step events only). 500 streams on one job stepping 80 times a second had sent ~5,000
+  messages a second, holding the GIL from the unary calls (``bench/streams.py``). A replay is never
+  conflated: it sends every event of the history.
 
 The global ``version``/``changed`` pair still grows on every notice: the ``Logs`` streams wait on it.
 """
@@ -41,6 +48,8 @@ from sbpflow.v1 import service_pb2 as sp
 
 MIN_INTERVAL = 0.1  # s between two store reads of one job's events, at most one in each
 KEEP = 1024  # events a job's tail holds
+LIVE_SENDS = 500.0  # reads a second all live followers together aim at (each read: a batch of sends)
+CONFLATE_AT = 16  # followers of one job beyond which runs of step events go out as their newest
 
 
 @dataclass
@@ -75,6 +84,7 @@ class JobFeed:
         self._counts: dict[str, int] = {}  # notices per followed job
         self._conds: dict[str, threading.Condition] = {}  # per followed job, on ``_lock``
         self._tails: dict[str, _Tail] = {}
+        self._followers = 0  # of every job
 
     def notify(self, job_id: str | None = None) -> None:
         """Something about ``job_id`` (None: about any job) changed in the store."""
@@ -103,11 +113,13 @@ class JobFeed:
                 self._counts[job_id] = 0
                 self._tails[job_id] = _Tail(after_seq, None)
             self._tails[job_id].followers += 1
+            self._followers += 1
         try:
             yield
         finally:
             with self._lock:
                 self._tails[job_id].followers -= 1
+                self._followers -= 1
                 if self._tails[job_id].followers == 0:
                     del self._conds[job_id], self._counts[job_id], self._tails[job_id]
 
@@ -124,7 +136,8 @@ class JobFeed:
         read less than ``min_interval`` s ago is read again only once that interval is over: the
         followers that wait for it meanwhile take the one read that ends it (coalescing)."""
         tail = self._tails[job_id]
-        gap = self.min_interval - (time.monotonic() - tail.read_at)
+        interval = max(self.min_interval, self._followers / LIVE_SENDS)
+        gap = interval - (time.monotonic() - tail.read_at)
         if tail.version < seen and gap > 0:
             time.sleep(gap)
         with tail.lock:
@@ -138,6 +151,8 @@ class JobFeed:
                 return self._read_store(job_id, seq, last)
             i = bisect.bisect_right(tail.events, seq, key=lambda e: e.seq)
             shared, ended = tail.events[i:], tail.ended
+            if tail.followers > CONFLATE_AT:
+                shared = conflated(shared)
         return [_copy(e) for e in shared], ended
 
     def _extend(self, job_id: str, tail: _Tail) -> None:
@@ -154,6 +169,15 @@ class JobFeed:
     def _read_store(self, job_id: str, seq: int, last: sp.JobStatus | None) -> tuple[list[sp.JobEvent], bool]:
         rec = self.store.get(job_id)  # before its events: if it has ended, they are all there
         return list(job_events(rec, self.store.events(job_id, seq), last)), rec.state.terminal
+
+
+def conflated(events: list[sp.JobEvent]) -> list[sp.JobEvent]:
+    """``events`` without the step events that another step event follows directly."""
+    return [
+        e
+        for i, e in enumerate(events)
+        if not (e.HasField("step") and i + 1 < len(events) and events[i + 1].HasField("step"))
+    ]
 
 
 def _copy(e: sp.JobEvent) -> sp.JobEvent:

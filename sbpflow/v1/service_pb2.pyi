@@ -447,7 +447,10 @@ class JobEvent(_message.Message):
     job_id: _builtins.str
     """Job the event belongs to."""
     seq: _builtins.int
-    """Position in the job's event log, 1-based, without gaps; resume a Watch with after_seq."""
+    """Position in the job's event log, 1-based, without gaps in the log; resume a Watch with after_seq.
+    A live Watch among many on one job may skip step events (each sent one carries the whole status;
+    state changes and log lines are never skipped); a replay sends every event.
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
         """When the event happened."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,8 +23,9 @@ from sbpflow import wire
 from sbpflow.client.client import Client
 from sbpflow.control_plane import metrics as metrics_module
 from sbpflow.control_plane.data_policy import DataPolicy
-from sbpflow.control_plane.isolation import InsecureBind, is_loopback
-from sbpflow.control_plane.job_feed import JobFeed
+from sbpflow.control_plane.isolation import CallCounter, InsecureBind, is_loopback
+from sbpflow.control_plane.job_feed import CONFLATE_AT, JobFeed, conflated
+from sbpflow.control_plane.status import job_events
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import JobEvent, JobRecord
 from sbpflow.data import ArrayFileSource, DataError, TokenFileSource
@@ -267,3 +269,37 @@ def test_a_follower_is_woken_by_its_own_job_only_and_followers_share_one_read() 
         assert {g[0].status.message for g in got} == {"b changed"}
         replay, ended = feed.read(a, 0, None, feed.job_version(a), 60.0)  # A's own tail, from the start
         assert [e.seq for e in replay] == [1, 2, 3, 4] and not ended
+
+
+def test_many_live_followers_get_runs_of_step_events_as_their_newest_and_a_replay_gets_all() -> None:
+    store = JobStore(":memory:")
+    job = store.create(b"", "busy").id  # event 1: created
+    feed = JobFeed(store, min_interval=0.0)
+    with contextlib.ExitStack() as followers:
+        for _ in range(CONFLATE_AT + 1):
+            followers.enter_context(feed.following(job))
+        live, _ = feed.read(job, 0, None, feed.job_version(job), 60.0)  # the tail starts at event 1
+        for step in range(1, 6):  # events 2-6
+            store.record_step(job, step, 1.0 / step, 10.0)
+        store.set_reason(job, "R", "between")  # event 7
+        for step in range(6, 9):  # events 8-10
+            store.record_step(job, step, 1.0 / step, 10.0)
+        feed.notify(job)
+        got, _ = feed.read(job, live[-1].seq, live[-1].status, feed.job_version(job), 60.0)
+        assert [e.seq for e in got] == [6, 7, 10]  # each run of steps as its newest; the rest kept
+        assert got[0].step.step == 5 and got[0].status.step == 5 and got[-1].status.step == 8
+    every = list(job_events(store.get(job), store.events(job), None))
+    assert len(every) == 10  # the store and a replay keep every event
+    assert conflated(every) == [e for e in every if e.seq in (1, 6, 7, 10)]
+
+
+def test_a_stream_message_waits_for_the_unary_calls_in_flight_at_most_a_moment() -> None:
+    calls = CallCounter(4)
+    calls.add(1)
+    t = time.monotonic()
+    calls.wait_idle(0.2)  # a Get in flight: the stream yields for at most the bound
+    assert 0.15 < time.monotonic() - t < 5
+    threading.Timer(0.05, calls.add, (-1,)).start()
+    t = time.monotonic()
+    calls.wait_idle(10.0)  # woken as the call ends
+    assert time.monotonic() - t < 5 and calls.busy == 0
