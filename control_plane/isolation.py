@@ -60,6 +60,7 @@ class StreamGate:
             raise SbpflowError(f"max_streams={limit}: allow at least 1 stream (Watch, Logs)")
         self.limit = limit
         self._lock = threading.Lock()
+        self._closed = threading.Condition(self._lock)
         self.open = 0
 
     def enter(self) -> bool:
@@ -72,6 +73,13 @@ class StreamGate:
     def leave(self) -> None:
         with self._lock:
             self.open -= 1
+            if self.open == 0:
+                self._closed.notify_all()
+
+    def wait_closed(self, timeout: float) -> bool:
+        """Until every stream has ended (its handler returned), or ``timeout`` s; True if they all did."""
+        with self._lock:
+            return self._closed.wait_for(lambda: self.open == 0, timeout)
 
 
 class CallCounter:

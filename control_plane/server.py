@@ -53,6 +53,7 @@ from sbpflow.control_plane.rpc_contract import (
     valid_job_id,
 )
 from sbpflow.control_plane.store.job_store import JobStore
+from sbpflow.control_plane.worker_pool import PoolConfig, WorkerPool, install, uninstall
 from sbpflow.errors import SbpflowError
 from sbpflow.run_options import MANAGER_DEFAULTS, RunOptions
 from sbpflow.run_state import JobState
@@ -85,6 +86,8 @@ class ServerConfig:
     insecure: bool = False  # allow a non-loopback host without auth_token
     device_memory: int | None = None  # bytes per device at Submit; None: Ray's or the machine's; 0: off
     drain_grace: float = 25.0  # SIGTERM: seconds for running jobs to reach a checkpoint (drain.py)
+    warm_workers: int = 0  # backend ray: idle worker actors kept for the next job of a shape (worker_pool.py)
+    warm_idle_seconds: float = 300.0  # an idle warm worker is killed after this
 
 
 class JobServicer:
@@ -274,6 +277,7 @@ class ControlPlane:
         self.http_port: int | None = None
         self._grpc: grpc.Server | None = None
         self._http: Any = None
+        self.pool: WorkerPool | None = None
 
     @property
     def address(self) -> str:
@@ -312,6 +316,9 @@ class ControlPlane:
         if self.hub is not None:
             self.hub.address = f"{_advertised(cfg.host)}:{self.port}"
         self.manager.start()
+        if cfg.run.backend == "ray" and cfg.warm_workers > 0:  # after manager.start, which brings Ray up
+            self.pool = WorkerPool(PoolConfig(cfg.warm_workers, cfg.warm_idle_seconds))
+            install(self.pool)
         server.start()
         self._grpc = server
         if cfg.http_port is not None:
@@ -351,10 +358,16 @@ class ControlPlane:
         """Stop taking calls, cancel running jobs (reason CONTROL_PLANE_SHUTDOWN), close the store."""
         self.health.enter_graceful_shutdown()
         self.manager.shutdown(timeout=grace + 10.0)
+        if self.pool is not None:
+            uninstall(self.pool)
+            self.pool.close()
         if self._http is not None:
             self._http.stop()
         if self._grpc is not None:
             self._grpc.stop(grace).wait()
+        # a stream's handler notices its cancelled call within a poll; the store closes after it returns
+        self.manager.feed.notify()
+        self.streams.wait_closed(2 * POLL_SECONDS)
         self.store.close()
 
 
