@@ -5,20 +5,21 @@ everyone's addresses (a table from device type to plane, not a branch per type).
   :class:`Endpoint` is the address; ``connect`` builds the full mesh (shared memory on one host, TCP
   between hosts). Kernels run on numpy.
 - ``cuda``: :class:`~sbpflow.actor_workers.transport.nccl.transport.NcclTransport` — nothing to publish; every
-  communicator's NCCL unique id comes from :class:`UidStore`, the control plane's get-or-create store
-  (one Ray actor per attempt): the first member to ask files an id it made itself, as NCCL requires, and
-  every other member gets that one. Kernels run on cupy (one GPU per worker: Ray sets
+  communicator's NCCL unique id comes from :class:`UidStore`, the control plane's store (one Ray actor
+  per attempt): the first member to ask a key is named its maker and files an id it made itself, as NCCL
+  requires; every other member waits for that one, so no id is made and discarded. Kernels run on cupy (one GPU per worker: Ray sets
   ``CUDA_VISIBLE_DEVICES``, so the device is 0).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, Protocol
 
 import numpy as np
+
+from sbpflow.actor_workers.transport.nccl.uids import UidBook
 
 
 class DataPlane(Protocol):
@@ -61,15 +62,21 @@ class NcclPlane:
 
         from sbpflow.actor_workers.transport.nccl.comms import CommKey
         from sbpflow.actor_workers.transport.nccl.transport import NcclTransport
+        from sbpflow.actor_workers.transport.nccl.uids import fetch_uid
 
         if uids is None:
             raise ValueError(
                 "a cuda worker needs the control plane's UidStore to make its NCCL communicators"
             )
 
-        def uid_for(key: CommKey) -> bytes:
-            return bytes(
-                ray.get(uids.get_or_set.remote(str(key), NcclTransport.unique_id()), timeout=timeout)
+        def uid_for(key: CommKey) -> bytes:  # an id is made only by the member the store names, once
+            return fetch_uid(
+                lambda k, m: ray.get(uids.ask.remote(k, m), timeout=timeout),
+                lambda k, u: ray.get(uids.file.remote(k, u), timeout=timeout),
+                str(key),
+                self.rank,
+                NcclTransport.unique_id,
+                timeout,
             )
 
         world = tuple(int(r) for r in ranks)
@@ -80,6 +87,7 @@ class NcclPlane:
             device=0,
             uid_for=uid_for,
             timeout=timeout,
+            static_shapes=True,  # a plan's shapes are static: a header round only on each tag's first call
         )
         return self.transport
 
@@ -87,13 +95,6 @@ class NcclPlane:
 PLANES: dict[str, type[CpuPlane] | type[NcclPlane]] = {"cpu": CpuPlane, "cuda": NcclPlane}
 
 
-class UidStore:
-    """Get-or-create of NCCL unique ids by communicator name, for the members of one job attempt."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._ids: dict[str, bytes] = {}
-
-    def get_or_set(self, key: str, candidate: bytes) -> bytes:
-        with self._lock:
-            return self._ids.setdefault(key, candidate)
+class UidStore(UidBook):
+    """The NCCL unique ids of one job attempt, by communicator name (a Ray actor the scheduler makes):
+    one maker per key, so no id is made and discarded."""

@@ -35,7 +35,7 @@ class DType(StrEnum):
 
     def to_numpy(self) -> np.dtype[Any]:
         if self is DType.bfloat16:
-            raise ShapeError("numpy has no bfloat16; run bfloat16 on cuda or choose float16/float32")
+            return bfloat16_numpy()
         return np.dtype(self.value)
 
 
@@ -49,6 +49,18 @@ _ITEMSIZE = {
     DType.int64: 8,
     DType.bool: 1,
 }
+
+
+def bfloat16_numpy() -> np.dtype[Any]:
+    """numpy's bfloat16 (``ml_dtypes``'), which cupy uses too where it has bfloat16 arrays."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise ShapeError(
+            "bfloat16 on numpy needs ml_dtypes, which is not installed: pip install ml_dtypes (a runtime "
+            "dependency of sbpflow), or choose float16/float32"
+        ) from None
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def as_dtype(value: Any) -> DType:

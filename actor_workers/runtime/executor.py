@@ -42,6 +42,7 @@ from sbpflow.actor_workers.runtime.plan_tables import PlanTables
 from sbpflow.actor_workers.runtime.register import RegisterSpec
 from sbpflow.actor_workers.runtime.tasks import Act, RankContext
 from sbpflow.actor_workers.runtime.variables import StoreSource, init_store
+from sbpflow.cuda_streams import for_worker
 from sbpflow.graph import TensorDecl
 from sbpflow.sharding import assemble_value
 from sbpflow.v1 import plan_pb2 as pp
@@ -102,13 +103,15 @@ def build(
     for device in plan.devices:
         if ranks is not None and device.rank not in ranks:
             continue
+        transport = (transports or {}).get(device.rank)
         rc = RankContext(
             device.rank,
             tables,
             tables.micro_batches,
             init_store(tables, device.rank, xp, source),
-            (transports or {}).get(device.rank),
+            transport,
             xp,
+            compute=for_worker(xp, transport),
         )
         out.ranks[device.rank] = _build_rank(device, rc, steps, first_step)
     return out
@@ -155,7 +158,7 @@ def _build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: 
                 stream="compute" if task.id in no_ops else STREAMS[task.stream],
                 inputs=inputs,
                 outputs=outputs,
-                act=_offset(act, first_step),
+                act=_offset(act if rc.compute is None else rc.compute.wrap(act), first_step),
                 iterations=steps,
                 initial=initial,
                 priority=priority,

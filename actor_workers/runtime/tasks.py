@@ -33,6 +33,7 @@ import numpy as np
 from sbpflow import wire
 from sbpflow.actor_workers.runtime.plan_tables import PlanTables
 from sbpflow.actor_workers.runtime.variables import Store, is_partial_elsewhere
+from sbpflow.cuda_streams import ComputeStream
 from sbpflow.errors import SbpflowError, ShapeError
 from sbpflow.graph import TensorDecl
 from sbpflow.ops.base import KernelContext, get_op
@@ -53,6 +54,7 @@ class RankContext:
     store: Store
     transport: Any = None  # a Transport; None for a plan without communication
     xp: ModuleType = np
+    compute: ComputeStream | None = None  # a GPU worker's compute stream (sbpflow.cuda_streams)
     # (tensor, micro-batch or -1) -> step -> this rank's value
     fetched: dict[tuple[str, int], dict[int, Any]] = field(default_factory=dict)
     # each called, in order, by every SINK fetch act with (tensor, micro-batch, step, value): progress
@@ -163,9 +165,7 @@ def kernel_act(
     coord = tuple(task.coord)
     in_index = tuple(coord_index(d, where.shape, coord) for d in ins)
     out_index = tuple(coord_index(d, where.shape, coord) for d in outs)
-    expected = [
-        (local_shape(ix), np.dtype(d.meta.dtype.value)) for ix, d in zip(out_index, outs, strict=True)
-    ]
+    expected = [(local_shape(ix), d.meta.dtype.to_numpy()) for ix, d in zip(out_index, outs, strict=True)]
     base = (rc.xp, attrs, tuple(d.meta for d in ins), tuple(d.meta for d in outs), in_index, out_index)
     seed, kernel, micro_batch = rc.tables.config.seed, op.run_kernel, task.micro_batch
     make: Callable[..., KernelContext] = KernelContext
@@ -218,7 +218,7 @@ def data_load_act(rc: RankContext, decl: TensorDecl, micro_batch: int, coord: tu
         raise SbpflowError(f"job {rc.tables.name!r} has no data source to load input {decl.name!r} from")
     assert decl.placement is not None
     index = coord_index(decl, decl.placement.shape, coord)
-    dtype = np.dtype(decl.meta.dtype.value)
+    dtype = decl.meta.dtype.to_numpy()
     zeros = is_partial_elsewhere(decl, coord)
     if not decl.meta.ndim:
         raise SbpflowError(f"input {decl.name!r} is a scalar; a data source feeds batches (axis 0 = samples)")

@@ -26,8 +26,8 @@ and ``optimizer`` again on the new forward. Decisions:
   each parameter's fp32 gradient is unscaled before clipping and the update. Dynamic loss scaling
   (``loss_scale = 0`` with fp16: skip a step on inf/nan, grow and shrink the scale) is NOT implemented:
   such a job trains unscaled, and small fp16 gradients may underflow — set a static ``loss_scale``.
-* **Where the dtype exists.** bf16 jobs compile (the plan is for cupy); numpy has no bfloat16, so running
-  one on numpy fails at the first cast with an error saying so (``DType.to_numpy``).
+* **Where the dtype exists.** bf16 runs on numpy with ml_dtypes' bfloat16 (``DType.to_numpy``), and on
+  cupy where cupy has it (the same dtype); NCCL moves it as ``ncclBfloat16``.
 """
 
 from __future__ import annotations

@@ -76,15 +76,22 @@ def _matmul_infer(metas: Metas, attrs: Attrs) -> Metas:
     return (TensorMeta((*a.shape[:-2], *m, n), a.dtype),)
 
 
+def _gemm(xp: Any, a: Any, b: Any) -> Any:
+    """``a @ b`` in their dtype: numpy's bfloat16 (ml_dtypes) matmul accumulates and returns float32,
+    rounded here to bfloat16 as a bf16 GEMM with fp32 accumulation does."""
+    out = xp.matmul(a, b)
+    return out if out.dtype == a.dtype else out.astype(a.dtype)
+
+
 def _matmul_kernel(ctx: KernelContext, a: Any, b: Any) -> Any:
     xp = ctx.xp
     b = b.T if ctx.attrs["transpose_b"] else b
     if ctx.attrs["transpose_a"]:
-        return xp.matmul(_swap_last(a, True, xp), b)
+        return _gemm(xp, _swap_last(a, True, xp), b)
     if a.ndim > 2 and a.flags.c_contiguous:
         # the batch rows as the rows of one GEMM: numpy's matmul otherwise calls BLAS once per batch item
-        return xp.matmul(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
-    return xp.matmul(a, b)
+        return _gemm(xp, a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
+    return _gemm(xp, a, b)
 
 
 def _swap_last_op(g: GradContext, x: Any, ndim: int) -> Any:
@@ -159,8 +166,10 @@ def _batch_matmul_infer(metas: Metas, attrs: Attrs) -> Metas:
 
 def _batch_matmul_kernel(ctx: KernelContext, a: Any, b: Any) -> Any:
     xp = ctx.xp
-    return xp.matmul(
-        _swap_last(a, bool(ctx.attrs["transpose_a"]), xp), _swap_last(b, bool(ctx.attrs["transpose_b"]), xp)
+    return _gemm(
+        xp,
+        _swap_last(a, bool(ctx.attrs["transpose_a"]), xp),
+        _swap_last(b, bool(ctx.attrs["transpose_b"]), xp),
     )
 
 

@@ -1,7 +1,8 @@
 """The NCCL transport's collectives: one function per op, run on a communicator after the header round.
 
 Each takes a :class:`Call` (this rank's array, the op's axes, every member's header) and enqueues its
-NCCL call through the stream discipline (``NcclComms.launch``); none waits for the data. :data:`RUN`
+NCCL call on the communicator's stream, which is current while it runs (``NcclComms.run`` orders it
+after its inputs and hands its result over); none waits for the data. :data:`RUN`
 maps each op of the wire format (``nccl_wire.OPS``) but ``send`` to its function.
 
 **Uneven splits** (``split_range``): reduce-scatter and all-gather pad every part to the largest one
@@ -12,7 +13,7 @@ maps each op of the wire format (``nccl_wire.OPS``) but ``send`` to its function
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sbpflow.actor_workers.transport.base import part
@@ -30,6 +31,7 @@ class Call:
     array: Any  # cupy array, or None (broadcast, not the root)
     meta: tuple[int, ...]
     headers: list[Header]
+    kept: list[Any] = field(default_factory=list)  # arrays the NCCL calls read or write, kept until done
 
     @property
     def size(self) -> int:
@@ -40,10 +42,11 @@ class Call:
         return self.comm.pos
 
     def launch(self, count: int, keep: tuple[Any, ...], enqueue: Callable[[Any, int], None]) -> None:
-        """Enqueue one NCCL call moving ``count`` elements; none for an empty array (members agree on
-        ``count``: the header round checked their shapes)."""
+        """Enqueue one NCCL call moving ``count`` elements on the communicator's stream; none for an empty
+        array (members agree on ``count``: the header round, or the first one, checked their shapes)."""
         if count:
-            self.t.launch(self.comm, keep, enqueue)
+            self.kept.extend(keep)
+            enqueue(self.comm.handle, self.comm.stream.ptr)
 
 
 def _contiguous(a: Any) -> Any:
@@ -134,7 +137,8 @@ def _all_to_all(c: Call) -> Any:
         finally:
             nccl.groupEnd()
 
-    c.t.launch(c.comm, (*sends, *recvs), launch)
+    c.kept.extend((*sends, *recvs))
+    launch(c.comm.handle, c.comm.stream.ptr)
     return cp.concatenate(recvs, axis=concat_axis)
 
 

@@ -6,10 +6,12 @@
   ``uid_for(key)`` with a :class:`CommKey` (``collective:0,2`` for a group in call order, ``p2p:0->2`` for
   the messages from rank 0 to rank 2). ``uid_for`` must return the same id to every member of ``key``.
   Communicators are made lazily, on a key's first call, and creation waits at most ``timeout``.
-- **Streams.** Each communicator has its own CUDA stream. Work is ordered with events: the comm stream
-  waits for an event recorded on the caller's current stream (the inputs are ready), runs the NCCL call,
-  and the caller's stream waits for an event recorded after it (the result is ready). The host does not
-  wait for the data, so compute and communication overlap. One stream per communicator, not one for
+- **Streams.** Each communicator has its own CUDA stream. Work is ordered with events
+  (:mod:`sbpflow.cuda_streams`): the comm stream waits for an event recorded on the caller's current
+  stream (the inputs are ready), runs the NCCL call and its copies, and an event recorded after it says
+  the result is ready. On a worker with a compute stream (:meth:`NcclComms.use_compute_stream`) only the
+  acts that read the result wait for that event; otherwise the caller's stream waits at once. The host
+  does not wait for the data, so compute and communication overlap. One stream per communicator, not one for
   all: the plan orders the calls of each communicator, not the calls of different ones, and a shared
   stream would serialise two groups in an order their other members need not follow (a hang).
 - **Waiting.** The host waits only for small things (a header, work in flight at close), with
@@ -24,11 +26,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from sbpflow.actor_workers.transport.base import TransportAborted, TransportError
+from sbpflow.cuda_streams import ComputeStream, launch_on, record
 from sbpflow.device import INSTALL_HINT
 
 UID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
@@ -107,6 +110,7 @@ class NcclComms:
         self._lock = threading.Lock()
         self._making: dict[CommKey, threading.Lock] = {}
         self._comms: dict[CommKey, Comm] = {}
+        self.compute: ComputeStream | None = None  # the worker's (use_compute_stream); None: wait at once
 
     # -- abort and teardown ---------------------------------------------------------------------------
 
@@ -139,39 +143,36 @@ class NcclComms:
             for comm in comms:
                 if self.abort_reason is None:
                     try:
-                        self._wait(self.launch(comm, (), lambda h, s: None), comm, "close (work in flight)")
+                        self._wait(record(self.cp.cuda, comm.stream), comm, "close (work in flight)")
                     except TransportError:
                         continue  # _wait aborted every communicator
                 comm.handle.destroy()
 
     # -- the stream discipline ------------------------------------------------------------------------
 
-    def launch(
+    def run(
         self,
         comm: Comm,
-        keep: tuple[Any, ...],
-        enqueue: Callable[[Any, int], None],
+        body: Callable[[], Any],
+        inputs: tuple[Any, ...] = (),
+        keep: Sequence[Any] = (),
         ready: Any = None,
         wait: bool = True,
-    ) -> Any:
-        """Run ``enqueue(handle, stream_ptr)`` on ``comm``'s stream after ``ready`` (default: the caller's
-        stream's work so far), make the caller's stream wait for it (unless ``wait`` is false: nothing on
-        the caller's side reads a send), and keep ``keep`` alive until it is done. Returns its event."""
-        cuda = self.cp.cuda
-        caller = cuda.get_current_stream()
-        if ready is None:
-            ready = cuda.Event(disable_timing=True)
-            ready.record(caller)
-        comm.stream.wait_event(ready)
-        enqueue(comm.handle, comm.stream.ptr)
-        done = cuda.Event(disable_timing=True)
-        done.record(comm.stream)
-        if wait:
-            caller.wait_event(done)
+    ) -> tuple[Any, Any]:
+        """Run ``body()`` (its NCCL calls and cupy work) on ``comm``'s stream after ``ready`` (default: the
+        caller's stream's work so far) and after ``inputs`` still being made on other streams; order its
+        result before the caller's readers (unless ``wait`` is false: nothing on the caller's side reads a
+        send), at once or through the worker's compute stream (:func:`sbpflow.cuda_streams.launch_on`); keep
+        ``inputs`` and ``keep`` alive until it is done. Returns the result and its done event."""
+        result, done = launch_on(self.cp.cuda, comm.stream, body, inputs, ready, self.compute, wait)
         while comm.inflight and comm.inflight[0][0].done:
             comm.inflight.popleft()
-        comm.inflight.append((done, keep))
-        return done
+        comm.inflight.append((done, (*inputs, *keep)))
+        return result, done
+
+    def use_compute_stream(self, compute: ComputeStream | None) -> None:
+        """Hand results over to ``compute``'s readers instead of making the caller's stream wait at once."""
+        self.compute = compute
 
     def _wait(self, event: Any, comm: Comm, what: str) -> None:
         """Wait on the host for ``event``: raise on abort; abort everything on timeout (a hung NCCL call

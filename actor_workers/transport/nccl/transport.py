@@ -15,7 +15,11 @@ Rules and design choices (the others are in those modules' docstrings):
   (threads, tests).
 - **Headers.** Every collective first all-gathers a small int64 header per member (``nccl_wire``), so
   members that disagree get a :class:`TransportError` naming both sides instead of garbage or a hang. The
-  host waits for the header (with ``timeout``), never for the payload.
+  host waits for the header (with ``timeout``), never for the payload. A plan's shapes and dtypes are
+  static, so a worker makes its transport with ``static_shapes=True``: only the first call under each
+  (communicator, tag) has the header round, and later ones reuse its headers (a later call that differs
+  from the first, but for its number, is refused on the rank that made it). Point-to-point messages keep
+  their header (a recv learns the shape from it, and may take messages out of tag order).
 - **Send/recv.** A message is a header then its payload on the ``p2p:src->dst`` communicator, one per
   direction, so a send from a to b never waits behind a recv from b. ``send`` copies the array and
   returns at once (making a communicator is a rendezvous the peer joins at its first recv, so a send to a
@@ -58,6 +62,7 @@ from sbpflow.actor_workers.transport.nccl.wire import (
     decode,
     encode,
     nccl_type,
+    same_call,
     tag_hash,
 )
 
@@ -96,6 +101,7 @@ class NcclTransport(NcclComms):
         uid_for: UidFor | None = None,
         timeout: float = 300.0,
         on_abort: Callable[[str], None] | None = None,
+        static_shapes: bool = False,
     ) -> None:
         world = tuple(int(r) for r in ranks)
         if not world or len(set(world)) != len(world):
@@ -112,6 +118,9 @@ class NcclTransport(NcclComms):
             raise TransportError(f"NcclTransport timeout must be positive, got {timeout}")
         super().__init__(rank, world, uid, device, uid_for, timeout)  # needs cupy: the install hint if not
         self.on_abort = on_abort
+        self.static_shapes = static_shapes
+        # (communicator, tag) -> (this member's header words, every member's header) of the first call
+        self._rounds: dict[tuple[CommKey, str], tuple[np.ndarray, list[Header]]] = {}
         self._closed = False
         # (src, tag hash) -> messages that arrived while a recv waited for another tag
         self._stash: dict[tuple[int, int], deque[Any]] = {}
@@ -157,15 +166,17 @@ class NcclTransport(NcclComms):
     def _send_on(self, comm: Comm, tag: str, x: Any, ready: Any) -> None:
         """A header, then the payload, to the peer of a p2p communicator (after ``ready``, if given)."""
         comm.calls += 1
-        head = self.cp.asarray(encode("send", tag, (), x.dtype, x.shape, comm.calls))
+        words = encode("send", tag, (), x.dtype, x.shape, comm.calls)
         kind, code = nccl_type(x.dtype), NCCL_TYPES[np.dtype(np.int64)].code
 
-        def launch(h: Any, s: int) -> None:
-            h.send(head.data.ptr, HEADER_WORDS, code, 1, s)
+        def body() -> Any:  # on the comm stream: the header's copy to the device too
+            head = self.cp.asarray(words)
+            comm.handle.send(head.data.ptr, HEADER_WORDS, code, 1, comm.stream.ptr)
             if x.size:
-                h.send(x.data.ptr, x.size, kind.code, 1, s)
+                comm.handle.send(x.data.ptr, x.size, kind.code, 1, comm.stream.ptr)
+            return head
 
-        self.launch(comm, (head, x), launch, ready=ready, wait=False)
+        self.run(comm, body, inputs=(x,), ready=ready, wait=False)
 
     def _flush_outbox(self, key: CommKey) -> None:
         """Make a p2p communicator, then send what was queued for it, in order, until the queue is empty;
@@ -206,16 +217,25 @@ class NcclTransport(NcclComms):
     def _next_message(self, comm: Comm, what: str) -> tuple[Header, Any]:
         """The next message on a p2p communicator: wait for its header, then post the payload's recv."""
         comm.calls += 1
-        head = self.cp.empty(HEADER_WORDS, np.int64)
         code = NCCL_TYPES[np.dtype(np.int64)].code
-        done = self.launch(comm, (head,), lambda h, s: h.recv(head.data.ptr, HEADER_WORDS, code, 0, s))
+
+        def post_header() -> Any:
+            head = self.cp.empty(HEADER_WORDS, np.int64)
+            comm.handle.recv(head.data.ptr, HEADER_WORDS, code, 0, comm.stream.ptr)
+            return head
+
+        head, done = self.run(comm, post_header, wait=False)
         self._wait(done, comm, f"{what} (message #{comm.calls})")
         got = decode(head.get(stream=comm.stream))
         assert got.dtype is not None and got.shape is not None
-        x = self.cp.empty(got.shape, got.dtype)
-        if x.size:
-            kind = nccl_type(x.dtype)
-            self.launch(comm, (x,), lambda h, s: h.recv(x.data.ptr, x.size, kind.code, 0, s))
+
+        def post_payload() -> Any:
+            x = self.cp.empty(got.shape, got.dtype)
+            if x.size:
+                comm.handle.recv(x.data.ptr, x.size, nccl_type(x.dtype).code, 0, comm.stream.ptr)
+            return x
+
+        x, _ = self.run(comm, post_payload)
         return got, x
 
     def _recv_self(self, tag: str) -> Any:
@@ -266,18 +286,39 @@ class NcclTransport(NcclComms):
             with comm.lock:
                 comm.calls += 1
                 dtype, shape = (None, None) if x is None else (x.dtype, x.shape)
-                mine = self.cp.asarray(encode(op, tag, meta, dtype, shape, comm.calls))
-                every = self.cp.empty((len(group), HEADER_WORDS), np.int64)
-                code = NCCL_TYPES[np.dtype(np.int64)].code
-                done = self.launch(
-                    comm,
-                    (mine, every),
-                    lambda h, s: h.allGather(mine.data.ptr, every.data.ptr, HEADER_WORDS, code, s),
+                mine = encode(op, tag, meta, dtype, shape, comm.calls)
+                call = Call(self, comm, x, meta, self._round(comm, group, tag, mine))
+                out, _ = self.run(comm, lambda: RUN[op](call), () if x is None else (x,), call.kept)
+                return out
+
+    def _round(self, comm: Comm, group: Group, tag: str, mine: np.ndarray) -> list[Header]:
+        """Every member's header of this call: all-gathered and checked, or, with ``static_shapes``, those
+        of the first call under ``tag`` on ``comm`` (this member's call must be the same but its number)."""
+        first = self._rounds.get((comm.key, tag)) if self.static_shapes else None
+        if first is not None:
+            if not same_call(first[0], mine):
+                raise TransportError(
+                    f"rank {self.rank}: {decode(mine).describe()} on group {group} differs from the first call "
+                    f"under that tag, {decode(first[0]).describe()}, but the transport was made with "
+                    "static_shapes=True (each tag's call fixed by the plan); make it with static_shapes=False "
+                    "for dynamic shapes"
                 )
-                self._wait(done, comm, f"{op} tag {tag!r} (collective #{comm.calls} of group {group})")
-                headers = [decode(row) for row in every.get(stream=comm.stream)]
-                check_round(headers, group)
-                return RUN[op](Call(self, comm, x, meta, headers))
+            return first[1]
+        code = NCCL_TYPES[np.dtype(np.int64)].code
+
+        def gather() -> Any:
+            words, every = self.cp.asarray(mine), self.cp.empty((len(group), HEADER_WORDS), np.int64)
+            comm.handle.allGather(words.data.ptr, every.data.ptr, HEADER_WORDS, code, comm.stream.ptr)
+            return every
+
+        every, done = self.run(comm, gather, wait=False)
+        what = f"{decode(mine).op} tag {tag!r} (collective #{comm.calls} of group {group})"
+        self._wait(done, comm, what)
+        headers = [decode(row) for row in every.get(stream=comm.stream)]
+        check_round(headers, group)
+        if self.static_shapes:
+            self._rounds[(comm.key, tag)] = (mine, headers)
+        return headers
 
     # -- lifecycle ------------------------------------------------------------------------------------
 

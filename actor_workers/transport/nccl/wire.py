@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from sbpflow.actor_workers.transport.base import Group, TransportError
-from sbpflow.dtype import DType
+from sbpflow.dtype import DType, bfloat16_numpy
+from sbpflow.errors import ShapeError
 
 # -- dtypes: numpy dtype -> NCCL's ncclDataType_t, and the ncclRedOp_t that sums it -----------------
 # The values are nccl.h's (a stable ABI), so the table is usable, and testable, without cupy.
@@ -48,9 +49,11 @@ NCCL_TYPES: dict[np.dtype[Any], NcclType] = {
     np.dtype(np.float64): NcclType(8, SUM, "ncclFloat64"),
 }
 # sbpflow dtypes the table leaves out, and why (every other DType is in NCCL_TYPES)
-NOT_MOVABLE: dict[DType, str] = {
-    DType.bfloat16: "cupy has no bfloat16 arrays, so no bfloat16 register ever reaches the transport",
-}
+NOT_MOVABLE: dict[DType, str] = {}
+try:  # bfloat16 arrays are ml_dtypes' (cupy's bfloat16 is numpy's, where ml_dtypes is installed)
+    NCCL_TYPES[bfloat16_numpy()] = NcclType(9, SUM, "ncclBfloat16")  # cupy.cuda.nccl has no constant for it
+except ShapeError as e:
+    NOT_MOVABLE[DType.bfloat16] = str(e)
 
 
 def nccl_type(dtype: Any) -> NcclType:
@@ -122,6 +125,12 @@ def decode(words: np.ndarray) -> Header:
     shape = None if w[5] < 0 else tuple(w[_FIXED + TAG_BYTES // 8 : _FIXED + TAG_BYTES // 8 + w[5]])
     dtype = None if w[4] < 0 else DTYPES[w[4]]
     return Header(op, tag, w[1], tuple(w[2 : 2 + len(OPS[op].meta_names)]), dtype, shape, w[6])
+
+
+def same_call(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two header words describe the same call but for its number (word 6)."""
+    keep = np.arange(HEADER_WORDS) != 6
+    return bool(np.array_equal(a[keep], b[keep]))
 
 
 def _equal_shapes(a: Header, b: Header) -> bool:

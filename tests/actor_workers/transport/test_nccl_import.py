@@ -23,6 +23,7 @@ from sbpflow.actor_workers.transport.nccl.wire import (
     decode,
     encode,
     nccl_type,
+    same_call,
     tag_hash,
 )
 from sbpflow.dtype import DType
@@ -83,6 +84,7 @@ def test_the_dtype_table_covers_every_sbpflow_dtype_but_those_it_names() -> None
     )
     assert nccl_type(np.int64).code == 4 and nccl_type(np.int32).code == 2
     assert nccl_type(np.bool_) == NcclType(1, MAX, "ncclUint8")  # an all-reduce of bools is an or
+    assert nccl_type(DType.bfloat16.to_numpy()) == NcclType(9, SUM, "ncclBfloat16")  # ml_dtypes' bfloat16
     assert all(t.reduce == SUM for d, t in NCCL_TYPES.items() if d != np.bool_)
 
 
@@ -152,3 +154,11 @@ def test_members_that_disagree_are_named_both(theirs: Header, shown: str) -> Non
         TransportError, match=rf"rank 3 called all_reduce\(tag='t'.* but rank 8 called .*{shown}"
     ):
         check_round([mine, theirs], (3, 8))
+
+
+def test_a_static_shape_call_is_the_same_as_its_first_but_for_its_number() -> None:
+    first = encode("all_gather", "boxing/x", (0,), np.float32, (3, 4), 1)
+    assert same_call(first, encode("all_gather", "boxing/x", (0,), np.float32, (3, 4), 9))
+    assert not same_call(first, encode("all_gather", "boxing/x", (0,), np.float32, (2, 4), 9))
+    assert not same_call(first, encode("all_gather", "boxing/x", (1,), np.float32, (3, 4), 9))
+    assert not same_call(first, encode("all_gather", "boxing/x", (0,), np.float16, (3, 4), 9))
