@@ -136,6 +136,7 @@ def batch_norm(
     weight: Any = None,
     bias: Any = None,
     training: bool = True,
+    momentum: float = 0.1,
     eps: float = 1e-5,
 ) -> Tensor:
     """Normalise each channel (axis 1) by the batch's statistics in training, else by the running ones.
@@ -143,15 +144,26 @@ def batch_norm(
     Synchronised batch norm is the SBP of the statistics, not a special op: under data parallelism the
     means over the batch of an ``S(0)`` x are partial sums ``P``, and the compiler all-reduces them to
     ``B`` where the centring reads them, so every rank normalises by the global batch's statistics.
-    The running statistics are read in eval mode only; training does not update them (a forward op
-    that writes a variable needs a compiler change), so set them from a trained model's statistics.
+    Training also moves the running statistics towards the batch's, as PyTorch does (``momentum``; the
+    variance unbiased over the N*H*W values of a channel): ``running_stat`` ops whose results the compiler
+    writes back as the statistics' next values. ``running_mean=None`` keeps no running statistics.
     """
     axes = tuple(a for a in range(x.ndim) if a != 1)
-    stat_shape = tuple(x.shape[1] if a == 1 else 1 for a in range(x.ndim))  # [1, C, 1, 1]
+    c = x.shape[1]
+    stat_shape = tuple(c if a == 1 else 1 for a in range(x.ndim))  # [1, C, 1, 1]
     if training:
         mean = x.mean(axes, keepdims=True)  # mean: [1, C, 1, 1]  P under DP, all-reduced to B below
         centered = x - mean
         var = (centered * centered).mean(axes, keepdims=True)  # biased, as torch normalises
+        if running_mean is not None and momentum > 0:
+            n = math.prod(x.shape) // c
+            _op("running_stat", running_mean, mean.reshape(c), momentum=momentum)  # -> running_mean
+            _op("running_stat", running_var, var.reshape(c), momentum=momentum, scale=n / max(n - 1, 1))
+    elif running_mean is None or running_var is None:
+        raise ShapeError(
+            f"batch_norm of {x.name!r} in eval mode needs running_mean and running_var; keep running "
+            "statistics (BatchNorm2d(track_running_stats=True)) or normalise in training mode"
+        )
     else:
         centered = x - running_mean.reshape(stat_shape)
         var = running_var.reshape(stat_shape)

@@ -21,10 +21,7 @@ import numpy as np
 
 from sbpflow.errors import SbpflowError
 
-INSTALL_HINT = (
-    "install the GPU extra: pip install 'sbpflow[gpu]' (cupy-cuda12x and NCCL, for CUDA 12; for CUDA 13: "
-    "pip install cupy-cuda13x nvidia-nccl-cu13)"
-)
+INSTALL_HINT = "install the GPU extra: pip install 'sbpflow[gpu]' (cupy-cuda12x and NCCL, for CUDA 12)"
 
 
 class DeviceUnavailable(SbpflowError, RuntimeError):

@@ -6,7 +6,7 @@ and the backward follows through the casts' gradients, so every parameter's grad
 The policy is torch.autocast's, with fp16 flowing:
 
 * ``FP32_OPS`` compute in fp32: sums of many terms lose their small addends in fp16, exp overflows it
-  past 11, and normalisations divide by those sums;
+  past 11, normalisations divide by those sums, and a running statistic is an fp32 variable's next value;
 * a ``cast`` is left as its user wrote it;
 * any other op that reads a parameter or a low-precision tensor computes in low precision (a weight's
   matmul, then the bias add, the activation, the residual add, ... until the next fp32 op);
@@ -25,7 +25,9 @@ from sbpflow.job import Precision
 
 LOW: dict[Precision, DType] = {Precision.fp16: DType.float16, Precision.bf16: DType.bfloat16}
 
-FP32_OPS = frozenset({"softmax", "log_softmax", "cross_entropy", "layer_norm", "exp", "log", "sum", "mean"})
+FP32_OPS = frozenset(
+    {"softmax", "log_softmax", "cross_entropy", "layer_norm", "exp", "log", "sum", "mean", "running_stat"}
+)
 KEEP_OPS = frozenset({"cast"})
 
 

@@ -138,10 +138,12 @@ def train(
     values = _initial_values(job, parameters, xp)
     losses: list[float] = []
     for step in range(job.config.steps if steps is None else steps):
-        loss, grads = _step_gradients(plan, values, step, xp)
+        carried: Arrays = {}
+        loss, grads = _step_gradients(plan, values, step, xp, carried)
         if job.optimizer is not None:
             builder = EagerBuilder(xp, seed=job.config.seed, step=step)
             values.update(reference_optim.update(job.optimizer, values, grads, builder))
+        values.update(carried)  # running statistics: their next values, from this step's forward
         losses.append(loss)
     return TrainResult(
         losses,
@@ -168,6 +170,7 @@ class _Plan:
     trainable: tuple[str, ...]  # in the optimizer's order
     low: DType | None  # the compute dtype of mixed precision, or None
     scale: float  # the static loss scale, or 1
+    running: tuple[OpNode, ...] = ()  # the running_stat ops: each gives its first input's next value
 
 
 def _plan(job: Job) -> _Plan:
@@ -189,7 +192,14 @@ def _plan(job: Job) -> _Plan:
     n = micro_batches(job)
     scale = job.config.loss_scale if job.config.loss_scale > 0 else 1.0
     trainable = tuple(p for p in order if p in marked)
-    return _Plan(job, micro_batch_job(job, n), n, trainable, low_dtype(job.config.precision), scale)
+    running = tuple(o for o in job.graph.ops if o.op_type == "running_stat")
+    if running and n > 1:
+        raise SbpflowError(
+            f"job {job.name!r}: {running[0].name!r} updates a running statistic once per forward, and a "
+            f"step of {n} micro-batches runs {n}; use one micro-batch or eval mode"
+        )
+    low = low_dtype(job.config.precision)
+    return _Plan(job, micro_batch_job(job, n), n, trainable, low, scale, running)
 
 
 def _initial_values(job: Job, parameters: Mapping[str, Any] | None, xp: ModuleType) -> Arrays:
@@ -199,9 +209,12 @@ def _initial_values(job: Job, parameters: Mapping[str, Any] | None, xp: ModuleTy
     return values
 
 
-def _step_gradients(plan: _Plan, values: Arrays, step: int, xp: ModuleType) -> tuple[float, Arrays]:
+def _step_gradients(
+    plan: _Plan, values: Arrays, step: int, xp: ModuleType, carried: Arrays | None = None
+) -> tuple[float, Arrays]:
     """The step's mean loss over its micro-batches, and each trainable parameter's gradient averaged
-    over them (summed in micro-batch order, ``((g0 + g1) + g2) + g3``, then divided)."""
+    over them (summed in micro-batch order, ``((g0 + g1) + g2) + g3``, then divided). ``carried`` gets
+    the next value of each variable a ``running_stat`` op updates (its first input)."""
     job = plan.job
     batch = read_inputs(job, step)
     _check_values(job, {**values, **batch})
@@ -212,6 +225,8 @@ def _step_gradients(plan: _Plan, values: Arrays, step: int, xp: ModuleType) -> t
         tape = Tape(builder, {**values, **part})
         _run_forward(plan.micro, tape, plan.low)
         loss += float(tape.values[job.loss])
+        if carried is not None:
+            carried.update({o.inputs[0]: tape.values[o.outputs[0]] for o in plan.running})
         if not plan.trainable:
             continue
         grads = backward(tape, job.loss, plan.trainable, seed=plan.scale)

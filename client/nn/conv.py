@@ -2,7 +2,8 @@
 
 ``Conv2d`` keeps torch's weight layout [out, in/groups, KH, KW], so its output-channel split is the
 weight's ``S(0)`` (the output comes out ``S(1)``) and its input-channel split ``S(1)`` gives partial
-sums. ``BatchNorm2d`` under data parallelism is synchronised by SBP alone (see ``F.batch_norm``).
+sums. ``BatchNorm2d`` under data parallelism is synchronised by SBP alone (see ``F.batch_norm``), its
+running statistics included.
 """
 
 from __future__ import annotations
@@ -68,25 +69,50 @@ class Conv2d(Module):
 class BatchNorm2d(Module):
     """Per-channel batch norm: batch statistics in training, ``running_mean``/``running_var`` in eval.
 
-    The running statistics are constant parameters (no gradient): training does not update them, so an
-    eval run uses the values they are initialised or loaded with (0 and 1 by default).
+    Training moves the running statistics towards each batch's as PyTorch does: ``(1 - momentum) *
+    running + momentum * batch``, the variance unbiased. They are parameters without a gradient, so a
+    checkpoint keeps them and ``return_parameters`` returns them; under data parallelism they are updated
+    from the batch statistics summed over the ranks (the compiler may keep them split over the channels,
+    reduce-scattering the statistics instead of all-reducing them). ``track_running_stats=False`` keeps
+    none (and normalises by the batch's statistics in eval mode too).
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, affine: bool = True) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+    ) -> None:
         super().__init__()
-        self.num_features, self.eps = num_features, eps
+        if not 0.0 <= momentum <= 1.0:
+            raise SbpflowError(f"BatchNorm2d({num_features}, momentum={momentum}): use a momentum in [0, 1]")
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.weight = Parameter((num_features,), Ones()) if affine else None
         self.bias = Parameter((num_features,), Zeros()) if affine else None
-        self.running_mean = Parameter((num_features,), Zeros(), requires_grad=False)
-        self.running_var = Parameter((num_features,), Ones(), requires_grad=False)
+        self.track_running_stats = track_running_stats
+        if track_running_stats:
+            self.running_mean = Parameter((num_features,), Zeros(), requires_grad=False)
+            self.running_var = Parameter((num_features,), Ones(), requires_grad=False)
+        else:
+            self.running_mean = self.running_var = None
 
     def forward(self, x: Tensor) -> Tensor:
+        batch_stats = self.training or not self.track_running_stats
         return F.batch_norm(
-            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, self.eps
+            x,
+            self.running_mean,
+            self.running_var,
+            self.weight,
+            self.bias,
+            batch_stats,
+            self.momentum if self.training else 0.0,
+            self.eps,
         )
 
     def extra_repr(self) -> str:
-        return f"{self.num_features}, eps={self.eps}"
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
 
 
 class _Pool(Module):

@@ -5,7 +5,7 @@
         -> comm_order.check
 
 Each pass is a module of this package with ``run(state)``; :data:`PASSES` is the tuple of them, in order
-(the first five are :data:`~.rewrites.REWRITES`). A pass with nothing to do for a job (no optimizer, no
+(the first six are :data:`~.rewrites.REWRITES`). A pass with nothing to do for a job (no optimizer, no
 ZeRO) returns at once. ``Graph.verify`` runs after every pass, and every pass's wall time is recorded (the
 compile-scale benchmark reports them); from ``boxing_pass`` on, ``verify.verify_compiled`` runs after
 every pass too (each op reads exactly the SBP its signature asks for). ``compile(job, cluster_size=N)``

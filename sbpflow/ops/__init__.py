@@ -9,6 +9,7 @@ from sbpflow.ops import (  # noqa: F401  (each registers its ops)
     linalg,
     masking,
     nn,
+    norm_stats,
     optim,
     packing,
     pool,

@@ -41,17 +41,22 @@ def test_resnet18_data_parallel_equals_one_device(ranks: int) -> None:
 
 def test_resnet18_batch_norm_statistics_are_reduced_across_ranks_under_data_parallelism() -> None:
     """Every batch-norm mean over the batch is P per rank and reaches its readers only through a boxing
-    that sums it over the ranks (all-reduce to B, or reduce-scatter over channels): synchronised BN."""
+    that sums it over the ranks (all-reduce to B, or reduce-scatter over channels): synchronised BN. The
+    running statistics' update reads a reshape of it, which is linear and stays P until its boxing."""
     compiled = compile_job(resnet_job(4), lower=False)
     graph, plans = compiled.state.graph, compiled.state.boxings
     means = {o.outputs[0] for o in graph.ops if o.op_type == "mean"}  # only batch norm takes means
     assert len(means) == 2 * 20, "a mean and a variance per batch norm: ResNet-18 has 20"
-    assert {str(graph.tensors[m].sbp) for m in means} == {"(P,)"}
+    partial = means | {o.outputs[0] for o in graph.ops if o.op_type == "reshape" and means & set(o.inputs)}
+    assert len(partial) == 2 * len(means), "each statistic reshaped once for its running statistic"
+    assert {str(graph.tensors[m].sbp) for m in partial} == {"(P,)"}
     for o in graph.ops:
-        read = means.intersection(o.inputs)
-        if read:
+        read = partial.intersection(o.inputs)
+        if read and not (o.op_type == "reshape" and o.outputs[0] in partial):
             assert o.op_type == BOXING, f"{o.name} reads the partial statistic {read} unreduced"
             assert repr(plans[o.name]).startswith("P -> "), plans[o.name]
+    updated = {o.inputs[0] for o in graph.ops if o.op_type == "running_stat"}
+    assert len(updated) == 40 and updated <= set(compiled.state.updates), "every running statistic"
 
 
 # ---- Wide & Deep: embedding tables split by rows S(0) (or columns S(1)), the dense tower data parallel -
