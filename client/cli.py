@@ -56,7 +56,7 @@ def _make_kwargs(args: argparse.Namespace, make_job: Callable[..., Any] | None =
     from sbpflow.client.set_values import param_types, parse_set
 
     kw: dict[str, Any] = {
-        k: getattr(args, k) for k in ("ranks", "dp", "layers") if getattr(args, k) is not None
+        k: getattr(args, k) for k in ("ranks", "dp", "layers", "device") if getattr(args, k, None) is not None
     }
     if args.tp:
         kw["tp"] = True
@@ -80,6 +80,10 @@ def _job_from_args(args: argparse.Namespace) -> Any:
         raise UsageError(
             f"{args.example}: make_job() takes no {unknown}; it takes {[p for p in params if p != 'self']}"
         )
+    if kw.get("device") == "cuda" and args.command == "run":  # runs here: refuse before any work
+        from sbpflow.device import array_module
+
+        array_module("cuda")  # DeviceUnavailable: cupy or a GPU is missing, and how to fix it
     return _with_config(make_job(**kw), args)
 
 
@@ -190,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--tp", action="store_true", help="tensor parallel (make_job's tp=True)")
             p.add_argument("--dp", type=int, help="data-parallel groups of a 2-d mesh (make_job's dp=)")
             p.add_argument("--layers", type=int, help="make_job's layers=")
+            p.add_argument(
+                "--device",
+                choices=("cpu", "cuda"),
+                help="the device type to place the job on (make_job's device=); cuda runs kernels on cupy "
+                "and needs a GPU per rank where the job runs (default: the example's own)",
+            )
             p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other make_job argument")
         if name in ("submit", "resume"):
             p.add_argument("--watch", action="store_true", help="follow the job with a progress bar")

@@ -70,6 +70,7 @@ def make_job(
     grad_accum: int = 1,
     schedule: str = "1f1b",
     text: str = "synthetic",
+    device: str = "cpu",
 ) -> sf.Job:
     if text not in TEXTS:
         raise SystemExit(f"--text {text!r}: use one of {sorted(TEXTS)}")
@@ -83,10 +84,10 @@ def make_job(
         if ranks % dp:
             raise SystemExit(f"--ranks {ranks} is not divisible by --dp {dp}")
         per = ranks // dp
-        where = sf.placement("cpu", ranks=[list(range(i * per, (i + 1) * per)) for i in range(dp)])
+        where = sf.placement(device, ranks=[list(range(i * per, (i + 1) * per)) for i in range(dp)])
         input_sbp: tuple = (sf.sbp.split(0), sf.sbp.broadcast)  # batch over dp, whole on each tp group
     else:
-        where = sf.placement("cpu", ranks=list(range(ranks)))
+        where = sf.placement(device, ranks=list(range(ranks)))
         input_sbp = (sf.sbp.broadcast if tp else sf.sbp.split(0),)
     if tp:
         sf.nn.parallel.megatron(model, where, tp_axis=-1)
@@ -95,7 +96,7 @@ def make_job(
         if tp:
             raise SystemExit("--tp with --pp is not wired up in this example")
         head = LossHead()
-        where = stage_blocks(model, head, stage_placements(ranks, pp, stage_ranks))
+        where = stage_blocks(model, head, stage_placements(ranks, pp, stage_ranks, device))
         input_sbp = (sf.sbp.split(0),)
     data = TEXTS[text](seq_len, batch_size, vocab, seed)
     graph = TrainGPT(model, lr, steps, warmup, head)
@@ -115,14 +116,16 @@ TEXTS = {
 }
 
 
-def stage_placements(ranks: int, pp: int, sizes: tuple[int, ...] = ()) -> list[sf.Placement]:
+def stage_placements(
+    ranks: int, pp: int, sizes: tuple[int, ...] = (), device: str = "cpu"
+) -> list[sf.Placement]:
     """Consecutive groups of ranks, one per stage: ``sizes`` ranks each, else ``ranks / pp`` each."""
     if not sizes:
         if ranks % pp:
             raise SystemExit(f"--ranks {ranks} is not divisible by --pp {pp}")
         sizes = (ranks // pp,) * pp
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [sf.placement("cpu", ranks=list(range(a, a + n))) for a, n in zip(starts, sizes, strict=True)]
+    return [sf.placement(device, ranks=list(range(a, a + n))) for a, n in zip(starts, sizes, strict=True)]
 
 
 def stage_blocks(model: sf.nn.GPT, head: LossHead, stages: list[sf.Placement]) -> sf.Placement:

@@ -56,13 +56,14 @@ def make_job(
     micro_batches: int = 1,
     grad_accum: int = 1,
     schedule: str = "1f1b",
+    device: str = "cpu",
 ) -> sf.Job:
-    where = sf.placement("cpu", ranks=list(range(ranks)))
+    where = sf.placement(device, ranks=list(range(ranks)))
     model = MLPRegression(n_in, hidden, n_out, layers)
     if pp > 1 or stage_ranks:
         if tp:
             raise SystemExit("--tp with --pp is not wired up in this example")
-        where = stage_layers(model, stage_placements(ranks, pp, stage_ranks))
+        where = stage_layers(model, stage_placements(ranks, pp, stage_ranks, device))
     if tp:
         first, last = model.net[0], model.net[len(model.net) - 1]
         first.weight.to_global(where, sf.sbp.split(1))
@@ -78,14 +79,16 @@ def make_job(
     return graph.trace(data, placement=where, input_sbp=None if tp else sf.sbp.split(0))
 
 
-def stage_placements(ranks: int, pp: int, sizes: tuple[int, ...] = ()) -> list[sf.Placement]:
+def stage_placements(
+    ranks: int, pp: int, sizes: tuple[int, ...] = (), device: str = "cpu"
+) -> list[sf.Placement]:
     """Consecutive groups of ranks, one per stage: ``sizes`` ranks each, else ``ranks / pp`` each."""
     if not sizes:
         if ranks % pp:
             raise SystemExit(f"--ranks {ranks} is not divisible by --pp {pp}")
         sizes = (ranks // pp,) * pp
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [sf.placement("cpu", ranks=list(range(a, a + n))) for a, n in zip(starts, sizes, strict=True)]
+    return [sf.placement(device, ranks=list(range(a, a + n))) for a, n in zip(starts, sizes, strict=True)]
 
 
 def stage_layers(model: MLPRegression, stages: list[sf.Placement]) -> sf.Placement:

@@ -163,8 +163,9 @@ def make_job(
     lr: float = 0.05,
     seed: int = 0,
     data: str = "",
+    device: str = "cpu",
 ) -> sf.Job:
-    where = sf.placement("cpu", ranks=list(range(ranks)))
+    where = sf.placement(device, ranks=list(range(ranks)))
     source = npy_folder(data, batch_size, seed) if data else None
     if source is not None:
         f = {d.name: d for d in source.fields()}["images"]

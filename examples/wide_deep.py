@@ -77,9 +77,10 @@ def make_job(
     lr: float = 0.01,
     seed: int = 0,
     columns: bool = False,
+    device: str = "cpu",
 ) -> sf.Job:
     """The small configuration (tests); the paper's is ``vocab=2**20 // fields, dim=16, hidden=(1024,) * 3``."""
-    where = sf.placement("cpu", ranks=list(range(ranks)))
+    where = sf.placement(device, ranks=list(range(ranks)))
     model = WideDeep(dense, fields, vocab, dim, hidden)
     sf.nn.parallel.data_parallel(model, where)  # the dense tower and the wide linear term: replicated
     model.wide.weight.to_global(where, sf.sbp.split(0))  # tables split by rows over the ranks

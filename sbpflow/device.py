@@ -21,7 +21,10 @@ import numpy as np
 
 from sbpflow.errors import SbpflowError
 
-INSTALL_HINT = "install the GPU extra: pip install 'sbpflow[gpu]' (cupy-cuda12x and NCCL, for CUDA 12)"
+INSTALL_HINT = (
+    "install the GPU extra: pip install 'sbpflow[gpu]' (cupy-cuda12x and NCCL, for CUDA 12; for CUDA 13: "
+    "pip install cupy-cuda13x nvidia-nccl-cu13)"
+)
 
 
 class DeviceUnavailable(SbpflowError, RuntimeError):
