@@ -338,14 +338,30 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Write a checkpoint's logical parameters to one safetensors or .npz file."""
+    """Write a checkpoint's logical parameters to one safetensors or .npz file, in sbpflow's layout or
+    PyTorch's (``--layout torch --example FILE``: the example's modules say how)."""
     from sbpflow.checkpoint.read import export, resolve
 
     src = resolve(_checkpoint_dir(args))
     out = Path(args.out or f"{Path(args.id).name}-{src.name}.{args.format}")
-    export(src, out, args.format)
+    export(src, out, args.format, convert=_layout_of(args))
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) from {src}")
     return 0
+
+
+def _layout_of(args: argparse.Namespace) -> Callable[[Any], Any] | None:
+    """How ``--layout`` converts the exported tensors (None: sbpflow's own layout)."""
+    if args.layout == "sbpflow":
+        return None
+    if not args.example:
+        raise UsageError(
+            f"--layout {args.layout} reads the names and orientations off the model: give the example that "
+            "trained it, e.g. --example examples/charlm.py"
+        )
+    from sbpflow.client.cli import _load_example
+
+    bound = _load_example(args.example).make_job().bound
+    return lambda tensors: bound.to_layout(args.layout, tensors)
 
 
 def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
@@ -366,6 +382,13 @@ def _export_flags(p: argparse.ArgumentParser) -> None:
     _checkpoint_flags(p)
     p.add_argument("--format", choices=("safetensors", "npz"), default="safetensors")
     p.add_argument("--out", help="the file to write (default: <id>-step-NNNNNNNN.<format>)")
+    p.add_argument(
+        "--layout",
+        choices=("sbpflow", "torch"),
+        default="sbpflow",
+        help="torch: nanoGPT/GPT-2 names, Linear weights [out, in], qkv as [q | k | v] (needs --example)",
+    )
+    p.add_argument("--example", help="with --layout torch: the example file whose make_job() built the model")
 
 
 # name -> (command, help, flags beyond the example's, takes an example file, is a client of a server)

@@ -26,7 +26,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from sbpflow.client.context import TracingError, activate
+from sbpflow.client.graph_values import GraphValues
 from sbpflow.client.nn.module import Module
+from sbpflow.client.nn.parameter import Parameter
 from sbpflow.client.optim import Optimizer
 from sbpflow.client.tensor import Tensor
 from sbpflow.client.tracing import Tracer
@@ -122,7 +124,8 @@ class Graph:
         """
         where = placement or make_placement("cpu", [0])
         tracer = Tracer(where, self._module_paths())
-        params = self._declare_parameters(tracer, where)
+        declared: dict[str, Parameter] = {}
+        params = self._declare_parameters(tracer, where, declared)
         inputs = self._declare_inputs(tracer, data, where, input_sbp)
         with activate(tracer):
             result = self.build(*inputs)
@@ -144,6 +147,7 @@ class Graph:
             self.config.to_job_config(steps),
             tracer.loss.name if tracer.loss is not None else "",
             fetches,
+            bound=GraphValues(self._modules, declared),
         )
         job.verify()
         return job
@@ -155,8 +159,11 @@ class Graph:
                 paths.setdefault(id(sub), path)
         return paths
 
-    def _declare_parameters(self, tracer: Tracer, default: Placement) -> list[ParameterSpec]:
-        """Every parameter of every module, on its own placement, else its stage's, else the default."""
+    def _declare_parameters(
+        self, tracer: Tracer, default: Placement, declared: dict[str, Parameter]
+    ) -> list[ParameterSpec]:
+        """Every parameter of every module, on its own placement, else its stage's, else the default;
+        ``declared`` gets each by its tensor name."""
         specs: list[ParameterSpec] = []
         stage_of: dict[str, Placement | None] = {}
         for attr, mod in self._modules.items():
@@ -169,6 +176,7 @@ class Graph:
                     full = f"{path}.{pname}"
                     tracer.bind_parameter(p, full, p.placement or stage_of[path] or default)
                     specs.append(ParameterSpec(full, p.init, p.requires_grad))
+                    declared[full] = p
         return specs
 
     def _declare_inputs(

@@ -26,10 +26,12 @@ its shards) raise :class:`~sbpflow.numerics.NonFiniteParameters` naming them.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 from sbpflow.actor_workers import snapshots as checkpointing
@@ -49,6 +51,7 @@ from sbpflow.control_plane.run_context import (
     output_names,
 )
 from sbpflow.control_plane.scheduler import run_on_ray
+from sbpflow.control_plane.start_values import start_file
 from sbpflow.control_plane.step_tracker import ReportListener, StateListener, StepListener, StepTracker
 from sbpflow.device import array_module
 from sbpflow.errors import SbpflowError
@@ -82,6 +85,8 @@ def run(
     checkpoint_dir: str | None = None,
     resume_from: str | None = None,
     init_from: str | None = None,
+    layout: str | None = None,
+    strict: bool = True,
     **option_fields: Any,
 ) -> RunResult:
     """Compile ``job`` and train it for ``steps`` (default ``job.config.steps``). A ``job`` compiled already
@@ -98,33 +103,62 @@ def run(
     Checkpoints (:mod:`sbpflow.checkpoint`): with ``checkpoint_dir`` and ``job.config.checkpoint_every``
     each rank saves its shards every that many steps; ``resume_from`` (a checkpoint, or a directory of
     them: the latest) starts every variable from it, under this job's layout, and trains the steps left
-    of ``steps``; ``init_from`` starts the parameters from a safetensors/.npz file (or a checkpoint).
-    On Ray, a lost worker restarts the job from its last checkpoint up to ``max_restarts`` times.
+    of ``steps``; ``init_from`` starts the parameters from a safetensors/.npz file (or a checkpoint),
+    which must hold every parameter in its shape and dtype and nothing else unless ``strict=False``
+    (``layout="torch"``: a PyTorch state dict, :mod:`sbpflow.client.torch_layout`). A job traced in this
+    process starts from the values its modules held then, and its modules get the trained values back
+    (:mod:`sbpflow.bound_values`). On Ray, a lost worker restarts the job from its last checkpoint up to
+    ``max_restarts`` times.
     """
     how = _run_options(options, option_fields)
-    runner = BACKENDS[how.backend]
-    given = job if isinstance(job, Compiled) else None
-    job = job.state.job if isinstance(job, Compiled) else job
-    steps = job.config.steps if steps is None else steps
+    job_ = job.state.job if isinstance(job, Compiled) else job
+    bound = job_.bound  # the modules want the trained values back
+    steps = job_.config.steps if steps is None else steps
     if steps < 1:
         raise SbpflowError(f"steps={steps}: a run trains for at least one step")
     resume_from, first_step = _resume_point(resume_from, steps)
-    stop = _Stop(cancel)  # set by a cancel, or by the tracker at a non-finite loss
-    context = LaunchContext(
-        steps=steps - first_step,
-        run=how,
-        on_state=on_state,
-        on_report=on_report,
-        on_attempt=on_attempt,
-        cancel=stop,
-        report_hub=report_hub,
-        job_id=job_id,
-        attempt=attempt,
-        first_step=first_step,
-        checkpoint_dir=checkpoint_dir,
-        resume_from=resume_from,
-        init_from=init_from,
-    )
+    starts = nullcontext(None) if resume_from is not None else start_file(job_, init_from, layout, strict)
+    with starts as init_path:
+        result = _run(
+            job,
+            how.replace(return_parameters=True) if bound is not None else how,
+            LaunchContext(
+                steps=steps - first_step,
+                run=how,
+                on_state=on_state,
+                on_report=on_report,
+                on_attempt=on_attempt,
+                cancel=_Stop(cancel),  # set by a cancel, or by the tracker at a non-finite loss
+                report_hub=report_hub,
+                job_id=job_id,
+                attempt=attempt,
+                first_step=first_step,
+                checkpoint_dir=checkpoint_dir,
+                resume_from=resume_from,
+                init_from=init_path,
+            ),
+            on_step,
+            cancel,
+        )
+    if bound is not None and result.parameters is not None:
+        bound.write_back(result.parameters)
+    return result if how.return_parameters else dataclasses.replace(result, parameters=None)
+
+
+def _run(
+    job: Job | Compiled,
+    how: RunOptions,
+    context: LaunchContext,
+    on_step: StepListener | None,
+    cancel: threading.Event | None,
+) -> RunResult:
+    """Compile and run under ``context`` (its run options replaced by ``how``); raise what stopped it."""
+    runner = BACKENDS[how.backend]
+    context = dataclasses.replace(context, run=how)
+    given = job if isinstance(job, Compiled) else None
+    job = job.state.job if isinstance(job, Compiled) else job
+    first_step, stop = context.first_step, context.cancel
+    assert isinstance(stop, _Stop)
     context.state(JobState.COMPILING)
     compiled = compile_for_run(given or job)
     graph = compiled.state.graph

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from sbpflow.bound_values import BoundValues
 from sbpflow.data import DataSource
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import Graph
@@ -132,6 +133,8 @@ class Job:
     loss: str = ""
     fetches: tuple[str, ...] = ()
     format_version: int = FORMAT_VERSION
+    # the modules of a job traced in this process (sbpflow.bound_values); never on the wire
+    bound: BoundValues | None = field(default=None, compare=False, repr=False)
 
     def verify(self) -> None:
         """Check the job: every value within ``sbpflow.limits`` first (cheap, and what makes the rest

@@ -7,10 +7,12 @@ parameter attribute reads as the traced ``Tensor``; outside one it is the ``Para
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+from sbpflow.checkpoint.imports import Mismatch
 from sbpflow.client import context
+from sbpflow.client.nn import state
 from sbpflow.client.nn.parameter import Parameter
 from sbpflow.errors import SbpflowError
 from sbpflow.placement import Placement
@@ -111,6 +113,22 @@ class Module:
 
     def num_parameters(self) -> int:
         return sum(p.meta.numel for p in self.parameters())
+
+    # ---- values ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every parameter's logical value (numpy) by its path here; see :mod:`~sbpflow.client.nn.state`."""
+        return state.state_dict(self.named_parameters())
+
+    def load_state_dict(self, values: Mapping[str, Any], strict: bool = True) -> Mismatch:
+        """Set the parameters from ``values`` (by path); strict: names, shapes and dtypes must all match,
+        every problem named. Returns the missing and unexpected names (empty under ``strict``)."""
+        return state.load_state_dict(self.named_parameters(), values, strict)
+
+    def to(self, dtype: Any) -> Module:
+        """Every floating parameter as ``dtype`` (``model.to(sf.float64)``); returns self."""
+        state.to_dtype(self.named_parameters(), dtype)
+        return self
 
     # ---- modes and placement ------------------------------------------------------------------------
 

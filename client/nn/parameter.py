@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from sbpflow.dtype import DType, as_dtype
 from sbpflow.errors import ShapeError
 from sbpflow.placement import Placement
@@ -42,6 +44,9 @@ class Parameter:
         self.requires_grad = requires_grad
         self.placement: Placement | None = None
         self.sbp: NdSbp | None = None
+        # the logical value, once the module holds one (trained by sf.run, loaded, or drawn by
+        # state_dict); None: a run draws it from ``init``
+        self.value: np.ndarray | None = None
 
     @property
     def meta(self) -> TensorMeta:

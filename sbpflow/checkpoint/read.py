@@ -248,14 +248,23 @@ EXPORTERS = {
 }
 
 
+Convert = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
+
+
 def export(
-    checkpoint: str | Path, out: str | Path, fmt: str = "safetensors", kinds: Sequence[str] = ("parameter",)
+    checkpoint: str | Path,
+    out: str | Path,
+    fmt: str = "safetensors",
+    kinds: Sequence[str] = ("parameter",),
+    convert: Convert | None = None,
 ) -> Path:
-    """Write the logical tensors of ``kinds`` of a checkpoint to ``out`` as ``fmt`` (safetensors or npz)."""
+    """Write the logical tensors of ``kinds`` of a checkpoint to ``out`` as ``fmt`` (safetensors or npz),
+    through ``convert`` when given (another layout's names and orientation: the job's ``to_layout``)."""
     writer = EXPORTERS.get(fmt)
     if writer is None:
         raise CheckpointError(f"export format {fmt!r} is unknown; use one of {sorted(EXPORTERS)}")
-    writer(Path(out), read_logical(checkpoint, kinds))
+    tensors = read_logical(checkpoint, kinds)
+    writer(Path(out), dict(convert(tensors)) if convert is not None else tensors)
     return Path(out)
 
 

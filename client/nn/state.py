@@ -1,0 +1,70 @@
+"""A module's values: ``state_dict``, ``load_state_dict`` and the dtype switch (``Module.to``).
+
+A :class:`~sbpflow.client.nn.parameter.Parameter` declares a tensor and, once the module holds one,
+its logical value (``Parameter.value``): written back by ``sf.run`` after training, set by
+``load_state_dict``, or drawn from its initializer the first time ``state_dict`` is asked for it (keyed
+by its path in the module and seed 0, then kept, so a run starts from exactly what was returned). The
+names are the module's own paths (``blocks.0.attn.c_attn.weight``), as in PyTorch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from sbpflow.checkpoint.imports import Mismatch, check
+from sbpflow.client.nn.parameter import Parameter
+from sbpflow.dtype import DType, as_dtype
+from sbpflow.errors import SbpflowError
+from sbpflow.random import RandomKey
+
+Named = Iterable[tuple[str, Parameter]]
+
+
+def value_of(name: str, p: Parameter) -> np.ndarray:
+    """``p``'s value, drawn from its initializer (and kept) when it holds none yet."""
+    if p.value is None:
+        dtype = p.dtype.to_numpy()
+        p.value = np.asarray(p.init.sample(np, RandomKey.for_tensor(0, name), p.shape, None, dtype))
+    return p.value
+
+
+def state_dict(named: Named) -> dict[str, np.ndarray]:
+    """Every parameter's logical value by name (copies: changing them changes nothing in the module)."""
+    return {n: value_of(n, p).copy() for n, p in named}
+
+
+def load_state_dict(named: Named, values: Mapping[str, Any], strict: bool = True) -> Mismatch:
+    """Set every named parameter from ``values``; the :class:`Mismatch` found (missing and unexpected
+    names). Strict: every name, shape and dtype must match; otherwise what matches by name is loaded
+    (cast to the parameter's dtype) and a shape that differs is still an error."""
+    params = dict(named)
+    given = {n: np.asarray(v) for n, v in values.items()}
+    found = check(
+        {n: (p.shape, p.dtype.to_numpy()) for n, p in params.items()},
+        {n: (a.shape, a.dtype) for n, a in given.items()},
+        strict,
+        "the state dict",
+        "pass one of this model's own (model.state_dict() names)",
+    )
+    for n, a in given.items():
+        if n in params:
+            params[n].value = a.astype(params[n].dtype.to_numpy(), copy=True)
+    return found
+
+
+def to_dtype(named: Named, dtype: Any) -> None:
+    """Every floating parameter (and the value it holds) as ``dtype``, a floating dtype."""
+    want = as_dtype(dtype)
+    floats = (DType.float16, DType.bfloat16, DType.float32, DType.float64)
+    if want not in floats:
+        raise SbpflowError(
+            f"Module.to({want.value}): give a floating dtype ({', '.join(d.value for d in floats)})"
+        )
+    for _, p in named:
+        if p.dtype in floats:
+            p.dtype = want
+            if p.value is not None:
+                p.value = p.value.astype(want.to_numpy())
