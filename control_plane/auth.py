@@ -10,12 +10,20 @@ Open on purpose: the gRPC health service (``grpc.health.v1.Health``) and HTTP ``
 reveal nothing about jobs. Everything else, server reflection included, needs the token — but the
 WorkerService, which checks its own per-attempt worker credentials instead (``reports.py``): workers
 never hold the client token.
+
+A browser logs in once: the status page's form posts the token to ``/login``, which answers with an
+HttpOnly, SameSite=Strict session cookie (:meth:`TokenCheck.session`). The cookie holds an expiry and an
+HMAC of it keyed by the token, never the token itself, so it lapses after ``SESSION_SECONDS`` and every
+cookie dies with a new token. Only the HTML pages accept it; the JSON API and gRPC take the bearer token.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import time
 from collections.abc import Callable
+from http.cookies import CookieError, SimpleCookie
 from typing import Any
 
 import grpc
@@ -23,6 +31,8 @@ import grpc
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/",)
 SELF_CHECKED_GRPC_PREFIXES = ("/sbpflow.v1.WorkerService/",)  # ReportHub checks worker credentials
 OPEN_HTTP_PATHS = frozenset({"/healthz", "/readyz"})
+COOKIE = "sbpflow_session"
+SESSION_SECONDS = 12 * 3600  # a login lasts this long
 
 
 class TokenCheck:
@@ -40,6 +50,31 @@ class TokenCheck:
             return True
         scheme, _, given = (authorization or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.token.encode())
+
+    def session(self, now: float | None = None) -> str:
+        """A session cookie's value, good for ``SESSION_SECONDS`` from ``now``: ``<expiry>.<hmac>``."""
+        if self.token is None:
+            raise ValueError("no token: the server runs without auth, so there is no session to make")
+        expiry = str(int((time.time() if now is None else now) + SESSION_SECONDS))
+        return f"{expiry}.{self._sign(expiry)}"
+
+    def check_cookie(self, cookie_header: str | None, now: float | None = None) -> bool:
+        """Whether a ``Cookie`` header holds an unexpired session of this token (always, without one)."""
+        if self.token is None:
+            return True
+        try:
+            morsel = SimpleCookie(cookie_header or "").get(COOKIE)
+        except CookieError:
+            return False
+        expiry, _, mac = (morsel.value if morsel else "").partition(".")
+        if not (expiry.isascii() and expiry.isdigit() and len(expiry) <= 12):
+            return False
+        fresh = int(expiry) > (time.time() if now is None else now)
+        return fresh and hmac.compare_digest(mac.encode(), self._sign(expiry).encode())
+
+    def _sign(self, expiry: str) -> str:
+        assert self.token is not None
+        return hmac.new(self.token.encode(), f"sbpflow session {expiry}".encode(), hashlib.sha256).hexdigest()
 
     def problem(self, authorization: str | None) -> str:
         """Why a call was refused, for the error message (never echoes the token)."""

@@ -1,12 +1,14 @@
-"""Pictures of a compiled logical graph: a self-contained HTML page (inline SVG) and Graphviz dot text.
+"""Pictures of a compiled logical graph: a self-contained HTML page and Graphviz dot text of every op.
 
-Ops are boxes filled by placement, with their pipeline stage; data inputs and variables are rounded
-boxes; every edge is labelled with the SBP of the tensor it carries; boxing nodes are drawn in red
-with their collectives and bytes. The page needs nothing from the network (no JavaScript at all:
-hovering any box or edge shows its full details through SVG ``<title>``), so it opens offline and can be
-attached to a report. The dot text is for those who have Graphviz (``dot -Tsvg``); nothing requires it.
+The page shows the block picture of ``plan_picture.py`` (a node per block, a band per phase, laid out by
+Graphviz when it is installed), then the boxing table and the memory per device. It needs nothing from
+the network and runs no script (a block opens through CSS ``:target``), so it opens offline and can be
+attached to a report.
 
-The layout is layered: an op sits one row below the lowest of its producers; a variable or input sits
+:func:`svg` and :func:`dot` draw every op, for a small graph or a tool: ops are boxes filled by
+placement, with their pipeline stage; data inputs and variables are rounded boxes; every edge is
+labelled with the SBP of the tensor it carries; boxing nodes are red with their collectives and bytes.
+Their layout is layered: an op sits one row below the lowest of its producers; a variable or input sits
 just above its first consumer.
 """
 
@@ -17,7 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sbpflow.boxing import BoxingPlan
+from sbpflow.control_plane.compiler import plan_picture
 from sbpflow.control_plane.compiler.memory import DeviceMemory
+from sbpflow.control_plane.compiler.plan_picture import boxing_label
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.graph import BOXING, Graph, OpNode
 from sbpflow.placement import Placement
@@ -46,13 +50,6 @@ def _short(text: str, n: int = 28) -> str:
 
 def _where(p: Placement | None) -> str:
     return "?" if p is None else f"{p.device_type}:{','.join(map(str, p.ranks))}"
-
-
-def _boxing_label(plan: BoxingPlan | None) -> str:
-    if plan is None:
-        return "boxing"
-    kinds = " + ".join(dict.fromkeys(s.collective.value for s in plan.steps)) or "identity"
-    return f"{kinds}, {plan.bytes} B"
 
 
 class _Layout:
@@ -104,7 +101,7 @@ class _Layout:
         where = op.placement or self.g.tensors[op.outputs[0]].placement
         if op.op_type == BOXING:
             detail = f"{op.name}: {plan!r}" if plan is not None else op.name
-            return _Node(op.name, _boxing_label(plan), detail, BOXING_FILL, BOXING_STROKE, level, boxing=True)
+            return _Node(op.name, boxing_label(plan), detail, BOXING_FILL, BOXING_STROKE, level, boxing=True)
         stage = f" · s{op.stage}" if op.stage else ""
         label = f"{op.op_type}{stage}"
         detail = f"{op.name} on {where} stage {op.stage}\n{op!r}"
@@ -171,26 +168,18 @@ def html_page(
     notes: tuple[str, ...] | list[str] = (),
     title: str = "",
 ) -> str:
-    """A self-contained page: legend, the graph, the boxing table and the per-device memory."""
+    """A self-contained page: the block picture (``plan_picture``), the boxing table and the memory."""
     esc = html.escape
     title = title or f"sbpflow plan: {state.job.name}"
-    lay = _Layout(state)
-    legend = "".join(
-        f'<span class="chip" style="background:{c}">{esc(w)}</span>' for w, c in lay.colors.items()
-    )
-    legend += (
-        f'<span class="chip" style="background:{BOXING_FILL};border:2px solid {BOXING_STROKE}">boxing</span>'
-    )
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title)}</title><style>",
-        "body{font-family:sans-serif;margin:16px} .chip{display:inline-block;padding:2px 8px;margin:2px;"
-        "border:1px solid #888;border-radius:4px} table{border-collapse:collapse;margin:8px 0}"
-        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:left;font-size:12px} .graph{overflow:auto}",
+        "body{font-family:sans-serif;margin:16px} table{border-collapse:collapse;margin:8px 0}"
+        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:left;font-size:12px}",
         f"</style></head><body><h2>{esc(title)}</h2>",
         f"<p>{len(state.graph.ops)} ops, {len(state.boxings)} boxing nodes moving "
-        f"{sum(p.bytes for p in state.boxings.values())} B per step. Placements: {legend}</p>",
+        f"{sum(p.bytes for p in state.boxings.values())} B per step.</p>",
         *(f"<p><em>{esc(n)}</em></p>" for n in notes),
-        f'<div class="graph">{svg(state)}</div>',
+        plan_picture.picture(state),
         _boxing_table(state),
         _memory_table(memory or {}),
         "</body></html>",

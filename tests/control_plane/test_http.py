@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sbpflow.client.client import Client, JobHandle
+from sbpflow.client.client import JobHandle
 from sbpflow.control_plane.server import ControlPlane, ServerConfig
 from sbpflow.run_options import MANAGER_DEFAULTS
 from tests.client.test_examples import load
+from tests.control_plane.serving import serving
 
 
 def get(url: str, token: str | None = None) -> tuple[int, str, str]:
@@ -29,19 +30,8 @@ def get(url: str, token: str | None = None) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ControlPlane, JobHandle]]:
-    tmp = tmp_path_factory.mktemp("http")
-    cfg = ServerConfig(
-        store=str(tmp / "jobs.db"),
-        run=MANAGER_DEFAULTS.replace(backend="inprocess"),
-        slots=2,
-        auth_token="tok",
-    )
-    plane = ControlPlane(cfg).start()
-    with Client(plane.address, token="tok") as c:
-        h = c.submit(load("mlp").make_job(steps=5))
-        h.wait(30)
+    with serving(tmp_path_factory.mktemp("http"), [load("mlp").make_job(steps=5)], wait=30) as (plane, (h,)):
         yield plane, h
-    plane.stop()
 
 
 def test_probes_are_open(served: tuple[ControlPlane, JobHandle]) -> None:
@@ -50,12 +40,21 @@ def test_probes_are_open(served: tuple[ControlPlane, JobHandle]) -> None:
     assert get(f"{base}/readyz")[::2] == (200, "ready\n")
 
 
-@pytest.mark.parametrize("path", ["/v1/jobs", "/metrics", "/", "/v1/jobs/x"])
+@pytest.mark.parametrize("path", ["/v1/jobs", "/metrics", "/v1/jobs/x"])
 def test_everything_else_needs_the_token(served: tuple[ControlPlane, JobHandle], path: str) -> None:
     base = served[0].http_address
     code, _, body = get(f"{base}{path}")
     assert code == 401 and "no credentials" in json.loads(body)["error"]
     assert get(f"{base}{path}", token="nope")[0] == 401
+
+
+@pytest.mark.parametrize("path", ["/", "/jobs/x", "/jobs/x/plan"])
+def test_a_page_without_the_token_answers_the_sign_in_form(
+    served: tuple[ControlPlane, JobHandle], path: str
+) -> None:
+    code, ctype, body = get(f"{served[0].http_address}{path}")
+    assert code == 401 and ctype.startswith("text/html")
+    assert "<form method='post' action='/login'>" in body and f"value='{path}'" in body
 
 
 def test_jobs_as_json(served: tuple[ControlPlane, JobHandle]) -> None:
@@ -94,7 +93,8 @@ def test_html_page_has_a_loss_curve(served: tuple[ControlPlane, JobHandle]) -> N
     plane, h = served
     code, ctype, page = get(f"{plane.http_address}/", "tok")
     assert code == 200 and ctype.startswith("text/html")
-    assert h.job_id in page and "<polyline" in page and "<script" not in page
+    assert h.job_id in page and "<polyline" in page and f"href='/jobs/{h.job_id}'" in page
+    assert ">step</text>" in page and ">loss</text>" in page  # the axes are titled
 
 
 def test_unknown_path(served: tuple[ControlPlane, JobHandle]) -> None:
