@@ -109,6 +109,9 @@ def cluster_capacity(config: ManagerConfig) -> int:
     return os.cpu_count() or 1
 
 
+STORE_FLUSH_SECONDS = 60.0  # at a run's end, how long its held store writes are retried
+
+
 @dataclass
 class RunningJob:
     """A job being run: its slots, its thread, how to stop it, and its live per-worker rows."""
@@ -442,19 +445,22 @@ class JobManager:
             if self.config.data_policy is not None:  # a re-queued job was checked under the roots of its day
                 self.config.data_policy.check(r.job)
             compiled = r.compiled or pipeline.compile(r.job, lower="none")
-            result = launch(
-                compiled,
-                options=how,
-                on_state=listeners.on_state,
-                on_step=listeners.on_step,
-                on_report=listeners.on_report,
-                on_attempt=listeners.on_attempt,
-                cancel=r.cancel,
-                report_hub=self.report_hub,
-                job_id=job_id,
-                attempt=rec.attempt,
-                **checkpointing,
-            )
+            try:
+                result = launch(
+                    compiled,
+                    options=how,
+                    on_state=listeners.on_state,
+                    on_step=listeners.on_step,
+                    on_report=listeners.on_report,
+                    on_attempt=listeners.on_attempt,
+                    cancel=r.cancel,
+                    report_hub=self.report_hub,
+                    job_id=job_id,
+                    attempt=rec.attempt,
+                    **checkpointing,
+                )
+            finally:  # what the run said while the store could not write goes before the job's end
+                listeners.flush(STORE_FLUSH_SECONDS)
         except (RunCancelled, RuntimeFailure) as e:
             if r.drained:  # in flight for the next server, which resumes it from its checkpoint
                 return

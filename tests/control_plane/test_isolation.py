@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import grpc
 import numpy as np
@@ -22,6 +23,7 @@ import pytest
 from sbpflow import wire
 from sbpflow.client.client import Client
 from sbpflow.control_plane import metrics as metrics_module
+from sbpflow.control_plane import run_listeners
 from sbpflow.control_plane.data_policy import DataPolicy
 from sbpflow.control_plane.isolation import CallCounter, InsecureBind, is_loopback
 from sbpflow.control_plane.job_feed import CONFLATE_AT, JobFeed, conflated
@@ -163,21 +165,25 @@ def test_streams_beyond_the_limit_are_refused_and_get_still_answers(tmp_path: Pa
         plane.stop()
 
 
+class Full:
+    """SQLite's answer on a full disk, for every write (reads go to ``real``)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def execute(self, sql: str, *a: object) -> object:
+        import sqlite3
+
+        if sql.startswith(("INSERT", "UPDATE", "COMMIT", "BEGIN")):
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.real.execute(sql, *a)
+
+
 def test_a_store_that_cannot_write_is_unavailable_and_not_ready(tmp_path: Path, mlp: ModuleType) -> None:  # noqa: F811
     plane = start(tmp_path, http_port=0)
     try:
-        db = plane.store._db
-        real = db
-
-        class Full:  # SQLite's answer on a full disk, for every write
-            def execute(self, sql: str, *a: object) -> object:
-                import sqlite3
-
-                if sql.startswith(("INSERT", "UPDATE", "COMMIT", "BEGIN")):
-                    raise sqlite3.OperationalError("database or disk is full")
-                return real.execute(sql, *a)
-
-        plane.store._db = Full()  # type: ignore[assignment]
+        real = plane.store._db
+        plane.store._db = Full(real)  # type: ignore[assignment]
         err = _submit(plane.address, wire.job_to_proto(mlp.make_job(steps=2)).SerializeToString())
         assert err.code() == grpc.StatusCode.UNAVAILABLE and "disk is full" in err.details()
         with pytest.raises(urllib.error.HTTPError) as e:
@@ -187,6 +193,47 @@ def test_a_store_that_cannot_write_is_unavailable_and_not_ready(tmp_path: Path, 
         with Client(plane.address) as c:
             c.submit(mlp.make_job(steps=2)).wait(timeout=60)
         assert urllib.request.urlopen(f"{plane.http_address}/readyz", timeout=5).status == 200
+    finally:
+        plane.stop()
+
+
+def test_a_store_outage_mid_run_loses_no_step_and_the_job_succeeds(tmp_path: Path, mlp: ModuleType) -> None:  # noqa: F811
+    plane = start(tmp_path, http_port=0)
+    try:
+        real = plane.store._db
+        with Client(plane.address) as c:
+            h = c.submit(mlp.make_job(steps=300))
+            until(lambda: c.get(h.job_id).step >= 5, "step 5", 60)
+            plane.store._db = Full(real)  # type: ignore[assignment]
+            time.sleep(0.3)  # steps go on meanwhile; their rows are held
+            plane.store._db = real
+            st = h.wait(120)
+            assert st.state == sp.JOB_STATE_SUCCEEDED and st.step == 300, st
+            assert [p.step for p in plane.store.losses(h.job_id)] == list(range(1, 301))
+            assert len(h.result().losses) == 300
+    finally:
+        plane.stop()
+
+
+def test_a_store_gone_too_long_cancels_the_run_saying_why(
+    tmp_path: Path,
+    mlp: ModuleType,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(run_listeners, "MAX_UNWRITTEN", 20)
+    plane = start(tmp_path, http_port=0)
+    try:
+        real = plane.store._db
+        with Client(plane.address) as c:
+            h = c.submit(mlp.make_job(steps=100_000))
+            until(lambda: c.get(h.job_id).step >= 2, "step 2", 60)
+            plane.store._db = Full(real)  # type: ignore[assignment]
+            until(lambda: plane.manager._running[h.job_id].cancel.is_set(), "the run cancelled", 60)
+            plane.store._db = real
+            st = h.wait(120)
+        assert st.state == sp.JOB_STATE_CANCELLED, st
+        assert "the job store could not write for 20 writes in a row" in st.message
+        assert "database or disk is full" in st.message and "then resume the job" in st.message
     finally:
         plane.stop()
 
