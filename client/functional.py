@@ -216,16 +216,26 @@ def flatten(x: Tensor, start_axis: int = 0, end_axis: int = -1) -> Tensor:
 
 
 def cross_entropy(
-    logits: Tensor, labels: Tensor, ignore_index: int = -100, reduction: str = "mean"
+    logits: Tensor, labels: Tensor, ignore_index: int = -100, reduction: str = "mean", vocab_chunks: int = 1
 ) -> Tensor:
     """Softmax cross entropy of ``logits`` [..., V] against integer ``labels`` [...].
 
     ``"mean"`` divides by the number of labels that are not ``ignore_index`` (at least 1, so a batch
-    of ignored labels gives 0, not nan), as PyTorch does.
+    of ignored labels gives 0, not nan), as PyTorch does. ``vocab_chunks > 1`` computes it so that logits
+    split by class (``S(-1)``, a column-split head) are never gathered: the row maximum from the maxima of
+    that many slices of V, the sums of exponentials and the label's logit as partial sums
+    (``sbpflow/ops/vocab.py``). Give it the tensor-parallel degree; it must divide V.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ShapeError(f"cross_entropy reduction={reduction!r}: use 'mean', 'sum' or 'none'")
-    per = _op("cross_entropy", logits, labels, ignore_index=ignore_index)  # per: [...]  S(0) under DP
+    if vocab_chunks > 1:
+        chunk_max = _op("vocab_chunk_max", logits, chunks=vocab_chunks)  # [..., C]  S(-1) -> B (gathered)
+        sum_exp, target = emit("vocab_terms", logits, labels, chunk_max, ignore_index=ignore_index)  # P each
+        per = _op(
+            "vocab_cross_entropy", logits, labels, chunk_max, sum_exp, target, ignore_index=ignore_index
+        )
+    else:
+        per = _op("cross_entropy", logits, labels, ignore_index=ignore_index)  # per: [...]  S(0) under DP
     if reduction == "none":
         return per
     total = _op("sum", per, axes=None, keepdims=False)  # total: []  P under DP until reduced

@@ -3,7 +3,7 @@
     python examples/gpt.py --ranks 4 --layers 2 --heads 4 --width 128 --vocab 512 --seq-len 64 --tp
 
 Data parallel by default (tokens S(0) over the ranks); ``--tp`` applies the Megatron layout
-(``sf.nn.parallel.megatron``) on the same ranks, and ``--dp N`` with ``--tp`` makes a 2-d mesh of N
+(``sf.nn.parallel.megatron``) on the same ranks, ``--vocab-parallel`` with it splits the vocabulary too, and ``--dp N`` with ``--tp`` makes a 2-d mesh of N
 data-parallel groups of ``ranks / N`` tensor-parallel ranks. ``--pp S`` cuts the blocks into S pipeline
 stages (embeddings in the first, the head and the loss in the last) on consecutive groups of ranks, data
 parallel inside each; ``--micro-batches`` and ``--grad-accum`` cut each step's batch.
@@ -52,7 +52,7 @@ class TrainGPT(sf.Graph):
 def make_job(
     ranks: int = 2,
     layers: int = 2,
-    heads: int = 2,
+    heads: int = 4,  # divides 4 ranks: --tp on 4 ranks keeps whole heads (Megatron's layout)
     width: int = 32,
     vocab: int = 64,
     seq_len: int = 16,
@@ -63,6 +63,7 @@ def make_job(
     warmup: int = 2,
     seed: int = 0,
     tp: bool = False,
+    vocab_parallel: bool = False,
     dp: int = 1,
     pp: int = 1,
     stage_ranks: tuple[int, ...] = (),
@@ -90,7 +91,7 @@ def make_job(
         where = sf.placement(device, ranks=list(range(ranks)))
         input_sbp = (sf.sbp.broadcast if tp else sf.sbp.split(0),)
     if tp:
-        sf.nn.parallel.megatron(model, where, tp_axis=-1)
+        sf.nn.parallel.megatron(model, where, tp_axis=-1, vocab_parallel=vocab_parallel)
     head = None
     if pp > 1 or stage_ranks:
         if tp:
@@ -147,7 +148,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=16)
@@ -156,6 +157,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--tp", action="store_true", help="Megatron tensor parallelism over the ranks")
+    ap.add_argument(
+        "--vocab-parallel",
+        action="store_true",
+        help="with --tp: split the embedding, the head and the loss by vocabulary",
+    )
     ap.add_argument("--dp", type=int, default=1, help="with --tp: data-parallel groups (a 2-d mesh)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages")
     ap.add_argument("--stage-ranks", type=lambda s: tuple(map(int, s.split(","))), default=())

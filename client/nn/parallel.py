@@ -28,16 +28,22 @@ def data_parallel(model: Module, placement: Placement) -> Module:
     return model
 
 
-def megatron(model: Module, placement: Placement, tp_axis: int = -1) -> Module:
+def megatron(model: Module, placement: Placement, tp_axis: int = -1, vocab_parallel: bool = False) -> Module:
     """Megatron-LM tensor parallelism: Linear layers marked ``tp="column"``/``"row"`` are split, all else B.
 
     For a GPT block this puts qkv and fc weights at ``S(1)`` and both projections at ``S(0)``; the
-    compiler then finds the one all-reduce per sub-layer. Returns the model.
+    compiler then finds the one all-reduce per sub-layer. ``vocab_parallel`` also splits the vocabulary
+    as Megatron does, for a model with ``vocab_layers()`` (the token embedding and the output head) and
+    ``vocab_chunks``: the embedding's rows ``S(0)`` (each rank looks up its own ids, a partial sum), the
+    head's columns ``S(1)`` (logits ``S(-1)``), and the cross entropy on the split logits
+    (``vocab_chunks`` = the tensor-parallel degree), so the logits are never gathered. Returns the model.
     """
     axis = tp_axis % placement.ndim if -placement.ndim <= tp_axis < placement.ndim else None
     if axis is None:
         raise SbpflowError(f"megatron tp_axis={tp_axis} is not an axis of the {placement.ndim}-d {placement}")
     data_parallel(model, placement)
+    if vocab_parallel:
+        _split_vocabulary(model, placement, axis)
     marked = 0
     for m in model.modules():
         if isinstance(m, Linear) and m.tp is not None:
@@ -58,3 +64,29 @@ def _set_axis(param: object, placement: Placement, axis: int, sbp: Sbp) -> None:
     nd: list[Sbp] = [B] * placement.ndim
     nd[axis] = sbp
     param.to_global(placement, tuple(nd))  # type: ignore[attr-defined]
+
+
+def _split_vocabulary(model: Module, placement: Placement, axis: int) -> None:
+    layers = getattr(model, "vocab_layers", None)
+    if layers is None or not hasattr(model, "vocab_chunks"):
+        raise SbpflowError(
+            f"megatron(vocab_parallel=True): {type(model).__name__} has no vocab_layers() and vocab_chunks; "
+            "give the model both (see sf.nn.GPT) or leave vocab_parallel off"
+        )
+    tp = placement.shape[axis]
+    embedding, head = layers()
+    for name, layer, sbp, v in (
+        ("embedding", embedding, Split(0), getattr(embedding, "num_embeddings", 0)),
+        ("head", head, Split(1), getattr(head, "out_features", 0)),
+    ):
+        if layer is None:
+            continue
+        if v % tp:
+            raise SbpflowError(
+                f"megatron(vocab_parallel=True): the {name}'s vocabulary of {v} does not split evenly over the "
+                f"{tp} tensor-parallel ranks; pad the vocabulary to a multiple of {tp}"
+            )
+        _set_axis(layer.__dict__["_parameters"]["weight"], placement, axis, sbp)
+        if layer.__dict__["_parameters"].get("bias") is not None:
+            _set_axis(layer.__dict__["_parameters"]["bias"], placement, axis, Split(0))
+    model.vocab_chunks = tp  # type: ignore[attr-defined]

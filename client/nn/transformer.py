@@ -110,6 +110,13 @@ class GPT(Module):
         self.ln_f = LayerNorm(cfg.n_embd)
         if not cfg.tie_embeddings:
             self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, init=_init())  # [D, V]  B
+        # cross entropy over this many slices of V: megatron(vocab_parallel=True) sets the TP degree, so
+        # that logits split by class are never gathered
+        self.vocab_chunks = 1
+
+    def vocab_layers(self) -> tuple[Embedding, Linear | None]:
+        """The layers whose vocabulary axis Megatron splits: the token embedding and the output head."""
+        return self.wte, None if self.config.tie_embeddings else self.lm_head
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
         """Logits [B, T, V] for token ids ``idx`` [B, T]; the mean cross entropy when ``targets`` is given."""
@@ -128,4 +135,4 @@ class GPT(Module):
             logits = self.lm_head(x)  # logits: [B, T, V]
         if targets is None:
             return logits
-        return F.cross_entropy(logits, targets)  # loss: []
+        return F.cross_entropy(logits, targets, vocab_chunks=self.vocab_chunks)  # loss: []

@@ -4,8 +4,10 @@
   weight costs its full size on every rank, a split one its slice — uneven splits exact);
 * gradients: the local bytes of each parameter's final gradient (``state.grads``), which lives from
   backward until the optimizer reads it; with micro-batches, the accumulation buffer of each averaged
-  gradient (the ACCUMULATE tasks' registers, one buffer per tensor: the running sum is updated in place),
-  while each micro-batch's own gradient counts as an activation until it is accumulated;
+  gradient (the ACCUMULATE tasks' registers, one buffer per tensor: the running sum is updated in place)
+  and, where the sum is boxed on its way to the optimizer (accumulated ``P`` before the all-reduce), the
+  final gradient too, which lives from that boxing until the update; each micro-batch's own gradient
+  counts as an activation until it is accumulated;
 * peak activations: every other register (activations, boxing buffers, data-loader buffers with their
   prefetch copy) is live from the task that writes it to the last task that reads it, in the rank's task
   order; the peak is the largest sum of live ``bytes * count``. Lowering orders a pipelined rank's tasks
@@ -16,7 +18,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sbpflow.control_plane.compiler.lowering.boxing import plan_of
@@ -67,39 +69,43 @@ def estimate(state: CompileState, plan: pp.Plan) -> dict[int, DeviceMemory]:
 
 def _device(d: pp.DevicePlan, kinds: dict[str, TensorKind], grads: set[str]) -> DeviceMemory:
     by_kind = {TensorKind.parameter: 0, TensorKind.optimizer_state: 0}
-    gradients = 0
-    accumulated: dict[str, int] = {}  # tensor -> bytes of its one accumulation buffer
+    index = {t.id: i for i, t in enumerate(d.tasks)}
+    held: dict[str, tuple[int, int, int]] = {}  # gradient buffer -> (born, dies, bytes), one per tensor
     activations = []
     producer = {t.id: t for t in d.tasks}
-    # with accumulation the running sum is the gradient buffer; the averaged value it is boxed into on the
-    # way to the optimizer (an all-reduce) is transient, an activation
-    accumulating = any(t.kind == pp.TASK_KIND_ACCUMULATE for t in d.tasks)
     for reg in d.registers:
         kind, task = kinds.get(reg.tensor), producer[reg.producer_task]
         if kind in by_kind:
             by_kind[kind] += reg.bytes  # type: ignore[index]
-        elif task.kind == pp.TASK_KIND_ACCUMULATE and kind == TensorKind.gradient:
-            accumulated[reg.tensor] = reg.bytes
-        elif reg.tensor in grads and task.micro_batch < 0 and not accumulating:
-            gradients += reg.bytes
+        elif (task.kind == pp.TASK_KIND_ACCUMULATE and kind == TensorKind.gradient) or (
+            reg.tensor in grads and task.micro_batch < 0
+        ):
+            # the running sum (one buffer for every micro-batch, updated in place), and the final gradient,
+            # which lives from the step's backward, or from the boxing of its accumulated sum, until the
+            # update reads it: both at once while the sum (P x S(1) of a replicated weight, say, half the
+            # size) is boxed into it
+            born, dies = _lifetime(index, reg)
+            was = held.get(reg.tensor, (born, dies, reg.bytes))
+            held[reg.tensor] = (min(born, was[0]), max(dies, was[1]), reg.bytes)
         else:
             activations.append(reg)
     return DeviceMemory(
         parameters=by_kind[TensorKind.parameter],
-        gradients=gradients + sum(accumulated.values()),
+        gradients=_peak(len(d.tasks), held.values()),
         optimizer_state=by_kind[TensorKind.optimizer_state],
         peak_activations=peak_live(d, activations),
     )
 
 
-def peak_live(d: pp.DevicePlan, registers: list[pp.RegisterDesc]) -> int:
-    """Largest sum of ``bytes * count`` of ``registers`` live at once in ``d``'s task order."""
-    index = {t.id: i for i, t in enumerate(d.tasks)}
-    delta = [0] * (len(d.tasks) + 1)
-    for reg in registers:
-        born = index[reg.producer_task]
-        dies = max((index[c] for c in reg.consumer_tasks), default=born)
-        size = reg.bytes * max(reg.count, 1)
+def _lifetime(index: Mapping[int, int], reg: pp.RegisterDesc) -> tuple[int, int]:
+    born = index[reg.producer_task]
+    return born, max((index[c] for c in reg.consumer_tasks), default=born)
+
+
+def _peak(n_tasks: int, intervals: Iterable[tuple[int, int, int]]) -> int:
+    """Largest sum of the sizes of the (born, dies, size) intervals live at one task."""
+    delta = [0] * (n_tasks + 1)
+    for born, dies, size in intervals:
         delta[born] += size
         delta[dies + 1] -= size
     peak = live = 0
@@ -107,6 +113,12 @@ def peak_live(d: pp.DevicePlan, registers: list[pp.RegisterDesc]) -> int:
         live += change
         peak = max(peak, live)
     return peak
+
+
+def peak_live(d: pp.DevicePlan, registers: list[pp.RegisterDesc]) -> int:
+    """Largest sum of ``bytes * count`` of ``registers`` live at once in ``d``'s task order."""
+    index = {t.id: i for i, t in enumerate(d.tasks)}
+    return _peak(len(d.tasks), ((*_lifetime(index, r), r.bytes * max(r.count, 1)) for r in registers))
 
 
 # ---- one estimate per class of equal ranks (plans too big to materialise) ------------------------

@@ -270,9 +270,9 @@ defop(
 
 
 # ---- cross_entropy -------------------------------------------------------------------------------
-# The class axis must be whole on each rank. Vocabulary-parallel cross entropy (logits S(-1)) needs a
-# max and a sum across ranks inside the op (Megatron's scheme); that is communication, which kernels
-# do not do, so it is out of scope here: a vocab-split logits tensor is gathered by boxing first.
+# The class axis must be whole on each rank: a vocab-split logits tensor is gathered by boxing first.
+# Vocabulary-parallel cross entropy (logits S(-1), Megatron's scheme) is four ops in vocab.py whose rows
+# put the max and the sums across ranks into boxings of per-row statistics.
 
 _LABEL_DTYPES = (DType.int32, DType.int64)
 
@@ -384,3 +384,6 @@ defop(
     attrs={"ignore_index": -100},
     doc="(softmax(logits) - onehot(labels)) * dy[..., None], zero at ignored positions",
 )
+
+
+from sbpflow.ops import vocab as _vocab  # noqa: E402, F401  (registers the vocabulary-parallel loss, which reuses the checks above)

@@ -111,3 +111,23 @@ def test_pp2_dp2_moves_no_more_than_megatron() -> None:
     hand = 4 * (ACTIVATION // 2) + 2 * 256 + 2 * PARAMETERS * 4 + 2 * 8 + 15 * 4 + 8 + 8
     assert hand == 3_387_996
     assert step_bytes(compiled(pp=2, micro_batches=2)) <= hand
+
+
+MEGATRON_TP4_VOCAB = MEGATRON_TP4 + 2 * (2 * 3 * ACTIVATION) + 3 * (2 * 3 * 4 * 16 * 4)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 15: the greedy SBP walk gathers the head's weight and splits the batch (2,746,416 B); and "
+    "with no partial-max SBP the max stage all-gathers 4 chunk maxima a row (3,072 B) where Megatron "
+    "all-reduces one (1,536 B)",
+)
+def test_tp4_vocabulary_parallel_moves_no_more_than_megatron() -> None:
+    """TP4 with ``vocab_parallel``: Megatron's VocabParallelEmbedding, column-parallel head and parallel
+    cross entropy add to the TP4 figure one all-reduce of the embedding's partial output [B, T, D] in
+    the forward and one of the head's input gradient in the backward, 2 * 6 * 32,768 = 393,216 B, and
+    three all-reduces of [B, T] float32 (the row maximum, the label's logit, the sum of exponentials),
+    3 * 6 * 256 = 4,608 B: in all 1,970,712 B. The embedding's and the head's weight gradients stay split
+    and local."""
+    assert MEGATRON_TP4_VOCAB == 1_970_712
+    assert step_bytes(compiled(tp=True, vocab_parallel=True)) <= MEGATRON_TP4_VOCAB
