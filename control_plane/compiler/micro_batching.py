@@ -216,7 +216,7 @@ def layout(state: CompileState) -> Layout:
     slot_of = _slots(per_mb, producer, _after_forward(g))
     _check_flow(g, per_mb, producer, slot_of, stages, set(step), data - late)
     slots: dict[Slot, list[str]] = {}
-    for o in per_mb:
+    for o in _batch_only_first(g, per_mb):
         slots.setdefault(slot_of[o.name], []).append(o.name)
     return Layout(
         m,
@@ -229,6 +229,22 @@ def layout(state: CompileState) -> Layout:
     )
 
 
+def _batch_only_first(g: Graph, ops: list[OpNode]) -> list[OpNode]:
+    """``ops`` with those that read nothing but the batch (and what only the batch makes) moved first, in
+    their order: a loss's token count (``sum(targets != ignore)``) and its all-reduce then run as soon as
+    the batch is loaded, beside the forward, instead of between forward and backward, where every rank
+    would wait for the slowest one's forward before its backward (the 1/N the backward needs). The plan's
+    order is the actors' priority, and a topological order with them first is still one."""
+    free = {t.name for t in g.of_kind(TensorKind.input)}
+    first = []
+    for o in ops:
+        if all(i in free for i in o.inputs):
+            free.update(o.outputs)
+            first.append(o)
+    moved = {o.name for o in first}
+    return [*first, *(o for o in ops if o.name not in moved)]
+
+
 def _after_forward(g: Graph) -> set[str]:
     """Ops from the first one autodiff or the optimizer emitted on: the backward (with what the
     checkpointing pass recomputes there). Boxing nodes are placed by :func:`_slots`."""
@@ -236,9 +252,15 @@ def _after_forward(g: Graph) -> set[str]:
     return {o.name for o in g.ops[end:]}
 
 
+# what an accumulation may move before: linear, and elementwise the same arithmetic on each element (a
+# bucket's unpack: one average of its packed array instead of one per gradient, then one all-reduce)
+_THROUGH = (BOXING, "unpack")
+
+
 def _accumulation_point(producer: Mapping[str, OpNode], reads: Counter[str], t: str, data: set[str]) -> str:
-    """Where to average ``t``: before the boxing chain that produces it, when that chain is only its."""
-    while (p := producer.get(t)) is not None and p.op_type == BOXING:
+    """Where to average ``t``: before the boxing chain (a gradient bucket's included) that produces it,
+    when that chain is only its (a bucket's packed array is its gradients')."""
+    while (p := producer.get(t)) is not None and p.op_type in _THROUGH:
         src = p.inputs[0]
         if src not in data or reads[src] != 1:
             break

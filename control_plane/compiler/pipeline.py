@@ -1,8 +1,8 @@
 """The compiler driver: ``compile(job)`` runs the passes in order and lowers the result to a Plan.
 
     CompileState.start -> autodiff -> optimizer -> mixed_precision -> zero -> recompute
-        -> sbp_inference -> boxing_pass -> fusion -> micro_batching -> lowering -> memory
-        -> comm_order.check
+        -> sbp_inference -> boxing_pass -> fusion -> grad_buckets -> micro_batching -> lowering
+        -> memory -> comm_order.check
 
 Each pass is a module of this package with ``run(state)``; :data:`PASSES` is the tuple of them, in order
 (the first six are :data:`~.rewrites.REWRITES`). A pass with nothing to do for a job (no optimizer, no
@@ -38,6 +38,7 @@ from sbpflow.control_plane.compiler import (
     boxing_pass,
     comm_order,
     fusion,
+    grad_buckets,
     memory,
     micro_batching,
     sbp_inference,
@@ -62,7 +63,14 @@ T = TypeVar("T")
 
 # The graph passes in the order of docs/ARCHITECTURE.md's compiler section; lowering, memory planning
 # and the order check follow in ``compile``.
-PASSES: tuple[ModuleType, ...] = (*REWRITES, sbp_inference, boxing_pass, fusion, micro_batching)
+PASSES: tuple[ModuleType, ...] = (
+    *REWRITES,
+    sbp_inference,
+    boxing_pass,
+    fusion,
+    grad_buckets,
+    micro_batching,
+)
 
 
 def pass_name(p: ModuleType) -> str:

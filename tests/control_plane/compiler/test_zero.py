@@ -39,6 +39,8 @@ def collective(c: pipeline.Compiled, node: str) -> Collective:
 
 def boxing_of(g: Graph, tensor: str) -> str:
     node = g.producer(tensor)
+    if node is not None and node.op_type == "unpack":  # a gradient bucket's: its one all-reduce
+        node = g.producer(node.inputs[0])
     assert node is not None and node.op_type == BOXING, tensor
     return node.name
 
