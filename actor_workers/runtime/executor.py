@@ -41,6 +41,7 @@ from sbpflow.actor_workers.runtime.group import EngineGroup
 from sbpflow.actor_workers.runtime.plan_tables import PlanTables
 from sbpflow.actor_workers.runtime.register import RegisterSpec
 from sbpflow.actor_workers.runtime.tasks import Act, RankContext
+from sbpflow.actor_workers.runtime.trace import task_args
 from sbpflow.actor_workers.runtime.variables import StoreSource, init_store
 from sbpflow.cuda_streams import for_worker
 from sbpflow.graph import TensorDecl
@@ -163,7 +164,7 @@ def _build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: 
                 initial=initial,
                 priority=priority,
                 op=_op(task),
-                trace_args={"micro_batch": task.micro_batch, "task": task.id},
+                trace_args=task_args(task, regs),
             )
         )
     passing = {

@@ -102,3 +102,62 @@ def test_the_trace_shows_overlap_with_two_slots_and_none_with_one() -> None:
 
     assert overlap(1) < 0.01
     assert overlap(2) > 0.04
+
+
+# ---- a real plan's trace: step markers, send/recv flows, bytes on communication ---------------------------
+
+
+@pytest.fixture(scope="module")
+def pipelined_trace() -> tuple[list, dict]:
+    import sbpflow as sf
+    from tests.client.test_examples import load
+
+    job = load("mlp").make_job(ranks=2, pp=2, layers=2, micro_batches=2, steps=3)
+    result = sf.run(job, backend="inprocess", trace=True, timeout=120)
+    return result.trace, json.loads(json.dumps(chrome_trace(result.trace)))
+
+
+def test_each_rank_has_a_marker_at_the_start_of_each_step(pipelined_trace: tuple[list, dict]) -> None:
+    events, doc = pipelined_trace
+    marks = [e for e in doc["traceEvents"] if e["ph"] == "i"]
+    assert sorted((e["pid"], e["name"]) for e in marks) == [
+        (r, f"step {s}") for r in (0, 1) for s in (1, 2, 3)
+    ]
+    acts = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    for m in marks:  # at the rank's first act of that step
+        first = min(
+            e["ts"] for e in acts if e["pid"] == m["pid"] and e["args"]["iteration"] == m["args"]["step"] - 1
+        )
+        assert m["ts"] == first and m["s"] == "p"
+
+
+def test_every_send_flows_to_its_recv_on_the_peer(pipelined_trace: tuple[list, dict]) -> None:
+    events, doc = pipelined_trace
+    sends = [e for e in events if e.args.get("comm") == "send"]
+    recvs = [e for e in events if e.args.get("comm") == "recv"]
+    assert sends and len(sends) == len(recvs)
+    flows: dict[int, dict[str, dict]] = {}
+    for e in doc["traceEvents"]:
+        if e["ph"] in ("s", "f"):
+            flows.setdefault(e["id"], {})[e["ph"]] = e
+    assert len(flows) == len(sends)  # one arrow per transfer, per micro-batch, per step
+    acts = {(e["pid"], e["tid"], e["ts"]): e for e in doc["traceEvents"] if e["ph"] == "X"}
+    for f in flows.values():
+        s, t = f["s"], f["f"]
+        assert s["pid"] != t["pid"] and s["args"]["bytes"] > 0
+        send = acts[(s["pid"], s["tid"], s["ts"])]  # starts on the SEND act
+        assert send["args"]["comm"] == "send" and send["args"]["peer"] == t["pid"]
+        recv = [
+            a
+            for a in acts.values()
+            if a["pid"] == t["pid"] and a["tid"] == t["tid"] and a["ts"] <= t["ts"] <= a["ts"] + a["dur"]
+        ]
+        assert any(a["args"].get("comm") == "recv" and a["args"]["op"] == send["args"]["op"] for a in recv)
+
+
+def test_communication_acts_carry_their_bytes(pipelined_trace: tuple[list, dict]) -> None:
+    events, _ = pipelined_trace
+    comm = [e for e in events if "comm" in e.args]
+    assert comm and all(isinstance(e.args["bytes"], int) and e.args["bytes"] >= 0 for e in comm)
+    assert all(e.args["bytes"] > 0 for e in comm if e.args["comm"] in ("send", "recv"))
+    assert not any("bytes" in e.args for e in events if e.stream == "compute" and "comm" not in e.args)
