@@ -99,6 +99,7 @@ class Reporter:
         self._stub = sg.WorkerServiceStub(self._channel) if self._channel is not None else None
         self._queue: queue.Queue[sp.WorkerReport | None] = queue.Queue()
         self._on_cancel = on_cancel
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name=f"sbpflow-reporter-r{rank}", daemon=True)
         self._thread.start()
 
@@ -106,7 +107,10 @@ class Reporter:
         self._queue.put(report(*self._ids, **payload))
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued (up to ``timeout``), then stop."""
+        """Send what is queued (up to ``timeout``), then stop (again: nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout)
         if self._channel is not None:
@@ -137,7 +141,8 @@ class Reporter:
 
 
 class Worker:
-    """One rank of one job attempt."""
+    """One rank of one job attempt; a warm pool's worker (``control_plane/worker_pool.py``) serves one job
+    attempt after another: ``release`` after a run, ``assign`` before the next."""
 
     def __init__(
         self,
@@ -156,13 +161,30 @@ class Worker:
         cpus = _assigned_cpus()
         if cpus is not None:  # a Ray worker: BLAS on its slots, so workers sharing a host don't oversubscribe
             threads.pin(threads.slot_threads(cpus))
-        self.rank = rank
         self.worker_id = _actor_id()
         node_ip, node_id = _node()
         self.host = host or node_ip
         if device_type not in PLANES:
             raise ValueError(f"device type {device_type!r} has no data plane; use one of {sorted(PLANES)}")
-        self.plane = PLANES[device_type](rank, self.host, host_id or node_id, shared_memory)
+        self._make_plane = functools.partial(PLANES[device_type], host=self.host, host_id=host_id or node_id,
+                                             shared_memory=shared_memory)  # fmt: skip
+        self._lock = threading.Lock()
+        self.plane: Any = None
+        self.rank = rank
+        self.assign(job_id, attempt, rank, report_address, credential)
+
+    def assign(
+        self, job_id: str, attempt: int, rank: int, report_address: str = "", credential: str = ""
+    ) -> None:
+        """Serve rank ``rank`` of ``(job_id, attempt)`` next: a data plane for that rank (a released
+        worker's fresh one is kept when the rank is the same) and a reporter with the attempt's credential."""
+        if self.plane is None or rank != self.rank:
+            self._close_plane()
+            self.plane = self._make_plane(rank)
+        self.rank = rank
+        old = getattr(self, "reporter", None)
+        if old is not None:
+            old.close(0.0)
         self.reporter = Reporter(
             report_address, job_id, attempt, rank, self.worker_id, credential, self.abort, self.host
         )
@@ -170,7 +192,20 @@ class Worker:
         self._program: Any = None
         self._writers: list[Any] = []
         self._aborted: str | None = None
-        self._lock = threading.Lock()
+
+    def release(self) -> dict[str, Any]:
+        """After a run, back to idle for a warm pool: the job's actors and connections go, and a fresh
+        data plane listens for the same rank (the next job of the same shape reuses it); returns ``info``."""
+        self._close_plane()
+        with self._lock:
+            self._engine = self._program = None
+            self._writers = []
+        self.plane = self._make_plane(self.rank)
+        return self.info()
+
+    def _close_plane(self) -> None:
+        if self.plane is not None and self.plane.transport is not None:
+            self.plane.transport.close()
 
     def endpoint(self) -> Any:
         """What this rank's peers need to reach its data plane (None where the plane needs nothing)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sbpflow.client.cli_exit import UsageError
+from sbpflow.client.generate import cmd_generate, generate_flags
 from sbpflow.client.run_flags import add_run_flags, run_options_from_args
 from sbpflow.errors import SbpflowError
 from sbpflow.run_options import MANAGER_DEFAULTS
@@ -74,6 +75,8 @@ def server_config(args: argparse.Namespace) -> Any:
         insecure=args.insecure,
         max_streams=args.max_streams,
         drain_grace=args.drain_grace,
+        warm_workers=args.warm_workers,
+        warm_idle_seconds=args.warm_idle_seconds,
     )
 
 
@@ -274,6 +277,15 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
         default=25.0,
         help="on SIGTERM, seconds for running jobs to reach a checkpoint the next server resumes from",
     )
+    p.add_argument(
+        "--warm-workers",
+        type=int,
+        default=8,
+        help="backend ray: idle worker actors kept for the next job of the same shape (0: a new one per job)",
+    )
+    p.add_argument(
+        "--warm-idle-seconds", type=float, default=300.0, help="an idle warm worker goes after this"
+    )
     p.add_argument("--tls-cert", help="PEM certificate: serve gRPC and HTTP over TLS (with --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--max-message-bytes", type=int, default=64 * 1024 * 1024, help="largest request")
@@ -409,4 +421,10 @@ JOB_COMMANDS: dict[
     "logs": (cmd_logs, "print a job's log lines", _logs, True),
     "checkpoints": (cmd_checkpoints, "list a job's complete checkpoints", _checkpoints_flags, False),
     "export": (cmd_export, "export a checkpoint's parameters to safetensors or .npz", _export_flags, False),
+    "generate": (
+        cmd_generate,
+        "sample text from a trained language model's checkpoint",
+        generate_flags,
+        False,
+    ),
 }

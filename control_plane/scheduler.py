@@ -15,7 +15,8 @@
    dies (its Ray actor errors out), and the cancel event. The first failure aborts every other worker
    and is raised as a RuntimeFailure naming the rank (and, for a dead worker, its pid and host);
 5. assembles the losses (and, on request, the parameters) from the ranks' shares;
-6. always tears down: every worker actor killed, the placement group removed.
+6. always tears down: every worker actor killed, the placement group removed; or, with a warm pool
+   installed (:mod:`.worker_pool`), a clean attempt's group kept for the next job of its shape.
 
 Workers report progress in ``WorkerReport`` protobufs to a WorkerService (:mod:`.reports`): the control
 plane's own when it passes its hub, otherwise a hub served on a loopback port for this run. Each
@@ -27,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +39,7 @@ from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.reports import ReportHub
 from sbpflow.control_plane.run_context import LaunchContext, RunResult, assemble_outputs, output_names
 from sbpflow.control_plane.step_tracker import StepTracker
+from sbpflow.control_plane.worker_pool import WarmGroup, destroy, installed, resources_of
 from sbpflow.errors import SbpflowError
 from sbpflow.run_state import JobState
 from sbpflow.sharding import assemble_value
@@ -128,6 +129,7 @@ def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker)
                         outcomes = attempt.wait()
                         result = _result(compiled, current, attempt, outcomes)
                         tracker.settle(result.losses, current.first_step - options.first_step)
+                        attempt.clean = True  # its workers may go back to a warm pool
                     finally:
                         attempt.teardown()
             except RuntimeFailure as failure:
@@ -221,7 +223,9 @@ class _Attempt:
         self.credential = credential  # minted by the hub for this job attempt; workers report with it
         self.workers: dict[int, Any] = {}
         self.info: dict[int, dict[str, Any]] = {}
-        self.pg: Any = None
+        self.group: WarmGroup | None = None  # the placement group and workers, warm or new
+        self.warm = False  # the group came from the warm pool (worker_pool.py)
+        self.clean = False  # the attempt ran to the end: its group may go back to the pool
         self.uids: Any = None
         unknown = set(types.values()) - set(BUNDLES)
         if unknown:
@@ -229,36 +233,10 @@ class _Attempt:
 
     def start(self, compiled: Compiled, start: Any = None) -> None:
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from sbpflow.actor_workers.worker import remote_class
 
         self.options.state(JobState.STARTING)
-        bundles = [BUNDLES[self.types[r]].resources for r in self.ranks]
-        self.pg = placement_group(bundles, strategy="PACK", name=f"sbpflow-{self.job_id}")
-        ready, _ = ray.wait([self.pg.ready()], timeout=SETUP_SECONDS)
-        if not ready:
-            have = ray.cluster_resources()
-            raise SchedulingError(
-                f"the cluster cannot hold {len(bundles)} workers ({dict(sum(map(Counter, bundles), Counter()))}) within {SETUP_SECONDS:.0f} s; "
-                f"it has { ({k: v for k, v in have.items() if k in ('CPU', 'GPU')}) }; use fewer ranks or a bigger cluster"
-            )
-        Worker = remote_class()
-        for i, rank in enumerate(self.ranks):
-            strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
-            self.workers[rank] = Worker.options(
-                scheduling_strategy=strategy,
-                name=f"sbpflow-{self.job_id}-a{self.options.attempt}-r{rank}",
-                **BUNDLES[self.types[rank]].actor_options,
-            ).remote(
-                self.job_id,
-                self.options.attempt,
-                rank,
-                self.address,
-                self.credential,
-                device_type=DEVICE_TYPES[self.types[rank]],
-            )
+        self.group = self._place()
+        self.workers = dict(zip(self.ranks, self.group.workers, strict=True))
         # each worker's own node address and id (a worker on another node listens there)
         self.info = self._get("start", {r: w.info.remote() for r, w in self.workers.items()})
         endpoints = list(
@@ -281,6 +259,61 @@ class _Attempt:
             for r, data in compiled.rank_plans(self.ranks)
         }
         self._get("set up", setups)
+
+    def _place(self) -> WarmGroup:
+        """A warm group of this attempt's shape from the pool, its workers assigned to this attempt, or
+        a new placement group with a new worker per rank (room made first by dropping idle groups)."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        key = tuple(self.types[r] for r in self.ranks)
+        bundles = [BUNDLES[t].resources for t in key]
+        pool = installed()
+        if pool is not None:
+            group = pool.acquire(key, lambda g, i: self._spawn(g.pg, i))
+            if group is not None:
+                self.warm = True
+                self.group = group  # torn down by teardown should assigning fail
+                who = (self.job_id, self.options.attempt)
+                self._get("start", {r: w.assign.remote(*who, r, self.address, self.credential)
+                                    for r, w in zip(self.ranks, group.workers, strict=True)})  # fmt: skip
+                return group
+            pool.make_room(resources_of(bundles), ray.available_resources)
+        pg = placement_group(bundles, strategy="PACK", name=f"sbpflow-{self.job_id}-a{self.options.attempt}")
+        self.group = WarmGroup(key, pg, [], resources_of(bundles))
+        ready, _ = ray.wait([pg.ready()], timeout=SETUP_SECONDS)
+        if not ready:
+            have = ray.cluster_resources()
+            raise SchedulingError(
+                f"the cluster cannot hold {len(bundles)} workers ({resources_of(bundles)}) within {SETUP_SECONDS:.0f} s; "
+                f"it has { ({k: v for k, v in have.items() if k in ('CPU', 'GPU')}) }; use fewer ranks or a bigger cluster"
+            )
+        self.group.workers = [self._spawn(pg, i) for i in range(len(self.ranks))]
+        return self.group
+
+    def _spawn(self, pg: Any, index: int) -> Any:
+        """A worker actor for bundle ``index`` of ``pg``: the rank at that index, of this attempt."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from sbpflow.actor_workers.worker import remote_class
+
+        rank = self.ranks[index]
+        return (
+            remote_class()
+            .options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+                name=f"sbpflow-{self.job_id}-a{self.options.attempt}-r{rank}",
+                **BUNDLES[self.types[rank]].actor_options,
+            )
+            .remote(
+                self.job_id,
+                self.options.attempt,
+                rank,
+                self.address,
+                self.credential,
+                device_type=DEVICE_TYPES[self.types[rank]],
+            )
+        )
 
     def _get(self, what: str, refs: dict[int, Any]) -> dict[int, Any]:
         """Every rank's result of a set-up call; a worker that fails or dies there becomes a RuntimeFailure
@@ -380,21 +413,24 @@ class _Attempt:
         return dict(zip(ranks, shards, strict=True))
 
     def teardown(self) -> None:
+        """A clean attempt's group goes back to the warm pool (if one is installed); any other is
+        destroyed: every worker killed, the placement group removed."""
         import ray
-        from ray.util.placement_group import remove_placement_group
 
-        for w in [*self.workers.values(), *([self.uids] if self.uids is not None else [])]:
+        if self.uids is not None:
             try:
-                ray.kill(w, no_restart=True)
+                ray.kill(self.uids, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self.workers.clear()
-        if self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:  # noqa: BLE001 - already removed
-                pass
-            self.pg = None
+        group, self.group = self.group, None
+        if group is None:
+            return
+        pool = installed()
+        if self.clean and pool is not None:
+            pool.release(group)
+        else:
+            destroy(group)
 
 
 def _failure(f: Any) -> RuntimeFailure:
