@@ -23,91 +23,12 @@ from pathlib import Path
 import numpy as np
 
 import sbpflow as sf
+from sbpflow.client.nn.resnet import DEPTHS, ResNet
 from sbpflow.client.summary import summarize
 from sbpflow.data import ArrayFileSource, ArraySource, DataField, DataSource, SyntheticSource
 from sbpflow.dtype import DType
 
 F = sf.nn.functional
-
-# blocks per stage, and whether a stage's block is the bottleneck (1x1, 3x3, 1x1 with 4x expansion)
-DEPTHS = {18: ((2, 2, 2, 2), False), 34: ((3, 4, 6, 3), False), 50: ((3, 4, 6, 3), True)}
-
-
-class BasicBlock(sf.nn.Module):
-    expansion = 1
-
-    def __init__(self, c_in: int, width: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = sf.nn.Conv2d(c_in, width, 3, stride=stride, padding=1, bias=False)
-        self.bn1 = sf.nn.BatchNorm2d(width)
-        self.conv2 = sf.nn.Conv2d(width, width, 3, padding=1, bias=False)
-        self.bn2 = sf.nn.BatchNorm2d(width)
-        self.down = _shortcut(c_in, width, stride)
-
-    def forward(self, x: sf.Tensor) -> sf.Tensor:
-        y = F.relu(self.bn1(self.conv1(x)))  # y: [N, width, H/s, W/s]  S(0)
-        y = self.bn2(self.conv2(y))
-        return F.relu(y + (x if self.down is None else self.down(x)))
-
-
-class Bottleneck(sf.nn.Module):
-    expansion = 4
-
-    def __init__(self, c_in: int, width: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = sf.nn.Conv2d(c_in, width, 1, bias=False)
-        self.bn1 = sf.nn.BatchNorm2d(width)
-        self.conv2 = sf.nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)  # stride here (v1.5)
-        self.bn2 = sf.nn.BatchNorm2d(width)
-        self.conv3 = sf.nn.Conv2d(width, width * 4, 1, bias=False)
-        self.bn3 = sf.nn.BatchNorm2d(width * 4)
-        self.down = _shortcut(c_in, width * 4, stride)
-
-    def forward(self, x: sf.Tensor) -> sf.Tensor:
-        y = F.relu(self.bn1(self.conv1(x)))
-        y = F.relu(self.bn2(self.conv2(y)))
-        y = self.bn3(self.conv3(y))
-        return F.relu(y + (x if self.down is None else self.down(x)))
-
-
-def _shortcut(c_in: int, c_out: int, stride: int) -> sf.nn.Module | None:
-    """A 1x1 projection where the block changes the shape, else the identity (None)."""
-    if stride == 1 and c_in == c_out:
-        return None
-    return sf.nn.Sequential(sf.nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), sf.nn.BatchNorm2d(c_out))
-
-
-class ResNet(sf.nn.Module):
-    """ResNet-``depth`` over ``channels``-channel images; ``small_stem``: a 3x3 stride-1 stem (for images
-    of 32 pixels or fewer) instead of ImageNet's 7x7 stride-2 one. Both pool 3x3 stride 2 after it."""
-
-    def __init__(
-        self, depth: int, classes: int, width: int, channels: int = 3, small_stem: bool = True
-    ) -> None:
-        super().__init__()
-        if depth not in DEPTHS:
-            raise SystemExit(f"depth {depth}: use one of {sorted(DEPTHS)}")
-        blocks, bottleneck = DEPTHS[depth]
-        kernel, stride = (3, 1) if small_stem else (7, 2)
-        self.stem = sf.nn.Conv2d(channels, width, kernel, stride=stride, padding=kernel // 2, bias=False)
-        self.stem_bn = sf.nn.BatchNorm2d(width)
-        self.pool = sf.nn.MaxPool2d(3, stride=2, padding=1)
-        block = Bottleneck if bottleneck else BasicBlock
-        layers: list[sf.nn.Module] = []
-        c = width
-        for stage, n in enumerate(blocks):
-            w = width * 2**stage
-            for i in range(n):
-                layers.append(block(c, w, 2 if stage > 0 and i == 0 else 1))
-                c = w * block.expansion
-        self.layers = sf.nn.Sequential(*layers)
-        self.head_pool = sf.nn.AdaptiveAvgPool2d(1)
-        self.fc = sf.nn.Linear(c, classes)
-
-    def forward(self, images: sf.Tensor) -> sf.Tensor:
-        x = self.pool(F.relu(self.stem_bn(self.stem(images))))  # x: [N, width, H/2, W/2]  S(0)
-        x = self.head_pool(self.layers(x))  # x: [N, C, 1, 1]  S(0)
-        return self.fc(x.reshape(x.shape[0], x.shape[1]))  # logits: [N, classes]  S(0)
 
 
 class TrainResNet(sf.Graph):
@@ -165,6 +86,8 @@ def make_job(
     data: str = "",
     device: str = "cpu",
 ) -> sf.Job:
+    if depth not in DEPTHS:
+        raise SystemExit(f"--depth {depth}: use one of {sorted(DEPTHS)}")
     where = sf.placement(device, ranks=list(range(ranks)))
     source = npy_folder(data, batch_size, seed) if data else None
     if source is not None:

@@ -85,3 +85,33 @@ def test_bert_masked_lm_float64_equals_one_device(ranks: int, dp: int) -> None:
     vocabulary rows there, the batch over axis 0; the loss at the masked positions only."""
     job = load("bert").make_job(ranks=ranks, dp=dp, **BERT)
     assert_trains_like_one_device(as_float64(job, batches=STEPS), tol=1e-9)
+
+
+# ---- InsightFace: the backbone data parallel, the classifier split by classes S(1) --------------------
+
+FACE: dict[str, Any] = {"batch_size": 8, "steps": STEPS, "classes": 24}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"ranks": 1}, {"ranks": 2}, {"ranks": 4}, {"ranks": 2, "model_parallel": False}],
+    ids=["one", "mp2", "mp4", "dp2"],
+)
+def test_insightface_float64_equals_one_device(kwargs: dict[str, Any]) -> None:
+    """ResNet-18 backbone over the batch, the margin classifier's weight [D, K] split by identities, and
+    the two-stage softmax cross entropy over the split logits."""
+    job = load("insightface").make_job(**FACE, **kwargs)
+    assert_trains_like_one_device(as_float64(job, batches=STEPS), tol=1e-9)
+
+
+def test_insightface_never_moves_the_logits_only_per_face_numbers() -> None:
+    """Under model parallelism no boxing carries a [N, K] tensor (forward or backward): the classifier
+    exchanges the [N, D] embeddings, N labels and the loss's per-face maxima and sums."""
+    compiled = compile_job(load("insightface").make_job(ranks=4, **FACE), lower=False)
+    graph = compiled.state.graph
+    n, k = 8, FACE["classes"]
+    moved = {o.name: graph.tensors[o.inputs[0]].meta.shape for o in graph.ops if o.op_type == BOXING}
+    assert not [name for name, shape in moved.items() if shape == (n, k)], moved
+    weight = graph.tensors["head.weight"]
+    assert str(weight.sbp) == "(S(1),)" and weight.meta.shape == (16, k)
+    assert any(shape == (n, 4) for shape in moved.values()), "the per-rank maxima are gathered"

@@ -1,0 +1,153 @@
+"""InsightFace-style face recognition: a data-parallel ResNet and a model-parallel classifier.
+
+    sbpflow run examples/insightface.py --ranks 2                      # ResNet-18, 8x8 images, 24 identities
+    sbpflow plan examples/insightface.py --ranks 8 --set depth=50 --set width=64 --set image_size=112 \
+        --set embedding=512 --set classes=1000000 --set batch_size=512
+
+The OneFlow paper's case for model parallelism: a classifier over a million identities has a weight
+[D, K] that one device cannot hold (or hold four times, with its gradient and momentum), so it is split
+by classes ``S(1)`` over the ranks while the backbone stays data parallel (images and activations
+``S(0)``, parameters ``B``). The compiler all-gathers the [N, D] embeddings to ``B`` for the classifier,
+whose logits [N, K] come out ``S(1)``: each rank scores every face against its own identities.
+
+The loss is a softmax cross entropy in two stages that never gathers the logits
+(:func:`split_softmax_cross_entropy`): the row maximum from each rank's maxima of its own classes (an
+all-gather of N x ranks numbers), then the sum of exponentials and the label's logit as partial sums
+``P``, all-reduced over the ranks (2 N numbers). The logits are cosines with CosFace's additive margin
+(``scale * (cos - margin)`` at the label), as InsightFace trains.
+
+Data: generated faces (``SyntheticSource``: N(0, 1) pixels and uniform identities, each a pure
+function of (seed, sample)); a model can only memorise them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import sbpflow as sf
+from sbpflow.client.nn.resnet import DEPTHS, ResNet
+from sbpflow.client.summary import summarize
+from sbpflow.data import DataField, SyntheticSource
+from sbpflow.dtype import DType
+from sbpflow.random import Normal
+
+F = sf.nn.functional
+
+
+def split_softmax_cross_entropy(logits: sf.Tensor, labels: sf.Tensor, parts: int) -> sf.Tensor:
+    """Mean softmax cross entropy of ``logits`` [N, K] (``S(1)`` over ``parts`` ranks) at ``labels`` [N],
+    in two stages, without gathering the logits. ``parts`` must divide K."""
+    n, k = logits.shape
+    if k % parts:
+        raise SystemExit(
+            f"{k} classes do not split into {parts} equal parts; pick classes divisible by ranks"
+        )
+    # stage 1: the maximum of each rank's classes ([N, parts] S(1)), then of those ([N, 1] B: a gather
+    # of N x parts numbers): the shift that keeps exp from overflowing
+    shift = logits.reshape(n, parts, k // parts).max(axis=2).max(axis=1, keepdims=True)
+    shifted = logits - shift  # [N, K]  S(1)
+    # stage 2: sum of exponentials and the label's logit, each rank over its classes: P, all-reduced
+    sum_exp = shifted.exp().sum(axis=1)  # [N]  P -> B
+    target = (shifted * F.one_hot(labels, k, dtype=logits.dtype)).sum(axis=1)  # [N]  P -> B
+    return (sum_exp.log() - target).mean()  # mean over the batch of -log softmax at the label
+
+
+class MarginClassifier(sf.nn.Module):
+    """Cosine similarity of the normalised embedding to each identity's normalised weight column, with
+    CosFace's margin at the label: ``scale * (cos - margin * onehot)``; weight [D, K]."""
+
+    def __init__(self, dim: int, classes: int, scale: float = 64.0, margin: float = 0.35) -> None:
+        super().__init__()
+        self.classes, self.scale, self.margin = classes, scale, margin
+        self.weight = sf.nn.Parameter((dim, classes), Normal(0.0, 0.01))
+
+    def forward(self, features: sf.Tensor, labels: sf.Tensor) -> sf.Tensor:
+        f = features / (features * features).sum(axis=1, keepdims=True).sqrt()  # [N, D]  rows of norm 1
+        w = self.weight
+        w = w / (w * w).sum(axis=0, keepdims=True).sqrt()  # [D, K]  S(1): each column on its rank
+        cos = F.matmul(f, w)  # cos: [N, K]  S(1), f gathered to B
+        onehot = F.one_hot(labels, self.classes, dtype=cos.dtype)  # [N, K]  S(1): each rank its columns
+        return (cos - onehot * self.margin) * self.scale  # logits: [N, K]  S(1)
+
+
+class TrainFace(sf.Graph):
+    """``split``: the placement whose ranks split the classifier by classes, or None (data parallel)."""
+
+    def __init__(
+        self, backbone: ResNet, head: MarginClassifier, split: sf.Placement | None, lr: float, steps: int
+    ) -> None:
+        super().__init__()
+        self.backbone, self.head, self.split = backbone, head, split
+        params = [*backbone.parameters(), *head.parameters()]
+        self.add_optimizer(sf.optim.SGD(params, lr=lr, momentum=0.9))
+        self.config.steps = steps
+
+    def build(self, images: sf.Tensor, labels: sf.Tensor) -> sf.Tensor:
+        features = self.backbone(images)  # [N, D]  S(0)
+        if self.split is None:
+            loss = split_softmax_cross_entropy(self.head(features, labels), labels, 1)
+        else:  # every rank scores every face against its classes: labels whole, logits split by class
+            labels = labels.to_global(self.split, sf.sbp.broadcast)  # [N]  B (an all-gather of N ids)
+            logits = self.head(features, labels).to_global(self.split, sf.sbp.split(1))  # [N, K]  S(1)
+            loss = split_softmax_cross_entropy(logits, labels, self.split.size)
+        loss.backward()
+        return loss
+
+
+def faces(batch_size: int, image_size: int, classes: int, seed: int) -> SyntheticSource:
+    fields = (
+        DataField("images", (3, image_size, image_size), DType.float32),
+        DataField("labels", (), DType.int64),
+    )
+    return SyntheticSource(batch_size=batch_size, sample_fields=fields, params={"vocab": classes}, seed=seed)
+
+
+def make_job(
+    ranks: int = 2,
+    depth: int = 18,
+    width: int = 4,
+    image_size: int = 8,
+    embedding: int = 16,
+    classes: int = 24,
+    batch_size: int = 8,
+    steps: int = 10,
+    lr: float = 0.1,
+    scale: float = 16.0,
+    margin: float = 0.2,
+    model_parallel: bool = True,
+    seed: int = 0,
+    device: str = "cpu",
+) -> sf.Job:
+    """``model_parallel=False`` replicates the classifier too (plain data parallelism), for comparison."""
+    if depth not in DEPTHS:
+        raise SystemExit(f"--depth {depth}: use one of {sorted(DEPTHS)}")
+    where = sf.placement(device, ranks=list(range(ranks)))
+    backbone = ResNet(depth, embedding, width, small_stem=image_size <= 32)
+    head = MarginClassifier(embedding, classes, scale, margin)
+    sf.nn.parallel.data_parallel(backbone, where)
+    head.weight.to_global(where, sf.sbp.split(1) if model_parallel else sf.sbp.broadcast)
+    graph = TrainFace(backbone, head, where if model_parallel else None, lr, steps)
+    graph.config.seed = seed
+    data = faces(batch_size, image_size, classes, seed)
+    return graph.trace(data, placement=where, input_sbp=sf.sbp.split(0))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--depth", type=int, default=18, choices=sorted(DEPTHS))
+    ap.add_argument("--width", type=int, default=4)
+    ap.add_argument("--image-size", type=int, default=8)
+    ap.add_argument("--embedding", type=int, default=16)
+    ap.add_argument("--classes", type=int, default=24)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument(
+        "--data-parallel", dest="model_parallel", action="store_false", help="replicate the classifier"
+    )
+    job = make_job(**vars(ap.parse_args()))
+    print(summarize(job, show_parameters=False))
+
+
+if __name__ == "__main__":
+    main()
