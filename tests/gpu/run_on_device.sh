@@ -1,53 +1,68 @@
 #!/usr/bin/env bash
-# Run the GPU tests on a machine with an NVIDIA GPU: make (or reuse) a venv with the `gpu` and `dev`
-# extras, show the GPU, fail loudly if cupy cannot use it (so a run where every test skips cannot pass
-# as green), run tests/gpu, and print a summary. Exits non-zero on any failure.
+# Everything the GPU machine checks, in one call, inside 8 minutes: show the GPU, fail loudly if cupy
+# cannot use it (so a run where every test skips cannot pass as green), run tests/gpu, then
+# bench/gpu_step.py (GPT-small, bf16 and fp32, against PyTorch on the same GPU). The machine is used as
+# it is: its python3 (cupy, NCCL, torch, numpy, grpcio, protobuf, pytest, hypothesis; no Ray) and this
+# checkout on PYTHONPATH, with no install step (tests/gpu/project_path.py maps client/, control_plane/ and
+# actor_workers/ into the sbpflow namespace as an install would). Exits non-zero on any failure.
 #
 #   tests/gpu/run_on_device.sh [extra pytest args, e.g. -k nccl -x]
 #
-# Environment: SBPFLOW_GPU_VENV (default .venv-gpu; an existing venv is reused), PYTHON (default
-# python3), PIP_ARGS (extra pip install args, e.g. "--no-index --find-links /wheels" on a machine without
-# a package index), CUPY_CACHE_DIR (default .cupy-cache: compiled kernels are reused by later runs).
-set -euo pipefail
+# Writes under $OUT (default .gpu-out/): gpu.log (everything printed), tests.xml (JUnit), gpu_step.json.
+# Environment: PYTHON (default python3), CUPY_CACHE_DIR (default .cupy-cache: compiled kernels are
+# reused by later runs), TESTS_S / BENCH_S (each stage's time limit, default 270 / 180 seconds).
+set -uo pipefail
 
 cd "$(dirname "$0")/../.."
-VENV="${SBPFLOW_GPU_VENV:-.venv-gpu}"
-PYTHON="${PYTHON:-python3}"
+OUT="${OUT:-$PWD/.gpu-out}"
+mkdir -p "$OUT"
+exec > >(tee "$OUT/gpu.log") 2>&1
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-$PWD/.cupy-cache}"
 export CI="${CI:-1}"  # derandomized Hypothesis: a failure on the device reproduces
+failed=()
 
-step() { printf '\n== %s ==\n' "$*"; }
-fail() { printf '\nGPU TESTS: FAILED (%s)\n' "$*" >&2; exit 1; }
+step() { printf '\n== %s (%s s in) ==\n' "$*" "$SECONDS"; }
 
 step "GPU"
-nvidia-smi || fail "nvidia-smi failed: no NVIDIA driver or GPU on this machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || failed+=("nvidia-smi")
 
-step "venv $VENV"
-if [ ! -x "$VENV/bin/python" ]; then
-    "$PYTHON" -m venv "$VENV" || fail "could not create the venv with $PYTHON"
-fi
-# shellcheck disable=SC2086
-"$VENV/bin/python" -m pip install -q ${PIP_ARGS:-} -e '.[gpu,dev]' || fail "pip install -e '.[gpu,dev]' failed"
-"$VENV/bin/python" - <<'PY' || fail "cupy cannot use the GPU (see above)"
+step "cupy, NCCL and torch see it"
+"$PY" - <<'PY' || { echo "GPU TESTS: FAILED (cupy cannot use the GPU, see above)"; exit 1; }
+import tests.gpu.project_path  # noqa: F401  (the checkout as sbpflow, no install)
 import cupy
+import torch
 from cupy.cuda import nccl
 
 from sbpflow.device import array_module, gpu_count
+from sbpflow.dtype import DType
 
 array_module("cuda")  # raises with the reason if cupy cannot use a device
-print(f"cupy {cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, "
-      f"NCCL {nccl.get_version()}, {gpu_count()} GPU(s)")
+try:
+    bf16 = str(cupy.ones(2, DType.bfloat16.to_numpy()).dtype)
+except Exception as e:
+    bf16 = f"no ({e!r})"
+print(f"cupy {cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, NCCL {nccl.get_version()}, "
+      f"{gpu_count()} GPU(s), cupy bfloat16: {bf16}; torch {torch.__version__}, cuda {torch.cuda.is_available()}")
 PY
 
 step "pytest tests/gpu"
-set +e
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/gpu -rs "$@"
-rc=$?
-set -e
+timeout "${TESTS_S:-270}" "$PY" -m pytest -q -p tests.gpu.project_path -p no:cacheprovider tests/gpu -rs \
+    --junitxml="$OUT/tests.xml" "$@" || failed+=("pytest tests/gpu (exit $?)")
+
+step "bench/gpu_step.py"
+timeout "${BENCH_S:-180}" "$PY" -c '
+import runpy, sys
+import tests.gpu.project_path  # noqa: F401
+sys.argv = ["bench/gpu_step.py", "--json", sys.argv[1]]
+runpy.run_path("bench/gpu_step.py", run_name="__main__")
+' "$OUT/gpu_step.json" || failed+=("bench/gpu_step.py (exit $?)")
 
 step "summary"
-if [ "$rc" -eq 0 ]; then
-    echo "GPU TESTS: PASSED"
+if [ "${#failed[@]}" -eq 0 ]; then
+    echo "GPU TESTS: PASSED; bench figures in $OUT/gpu_step.json"
 else
-    fail "pytest exited $rc"
+    printf 'GPU TESTS: FAILED: %s\n' "${failed[@]}"
+    exit 1
 fi

@@ -1,0 +1,99 @@
+"""``sbpflow generate``: sampling (greedy, temperature, top-k) and text from a trained checkpoint, the
+same under tensor parallelism as on one rank."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import sbpflow as sf
+from sbpflow import reference
+from sbpflow.checkpoint.read import read_logical, resolve
+from sbpflow.client.cli import main
+from sbpflow.client.generate import Sampling, generate, next_token
+from tests.client.test_examples import load
+
+SMALL = {"layers": 1, "heads": 2, "width": 16, "seq_len": 8}
+
+
+def test_greedy_and_top_one_take_the_likeliest_and_top_k_draws_only_from_the_k() -> None:
+    rng = np.random.default_rng(0)
+    logits = np.array([0.1, 3.0, 2.0, -1.0, 2.5])
+    assert next_token(logits, Sampling(temperature=0), rng) == 1
+    assert {next_token(logits, Sampling(temperature=5.0, top_k=1), rng) for _ in range(20)} == {1}
+    drawn = {next_token(logits, Sampling(temperature=10.0, top_k=3), rng) for _ in range(300)}
+    assert drawn == {1, 2, 4}
+    assert len({next_token(logits, Sampling(temperature=10.0), rng) for _ in range(300)}) == 5
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("temperature", -1.0, "temperature=-1.0"),
+        ("top_k", -2, "top_k=-2"),
+        ("max_new_tokens", 0, "at least one"),
+    ],
+)
+def test_bad_sampling_settings_are_named(field: str, value: float, words: str) -> None:
+    with pytest.raises(sf.SbpflowError, match=words):
+        Sampling(**{field: value})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("charlm")
+    job = load("charlm").make_job(ranks=1, batch_size=4, steps=2, **SMALL)
+    job.config = dataclasses.replace(job.config, checkpoint_every=2)
+    sf.run(job, backend="inprocess", checkpoint_dir=str(root))
+    return root
+
+
+def test_greedy_text_is_the_models_likeliest_token_each_time_on_one_rank_and_under_tp(trained: Path) -> None:
+    charlm = load("charlm")
+    prompt = charlm.encode("def ")
+    greedy = Sampling(max_new_tokens=3, temperature=0)
+    model, where, sbp = _model(charlm, 1, False)
+    one = generate(model, prompt, greedy, str(trained), where, sbp)
+    model, where, sbp = _model(charlm, 2, True)
+    tp = generate(model, prompt, greedy, str(trained), where, sbp)
+    assert one[: len(prompt)] == prompt and len(one) == len(prompt) + 3 and tp == one
+    # the first new token, from the oracle on the checkpoint's values
+    from tests.control_plane.test_run_outputs import Logits
+
+    values = read_logical(resolve(trained))
+    job = Logits(sf.nn.GPT(_model(charlm, 1, False)[0].config)).trace(
+        sf.data.ArraySource(batch_size=1, arrays={"tokens": np.array([prompt])})
+    )
+    (name,) = job.fetches
+    logits = reference.forward(job, fetches=[name], parameters=values)[name]
+    assert one[len(prompt)] == int(np.argmax(logits[0, -1]))
+
+
+def _model(charlm, ranks: int, tp: bool):  # type: ignore[no-untyped-def]
+    model, where, sbp = charlm.make_model(ranks=ranks, tp=tp, **SMALL)
+    return model, where, sbp
+
+
+def test_the_command_prints_the_prompt_and_its_continuation(
+    trained: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sets = [f"--set={k}={v}" for k, v in SMALL.items() if k != "layers"]
+    args = [
+        "generate",
+        "examples/charlm.py",
+        "--checkpoint",
+        str(trained),
+        "--prompt",
+        "def ",
+        "--top-k",
+        "5",
+    ]
+    assert main([*args, "--max-new-tokens", "4", "--layers", "1", *sets]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("def ") and len(text.rstrip("\n")) == 8
+    with pytest.raises(SystemExit):
+        main([*args[:3], "--prompt", "x"])  # --checkpoint is required
+    assert main(["generate", "examples/mlp.py", "--checkpoint", str(trained)]) == 2  # no make_model
