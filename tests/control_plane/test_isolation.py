@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -21,17 +22,19 @@ import numpy as np
 import pytest
 
 from sbpflow import wire
-from sbpflow.client.client import Client
+from sbpflow.client.client import Client, JobHandle
 from sbpflow.control_plane import metrics as metrics_module
 from sbpflow.control_plane import run_listeners
 from sbpflow.control_plane.data_policy import DataPolicy
 from sbpflow.control_plane.isolation import CallCounter, InsecureBind, is_loopback
 from sbpflow.control_plane.job_feed import CONFLATE_AT, JobFeed, conflated
+from sbpflow.control_plane.server import ControlPlane
 from sbpflow.control_plane.status import job_events
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import JobEvent, JobRecord
 from sbpflow.data import ArrayFileSource, DataError, TokenFileSource
 from sbpflow.errors import SbpflowError
+from sbpflow.job import Job
 from sbpflow.v1 import service_pb2 as sp
 from tests.control_plane.test_server import LONG, mlp, start, until  # noqa: F401 - mlp is a fixture
 
@@ -197,20 +200,29 @@ def test_a_store_that_cannot_write_is_unavailable_and_not_ready(tmp_path: Path, 
         plane.stop()
 
 
+@contextlib.contextmanager
+def store_outage(plane: ControlPlane, job: Job, after_step: int) -> Iterator[JobHandle]:
+    """Submit ``job``; once it has trained ``after_step`` steps, the store's disk is full for the body."""
+    real = plane.store._db
+    c = Client(plane.address)
+    h = c.submit(job)
+    until(lambda: c.get(h.job_id).step >= after_step, f"step {after_step}", 60)
+    plane.store._db = Full(real)  # type: ignore[assignment]
+    try:
+        yield h
+    finally:
+        plane.store._db = real
+
+
 def test_a_store_outage_mid_run_loses_no_step_and_the_job_succeeds(tmp_path: Path, mlp: ModuleType) -> None:  # noqa: F811
     plane = start(tmp_path, http_port=0)
     try:
-        real = plane.store._db
-        with Client(plane.address) as c:
-            h = c.submit(mlp.make_job(steps=300))
-            until(lambda: c.get(h.job_id).step >= 5, "step 5", 60)
-            plane.store._db = Full(real)  # type: ignore[assignment]
+        with store_outage(plane, mlp.make_job(steps=300), 5) as h:
             time.sleep(0.3)  # steps go on meanwhile; their rows are held
-            plane.store._db = real
-            st = h.wait(120)
-            assert st.state == sp.JOB_STATE_SUCCEEDED and st.step == 300, st
-            assert [p.step for p in plane.store.losses(h.job_id)] == list(range(1, 301))
-            assert len(h.result().losses) == 300
+        st = h.wait(120)
+        assert st.state == sp.JOB_STATE_SUCCEEDED and st.step == 300, st
+        assert [p.step for p in plane.store.losses(h.job_id)] == list(range(1, 301))
+        assert len(h.result().losses) == 300
     finally:
         plane.stop()
 
@@ -223,14 +235,9 @@ def test_a_store_gone_too_long_cancels_the_run_saying_why(
     monkeypatch.setattr(run_listeners, "MAX_UNWRITTEN", 20)
     plane = start(tmp_path, http_port=0)
     try:
-        real = plane.store._db
-        with Client(plane.address) as c:
-            h = c.submit(mlp.make_job(steps=100_000))
-            until(lambda: c.get(h.job_id).step >= 2, "step 2", 60)
-            plane.store._db = Full(real)  # type: ignore[assignment]
+        with store_outage(plane, mlp.make_job(steps=100_000), 2) as h:
             until(lambda: plane.manager._running[h.job_id].cancel.is_set(), "the run cancelled", 60)
-            plane.store._db = real
-            st = h.wait(120)
+        st = h.wait(120)
         assert st.state == sp.JOB_STATE_CANCELLED, st
         assert "the job store could not write for 20 writes in a row" in st.message
         assert "database or disk is full" in st.message and "then resume the job" in st.message
