@@ -70,6 +70,7 @@ def server_config(args: argparse.Namespace) -> Any:
         tls_key=args.tls_key,
         max_message_bytes=args.max_message_bytes,
         checkpoint_root=args.checkpoint_root,
+        tensorboard_dir=args.tensorboard_dir,
         open_metrics=args.open_metrics,
         data_roots=tuple(args.data_root),
         insecure=args.insecure,
@@ -294,6 +295,7 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("SBPFLOW_CHECKPOINTS"),
         help="keep job ID's checkpoints in DIR/ID, resume jobs from them (env SBPFLOW_CHECKPOINTS; default: none)",
     )
+    p.add_argument("--tensorboard-dir", metavar="DIR", help="write job ID's TensorBoard scalars to DIR/ID")
     add_run_flags(p, MANAGER_DEFAULTS, exclude=SERVER_EXCLUDED)
 
 

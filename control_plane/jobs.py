@@ -82,6 +82,7 @@ class ManagerConfig:
     checkpoint_root: str | None = None  # job ID's checkpoints go to <root>/<ID> (checkpoint_every > 0)
     data_policy: DataPolicy | None = None  # which files jobs' data may name (data_policy.py); None: any
     device_memory: int | None = None  # bytes per device at Submit; None: Ray's or the machine's; 0: off
+    tensorboard_dir: str | None = None  # job ID's TensorBoard scalars go to <dir>/<ID>
 
 
 def job_ranks(job: Job) -> set[int]:
@@ -457,6 +458,7 @@ class JobManager:
                     report_hub=self.report_hub,
                     job_id=job_id,
                     attempt=rec.attempt,
+                    tensorboard_dir=self.config.tensorboard_dir,
                     **checkpointing,
                 )
             finally:  # what the run said while the store could not write goes before the job's end

@@ -53,6 +53,7 @@ from sbpflow.control_plane.run_context import (
 from sbpflow.control_plane.scheduler import run_on_ray
 from sbpflow.control_plane.start_values import start_file
 from sbpflow.control_plane.step_tracker import ReportListener, StateListener, StepListener, StepTracker
+from sbpflow.control_plane.tensorboard_scalars import open_board
 from sbpflow.device import array_module
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
@@ -87,6 +88,7 @@ def run(
     init_from: str | None = None,
     layout: str | None = None,
     strict: bool = True,
+    tensorboard_dir: str | None = None,
     **option_fields: Any,
 ) -> RunResult:
     """Compile ``job`` and train it for ``steps`` (default ``job.config.steps``). A ``job`` compiled already
@@ -108,7 +110,8 @@ def run(
     (``layout="torch"``: a PyTorch state dict, :mod:`sbpflow.client.torch_layout`). A job traced in this
     process starts from the values its modules held then, and its modules get the trained values back
     (:mod:`sbpflow.bound_values`). On Ray, a lost worker restarts the job from its last checkpoint up to
-    ``max_restarts`` times.
+    ``max_restarts`` times. ``tensorboard_dir``: TensorBoard scalars of the run go under it
+    (:mod:`sbpflow.control_plane.tensorboard_scalars`).
     """
     how = _run_options(options, option_fields)
     job_ = job.state.job if isinstance(job, Compiled) else job
@@ -118,7 +121,8 @@ def run(
         raise SbpflowError(f"steps={steps}: a run trains for at least one step")
     resume_from, first_step = _resume_point(resume_from, steps)
     starts = nullcontext(None) if resume_from is not None else start_file(job_, init_from, layout, strict)
-    with starts as init_path:
+    board = open_board(tensorboard_dir, job_, job_id, first_step)
+    with board, starts as init_path:
         result = _run(
             job,
             how.replace(return_parameters=True) if bound is not None else how,
@@ -137,9 +141,10 @@ def run(
                 resume_from=resume_from,
                 init_from=init_path,
             ),
-            on_step,
+            board.listen(on_step),
             cancel,
         )
+        board.add_trace(result.trace)
     if bound is not None and result.parameters is not None:
         bound.write_back(result.parameters)
     return result if how.return_parameters else dataclasses.replace(result, parameters=None)

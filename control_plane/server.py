@@ -81,6 +81,7 @@ class ServerConfig:
     threads: int = 64  # gRPC handler threads for unary calls; streams have threads of their own
     max_streams: int = 1024  # open Watch/Logs streams at once; beyond: RESOURCE_EXHAUSTED (isolation.py)
     checkpoint_root: str | None = None  # job ID checkpoints to <root>/ID; None: no checkpoints, no Resume
+    tensorboard_dir: str | None = None  # job ID's TensorBoard scalars to <dir>/ID (tensorboard_scalars.py)
     open_metrics: bool = False  # /metrics without the token (Prometheus scraping by annotation)
     data_roots: tuple[str, ...] = ()  # jobs' data files only under these (data_policy.py); (): none
     insecure: bool = False  # allow a non-loopback host without auth_token
@@ -263,6 +264,7 @@ class ControlPlane:
             slots=config.slots,
             max_job_bytes=config.max_message_bytes,
             checkpoint_root=config.checkpoint_root,
+            tensorboard_dir=config.tensorboard_dir,
             data_policy=DataPolicy.under(config.data_roots),
             device_memory=config.device_memory,
         )

@@ -1,0 +1,158 @@
+"""TensorBoard scalars of a run, the ones a training person reads: ``sf.run(job, tensorboard_dir="runs")``
+or ``sbpflow server --tensorboard-dir runs``, then ``tensorboard --logdir runs``.
+
+Each run writes its event files to ``<dir>/<job id>`` (a server's jobs), or ``<dir>/<job name>-<UTC
+time>`` (an ``sf.run`` without an id), with the job's own step numbers, so a resumed job goes on in the
+same run. What goes in (:data:`STEP_SCALARS`, then the rest):
+
+| tag | what |
+|---|---|
+| ``loss/train`` | the step's loss (the mean over its micro-batches) |
+| ``loss/eval`` | the held-out loss, where the run evaluates (:meth:`ScalarBoard.on_eval`) |
+| ``lr`` | the learning rate the optimizer applied at the step (its schedule included) |
+| ``throughput/samples_per_second`` | samples a second over the last steps |
+| ``time/step_seconds`` | the step's wall time |
+| ``time/compute_seconds``, ``time/communication_seconds``, ``time/data_seconds`` | how long each stream was busy in the step, the mean over the ranks; from the act trace, so with ``trace=True`` |
+
+The writer is tensorboardX's ``SummaryWriter``: an 87 KB pure-Python wheel that needs only numpy,
+packaging and protobuf, all of them sbpflow's already (tensorboard's own writer comes with its server:
+tensorboard, its data server, grpcio, werkzeug, pillow, markdown, absl, about 30 MB of wheels). It is
+imported only when a run asks for a directory; without it that run stops at once, naming the install.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from sbpflow.control_plane.step_tracker import StepListener
+from sbpflow.errors import SbpflowError
+from sbpflow.job import Job
+from sbpflow.reference_optim import learning_rate
+from sbpflow.v1 import service_pb2 as sp
+
+FLUSH_SECONDS = 5  # the writer's own flush period; ``close`` flushes the rest
+STEP_SCALARS: tuple[tuple[str, Callable[[sp.StepMetrics], float]], ...] = (
+    ("loss/train", lambda m: m.loss),
+    ("throughput/samples_per_second", lambda m: m.samples_per_second),
+    ("time/step_seconds", lambda m: m.step_seconds),
+)
+STREAM_TAGS = {
+    "compute": "time/compute_seconds",
+    "comm": "time/communication_seconds",
+    "data": "time/data_seconds",
+}
+
+
+def run_dir(root: str | Path, job: Job, job_id: str = "") -> Path:
+    """Where a run's event files go: ``<root>/<job id>``, else ``<root>/<job name>-<UTC time>``."""
+    name = job_id or f"{job.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise SbpflowError(f"{name!r} cannot name a TensorBoard run directory; use letters, digits, - _ .")
+    return Path(root) / name
+
+
+class ScalarBoard:
+    """One run's TensorBoard writer: steps through :meth:`listen`, eval losses through :meth:`on_eval`,
+    the per-stream time split through :meth:`add_trace`. A context manager: leaving it closes the file."""
+
+    def __init__(self, path: str | Path, job: Job, first_step: int = 0) -> None:
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError as e:
+            raise SbpflowError(
+                "tensorboard_dir= needs tensorboardX: pip install tensorboardX (it is in sbpflow's dev extra)"
+            ) from e
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._writer = SummaryWriter(logdir=str(self.path), flush_secs=FLUSH_SECONDS)
+        self._optimizer, self._first_step = job.optimizer, first_step
+        # A scalar costs the writer ~0.2 ms of Python: its own thread writes them, never a stream's.
+        self._queue: queue.SimpleQueue[tuple[str, float, int] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._drain, name="sbpflow-tensorboard", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._writer.add_scalar(*item)
+        self._writer.close()
+
+    def listen(self, then: StepListener | None = None) -> StepListener:
+        """A step listener that writes the step's scalars, then calls ``then``."""
+
+        def on_step(m: sp.StepMetrics) -> None:
+            self.on_step(m)
+            if then is not None:
+                then(m)
+
+        return on_step
+
+    def on_step(self, m: sp.StepMetrics) -> None:
+        step = self._first_step + int(m.step)  # the job's step: a resumed run goes on from its checkpoint
+        for tag, value in STEP_SCALARS:
+            self._queue.put((tag, value(m), step))
+        if self._optimizer is not None:
+            self._queue.put(("lr", learning_rate(self._optimizer, step - 1), step))
+
+    def on_eval(self, step: int, loss: float) -> None:
+        """The held-out loss at the job's ``step``."""
+        self._queue.put(("loss/eval", loss, step))
+
+    def add_trace(self, events: Iterable[Any] | None) -> None:
+        """Each step's busy seconds per stream (compute, communication, data), the mean over the ranks,
+        from the act trace (``ActEvent``s; nothing without one)."""
+        busy: dict[tuple[int, str], float] = {}  # (iteration, stream) -> seconds, over every rank
+        ranks: set[int] = set()
+        for e in events or ():
+            busy[(e.iteration, e.stream)] = busy.get((e.iteration, e.stream), 0.0) + (e.end - e.start)
+            ranks.add(e.rank)
+        for (it, stream), seconds in sorted(busy.items()):
+            if stream in STREAM_TAGS:
+                self._queue.put((STREAM_TAGS[stream], seconds / len(ranks), self._first_step + it + 1))
+
+    def close(self) -> None:
+        """Write what is queued, close the event file (idempotent)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def __enter__(self) -> ScalarBoard:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class NoBoard:
+    """What a run without ``tensorboard_dir`` has: the same calls, doing nothing."""
+
+    def listen(self, then: StepListener | None = None) -> StepListener | None:
+        return then
+
+    def on_eval(self, step: int, loss: float) -> None:
+        pass
+
+    def add_trace(self, events: Iterable[Any] | None) -> None:
+        pass
+
+    def __enter__(self) -> NoBoard:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        pass
+
+
+def open_board(
+    root: str | Path | None, job: Job, job_id: str = "", first_step: int = 0
+) -> ScalarBoard | NoBoard:
+    """The run's board: a writer under ``run_dir(root, ...)``, or a :class:`NoBoard` without a root."""
+    return NoBoard() if root is None else ScalarBoard(run_dir(root, job, job_id), job, first_step)
