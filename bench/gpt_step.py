@@ -5,6 +5,8 @@
     python bench/gpt_step.py --only small    # the GPT-small block only
     python bench/gpt_step.py --only ddp      # the main job on 2 Ray workers against PyTorch DDP (gloo)
     python bench/gpt_step.py --only memory   # RSS held during the steps, sbpflow against PyTorch
+    python bench/gpt_step.py --only ddp --unbucketed   # and sbpflow with one all-reduce a gradient beside
+    python bench/gpt_step.py --fusion        # any of these with JobConfig.fusion on (--grad-bucket-bytes N too)
 
 Two models, each trained with AdamW (betas 0.9/0.95, weight decay 0.1), global-norm clipping to 1.0
 and the warmup-cosine schedule, float32, one device, one BLAS / intra-op thread for both:
@@ -41,6 +43,7 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_v] = "1"  # before numpy (here or by sbpflow) and torch are imported
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
@@ -85,12 +88,18 @@ def _example(name: str) -> ModuleType:
     return mod
 
 
-def make_job(s: Shape, steps: int) -> sf.Job:
-    """charlm's job (its data, its optimizer and schedule) at shape ``s`` on one rank."""
-    return _example("charlm").make_job(
-        ranks=1, layers=s.layers, heads=s.heads, width=s.width, seq_len=s.seq_len, batch_size=s.batch,
+# JobConfig fields set on every sbpflow job of this run (--fusion, --grad-bucket-bytes)
+CONFIG: dict[str, Any] = {}
+
+
+def make_job(s: Shape, steps: int, ranks: int = 1) -> sf.Job:
+    """charlm's job (its data, its optimizer and schedule) at shape ``s`` on ``ranks`` ranks, with
+    :data:`CONFIG`'s settings."""
+    job = _example("charlm").make_job(
+        ranks=ranks, layers=s.layers, heads=s.heads, width=s.width, seq_len=s.seq_len, batch_size=s.batch,
         steps=steps,
     )  # fmt: skip
+    return dataclasses.replace(job, config=dataclasses.replace(job.config, **CONFIG))
 
 
 # ---- sbpflow -------------------------------------------------------------------------------------------
@@ -245,10 +254,7 @@ WORKERS = 2
 
 def run_sbpflow_ray(s: Shape, steps: int, warmup: int) -> float:
     """The main job on ``WORKERS`` Ray workers: seconds per step between the driver's step reports."""
-    job = _example("charlm").make_job(
-        ranks=WORKERS, layers=s.layers, heads=s.heads, width=s.width, seq_len=s.seq_len,
-        batch_size=s.batch, steps=warmup + steps,
-    )  # fmt: skip
+    job = make_job(s, warmup + steps, ranks=WORKERS)
     done: list[float] = []
     sf.run(job, backend="ray", on_step=lambda m: done.append(time.perf_counter()), timeout=1800)
     return (done[-1] - done[warmup - 1]) / steps  # reports may come in bursts; their span does not lie
@@ -302,7 +308,13 @@ def run_ddp(s: Shape, steps: int, warmup: int) -> float:
     return result
 
 
-def bench_ddp(s: Shape, steps: int, warmup: int, repeat: int) -> float:
+def _spread(xs: list[float]) -> str:
+    return f"median {statistics.median(xs) * 1e3:.1f} ms/step (range {min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f})"
+
+
+def bench_ddp(s: Shape, steps: int, warmup: int, repeat: int, unbucketed: bool = False) -> float:
+    """sbpflow on Ray against DDP, alternating; with ``unbucketed`` also sbpflow with one all-reduce a
+    gradient (``grad_bucket_bytes=0``) in the same rounds: the bucketing's own effect, side by side."""
     import ray
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -311,20 +323,41 @@ def bench_ddp(s: Shape, steps: int, warmup: int, repeat: int) -> float:
         _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False,
     )  # fmt: skip
     print(
-        f"\nddp: the main job on {WORKERS} workers x batch {s.batch // WORKERS}; {warmup} + {steps} steps x {repeat}"
+        f"\nddp: the main job on {WORKERS} workers x batch {s.batch // WORKERS}; {warmup} + {steps} steps x {repeat}; "
+        f"sbpflow config {CONFIG or 'as the job has it'}"
     )
-    sb, pt = [], []
+    variants = {"sbpflow (ray)": dict(CONFIG)}
+    if unbucketed:
+        variants["sbpflow unbucketed"] = {**CONFIG, "grad_bucket_bytes": 0}
+    got: dict[str, list[float]] = {k: [] for k in (*variants, "torch DDP")}
     try:
         for _ in range(repeat):
-            sb.append(run_sbpflow_ray(s, steps, warmup))
-            pt.append(run_ddp(s, steps, warmup))
-            print(f"    sbpflow (ray) {sb[-1] * 1e3:8.1f} ms/step   torch DDP {pt[-1] * 1e3:8.1f} ms/step")
+            for name, config in variants.items():
+                saved = dict(CONFIG)
+                CONFIG.clear()
+                CONFIG.update(config)
+                try:
+                    got[name].append(run_sbpflow_ray(s, steps, warmup))
+                finally:
+                    CONFIG.clear()
+                    CONFIG.update(saved)
+            got["torch DDP"].append(run_ddp(s, steps, warmup))
+            print("    " + "   ".join(f"{k} {v[-1] * 1e3:7.1f} ms/step" for k, v in got.items()))
     finally:
         ray.shutdown()
-    ratio = statistics.median(sb) / statistics.median(pt)
+    pt = statistics.median(got["torch DDP"])
+    for name, xs in got.items():
+        print(f"  {name}: {_spread(xs)}")
+    ratio = statistics.median(got["sbpflow (ray)"]) / pt
+    per_round = [a / b for a, b in zip(got["sbpflow (ray)"], got["torch DDP"], strict=True)]
     print(
-        f"  median: sbpflow {statistics.median(sb) * 1e3:.1f} ms/step, DDP {statistics.median(pt) * 1e3:.1f} "
-        f"ms/step: ratio {ratio:.2f} (target <= {TARGET}) {'MET' if ratio <= TARGET else 'NOT MET'}"
+        f"  ratio sbpflow / DDP {ratio:.2f} (target <= {TARGET}) {'MET' if ratio <= TARGET else 'NOT MET'}; per "
+        f"round {', '.join(f'{r:.2f}' for r in per_round)}"
+        + (
+            f"; unbucketed / DDP {statistics.median(got['sbpflow unbucketed']) / pt:.2f}"
+            if unbucketed
+            else ""
+        )
     )
     return ratio
 
@@ -370,6 +403,12 @@ def bench_memory(s: Shape, steps: int, warmup: int) -> float:
             str(steps),
             "--warmup",
             str(warmup),
+            *(["--fusion"] if CONFIG.get("fusion") else []),
+            *(
+                [f"--grad-bucket-bytes={CONFIG['grad_bucket_bytes']}"]
+                if "grad_bucket_bytes" in CONFIG
+                else []
+            ),
         ]
         got[side] = json.loads(
             subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]
@@ -447,7 +486,18 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--small-layers", type=int, default=1)
     ap.add_argument("--top", type=int, default=14, help="op types shown in the breakdown")
+    ap.add_argument("--fusion", action="store_true", help="JobConfig.fusion: fuse elementwise chains")
+    ap.add_argument(
+        "--grad-bucket-bytes",
+        type=int,
+        default=None,
+        help="JobConfig.grad_bucket_bytes (0 = one all-reduce a gradient)",
+    )
+    ap.add_argument("--unbucketed", action="store_true", help="ddp: also sbpflow with grad_bucket_bytes=0")
     args = ap.parse_args()
+    CONFIG.update({"fusion": True} if args.fusion else {})
+    if args.grad_bucket_bytes is not None:
+        CONFIG["grad_bucket_bytes"] = args.grad_bucket_bytes
     if args.probe_memory:
         print(json.dumps(probe_memory(args.probe_memory, SHAPES["main"], args.steps, args.warmup)))
         return
@@ -460,8 +510,10 @@ def main() -> None:
     for name in names:
         if name in ("ddp", "memory"):
             steps, warmup = (5, 3) if args.quick else (20, 5)
-            run = bench_ddp if name == "ddp" else bench_memory
-            ratios[name] = run(SHAPES["main"], steps, warmup, *([args.repeat or 3] if name == "ddp" else []))
+            if name == "ddp":
+                ratios[name] = bench_ddp(SHAPES["main"], steps, warmup, args.repeat or 3, args.unbucketed)
+            else:
+                ratios[name] = bench_memory(SHAPES["main"], steps, warmup)
             continue
         s = SHAPES[name]
         if name == "small":

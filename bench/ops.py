@@ -134,7 +134,7 @@ EXTRA: dict[str, tuple[tuple[TensorMeta, ...], dict[str, Any]]] = {
     "slice": ((X,), {"starts": (0, 0, 0), "stops": (16, 64, 128)}),
     "slice_grad": ((TensorMeta((16, 64, 128), F32),), {"shape": X.shape, "starts": (0, 0, 0)}),
     "sgd_update": ((X, X, X), {"lr": 0.01, "momentum": 0.9}),
-    # what the fusion pass (SBPFLOW_FUSION=1) makes of the GPT's c_proj bias add and residual add
+    # what the fusion pass (JobConfig.fusion) makes of the GPT's c_proj bias add and residual add
     "fused_elementwise": (
         (TensorMeta((16, 64, 64), F32), TensorMeta((64,), F32), TensorMeta((16, 64, 64), F32)),
         {"chain": '[["add",{},["in0","in1"]],["add",{},["in2","s0"]]]'},
