@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from _shared import blas_kernel  # noqa: E402
+from ops_more import EXTRA_MORE, INDEX_HIGH, POSITIVE, PROBABILITIES, torch_peer  # noqa: E402
 
 import sbpflow.ops  # noqa: E402, F401  (registers every op)
 from sbpflow.control_plane.compiler import pipeline  # noqa: E402
@@ -147,10 +148,10 @@ def extra_cases(have: set[str]) -> tuple[list[Case], list[str]]:
     printed, so that a new op shows up here until it gets a case and a PyTorch peer)."""
     out, missing = [], []
     for name in sorted(set(OPS) - have):
-        if name not in EXTRA:
+        if name not in EXTRA and name not in EXTRA_MORE:
             missing.append(name)
             continue
-        metas, attrs = EXTRA[name]
+        metas, attrs = EXTRA.get(name) or EXTRA_MORE[name]
         out.append(Case(name, metas, tuple(sorted(get_op(name).normalize_attrs(attrs).items())), "*"))
     return out, missing
 
@@ -168,6 +169,7 @@ def make_inputs(case: Case, rng: np.random.Generator) -> list[np.ndarray]:
             high = {
                 "embedding": case.metas[0].shape[0] if case.metas else 1,
                 "embedding_grad": attrs.get("num_embeddings", 1),
+                **INDEX_HIGH,
             }.get(case.op, case.metas[0].shape[-1])
             arrays.append(np.asarray(rng.integers(0, high, m.shape), dtype=m.dtype.to_numpy()))
         else:
@@ -176,6 +178,10 @@ def make_inputs(case: Case, rng: np.random.Generator) -> list[np.ndarray]:
                 a = np.abs(a) + a.dtype.type(0.5)
             if case.op in ("adamw_update", "sgd_update") and i == 3:
                 a = np.abs(a)  # v >= 0
+            if (case.op, i) in POSITIVE:  # a sum of exponentials
+                a = np.abs(a) + a.dtype.type(0.5)
+            if (case.op, i) in PROBABILITIES:
+                a = np.asarray(rng.random(m.shape), dtype=a.dtype)
             arrays.append(np.asarray(a))
     if case.op == "max_grad":  # y is the max of x, so that the maxima are hit
         arrays[2] = arrays[1].max(axis=attrs["axes"], keepdims=bool(attrs["keepdims"]))
@@ -225,6 +231,10 @@ def torch_call(case: Case, arrays: list[np.ndarray]) -> Callable[[], Any]:
     a = dict(case.attrs)
     t = [torch.from_numpy(x.copy()) for x in arrays]
     op = case.op
+    if op in EXTRA_MORE:
+        peer = torch_peer(op, a, t)
+        if peer is not None:
+            return peer
     simple: dict[str, Callable[[], Any]] = {}
     if op in ("add", "sub", "mul", "div"):
         fn = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}[op]
@@ -465,7 +475,7 @@ def main() -> None:
         rows = [(c, s, t) for c, s, t in timed if c.op == op]
         s = sum(c.count * s for c, s, _ in rows)
         t = sum(c.count * t for c, _, t in rows)
-        share = sum(c.count * s for c, s, _ in rows if c.source == "charlm") / main_total
+        share = sum(c.count * s for c, s, _ in rows if c.source == "charlm") / (main_total or 1.0)
         star = "*" if all(c.source == "*" for c, _, _ in rows) else " "
         flag = f" > {FLAG}" if s / t > FLAG else ""
         if flag:

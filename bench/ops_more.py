@@ -1,0 +1,183 @@
+"""bench/ops.py's cases and PyTorch peers for the ops neither timed example calls (issue 16's image, gather,
+top-k and vocabulary-parallel ops, and the gradient buckets' pack and unpack).
+
+Shapes: the image ops on a ResNet block's activation ([8, 16, 32, 32], 3x3 kernels), the gather and
+top-k ops on the GPT's [16, 64, 128] logits and its embedding table, the vocabulary-parallel cross
+entropy on the main job's [16, 64, 128] logits in 2 chunks, pack/unpack on the main job's 29 gradients
+(~0.1 M parameters). The peer is the PyTorch op that does the same work (its ATen backward for a
+backward op); for the vocabulary-parallel ops, which PyTorch has no single op for, the few tensor ops
+that compute the same value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sbpflow.dtype import DType
+from sbpflow.tensor_meta import TensorMeta
+
+F32, I64 = DType.float32, DType.int64
+IMG = TensorMeta((8, 16, 32, 32), F32)
+POOLED = TensorMeta((8, 16, 16, 16), F32)
+W3 = TensorMeta((16, 16, 3, 3), F32)
+LOGITS = TensorMeta((16, 64, 128), F32)
+ROWS = TensorMeta((16, 64), F32)
+LABELS = TensorMeta((16, 64), I64)
+CHUNK_MAX = TensorMeta((16, 64, 2), F32)
+TOP = TensorMeta((16, 64, 8), F32)
+TOP_IX = TensorMeta((16, 64, 8), I64)
+# the main job's gradients, as its gradient bucket packs them (width 64, 2 layers, vocabulary 128)
+GRADS = tuple(
+    TensorMeta(s, F32)
+    for s in [(64, 128), (64,), (64,)]
+    + [(64,), (256, 64), (256,), (64, 256), (64,), (64,), (64,), (64, 64), (192,), (64, 192), (64,), (64,)]
+    * 2
+    + [(64, 64), (128, 64)]
+)
+FLAT = TensorMeta((sum(m.numel for m in GRADS),), F32)
+POOL = {"kernel_size": (2, 2), "stride": (2, 2), "padding": (0, 0)}
+CONV = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1}
+
+EXTRA_MORE: dict[str, tuple[tuple[TensorMeta, ...], dict[str, Any]]] = {
+    "conv2d": ((IMG, W3), CONV),
+    "conv2d_grad_input": ((IMG, W3), {**CONV, "input_hw": (32, 32)}),
+    "conv2d_grad_weight": ((IMG, IMG), {**CONV, "kernel_hw": (3, 3)}),
+    "max_pool2d": ((IMG,), POOL),
+    "max_pool2d_grad": ((IMG, POOLED), POOL),
+    "avg_pool2d": ((IMG,), POOL),
+    "avg_pool2d_grad": ((POOLED,), {**POOL, "input_hw": (32, 32)}),
+    "adaptive_avg_pool2d": ((IMG,), {"output_size": (1, 1)}),
+    "adaptive_avg_pool2d_grad": (
+        (TensorMeta((8, 16, 1, 1), F32),),
+        {"output_size": (1, 1), "input_hw": (32, 32)},
+    ),
+    "sigmoid": ((LOGITS,), {}),
+    "gelu_erf": ((TensorMeta((16, 64, 256), F32),), {}),
+    "gelu_erf_grad": ((TensorMeta((16, 64, 256), F32), TensorMeta((16, 64, 256), F32)), {}),
+    "binary_cross_entropy_with_logits": ((LOGITS, LOGITS), {"reduction": "mean"}),
+    "one_hot": ((LABELS,), {"depth": 128}),
+    "gather": ((TensorMeta((128, 64), F32), LABELS), {"axis": 0}),
+    "gather_grad": ((TensorMeta((16, 64, 64), F32), LABELS), {"axis": 0, "size": 128}),
+    "topk": ((LOGITS,), {"k": 8}),
+    "topk_grad": ((TOP, TOP_IX), {"size": 128}),
+    "running_stat": ((TensorMeta((64,), F32), TensorMeta((64,), F32)), {"momentum": 0.1}),
+    "vocab_chunk_max": ((LOGITS,), {"chunks": 2}),
+    "vocab_terms": ((LOGITS, LABELS, CHUNK_MAX), {}),
+    "vocab_terms_grad": ((LOGITS, LABELS, CHUNK_MAX, ROWS, ROWS), {}),
+    "vocab_cross_entropy": ((LOGITS, LABELS, CHUNK_MAX, ROWS, ROWS), {}),
+    "vocab_cross_entropy_grad": ((LABELS, ROWS, ROWS), {}),
+    "pack": (GRADS, {}),
+    "unpack": (
+        (FLAT,),
+        {"ndims": tuple(len(m.shape) for m in GRADS), "dims": tuple(d for m in GRADS for d in m.shape)},
+    ),
+}
+
+# inputs that must hold something particular: (op, input) -> what (see bench/ops.py make_inputs)
+POSITIVE = {("vocab_terms_grad", 3), ("vocab_cross_entropy", 3), ("vocab_cross_entropy_grad", 1)}
+PROBABILITIES = {("binary_cross_entropy_with_logits", 1)}
+INDEX_HIGH = {"gather": 128, "gather_grad": 128, "one_hot": 128, "topk_grad": 128}
+
+
+def _image_peers(op: str, a: Mapping[str, Any], t: list[Any]) -> Callable[[], Any] | None:
+    import torch
+    from torch.nn import functional as F
+
+    aten = torch.ops.aten
+    k, s, p = (list(a.get(n, (0, 0))) for n in ("kernel_size", "stride", "padding"))
+    if op == "conv2d":
+        return lambda: F.conv2d(t[0], t[1], None, a["stride"], a["padding"], a["dilation"], a["groups"])
+    if op in ("conv2d_grad_input", "conv2d_grad_weight"):
+        dy, other = t
+        x = torch.zeros(8, 16, 32, 32) if op == "conv2d_grad_input" else other
+        w = other if op == "conv2d_grad_input" else torch.zeros(16, 16, 3, 3)
+        mask = [op == "conv2d_grad_input", op == "conv2d_grad_weight", False]
+        args = (list(a["stride"]), list(a["padding"]), list(a["dilation"]), False, [0, 0], a["groups"], mask)
+        return lambda: aten.convolution_backward(dy, x, w, None, *args)
+    if op == "max_pool2d":
+        return lambda: F.max_pool2d(t[0], k, s, p)
+    if op == "max_pool2d_grad":
+        x, dy = t
+        _, ix = F.max_pool2d(x, k, s, p, return_indices=True)  # what autograd saves
+        return lambda: aten.max_pool2d_with_indices_backward(dy, x, k, s, p, [1, 1], False, ix)
+    if op == "avg_pool2d":
+        return lambda: F.avg_pool2d(t[0], k, s, p)
+    if op == "avg_pool2d_grad":
+        x = torch.zeros(8, 16, *a["input_hw"])
+        return lambda: aten.avg_pool2d_backward(t[0], x, k, s, p, False, True, None)
+    if op == "adaptive_avg_pool2d":
+        return lambda: F.adaptive_avg_pool2d(t[0], a["output_size"])
+    if op == "adaptive_avg_pool2d_grad":
+        x = torch.zeros(8, 16, *a["input_hw"])
+        return lambda: aten._adaptive_avg_pool2d_backward(t[0], x)
+    return None
+
+
+def _vocab_peers(op: str, a: Mapping[str, Any], t: list[Any]) -> Callable[[], Any] | None:
+    import torch
+
+    if op == "vocab_chunk_max":
+        x, c = t[0], int(a["chunks"])
+        return lambda: x.view(*x.shape[:-1], c, x.shape[-1] // c).amax(-1)
+    if op == "vocab_terms":
+        x, labels, cmax = t
+
+        def terms() -> Any:
+            m = cmax.amax(-1, keepdim=True)
+            return torch.exp(x - m).sum(-1), x.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+        return terms
+    if op == "vocab_terms_grad":
+        x, labels, cmax, dsum, dtarget = t
+
+        def terms_grad() -> Any:
+            g = torch.exp(x - cmax.amax(-1, keepdim=True)) * dsum.unsqueeze(-1)
+            return g.scatter_add(-1, labels.unsqueeze(-1), dtarget.unsqueeze(-1))
+
+        return terms_grad
+    if op == "vocab_cross_entropy":
+        _, _, cmax, sum_exp, target = t
+        return lambda: cmax.amax(-1) + torch.log(sum_exp) - target
+    if op == "vocab_cross_entropy_grad":
+        _, sum_exp, dy = t
+        return lambda: (dy / sum_exp, -dy)
+    return None
+
+
+def torch_peer(op: str, a: Mapping[str, Any], t: list[Any]) -> Callable[[], Any] | None:
+    """The PyTorch call for one of :data:`EXTRA_MORE`'s ops on the tensors ``t``, or None."""
+    import torch
+    from torch.nn import functional as F
+
+    aten = torch.ops.aten
+    found = _image_peers(op, a, t) or _vocab_peers(op, a, t)
+    if found is not None:
+        return found
+    simple: dict[str, Callable[[], Any]] = {
+        "sigmoid": lambda: torch.sigmoid(t[0]),
+        "gelu_erf": lambda: F.gelu(t[0]),
+        "gelu_erf_grad": lambda: aten.gelu_backward(t[0], t[1]),
+        "binary_cross_entropy_with_logits": lambda: F.binary_cross_entropy_with_logits(t[0], t[1]),
+        "one_hot": lambda: F.one_hot(t[0], int(a["depth"])).to(torch.float32),
+        "gather": lambda: F.embedding(t[1], t[0]),
+        "topk": lambda: torch.topk(t[0], int(a["k"])),
+        "pack": lambda: torch.cat([x.reshape(-1) for x in t]),
+    }
+    if op in simple:
+        return simple[op]
+    if op == "gather_grad":
+        dy, ids = t
+        return lambda: aten.embedding_dense_backward(dy, ids, int(a["size"]), -1, False)
+    if op == "topk_grad":
+        dy, ix = t
+        return lambda: torch.zeros(*dy.shape[:-1], int(a["size"])).scatter(-1, ix, dy)
+    if op == "running_stat":
+        r, b = t
+        m = float(a["momentum"])
+        return lambda: torch.add(r * (1 - m), b, alpha=m * float(a["scale"]))
+    if op == "unpack":
+        sizes = [m.numel for m in GRADS]
+        shapes = [m.shape for m in GRADS]
+        return lambda: [p.view(s) for p, s in zip(torch.split(t[0], sizes), shapes, strict=True)]
+    return None
