@@ -81,12 +81,14 @@ class ComputeStream:
         for key in [k for k, (_, done) in self._pending.items() if done.done]:
             del self._pending[key]
 
-    def wrap(self, act: Act) -> Act:
-        """``act`` run with the compute stream current, after the results it reads are made."""
+    def wrap(self, act: Act, reads: bool = True) -> Act:
+        """``act`` run with the compute stream current, after the results it reads are made (``reads``:
+        a communication act's transport orders its own stream after its inputs instead, so that the
+        compute stream goes on)."""
 
         def on_stream(step: int, values: list[Any]) -> list[Any]:
             self.enter()
-            if self._pending:
+            if reads and self._pending:
                 self.wait_for(self.stream, values)
             return act(step, values)
 
@@ -113,14 +115,17 @@ def launch_on(
     ready: Any = None,
     handoff: ComputeStream | None = None,
     wait: bool = True,
+    after_caller: bool = True,
 ) -> tuple[Any, Any]:
     """Run ``body()`` with ``side`` current, ordered after the caller's stream's work so far (or after
-    ``ready``, an event recorded earlier) and after the inputs still in the making; return its result
-    and the event recorded after it on ``side``. With ``wait`` the result is ordered before the caller's
+    ``ready``, an event recorded earlier; neither without ``after_caller``: a header read from the host
+    depends on no kernel) and after the inputs still in the making; return its result and the event
+    recorded after it on ``side``. With ``wait`` the result is ordered before the caller's
     later work: at once on the caller's stream (no ``handoff``), or for its readers (``handoff``). A
     ``wait=False`` call (a send: nothing on the caller's side reads it) only returns the event."""
     caller = cuda.get_current_stream()
-    side.wait_event(record(cuda, caller) if ready is None else ready)
+    if after_caller:
+        side.wait_event(record(cuda, caller) if ready is None else ready)
     if handoff is not None:
         handoff.wait_for(side, inputs)
     with side:

@@ -152,6 +152,7 @@ def _build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: 
         )
         for recycler, register in guards.get(task.id, ()):
             act = tasks.guard_aliases(act, recycler, inputs.index(register), rc.xp)
+        comm = task.stream == pp.STREAM_KIND_COMMUNICATION and task.id not in no_ops
         actors.append(
             ActorSpec(
                 id=task.id,
@@ -159,7 +160,7 @@ def _build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: 
                 stream="compute" if task.id in no_ops else STREAMS[task.stream],
                 inputs=inputs,
                 outputs=outputs,
-                act=_offset(act if rc.compute is None else rc.compute.wrap(act), first_step),
+                act=_offset(act if rc.compute is None else rc.compute.wrap(act, reads=not comm), first_step),
                 iterations=steps,
                 initial=initial,
                 priority=priority,
