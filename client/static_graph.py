@@ -177,6 +177,7 @@ class Graph:
                     tracer.bind_parameter(p, full, p.placement or stage_of[path] or default)
                     specs.append(ParameterSpec(full, p.init, p.requires_grad))
                     declared[full] = p
+                    p.key = (full, self.config.seed)  # what this job's run draws, state_dict too
         return specs
 
     def _declare_inputs(

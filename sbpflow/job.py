@@ -81,11 +81,35 @@ LrSchedule = ConstantLR | WarmupCosine
 
 
 @dataclass(frozen=True)
+class ParamGroup:
+    """Parameters whose hyper-parameters differ from the algorithm's (None: the algorithm's): PyTorch's
+    parameter groups, e.g. no weight decay for biases and LayerNorm weights."""
+
+    parameters: tuple[str, ...]
+    lr: float | None = None  # the schedule scales it as it scales the algorithm's lr
+    weight_decay: float | None = None
+
+    def overrides(self) -> dict[str, float]:
+        return {k: v for k, v in (("lr", self.lr), ("weight_decay", self.weight_decay)) if v is not None}
+
+
+@dataclass(frozen=True)
 class OptimizerSpec:
     algorithm: SGD | AdamW
     parameters: tuple[str, ...]
     clip_grad_norm: float = 0.0  # 0 = no clipping; else clip by the true global norm over all shards
     schedule: LrSchedule = ConstantLR()
+    groups: tuple[ParamGroup, ...] = ()  # a parameter in none has the algorithm's hyper-parameters
+
+    def hyper(self, parameter: str) -> dict[str, float | bool]:
+        """The algorithm's fields for ``parameter``, its group's overrides applied."""
+        from dataclasses import asdict
+
+        values: dict[str, float | bool] = asdict(self.algorithm)
+        for g in self.groups:
+            if parameter in g.parameters:
+                values.update(g.overrides())
+        return values
 
 
 GRAD_BUCKET_BYTES = 25 * 2**20  # JobConfig.grad_bucket_bytes's default, and a message's without the field

@@ -284,6 +284,11 @@ def _check_optimizer(job: Job, limits: Limits) -> None:
     for f in fields(a):
         if f.name in bounds:
             check_float(f"job.optimizer.{name}.{f.name}", getattr(a, f.name), *bounds[f.name])
+    check_count("job.optimizer.groups", o.groups, limits)
+    for i, g in enumerate(o.groups):
+        check_count(f"job.optimizer.groups[{i}].parameters", g.parameters, limits)
+        for key, value in g.overrides().items():
+            check_float(f"job.optimizer.groups[{i}].{key}", value, *bounds[key])
     s = o.schedule
     if isinstance(s, WarmupCosine):
         where = "job.optimizer.schedule.warmup_cosine"

@@ -13,7 +13,7 @@ runtime names it, so that trained states can be compared by name.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -52,9 +52,12 @@ def initial_state(job: Job, xp: ModuleType) -> Arrays:
     return out
 
 
+def schedule_factor(spec: OptimizerSpec, step: int) -> float:
+    return spec.schedule.factor(step) if isinstance(spec.schedule, WarmupCosine) else 1.0
+
+
 def learning_rate(spec: OptimizerSpec, step: int) -> float:
-    factor = spec.schedule.factor(step) if isinstance(spec.schedule, WarmupCosine) else 1.0
-    return spec.algorithm.lr * factor
+    return spec.algorithm.lr * schedule_factor(spec, step)
 
 
 def update(spec: OptimizerSpec, values: Arrays, grads: Arrays, builder: EagerBuilder) -> Arrays:
@@ -64,10 +67,12 @@ def update(spec: OptimizerSpec, values: Arrays, grads: Arrays, builder: EagerBui
     if spec.clip_grad_norm > 0:
         grads = clip(grads, spec.clip_grad_norm, builder)
     algorithm = ALGORITHMS[type(spec.algorithm)]
-    # the schedule is evaluated here; the kernel gets this step's learning rate
-    attrs = {**asdict(spec.algorithm), "lr": learning_rate(spec, builder.step), "schedule": "constant"}
+    # the schedule is evaluated here; the kernel gets this step's learning rate (of the parameter's group)
+    factor = schedule_factor(spec, builder.step)
     new: Arrays = {}
     for p in spec.parameters:
+        hyper = spec.hyper(p)
+        attrs = {**hyper, "lr": float(hyper["lr"]) * factor, "schedule": "constant"}
         variables = (p, *(f"{p}/{s}" for s in algorithm.state))
         outs = builder.call(
             algorithm.kernel, values[p], grads[p], *(values[v] for v in variables[1:]), **attrs

@@ -27,6 +27,7 @@ from sbpflow.job import (
     JobConfig,
     OptimizerSpec,
     ParameterSpec,
+    ParamGroup,
     PipelineSchedule,
     Precision,
     WarmupCosine,
@@ -357,6 +358,8 @@ def optimizer_to_proto(o: OptimizerSpec) -> pb.Optimizer:
         )
     else:
         m.schedule.constant.SetInParent()
+    for g in o.groups:
+        m.groups.add(parameters=g.parameters, lr=g.lr, weight_decay=g.weight_decay)
     return m
 
 
@@ -374,7 +377,15 @@ def optimizer_from_proto(m: pb.Optimizer) -> OptimizerSpec:
     if m.schedule.WhichOneof("kind") == "warmup_cosine":
         w = m.schedule.warmup_cosine
         schedule = WarmupCosine(w.warmup_steps, w.total_steps, w.min_lr_ratio)
-    return OptimizerSpec(algo, tuple(m.parameters), m.clip_grad_norm, schedule)
+    groups = tuple(
+        ParamGroup(
+            tuple(g.parameters),
+            g.lr if g.HasField("lr") else None,
+            g.weight_decay if g.HasField("weight_decay") else None,
+        )
+        for g in m.groups
+    )
+    return OptimizerSpec(algo, tuple(m.parameters), m.clip_grad_norm, schedule, groups)
 
 
 def config_to_proto(c: JobConfig) -> pb.JobConfig:

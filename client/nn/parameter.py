@@ -47,6 +47,9 @@ class Parameter:
         # the logical value, once the module holds one (trained by sf.run, loaded, or drawn by
         # state_dict); None: a run draws it from ``init``
         self.value: np.ndarray | None = None
+        # (tensor name, seed) of the last trace: a run draws ``init`` under that key, and so does
+        # state_dict while the parameter holds no value (None: its path in the module, seed 0)
+        self.key: tuple[str, int] | None = None
 
     @property
     def meta(self) -> TensorMeta:

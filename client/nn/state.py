@@ -2,8 +2,9 @@
 
 A :class:`~sbpflow.client.nn.parameter.Parameter` declares a tensor and, once the module holds one,
 its logical value (``Parameter.value``): written back by ``sf.run`` after training, set by
-``load_state_dict``, or drawn from its initializer the first time ``state_dict`` is asked for it (keyed
-by its path in the module and seed 0, then kept, so a run starts from exactly what was returned). The
+``load_state_dict``, or drawn from its initializer the first time ``state_dict`` is asked for it, then
+kept. The draw is keyed as the last trace's run draws it (its tensor name and the job's seed), or,
+never traced, by its path in the module and seed 0; either way a run starts from what was returned. The
 names are the module's own paths (``blocks.0.attn.c_attn.weight``), as in PyTorch.
 """
 
@@ -24,10 +25,12 @@ Named = Iterable[tuple[str, Parameter]]
 
 
 def value_of(name: str, p: Parameter) -> np.ndarray:
-    """``p``'s value, drawn from its initializer (and kept) when it holds none yet."""
+    """``p``'s value, drawn from its initializer (and kept) when it holds none yet: under the key of the
+    last trace (what that job's run draws), else under its path here and seed 0."""
     if p.value is None:
-        dtype = p.dtype.to_numpy()
-        p.value = np.asarray(p.init.sample(np, RandomKey.for_tensor(0, name), p.shape, None, dtype))
+        tensor, seed = p.key or (name, 0)
+        key = RandomKey.for_tensor(seed, tensor)
+        p.value = np.asarray(p.init.sample(np, key, p.shape, None, p.dtype.to_numpy()))
     return p.value
 
 

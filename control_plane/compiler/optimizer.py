@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from sbpflow.control_plane.compiler.builder import GraphBuilder
 from sbpflow.control_plane.compiler.state import CompileState
@@ -79,10 +79,10 @@ def run(state: CompileState) -> None:
     if spec.clip_grad_norm > 0:
         grads = _clip(g, spec, grads, at)
     rule = RULES[type(spec.algorithm)]
-    attrs = {**asdict(spec.algorithm), **schedule_attrs(spec.schedule)}
     for p in spec.parameters:
         slots = [_declare_state(g, p, suffix) for suffix in rule.state]
         state.state_vars += slots
+        attrs = {**spec.hyper(p), **schedule_attrs(spec.schedule)}  # its group's lr and weight decay
         outs = at(p).emit(rule.op, (p, grads[p], *slots), attrs, name=PREFIX + p)
         state.updates.update(zip((p, *slots), outs, strict=True))
 

@@ -1164,6 +1164,7 @@ class Optimizer(_message.Message):
     CLIP_GRAD_NORM_FIELD_NUMBER: _builtins.int
     SCHEDULE_FIELD_NUMBER: _builtins.int
     PARAMETERS_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
     clip_grad_norm: _builtins.float
     """Clip the global gradient norm (over all parameters) to this value; 0 = off."""
     @_builtins.property
@@ -1178,6 +1179,10 @@ class Optimizer(_message.Message):
     def parameters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Names of the parameter tensors updated; empty = every trainable parameter."""
 
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___ParamGroup]:
+        """Parameters whose lr or weight decay differ from the algorithm's (PyTorch's parameter groups)."""
+
     def __init__(
         self,
         *,
@@ -1186,16 +1191,52 @@ class Optimizer(_message.Message):
         clip_grad_norm: _builtins.float = ...,
         schedule: Global___LrSchedule | None = ...,
         parameters: _abc.Iterable[_builtins.str] | None = ...,
+        groups: _abc.Iterable[Global___ParamGroup] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adamw", b"adamw", "kind", b"kind", "schedule", b"schedule", "sgd", b"sgd"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adamw", b"adamw", "clip_grad_norm", b"clip_grad_norm", "kind", b"kind", "parameters", b"parameters", "schedule", b"schedule", "sgd", b"sgd"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adamw", b"adamw", "clip_grad_norm", b"clip_grad_norm", "groups", b"groups", "kind", b"kind", "parameters", b"parameters", "schedule", b"schedule", "sgd", b"sgd"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["sgd", "adamw"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___Optimizer: _TypeAlias = Optimizer  # noqa: Y015
+
+@_typing.final
+class ParamGroup(_message.Message):
+    """Hyper-parameters of some parameters; an absent one is the algorithm's. The schedule scales lr too."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARAMETERS_FIELD_NUMBER: _builtins.int
+    LR_FIELD_NUMBER: _builtins.int
+    WEIGHT_DECAY_FIELD_NUMBER: _builtins.int
+    lr: _builtins.float
+    weight_decay: _builtins.float
+    @_builtins.property
+    def parameters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        parameters: _abc.Iterable[_builtins.str] | None = ...,
+        lr: _builtins.float | None = ...,
+        weight_decay: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_lr", b"_lr", "_weight_decay", b"_weight_decay", "lr", b"lr", "weight_decay", b"weight_decay"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lr", b"_lr", "_weight_decay", b"_weight_decay", "lr", b"lr", "parameters", b"parameters", "weight_decay", b"weight_decay"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__lr: _TypeAlias = _typing.Literal["lr"]  # noqa: Y015
+    _WhichOneofArgType__lr: _TypeAlias = _typing.Literal["_lr", b"_lr"]  # noqa: Y015
+    _WhichOneofReturnType__weight_decay: _TypeAlias = _typing.Literal["weight_decay"]  # noqa: Y015
+    _WhichOneofArgType__weight_decay: _TypeAlias = _typing.Literal["_weight_decay", b"_weight_decay"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__lr) -> _WhichOneofReturnType__lr | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__weight_decay) -> _WhichOneofReturnType__weight_decay | None: ...
+
+Global___ParamGroup: _TypeAlias = ParamGroup  # noqa: Y015
 
 @_typing.final
 class JobConfig(_message.Message):

@@ -116,3 +116,13 @@ def test_to_float64_casts_the_parameters_and_their_values() -> None:
     np.testing.assert_array_equal(net.state_dict()["0.weight"], held["0.weight"].astype(np.float64))
     with pytest.raises(sf.SbpflowError, match="floating dtype"):
         net.to(sf.int32)
+
+
+def test_state_dict_after_a_trace_is_what_that_jobs_run_starts_from() -> None:
+    from sbpflow import reference
+
+    net = sf.nn.MLP([8, 16, 4])
+    job = trace(net)
+    start = reference.init_parameters(job)
+    for name, value in net.state_dict().items():
+        np.testing.assert_array_equal(value, start[f"model.{name}"])
