@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from sbpflow.client.context import TracingError, activate
+from sbpflow.client.functional import cast
 from sbpflow.client.graph_values import GraphValues
 from sbpflow.client.nn.module import Module
 from sbpflow.client.nn.parameter import Parameter
@@ -33,6 +34,7 @@ from sbpflow.client.optim import Optimizer
 from sbpflow.client.tensor import Tensor
 from sbpflow.client.tracing import Tracer
 from sbpflow.data import DataSource
+from sbpflow.dtype import DType
 from sbpflow.graph import TensorKind
 from sbpflow.job import GRAD_BUCKET_BYTES, Job, JobConfig, ParameterSpec, PipelineSchedule, Precision
 from sbpflow.placement import Placement
@@ -120,14 +122,20 @@ class Graph:
 
         ``placement`` (default one CPU rank) holds the inputs and every parameter not placed otherwise;
         ``input_sbp`` annotates the inputs (one SBP or nd-SBP for all, or a dict by field name) and
-        ``None`` leaves their layout to the compiler.
+        ``None`` leaves their layout to the compiler. Under ``config.precision = "fp64"`` the graph's
+        modules are switched to float64 first (``Module.to``) and float inputs are cast as they enter.
         """
         where = placement or make_placement("cpu", [0])
+        if self.config.precision == Precision.fp64:
+            for mod in self._modules.values():
+                mod.to(DType.float64)
         tracer = Tracer(where, self._module_paths())
         declared: dict[str, Parameter] = {}
         params = self._declare_parameters(tracer, where, declared)
         inputs = self._declare_inputs(tracer, data, where, input_sbp)
         with activate(tracer):
+            if self.config.precision == Precision.fp64:
+                inputs = [_widened(t) for t in inputs]
             result = self.build(*inputs)
         fetches = tuple(t.name for t in _tensors(result))
         if self._optimizer is not None and tracer.loss is None:
@@ -201,6 +209,12 @@ class Graph:
             )
             for n in names
         ]
+
+
+def _widened(t: Tensor) -> Tensor:
+    """A float input as float64 (an fp64 job computes in float64 from its inputs on)."""
+    floats = (DType.float16, DType.bfloat16, DType.float32)
+    return cast(t, DType.float64) if t.meta.dtype in floats else t
 
 
 def _build_params(build: Any, fields: list[str]) -> list[str]:
