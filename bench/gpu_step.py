@@ -42,6 +42,7 @@ from gpt_step import Shape, torch_model  # noqa: E402
 
 import sbpflow as sf  # noqa: E402
 from sbpflow.device import DeviceUnavailable, array_module  # noqa: E402
+from sbpflow.job import Precision  # noqa: E402
 
 SMALL = Shape("gpt-small", layers=12, heads=12, width=768, seq_len=1024, batch=8, vocab=50304)
 SMOKE = Shape("smoke", layers=2, heads=2, width=32, seq_len=16, batch=2, vocab=64)
@@ -95,7 +96,7 @@ def run_sbpflow(s: Shape, precision: str, device: str, warmup: int, steps: int) 
         ranks=1, layers=s.layers, heads=s.heads, width=s.width, vocab=s.vocab, seq_len=s.seq_len,
         batch_size=s.batch, steps=warmup + steps, lr=3e-4, warmup=2, device=device,
     )  # fmt: skip
-    job = replace(job, config=replace(job.config, precision=precision))
+    job = replace(job, config=replace(job.config, precision=Precision(precision)))
     marks: list[float] = []
     result = sf.run(job, backend="inprocess", on_step=lambda m: marks.append(time.perf_counter()))
     step = measured(marks, warmup, steps)
@@ -204,23 +205,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{shape} on {device}: {flops_per_step(shape) / 1e12:.2f} TFLOP a step", flush=True)
     peak = gemm_peak(device, 8192 if device == "cuda" else 256)
     print(f"  GEMM peak ({'bf16' if device == 'cuda' else 'fp32'}, measured): {peak:.1f} TFLOP/s", flush=True)
-    sides, w, n = [], args.warmup or (2 if args.quick else 3), args.steps or (3 if args.quick else 5)
+    sides: list[Side] = []
+    w, n = args.warmup or (2 if args.quick else 3), args.steps or (3 if args.quick else 5)
+
+    def save() -> dict[str, Any]:  # after every side: a run cut short by its time limit keeps what it had
+        result = {"shape": asdict(shape), "device": device, "peak_tflops": peak}
+        result |= {"sides": [asdict(x) for x in sides], "verdicts": verdicts(sides, peak)}
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+        return result
+
     for p in args.precision or PRECISIONS:
-        sides.append(attempt("sbpflow", p, lambda p=p: run_sbpflow(shape, p, device, w, n)))
-        sides.append(attempt("torch eager", p, lambda p=p: run_torch(shape, p, device, w, n, False)))
+        contenders = [("sbpflow", lambda p=p: run_sbpflow(shape, p, device, w, n))]
+        contenders.append(("torch eager", lambda p=p: run_torch(shape, p, device, w, n, False)))
         if device == "cuda" and not args.no_compile:
-            sides.append(attempt("torch.compile", p, lambda p=p: run_torch(shape, p, device, w, n, True)))
-    result = {
-        "shape": asdict(shape),
-        "device": device,
-        "peak_tflops": peak,
-        "sides": [asdict(x) for x in sides],
-    }
-    result["verdicts"] = verdicts(sides, peak)
-    for what, v in result["verdicts"].items():
+            contenders.append(("torch.compile", lambda p=p: run_torch(shape, p, device, w, n, True)))
+        for name, run in contenders:
+            sides.append(attempt(name, p, run))
+            save()
+    for what, v in save()["verdicts"].items():
         print(f"  {what}: {v['ratio']:.2f} (target {v['target']}: {'met' if v['met'] else 'NOT met'})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
     return 1 if any(x.error for x in sides) else 0
 
 
