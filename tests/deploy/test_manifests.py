@@ -410,7 +410,16 @@ def test_both_images_carry_one_python_and_the_manifests_ray() -> None:
     versions = {one(rendered("cpu"), "RayCluster")["spec"]["rayVersion"]}
     versions.add(one(rendered("rayjob"), "RayJob")["spec"]["rayClusterSpec"]["rayVersion"])
     assert versions == {cpu["RAY_VERSION"]}
-    assert "runtime" in gpu["CUDA_BASE"] and gpu["CUDA_BASE"].startswith("nvidia/cuda:12")
+    # one base under both (the registry's python image or its stand-in, a build argument of each); CUDA
+    # 12's user-space libraries come as wheels, the driver from the host's NVIDIA container toolkit
+    assert cpu["BASE"] == gpu["BASE"] == "python:${PYTHON_VERSION}-slim-bookworm"
+    assert [rest for ins, rest in cpu_steps if ins == "FROM"] == [
+        rest for ins, rest in gpu_steps if ins == "FROM"
+    ]
+    assert "cupy-cuda12x[ctk]" in " ".join(rest for ins, rest in gpu_steps if ins == "RUN")
+    assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in " ".join(
+        rest for ins, rest in gpu_steps if ins == "ENV"
+    )
     assert "[gpu]" in " ".join(rest for ins, rest in gpu_steps if ins == "RUN")
     assert "[gpu]" not in " ".join(rest for ins, rest in cpu_steps if ins == "RUN")
 
