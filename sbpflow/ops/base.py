@@ -92,9 +92,8 @@ class KernelContext:
         return tuple(s.stop - s.start for s in self.out_index[i])
 
     def out_dtype(self, i: int = 0) -> Any:
-        # through DType.to_numpy so that a dtype numpy lacks (bfloat16) fails with a message saying so
-        dtype = self.out_metas[i].dtype
-        return dtype.to_numpy() if self.xp.__name__ == "numpy" else self.xp.dtype(dtype.value)
+        # numpy's dtype, which is cupy's too: bfloat16 is ml_dtypes' (DType.to_numpy says so if it is missing)
+        return self.out_metas[i].dtype.to_numpy()
 
     def in_offset(self, i: int, axis: int) -> int:
         return self.in_index[i][axis].start

@@ -66,7 +66,7 @@ def _check_outputs(
             f"kernel of {op.name!r} returned {len(results)} outputs, its inference says {len(metas)}"
         )
     for i, (m, r) in enumerate(zip(metas, results, strict=True)):
-        if tuple(r.shape) != ctx.out_shape(i) or r.dtype != np.dtype(m.dtype.value):
+        if tuple(r.shape) != ctx.out_shape(i) or r.dtype != m.dtype.to_numpy():
             raise ShapeError(
                 f"kernel of {op.name!r} output {op.output_name(i)!r} is {list(r.shape)} {r.dtype}, "
                 f"expected {list(ctx.out_shape(i))} {m.dtype.value}"
