@@ -80,8 +80,8 @@ def _job_from_args(args: argparse.Namespace) -> Any:
         raise UsageError(
             f"{args.example}: make_job() takes no {unknown}; it takes {[p for p in params if p != 'self']}"
         )
-    if kw.get("device") == "cuda" and args.command == "run":  # runs here: refuse before any work
-        from sbpflow.device import array_module
+    if kw.get("device") == "cuda" and args.command == "run" and not getattr(args, "ray_address", None):
+        from sbpflow.device import array_module  # it runs on this machine: refuse before any work
 
         array_module("cuda")  # DeviceUnavailable: cupy or a GPU is missing, and how to fix it
     return _with_config(make_job(**kw), args)

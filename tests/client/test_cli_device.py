@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sbpflow.client.cli import main
-from sbpflow.device import gpu_available
+from sbpflow.client.cli import _job_from_args, build_parser, main
+from sbpflow.device import DeviceUnavailable, gpu_available
 from sbpflow.v1 import job_pb2 as jp
 from sbpflow.v1 import plan_pb2 as pp
 from tests.client.test_examples import load
@@ -52,3 +52,13 @@ def test_run_on_cuda_without_cupy_or_a_gpu_fails_at_once_naming_the_fix(
     err = capsys.readouterr().err
     assert rc == 1
     assert "device type 'cuda'" in err and "pip install 'sbpflow[gpu]'" in err
+
+
+@pytest.mark.skipif(gpu_available(), reason="this machine has cupy and a GPU: nothing to refuse")
+def test_run_on_a_ray_cluster_leaves_the_gpu_check_to_the_cluster() -> None:
+    """With --ray-address the workers are elsewhere: a GPU missing here is no reason to refuse the job."""
+    run = ["run", str(EXAMPLES / "mlp.py"), "--device", "cuda", "--ranks", "2"]
+    with pytest.raises(DeviceUnavailable, match="device type 'cuda' needs cupy"):
+        _job_from_args(build_parser().parse_args(run))
+    job = _job_from_args(build_parser().parse_args([*run, "--ray-address", "10.0.0.1:6379"]))
+    assert {t.placement.device_type for t in job.graph.tensors.values() if t.placement} == {"cuda"}
