@@ -18,6 +18,11 @@ logic) on any machine. The rules:
   filed (:meth:`ComputeStream.hand_over`) and only an act that reads that array makes the compute stream
   wait (:meth:`ComputeStream.wrap`), right before its kernels. A gradient's all-reduce thus runs while the
   compute stream goes on with the rest of the backward; the update that reads the reduced gradient waits.
+- **Memory** (cupy's pool keeps freed blocks per stream). The caller keeps a side call's inputs alive
+  until its event is done (``NcclComms.run``), so the compute stream cannot reuse their blocks early. A
+  result made on the side stream returns to that stream's pool when its readers drop it, after they
+  enqueued their kernels; the side stream reuses the block only in a later call, after waiting for an
+  event recorded on the caller's stream at that call, so after those kernels.
 """
 
 from __future__ import annotations
