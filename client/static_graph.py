@@ -59,12 +59,16 @@ class GraphConfig:
     checkpoint_every: int = 0
     grad_bucket_bytes: int = GRAD_BUCKET_BYTES  # gradient all-reduce buckets, in backward order; 0 = off
     fusion: bool = False  # elementwise chains as one kernel each
+    eval_every: int = 0  # the held-out loss every this many steps (trace(..., eval_data=...)); 0 = never
+    eval_batches: int = 1  # batches of the held-out split per evaluation
 
     def to_job_config(self, steps: int | None = None) -> JobConfig:
         values = asdict(self)
         if steps is not None:
             values["steps"] = steps
         values["precision"] = Precision(values["precision"])
+        if values["eval_every"] and not values["checkpoint_every"]:  # an evaluation reads its checkpoint
+            values["checkpoint_every"] = values["eval_every"]
         values["pipeline_schedule"] = PipelineSchedule(values["pipeline_schedule"])
         return JobConfig(**values)
 
@@ -117,12 +121,14 @@ class Graph:
         placement: Placement | None = None,
         input_sbp: Any = None,
         name: str | None = None,
+        eval_data: DataSource | None = None,
     ) -> Job:
         """Run ``build`` once on symbolic inputs and return the verified Job.
 
         ``placement`` (default one CPU rank) holds the inputs and every parameter not placed otherwise;
         ``input_sbp`` annotates the inputs (one SBP or nd-SBP for all, or a dict by field name) and
-        ``None`` leaves their layout to the compiler. Under ``config.precision = "fp64"`` the graph's
+        ``None`` leaves their layout to the compiler. ``eval_data``, a held-out split of ``data``'s kind,
+        is what ``config.eval_every`` evaluates the loss on (from that step's checkpoint). Under ``config.precision = "fp64"`` the graph's
         modules are switched to float64 first (``Module.to``) and float inputs are cast as they enter.
         """
         where = placement or make_placement("cpu", [0])
@@ -156,6 +162,7 @@ class Graph:
             tracer.loss.name if tracer.loss is not None else "",
             fetches,
             bound=GraphValues(self._modules, declared),
+            eval_data=eval_data,
         )
         job.verify()
         return job

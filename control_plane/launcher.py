@@ -42,6 +42,7 @@ from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.checkpoint.read import CheckpointReader, CorruptCheckpoint, corrupt_note, resolve
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.pipeline import Compiled
+from sbpflow.control_plane.evaluation import EvalListener, evaluating
 from sbpflow.control_plane.reports import ReportHub
 from sbpflow.control_plane.run_context import (
     AttemptListener,
@@ -89,6 +90,7 @@ def run(
     layout: str | None = None,
     strict: bool = True,
     tensorboard_dir: str | None = None,
+    on_eval: EvalListener | None = None,
     **option_fields: Any,
 ) -> RunResult:
     """Compile ``job`` and train it for ``steps`` (default ``job.config.steps``). A ``job`` compiled already
@@ -110,7 +112,8 @@ def run(
     (``layout="torch"``: a PyTorch state dict, :mod:`sbpflow.client.torch_layout`). A job traced in this
     process starts from the values its modules held then, and its modules get the trained values back
     (:mod:`sbpflow.bound_values`). On Ray, a lost worker restarts the job from its last checkpoint up to
-    ``max_restarts`` times. ``tensorboard_dir``: TensorBoard scalars of the run go under it
+    ``max_restarts`` times. A job with ``config.eval_every`` evaluates its held-out split at those steps
+    (:mod:`~sbpflow.control_plane.evaluation`): ``on_eval(step, loss)`` and ``RunResult.evals``. ``tensorboard_dir``: TensorBoard scalars of the run go under it
     (:mod:`sbpflow.control_plane.tensorboard_scalars`).
     """
     how = _run_options(options, option_fields)
@@ -122,7 +125,9 @@ def run(
     resume_from, first_step = _resume_point(resume_from, steps)
     starts = nullcontext(None) if resume_from is not None else start_file(job_, init_from, layout, strict)
     board = open_board(tensorboard_dir, job_, job_id, first_step)
-    with board, starts as init_path:
+    listen = board.listen(on_step)
+    evals = evaluating(job_, checkpoint_dir, first_step, listen, on_eval, run)
+    with board, starts as init_path, evals as ev:
         result = _run(
             job,
             how.replace(return_parameters=True) if bound is not None else how,
@@ -137,14 +142,16 @@ def run(
                 job_id=job_id,
                 attempt=attempt,
                 first_step=first_step,
-                checkpoint_dir=checkpoint_dir,
+                checkpoint_dir=ev.checkpoint_dir if ev is not None else checkpoint_dir,
                 resume_from=resume_from,
                 init_from=init_path,
             ),
-            board.listen(on_step),
+            ev.on_step if ev is not None else listen,
             cancel,
         )
         board.add_trace(result.trace)
+    if ev is not None:
+        result = dataclasses.replace(result, evals=tuple(ev.results))
     if bound is not None and result.parameters is not None:
         bound.write_back(result.parameters)
     return result if how.return_parameters else dataclasses.replace(result, parameters=None)

@@ -39,6 +39,7 @@ class RunResult:
     non_finite: tuple[str, ...] = ()  # parameters that hold NaN or infinite values after the run
     # fetch -> one value per step (a fetch inside a micro-batched step: a tuple, one per micro-batch)
     outputs: dict[str, list[Any]] = field(default_factory=dict)
+    evals: tuple[tuple[int, float], ...] = ()  # (step, held-out loss) of each evaluation (config.eval_every)
 
 
 @dataclass(frozen=True)

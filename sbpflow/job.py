@@ -131,6 +131,10 @@ class JobConfig:
     # 0 = one all-reduce per gradient (control_plane/compiler/grad_buckets.py)
     grad_bucket_bytes: int = GRAD_BUCKET_BYTES
     fusion: bool = False  # chains of elementwise ops as one kernel (control_plane/compiler/fusion.py)
+    # every this many steps (0: never) the loss over ``eval_batches`` batches of ``Job.eval_data``, a
+    # held-out split, from that step's checkpoint (so a multiple of checkpoint_every)
+    eval_every: int = 0
+    eval_batches: int = 1
 
     def __post_init__(self) -> None:
         checks = [
@@ -139,6 +143,14 @@ class JobConfig:
             (self.micro_batches >= 1, "micro_batches must be >= 1"),
             (self.zero_stage in (0, 1, 2, 3), f"zero_stage={self.zero_stage}: use 0, 1, 2 or 3"),
             (self.checkpoint_every >= 0, "checkpoint_every must be >= 0 (0 = never)"),
+            (self.eval_every >= 0, "eval_every must be >= 0 (0 = never)"),
+            (self.eval_batches >= 1, "eval_batches must be >= 1"),
+            (
+                self.eval_every == 0
+                or (self.checkpoint_every > 0 and self.eval_every % self.checkpoint_every == 0),
+                f"eval_every={self.eval_every} evaluates a step's checkpoint: set checkpoint_every to it or "
+                f"to a divisor of it (checkpoint_every={self.checkpoint_every})",
+            ),
             (self.grad_bucket_bytes >= 0, "grad_bucket_bytes must be >= 0 (0 = one all-reduce per gradient)"),
         ]
         for ok, msg in checks:
@@ -157,6 +169,7 @@ class Job:
     loss: str = ""
     fetches: tuple[str, ...] = ()
     format_version: int = FORMAT_VERSION
+    eval_data: DataSource | None = None  # the held-out split config.eval_every evaluates on
     # the modules of a job traced in this process (sbpflow.bound_values); never on the wire
     bound: BoundValues | None = field(default=None, compare=False, repr=False)
 
@@ -177,6 +190,22 @@ class Job:
             missing = [n for n in self.optimizer.parameters if n not in names]
             if missing:
                 raise SbpflowError(f"the optimizer updates {missing}, which are not parameters of the job")
+        if self.config.eval_every and (self.eval_data is None or not self.loss):
+            raise SbpflowError(
+                f"config.eval_every={self.config.eval_every} needs a loss and a held-out split: trace the job "
+                "with graph.trace(data, eval_data=...)"
+            )
+        if (
+            self.eval_data is not None
+            and self.data is not None
+            and not _opens_files(self.eval_data, self.data)
+        ):
+            have, want = self.eval_data.fields(), self.data.fields()
+            if have != want:
+                raise SbpflowError(
+                    f"the held-out split's fields {[(f.name, f.sample_shape) for f in have]} differ from the "
+                    f"training data's {[(f.name, f.sample_shape) for f in want]}; split the same source"
+                )
         fetched = [n for n in self.fetches if n not in self.graph.tensors]
         if fetched:
             raise SbpflowError(f"the job fetches {fetched}, which are not tensors of the graph")
@@ -206,3 +235,10 @@ class Job:
                     f"{self.data.batch_size}, sample_shape={list(f.sample_shape)}); make the data source "
                     "and the graph's input agree (trace the job again from the source)"
                 )
+
+
+def _opens_files(*sources: DataSource) -> bool:
+    """Whether a source declares its fields only by opening its files (checked by the workers then)."""
+    from sbpflow.data import ArrayFileSource
+
+    return any(isinstance(s, ArrayFileSource) for s in sources)

@@ -206,6 +206,8 @@ def check_job(job: Job, limits: Limits = LIMITS) -> None:
     _check_optimizer(job, limits)
     if job.data is not None:
         check_data(job.data, limits)
+    if job.eval_data is not None:
+        check_data(job.eval_data, limits)
 
 
 def check_graph(g: Graph, limits: Limits = LIMITS) -> None:
@@ -239,6 +241,8 @@ def _check_config(job: Job, limits: Limits) -> None:
     check_int(
         "job.config.checkpoint_every", c.checkpoint_every, 0, limits.steps, "give 0 (never) or a step count"
     )
+    check_int("job.config.eval_every", c.eval_every, 0, limits.steps, "give 0 (never) or a step count")
+    check_int("job.config.eval_batches", c.eval_batches, 1, limits.steps)
     m = limits.micro_batches
     check_int("job.config.gradient_accumulation_steps", c.gradient_accumulation_steps, 1, m)
     check_int("job.config.micro_batches", c.micro_batches, 1, m)

@@ -402,6 +402,8 @@ def config_to_proto(c: JobConfig) -> pb.JobConfig:
         checkpoint_every=c.checkpoint_every,
         grad_bucket_bytes=c.grad_bucket_bytes,
         fusion=c.fusion,
+        eval_every=c.eval_every,
+        eval_batches=c.eval_batches,
     )
 
 
@@ -419,6 +421,8 @@ def config_from_proto(m: pb.JobConfig) -> JobConfig:
         m.checkpoint_every,
         m.grad_bucket_bytes if m.HasField("grad_bucket_bytes") else GRAD_BUCKET_BYTES,
         m.fusion,
+        m.eval_every,
+        m.eval_batches or 1,
     )
 
 
@@ -442,6 +446,8 @@ def job_to_proto(job: Job) -> pb.Job:
         m.data.CopyFrom(data_to_proto(job.data))
     if job.optimizer is not None:
         m.optimizer.CopyFrom(optimizer_to_proto(job.optimizer))
+    if job.eval_data is not None:
+        m.eval_data.CopyFrom(data_to_proto(job.eval_data))
     return m
 
 
@@ -465,6 +471,7 @@ def job_from_proto(m: pb.Job) -> Job:
         loss=m.loss,
         fetches=tuple(m.fetches),
         format_version=m.format_version,
+        eval_data=data_from_proto(m.eval_data) if m.HasField("eval_data") else None,
     )
 
 

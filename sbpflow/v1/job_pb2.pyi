@@ -1256,6 +1256,8 @@ class JobConfig(_message.Message):
     CHECKPOINT_EVERY_FIELD_NUMBER: _builtins.int
     GRAD_BUCKET_BYTES_FIELD_NUMBER: _builtins.int
     FUSION_FIELD_NUMBER: _builtins.int
+    EVAL_EVERY_FIELD_NUMBER: _builtins.int
+    EVAL_BATCHES_FIELD_NUMBER: _builtins.int
     steps: _builtins.int
     """Optimizer steps to run."""
     gradient_accumulation_steps: _builtins.int
@@ -1282,6 +1284,12 @@ class JobConfig(_message.Message):
     """
     fusion: _builtins.bool
     """Fuse chains of elementwise ops into one kernel each."""
+    eval_every: _builtins.int
+    """Every this many steps (0: never) the loss over eval_batches batches of Job.eval_data (a held-out
+    split), from that step's checkpoint: a multiple of checkpoint_every.
+    """
+    eval_batches: _builtins.int
+    """0 reads as 1."""
     def __init__(
         self,
         *,
@@ -1297,10 +1305,12 @@ class JobConfig(_message.Message):
         checkpoint_every: _builtins.int = ...,
         grad_bucket_bytes: _builtins.int | None = ...,
         fusion: _builtins.bool = ...,
+        eval_every: _builtins.int = ...,
+        eval_batches: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_grad_bucket_bytes", b"_grad_bucket_bytes", "grad_bucket_bytes", b"grad_bucket_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grad_bucket_bytes", b"_grad_bucket_bytes", "activation_checkpointing", b"activation_checkpointing", "checkpoint_every", b"checkpoint_every", "fusion", b"fusion", "grad_bucket_bytes", b"grad_bucket_bytes", "gradient_accumulation_steps", b"gradient_accumulation_steps", "loss_scale", b"loss_scale", "micro_batches", b"micro_batches", "pipeline_schedule", b"pipeline_schedule", "precision", b"precision", "seed", b"seed", "steps", b"steps", "zero_stage", b"zero_stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grad_bucket_bytes", b"_grad_bucket_bytes", "activation_checkpointing", b"activation_checkpointing", "checkpoint_every", b"checkpoint_every", "eval_batches", b"eval_batches", "eval_every", b"eval_every", "fusion", b"fusion", "grad_bucket_bytes", b"grad_bucket_bytes", "gradient_accumulation_steps", b"gradient_accumulation_steps", "loss_scale", b"loss_scale", "micro_batches", b"micro_batches", "pipeline_schedule", b"pipeline_schedule", "precision", b"precision", "seed", b"seed", "steps", b"steps", "zero_stage", b"zero_stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__grad_bucket_bytes: _TypeAlias = _typing.Literal["grad_bucket_bytes"]  # noqa: Y015
     _WhichOneofArgType__grad_bucket_bytes: _TypeAlias = _typing.Literal["_grad_bucket_bytes", b"_grad_bucket_bytes"]  # noqa: Y015
@@ -1323,6 +1333,7 @@ class Job(_message.Message):
     CONFIG_FIELD_NUMBER: _builtins.int
     LOSS_FIELD_NUMBER: _builtins.int
     FETCHES_FIELD_NUMBER: _builtins.int
+    EVAL_DATA_FIELD_NUMBER: _builtins.int
     format_version: _builtins.int
     """Version of this format; currently 1. A reader refuses versions it does not know."""
     name: _builtins.str
@@ -1353,6 +1364,10 @@ class Job(_message.Message):
     def fetches(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Names of further tensors reported each step or returned in the result."""
 
+    @_builtins.property
+    def eval_data(self) -> Global___DataSource:
+        """The held-out split that config.eval_every evaluates on; absent: none."""
+
     def __init__(
         self,
         *,
@@ -1365,10 +1380,11 @@ class Job(_message.Message):
         config: Global___JobConfig | None = ...,
         loss: _builtins.str = ...,
         fetches: _abc.Iterable[_builtins.str] | None = ...,
+        eval_data: Global___DataSource | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "data", b"data", "graph", b"graph", "optimizer", b"optimizer"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "data", b"data", "eval_data", b"eval_data", "graph", b"graph", "optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "data", b"data", "fetches", b"fetches", "format_version", b"format_version", "graph", b"graph", "loss", b"loss", "name", b"name", "optimizer", b"optimizer", "parameters", b"parameters"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "data", b"data", "eval_data", b"eval_data", "fetches", b"fetches", "format_version", b"format_version", "graph", b"graph", "loss", b"loss", "name", b"name", "optimizer", b"optimizer", "parameters", b"parameters"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,81 @@
+"""Evaluation during training: ``eval_every`` steps, the held-out loss from that step's checkpoint, equal
+to the oracle's; on both backends, over the wire, and refused when it cannot be done."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import sbpflow as sf
+from sbpflow import reference, wire
+from sbpflow.control_plane.evaluation import eval_job
+from sbpflow.data import ArraySource
+from tests.client.nn.test_state import Train
+
+
+def sources() -> tuple[ArraySource, ArraySource]:
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(80, 8)), rng.integers(0, 4, size=80)
+    train = ArraySource(batch_size=16, arrays={"x": x[:48], "y": y[:48]})
+    held_out = ArraySource(batch_size=16, arrays={"x": x[48:], "y": y[48:]})
+    return train, held_out
+
+
+def job(every: int = 2, steps: int = 4, checkpoint_every: int = 0) -> sf.Job:
+    graph = Train(sf.nn.MLP([8, 16, 4]).to(sf.float64), steps)
+    graph.config.eval_every, graph.config.eval_batches = every, 2
+    graph.config.checkpoint_every = checkpoint_every
+    train, held_out = sources()
+    where = sf.placement("cpu", [0, 1])
+    return graph.trace(train, placement=where, input_sbp=sf.sbp.split(0), eval_data=held_out)
+
+
+def oracle(j: sf.Job, step: int) -> float:
+    """The mean held-out loss of the oracle's parameters after ``step`` steps."""
+    params = reference.train(j, steps=step).parameters
+    ev = eval_job(j)
+    return float(np.mean([reference.forward(ev, b, parameters=params)[j.loss] for b in range(2)]))
+
+
+def test_the_held_out_loss_every_eval_every_steps_is_the_oracles(tmp_path: Path) -> None:
+    j = job()
+    heard: list[tuple[int, float]] = []
+    result = sf.run(j, backend="inprocess", on_eval=lambda s, loss: heard.append((s, loss)))
+    assert [s for s, _ in result.evals] == [2, 4] and heard == list(result.evals)
+    for step, loss in result.evals:
+        assert loss == pytest.approx(oracle(j, step), rel=1e-12)
+    kept = sf.run(j, backend="inprocess", checkpoint_dir=str(tmp_path))  # into the run's own directory
+    assert kept.evals == result.evals and len(list(tmp_path.iterdir())) == 2
+
+
+def test_an_evaluation_every_four_steps_reads_every_second_checkpoint() -> None:
+    result = sf.run(job(every=4, steps=4, checkpoint_every=2), backend="inprocess")
+    assert [s for s, _ in result.evals] == [4]
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_ray_runs_evaluate_too() -> None:
+    j = job(every=4)
+    result = sf.run(j, backend="ray", timeout=120)
+    assert [s for s, _ in result.evals] == [4]
+    assert result.evals[0][1] == pytest.approx(oracle(j, 4), rel=1e-9)
+
+
+def test_the_held_out_split_and_the_setting_cross_the_wire() -> None:
+    j = job()
+    back = wire.job_from_proto(wire.job_to_proto(j))
+    assert back.eval_data == j.eval_data and back.config == j.config and back.config.eval_every == 2
+
+
+def test_what_cannot_be_evaluated_is_refused_naming_the_fix() -> None:
+    with pytest.raises(sf.SbpflowError, match="set checkpoint_every to it or to a divisor"):
+        job(every=3, checkpoint_every=2)
+    graph = Train(sf.nn.MLP([8, 16, 4]).to(sf.float64))
+    graph.config.eval_every = 2
+    with pytest.raises(sf.SbpflowError, match="eval_data="):
+        graph.trace(sources()[0])
+    odd = ArraySource(batch_size=16, arrays={"x": np.zeros((32, 5)), "y": np.zeros(32, np.int64)})
+    with pytest.raises(sf.SbpflowError, match="split the same source"):
+        graph.trace(sources()[0], eval_data=odd)
