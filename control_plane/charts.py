@@ -72,7 +72,8 @@ def line_chart(
         return f"<p class='nodata'>{esc(title or y_label)}: {why}</p>"
     xs = [x for pts in finite for x, _ in pts]
     ys = [y for pts in finite for _, y in pts]
-    xt, yt = nice_ticks(min(xs), max(xs)), nice_ticks(min(ys), max(ys))
+    want = max(2, (height - PAD_TOP - PAD_BOTTOM) // 36)  # a tick label every ~36 px at most
+    xt, yt = nice_ticks(min(xs), max(xs)), nice_ticks(min(ys), max(ys), want)
     x0, x1, y0, y1 = PAD_LEFT, width - PAD_RIGHT, height - PAD_BOTTOM, PAD_TOP
 
     def px(x: float) -> float:

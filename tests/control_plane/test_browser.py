@@ -67,6 +67,16 @@ def shot(driver: Any, name: str) -> None:
         driver.save_screenshot(str(Path(where) / f"{name}.png"))
 
 
+def open_signed_in(d: Any, url: str) -> None:
+    """Open ``url``, signing in on the way when the page asks for the token."""
+    from selenium.webdriver.common.by import By
+
+    d.get(url)
+    if "sign in" in d.title:  # the title, not a find: a find of what is absent waits out the implicit wait
+        d.find_element(By.ID, "token").send_keys("tok")
+        d.find_element(By.ID, "signin").click()
+
+
 def test_sign_in_open_a_job_and_see_its_curve(browser: Any, served: tuple[ControlPlane, JobHandle]) -> None:
     from selenium.webdriver.common.by import By
 
@@ -97,7 +107,7 @@ def test_a_block_of_the_plan_opens_on_click(browser: Any, served: tuple[ControlP
 
     plane, h = served
     d = browser
-    d.get(f"{plane.http_address}/jobs/{h.job_id}")  # signed in already
+    open_signed_in(d, f"{plane.http_address}/jobs/{h.job_id}")
     blocks = d.find_elements(By.CSS_SELECTOR, "section.block")
     assert blocks and not any(b.is_displayed() for b in blocks)
     target = d.find_element(By.CSS_SELECTOR, "#plan svg a")  # a node's link
@@ -122,3 +132,31 @@ def test_signing_out_locks_the_pages_again(browser: Any, served: tuple[ControlPl
     assert d.find_elements(By.ID, "token")  # the sign-in form
     d.get(f"{plane.http_address}/")
     assert d.find_elements(By.ID, "token")
+
+
+def test_a_running_jobs_page_refreshes_itself(browser: Any, served: tuple[ControlPlane, JobHandle]) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from sbpflow.client.client import Client
+
+    plane, _ = served
+    d = browser
+    with Client(plane.address, token="tok") as c:
+        h = c.submit(load("mlp").make_job(steps=100_000))  # runs until cancelled
+        try:
+            WebDriverWait(h, 60, 0.2).until(lambda h: h.status().step > 0)
+            open_signed_in(d, f"{plane.http_address}/jobs/{h.job_id}")
+            first = d.find_element(By.ID, "overview").text
+            assert (
+                "RUNNING" in first and d.find_element(By.TAG_NAME, "body").get_attribute("data-final") == "0"
+            )
+            # no reload: the page's own script swaps in the new step within a refresh or two
+            swapped = (StaleElementReferenceException,)  # the element read as the script replaced it
+            WebDriverWait(d, 60, 0.5, swapped).until(
+                lambda d: d.find_element(By.ID, "overview").text != first
+            )
+            assert d.find_elements(By.CSS_SELECTOR, "#curves svg.chart polyline")
+        finally:
+            h.cancel("the test has seen the page refresh")
