@@ -120,17 +120,16 @@ def launch_on(
     ready: Any = None,
     handoff: ComputeStream | None = None,
     wait: bool = True,
-    after_caller: bool = True,
 ) -> tuple[Any, Any]:
     """Run ``body()`` with ``side`` current, ordered after the caller's stream's work so far (or after
-    ``ready``, an event recorded earlier; neither without ``after_caller``: a header read from the host
-    depends on no kernel) and after the inputs still in the making; return its result and the event
+    ``ready``, an event recorded earlier) and after the inputs still in the making; return its result and the event
     recorded after it on ``side``. With ``wait`` the result is ordered before the caller's
     later work: at once on the caller's stream (no ``handoff``), or for its readers (``handoff``). A
     ``wait=False`` call (a send: nothing on the caller's side reads it) only returns the event."""
     caller = cuda.get_current_stream()
-    if after_caller:
-        side.wait_event(record(cuda, caller) if ready is None else ready)
+    # always, even for a header that reads no kernel's output: what body allocates may reuse a block a
+    # reader on the caller's stream has dropped but not yet run (see Memory above)
+    side.wait_event(record(cuda, caller) if ready is None else ready)
     if handoff is not None:
         handoff.wait_for(side, inputs)
     with side:

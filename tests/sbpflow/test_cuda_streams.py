@@ -198,17 +198,6 @@ def test_a_numpy_worker_has_no_compute_stream_and_a_gpu_one_hands_it_to_its_tran
     assert for_worker(Cupy(), None) is not None  # one GPU, no transport
 
 
-def test_a_header_round_waits_for_no_kernel_of_the_caller() -> None:
-    cuda = FakeCuda()
-    compute = ComputeStream(cuda)
-    compute.enter()
-    cuda.kernel("backward")  # still running when the header goes out
-    side = cuda.Stream(non_blocking=True)
-    launch_on(cuda, side, Array, (), None, compute, wait=False, after_caller=False)
-    assert not [e for e in cuda.log if e[0] == "wait"]
-    assert not [e for e in cuda.log if e[0] == "record" and e[1] == compute.stream.name]
-
-
 def test_a_communication_act_leaves_the_compute_stream_running() -> None:
     cuda = FakeCuda()
     compute = ComputeStream(cuda)

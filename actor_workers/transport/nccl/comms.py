@@ -158,16 +158,13 @@ class NcclComms:
         keep: Sequence[Any] = (),
         ready: Any = None,
         wait: bool = True,
-        after_caller: bool = True,
     ) -> tuple[Any, Any]:
         """Run ``body()`` (its NCCL calls and cupy work) on ``comm``'s stream after ``ready`` (default: the
         caller's stream's work so far) and after ``inputs`` still being made on other streams; order its
         result before the caller's readers (unless ``wait`` is false: nothing on the caller's side reads a
         send), at once or through the worker's compute stream (:func:`sbpflow.cuda_streams.launch_on`); keep
-        ``inputs`` and ``keep`` alive until it is done; ``after_caller=False``: it reads nothing the caller's
-        stream makes (a header). Returns the result and its done event."""
-        cuda = self.cp.cuda
-        result, done = launch_on(cuda, comm.stream, body, inputs, ready, self.compute, wait, after_caller)
+        ``inputs`` and ``keep`` alive until it is done. Returns the result and its done event."""
+        result, done = launch_on(self.cp.cuda, comm.stream, body, inputs, ready, self.compute, wait)
         while comm.inflight and comm.inflight[0][0].done:
             comm.inflight.popleft()
         comm.inflight.append((done, (*inputs, *keep)))

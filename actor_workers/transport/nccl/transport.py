@@ -224,7 +224,7 @@ class NcclTransport(NcclComms):
             comm.handle.recv(head.data.ptr, HEADER_WORDS, code, 0, comm.stream.ptr)
             return head
 
-        head, done = self.run(comm, post_header, wait=False, after_caller=False)
+        head, done = self.run(comm, post_header, wait=False)
         self._wait(done, comm, f"{what} (message #{comm.calls})")
         got = decode(head.get(stream=comm.stream))
         assert got.dtype is not None and got.shape is not None
@@ -311,7 +311,7 @@ class NcclTransport(NcclComms):
             comm.handle.allGather(words.data.ptr, every.data.ptr, HEADER_WORDS, code, comm.stream.ptr)
             return every
 
-        every, done = self.run(comm, gather, wait=False, after_caller=False)  # host words: no kernel
+        every, done = self.run(comm, gather, wait=False)
         what = f"{decode(mine).op} tag {tag!r} (collective #{comm.calls} of group {group})"
         self._wait(done, comm, what)
         headers = [decode(row) for row in every.get(stream=comm.stream)]
