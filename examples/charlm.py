@@ -11,6 +11,7 @@ read character by character (vocabulary 128). The model is :mod:`gpt`'s GPT-2 wi
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -46,8 +47,31 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def make_job(**kwargs: Any) -> sf.Job:
-    return _gpt().make_job(**{**DEFAULTS, **kwargs, "text": "pysrc"})
+# the held-out split: other packages of the standard library than the training text's (sf.corpus.PACKAGES)
+HELD_OUT = ("concurrent", "sqlite3", "wsgiref", "html", "tomllib")
+
+
+def held_out(seq_len: int, batch_size: int) -> sf.data.TokenFileSource:
+    """Windows of text the model never trains on, in order."""
+    path = sf.corpus.python_sources(packages=HELD_OUT, max_chars=400_000)
+    return sf.data.TokenFileSource(
+        path=str(path), dtype=sf.int32, seq_len=seq_len, batch_size=batch_size, shuffle=False
+    )
+
+
+def make_job(eval_every: int = 0, eval_batches: int = 4, **kwargs: Any) -> sf.Job:
+    """The job; ``eval_every`` > 0 (``--set eval_every=50``) also reports the loss on held-out text
+    every that many steps, over ``eval_batches`` batches."""
+    args = {**DEFAULTS, **kwargs, "text": "pysrc"}
+    job = _gpt().make_job(**args)
+    if eval_every:
+        every = job.config.checkpoint_every or eval_every  # an evaluation reads its step's checkpoint
+        config = dataclasses.replace(
+            job.config, eval_every=eval_every, eval_batches=eval_batches, checkpoint_every=every
+        )
+        job = dataclasses.replace(job, config=config, eval_data=held_out(args["seq_len"], args["batch_size"]))
+        job.verify()
+    return job
 
 
 def make_model(

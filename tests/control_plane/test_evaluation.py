@@ -79,3 +79,16 @@ def test_what_cannot_be_evaluated_is_refused_naming_the_fix() -> None:
     odd = ArraySource(batch_size=16, arrays={"x": np.zeros((32, 5)), "y": np.zeros(32, np.int64)})
     with pytest.raises(sf.SbpflowError, match="split the same source"):
         graph.trace(sources()[0], eval_data=odd)
+
+
+def test_the_char_lm_evaluates_on_text_it_never_trains_on() -> None:
+    from tests.client.test_examples import load
+
+    charlm = load("charlm")
+    j = charlm.make_job(
+        ranks=1, steps=2, eval_every=2, eval_batches=1, width=16, seq_len=16, batch_size=4, layers=1
+    )
+    assert j.eval_data is not None and j.data is not None and j.eval_data.path != j.data.path  # type: ignore[attr-defined]
+    assert not set(charlm.HELD_OUT) & set(sf.corpus.PACKAGES)
+    ((step, loss),) = sf.run(j, backend="inprocess").evals
+    assert step == 2 and 3.0 < loss < 6.0  # ln(128) = 4.85 at the start
