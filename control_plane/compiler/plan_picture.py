@@ -161,7 +161,9 @@ def _node_line(n: Node, i: int) -> str:
         return f'n{i} [label={quote(n.label)}, tooltip={quote(op.name)}, {look}, URL="#{anchor(i)}"];'
     kinds = sorted({o.op_type for o in n.ops})
     detail = f"{n.label} ({n.phase}): {len(n.ops)} ops: {', '.join(kinds)}"
-    label = quote(f"{n.label}\n{len(n.ops)} op{'s' if len(n.ops) > 1 else ''}")
+    stages = sorted({o.stage for o in n.ops})
+    where = f" · stage {', '.join(map(str, stages))}" if stages != [0] else ""  # a pipeline's stage
+    label = quote(f"{n.label}\n{len(n.ops)} op{'s' if len(n.ops) > 1 else ''}{where}")
     return (
         f'n{i} [label={label}, tooltip={quote(detail)}, fillcolor="{PHASE_FILL[n.phase]}", '
         f'URL="#{anchor(i)}"];'

@@ -75,3 +75,11 @@ def test_without_dot_the_built_in_layout_draws_the_same_nodes(
 
 def test_a_graphviz_label_is_quoted() -> None:
     assert plan_picture.quote('a "b"\\c\nd') == '"a \\"b\\"\\\\c\\nd"'
+
+
+def test_a_pipeline_block_says_its_stage() -> None:
+    c = compile(load("mlp").make_job(ranks=2, pp=2, layers=2, micro_batches=2), lower="none")
+    bg = plan_picture.block_graph(c.state)
+    text = plan_picture.overview_dot(bg)
+    last = [n for n in bg.nodes.values() if not n.boxing and {op.stage for op in n.ops} == {1}]
+    assert last and "stage 1" in text and "stage 0" not in text
