@@ -312,7 +312,12 @@ def _handler_class(endpoint: StatusEndpoint) -> type[BaseHTTPRequestHandler]:
                 self._reply(_error(413, f"a form of at most {MAX_FORM} bytes, with its Content-Length"))
                 return
             raw = self.rfile.read(int(size)).decode("utf-8", errors="replace")
-            self._serve(parse_qs(raw, max_num_fields=16))
+            try:
+                form = parse_qs(raw, max_num_fields=16)
+            except ValueError as e:
+                self._reply(_error(400, f"malformed form: {str(e)[:200]}; send token=...&next=/path"))
+                return
+            self._serve(form)
 
         def _serve(self, form: dict[str, list[str]] | None) -> None:
             try:

@@ -153,3 +153,13 @@ def test_without_a_token_login_goes_straight_through(tmp_path: Path) -> None:
         assert code == 200 and "sign out" not in page
     finally:
         plane.stop()
+
+
+def test_a_malformed_or_oversized_form_is_refused(served: tuple[ControlPlane, JobHandle, JobHandle]) -> None:
+    base = served[0].http_address
+    many = {f"f{i}": "x" for i in range(40)}
+    code, _, body = request(base, "POST", "/login", many)
+    assert code == 400 and "malformed form" in body
+    code, _, body = request(base, "POST", "/login", {"token": "x" * 10_000})
+    assert code == 413 and "at most" in body
+    assert request(base, "POST", "/v1/jobs", {})[0] == 405  # the API takes no POST
