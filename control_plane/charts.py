@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
 MAX_MARKS = 200  # hover marks per series; a longer series gets every k-th point marked
+MAX_POINTS = 1000  # points of a drawn line; a longer series is thinned to about this many
 Scale = Callable[[float], float]  # a data value to a pixel coordinate
 PAD_LEFT, PAD_RIGHT, PAD_TOP, PAD_BOTTOM = 58, 64, 12, 38
 
@@ -121,7 +122,9 @@ def _axes(
 
 def _line(name: str, pts: list[tuple[float, float]], color: str, px: Scale, py: Scale, x_label: str) -> str:
     esc = html.escape
-    xy = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
+    stride = max(1, math.ceil(len(pts) / MAX_POINTS))  # a long run: every k-th point, and the last
+    line = pts[::stride] + ([pts[-1]] if (len(pts) - 1) % stride else [])
+    xy = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in line)
     every = max(1, math.ceil(len(pts) / MAX_MARKS))
     marks = "".join(
         f"<circle cx='{px(x):.1f}' cy='{py(y):.1f}' r='2.5' fill='{color}'>"

@@ -57,3 +57,11 @@ def test_numbers_stay_short() -> None:
         "1.23e+04",
         "1.5e+07",
     ]
+
+
+def test_a_long_run_is_thinned_but_keeps_its_ends() -> None:
+    points = tuple((float(i), 1.0 / (i + 1)) for i in range(100_000))
+    svg = line_chart([Series("loss", points)], x_label="step", y_label="loss")
+    xy = re.search(r"points='([^']*)'", svg).group(1).split()
+    assert 900 <= len(xy) <= 1001 and len(svg) < 200_000
+    assert ">1e-05</text>" in svg  # the last value is the last point's
