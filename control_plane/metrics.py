@@ -10,6 +10,7 @@ manager's live worker rows) at scrape time, so they are never stale:
 | ``sbpflow_job_step`` | job_id, name | last completed step |
 | ``sbpflow_job_loss`` | job_id, name | loss of the last completed step |
 | ``sbpflow_job_samples_per_second`` | job_id, name | throughput of the last step |
+| ``sbpflow_job_eval_loss`` | job_id, name | held-out loss of the latest evaluation (``eval_every``) |
 | ``sbpflow_job_attempt`` | job_id, name | attempt number, 1-based (grows on each restart) |
 | ``sbpflow_worker_up`` | job_id, rank | 1 while the worker is starting or running, else 0 |
 | ``sbpflow_compile_seconds`` | | time from COMPILING to STARTING |
@@ -66,6 +67,9 @@ class _StoreCollector(Collector):
         up = GaugeMetricFamily(
             "sbpflow_worker_up", "1 while a worker starts or runs", labels=["job_id", "rank"]
         )
+        held_out = GaugeMetricFamily(
+            "sbpflow_job_eval_loss", "Held-out loss of a job's latest evaluation", labels=labels
+        )
         since = time.time() - EXPIRE_SECONDS
         recs = {r.id: r for r in self._store.list(limit=RECENT) if (r.finished or r.updated) >= since}
         recs.update((r.id, r) for r in self._store.list(IN_FLIGHT, limit=MAX_JOBS))
@@ -76,10 +80,12 @@ class _StoreCollector(Collector):
                 loss.add_metric(key, r.loss)
             sps.add_metric(key, r.samples_per_second or 0.0)
             attempt.add_metric(key, r.attempt)
+            if r.eval_step > 0 and r.eval_loss is not None:
+                held_out.add_metric(key, r.eval_loss)
             if r.state in IN_FLIGHT:
                 for w in self._workers(r.id):
                     up.add_metric([r.id, str(w.rank)], 1.0 if w.state in _UP else 0.0)
-        yield from (step, loss, sps, attempt, up)
+        yield from (step, loss, sps, attempt, up, held_out)
 
 
 class Metrics:

@@ -1,7 +1,7 @@
 """What a job's run says, turned into store writes: ``sf.run``'s listeners for one job of the job manager.
 
 ``on_state`` moves the job along its lifecycle, ``on_step`` records each step (numbered from the start
-of the job, not of the run, which may resume a checkpoint), ``on_attempt`` records a restart as the
+of the job, not of the run, which may resume a checkpoint), ``on_eval`` the held-out loss, ``on_attempt`` records a restart as the
 job's next attempt (reason ``WORKER_LOST``, a "state" event back to STARTING), and ``on_report`` keeps the
 live per-worker rows and the workers' log lines. Every write wakes the manager's streams.
 
@@ -74,6 +74,14 @@ class RunListeners:
         self._write(self.m.store.record_step, self.job_id, step, s.loss, s.samples_per_second, s.step_seconds)
         if self.m.metrics is not None:
             self.m.metrics.step_seconds.observe(s.step_seconds)
+        self.m._notify(self.job_id)
+
+    def on_eval(self, step: int, loss: float) -> None:
+        """An evaluation on the held-out split at ``step`` (numbered from the job's start already)."""
+        self._write(self.m.store.record_eval, self.job_id, step, loss)
+        self._write(
+            self.m.store.append_log, self.job_id, -1, "INFO", f"step {step}: held-out loss {loss:.4f}"
+        )
         self.m._notify(self.job_id)
 
     def on_attempt(self, attempt: int, first_step: int, reason: str, message: str) -> None:

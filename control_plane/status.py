@@ -59,6 +59,8 @@ def job_status(rec: JobRecord, workers: Sequence[WorkerRecord] = ()) -> sp.JobSt
     )
     if rec.loss is not None:
         m.loss = rec.loss
+    if rec.eval_step > 0 and rec.eval_loss is not None:
+        m.eval_step, m.eval_loss = rec.eval_step, rec.eval_loss
     return m
 
 

@@ -196,6 +196,15 @@ class JobStore(JobSideTables):
             self._append_event(job_id, "state", state, reason, message, data, now=now)
             return self._get(job_id)
 
+    def record_eval(self, job_id: str, step: int, loss: float) -> None:
+        """Record the latest evaluation on the held-out split (a later step's replaces an earlier's)."""
+        with self._tx():
+            self._get(job_id)
+            self._db.execute(
+                "UPDATE jobs SET eval_step = ?, eval_loss = ?, updated = ? WHERE id = ? AND eval_step <= ?",
+                (step, loss_column(loss), time.time(), job_id, step),
+            )
+
     def record_step(
         self, job_id: str, step: int, loss: float, samples_per_second: float, step_seconds: float = 0.0
     ) -> None:

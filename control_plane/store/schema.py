@@ -8,7 +8,9 @@ Version 3 added ``resumed_from`` (the job whose checkpoint a resumed job started
 ``resume_checkpoint`` (that checkpoint's path). Version 4 keeps non-finite losses: SQLite stores an
 infinity in a REAL column but turns NaN into NULL, so ``losses.loss`` may be NULL, which there means NaN
 (every row of ``losses`` has a loss), and ``jobs.loss_nan`` says that the job's last loss is NaN (its
-``loss`` NULL then, which otherwise means no step yet). A file of an older version is migrated in place
+``loss`` NULL then, which otherwise means no step yet). Version 5 keeps the latest evaluation on the
+held-out split (``eval_step``, 0 before the first, and ``eval_loss``; NaN as NULL with ``eval_step``
+set). A file of an older version is migrated in place
 on open by ``MIGRATIONS[v]`` for each version ``v`` it is behind.
 """
 
@@ -21,7 +23,7 @@ from typing import Any
 
 from sbpflow.run_state import JobState, WorkerState
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class JobRecord:
     slots: int = 0
     resumed_from: str = ""  # the job whose checkpoint this one started from ('' = a fresh job)
     resume_checkpoint: str = ""  # that checkpoint's path
+    eval_step: int = 0  # the step of the latest evaluation on the held-out split (0: none yet)
+    eval_loss: float | None = None  # its loss
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     slots INTEGER NOT NULL DEFAULT 0,
     resumed_from TEXT NOT NULL DEFAULT '',
     resume_checkpoint TEXT NOT NULL DEFAULT '',
-    loss_nan INTEGER NOT NULL DEFAULT 0
+    loss_nan INTEGER NOT NULL DEFAULT 0,
+    eval_step INTEGER NOT NULL DEFAULT 0,
+    eval_loss REAL
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 CREATE INDEX IF NOT EXISTS jobs_created ON jobs(created);
@@ -196,11 +202,16 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "DROP TABLE losses",
         "ALTER TABLE losses_v4 RENAME TO losses",
     ),
+    4: (
+        "ALTER TABLE jobs ADD COLUMN eval_step INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN eval_loss REAL",
+    ),
 }
 
 COLUMNS = (
     "id, name, state, reason, message, attempt, step, loss, samples_per_second, created, updated, "
-    "started, finished, job_proto, client_id, total_steps, slots, resumed_from, resume_checkpoint, loss_nan"
+    "started, finished, job_proto, client_id, total_steps, slots, resumed_from, resume_checkpoint, loss_nan, "
+    "eval_step, eval_loss"
 )
 
 
@@ -221,7 +232,8 @@ def loss_from_column(x: Any, nan: bool = True) -> float | None:
 def record_from_row(row: Sequence[Any]) -> JobRecord:
     """A ``JobRecord`` from a row of ``SELECT {COLUMNS} FROM jobs``."""
     (id_, name, state, reason, message, attempt, step, loss, sps, created, updated, started, finished,
-     blob, client_id, total_steps, slots, resumed_from, resume_checkpoint, loss_nan) = row  # fmt: skip
+     blob, client_id, total_steps, slots, resumed_from, resume_checkpoint, loss_nan, eval_step,
+     eval_loss) = row  # fmt: skip
     return JobRecord(
         id=str(id_),
         name=str(name),
@@ -242,4 +254,6 @@ def record_from_row(row: Sequence[Any]) -> JobRecord:
         slots=int(slots),
         resumed_from=str(resumed_from),
         resume_checkpoint=str(resume_checkpoint),
+        eval_step=int(eval_step),
+        eval_loss=loss_from_column(eval_loss, int(eval_step) > 0),
     )

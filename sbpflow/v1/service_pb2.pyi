@@ -172,6 +172,8 @@ class JobStatus(_message.Message):
     RESUMED_FROM_FIELD_NUMBER: _builtins.int
     RESUME_CHECKPOINT_FIELD_NUMBER: _builtins.int
     OPTIONS_FIELD_NUMBER: _builtins.int
+    EVAL_STEP_FIELD_NUMBER: _builtins.int
+    EVAL_LOSS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Id assigned at Submit."""
     name: _builtins.str
@@ -200,6 +202,10 @@ class JobStatus(_message.Message):
     """Id of the job whose checkpoint this one started from (a Resume call); empty for a fresh job."""
     resume_checkpoint: _builtins.str
     """Path of the checkpoint this job started from (a Resume call); empty for a fresh job."""
+    eval_step: _builtins.int
+    """Step of the latest evaluation on the held-out split (JobConfig.eval_every); 0 before the first."""
+    eval_loss: _builtins.float
+    """Its loss (the mean over JobConfig.eval_batches batches); absent before the first."""
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerStatus]:
         """One entry per rank, sorted by rank; empty before STARTING."""
@@ -241,13 +247,20 @@ class JobStatus(_message.Message):
         resumed_from: _builtins.str = ...,
         resume_checkpoint: _builtins.str = ...,
         options: Global___RunOptions | None = ...,
+        eval_step: _builtins.int = ...,
+        eval_loss: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "created", b"created", "finished", b"finished", "loss", b"loss", "options", b"options", "started", b"started"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_loss", b"_eval_loss", "_loss", b"_loss", "created", b"created", "eval_loss", b"eval_loss", "finished", b"finished", "loss", b"loss", "options", b"options", "started", b"started"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "attempt", b"attempt", "created", b"created", "finished", b"finished", "job_id", b"job_id", "last_checkpoint", b"last_checkpoint", "loss", b"loss", "message", b"message", "name", b"name", "options", b"options", "reason", b"reason", "resume_checkpoint", b"resume_checkpoint", "resumed_from", b"resumed_from", "samples_per_second", b"samples_per_second", "started", b"started", "state", b"state", "step", b"step", "total_steps", b"total_steps", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_loss", b"_eval_loss", "_loss", b"_loss", "attempt", b"attempt", "created", b"created", "eval_loss", b"eval_loss", "eval_step", b"eval_step", "finished", b"finished", "job_id", b"job_id", "last_checkpoint", b"last_checkpoint", "loss", b"loss", "message", b"message", "name", b"name", "options", b"options", "reason", b"reason", "resume_checkpoint", b"resume_checkpoint", "resumed_from", b"resumed_from", "samples_per_second", b"samples_per_second", "started", b"started", "state", b"state", "step", b"step", "total_steps", b"total_steps", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__eval_loss: _TypeAlias = _typing.Literal["eval_loss"]  # noqa: Y015
+    _WhichOneofArgType__eval_loss: _TypeAlias = _typing.Literal["_eval_loss", b"_eval_loss"]  # noqa: Y015
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__eval_loss) -> _WhichOneofReturnType__eval_loss | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__loss) -> _WhichOneofReturnType__loss | None: ...
 
 Global___JobStatus: _TypeAlias = JobStatus  # noqa: Y015
