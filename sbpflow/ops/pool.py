@@ -22,7 +22,7 @@ from sbpflow.ops.base import (
     defop,
     sig,
 )
-from sbpflow.ops.conv import check_float, out_size, pair, scatter_windows, windows
+from sbpflow.ops.conv import check_float, out_size, pair, scatter_windows, tap_slices, windows
 from sbpflow.ops.rows import all_broadcast
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import TensorMeta
@@ -80,25 +80,48 @@ def _grad_x(op: str, dy: TensorMeta, attrs: Attrs) -> TensorMeta:
 # ---- max_pool2d ----------------------------------------------------------------------------------
 
 
-def _max_windows(ctx: KernelContext, x: Any) -> Any:
-    g = _geometry("max_pool2d", ctx.attrs)
-    cols = windows(ctx.xp, x, g["kernel"], g, fill=-ctx.xp.inf)  # padding never wins the max
-    return cols.reshape(*cols.shape[:4], -1)  # [N, C, OH, OW, KH*KW] (a copy)
+def _taps(g: dict[str, tuple[int, int]], out_hw: tuple[int, int]) -> list[tuple[slice, ...]]:
+    """For each kernel tap, row-major, the index into the padded input of what it reads in every window."""
+    taps = tap_slices(g["kernel"], g["stride"], g["dilation"], out_hw)
+    return [(slice(None), slice(None), rows, columns) for _, _, rows, columns in taps]
+
+
+def _padded(xp: Any, x: Any, g: dict[str, tuple[int, int]]) -> Any:
+    ph, pw = g["padding"]
+    return xp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=-xp.inf) if ph or pw else x
+
+
+def _out_hw(x: Any, g: dict[str, tuple[int, int]]) -> tuple[int, int]:
+    k, s, p = g["kernel"], g["stride"], g["padding"]
+    return out_size(x.shape[2], k[0], s[0], p[0], 1), out_size(x.shape[3], k[1], s[1], p[1], 1)
 
 
 def _max_pool_kernel(ctx: KernelContext, x: Any) -> Any:
-    return ctx.xp.max(_max_windows(ctx, x), axis=-1)
+    # the running maximum over the taps: KH*KW elementwise maxima, no window copy; -inf padding never wins
+    xp, g = ctx.xp, _geometry("max_pool2d", ctx.attrs)
+    padded, taps = _padded(xp, x, g), _taps(g, _out_hw(x, g))
+    y = xp.array(padded[taps[0]], copy=True)
+    for t in taps[1:]:
+        xp.maximum(y, padded[t], out=y)
+    return y
 
 
 def _max_pool_grad_kernel(ctx: KernelContext, x: Any, dy: Any) -> Any:
-    # dy goes to the first maximum of each window (as torch), added where windows overlap
-    xp = ctx.xp
-    cols = _max_windows(ctx, x)
-    first = xp.argmax(cols, axis=-1)[..., None]
-    hits = xp.arange(cols.shape[-1]) == first  # [N, C, OH, OW, KH*KW] one-hot
-    g = _geometry("max_pool2d_grad", ctx.attrs)
-    dcols = xp.where(hits, dy[..., None], 0.0).astype(dy.dtype).reshape(*cols.shape[:4], *g["kernel"])
-    return xp.ascontiguousarray(scatter_windows(xp, dcols, x.shape, g))
+    # dy goes to the first maximum of each window (as torch), added where windows overlap: the taps in
+    # row-major order, each taking the windows whose maximum it holds that no earlier tap took
+    xp, g = ctx.xp, _geometry("max_pool2d_grad", ctx.attrs)
+    padded, taps = _padded(xp, x, g), _taps(g, dy.shape[2:])
+    y = _max_pool_kernel(ctx, x)
+    dx = xp.zeros(padded.shape, dtype=dy.dtype)
+    open_ = xp.ones(dy.shape, dtype=bool)  # windows whose maximum no tap has taken yet
+    hit, share = xp.empty(dy.shape, dtype=bool), xp.empty_like(dy)
+    for t in taps:
+        xp.equal(padded[t], y, out=hit)
+        xp.logical_and(hit, open_, out=hit)
+        xp.logical_xor(open_, hit, out=open_)
+        dx[t] += xp.multiply(dy, hit, out=share)
+    (ph, pw), (h, w) = g["padding"], x.shape[2:]
+    return xp.ascontiguousarray(dx[:, :, ph : ph + h, pw : pw + w])
 
 
 defop(

@@ -40,22 +40,35 @@ def test_resnet18_data_parallel_equals_one_device(ranks: int) -> None:
 
 
 def test_resnet18_batch_norm_statistics_are_reduced_across_ranks_under_data_parallelism() -> None:
-    """Every batch-norm mean over the batch is P per rank and reaches its readers only through a boxing
-    that sums it over the ranks (all-reduce to B, or reduce-scatter over channels): synchronised BN. The
+    """A batch-norm mean over a batch split S(0) is P per rank and reaches its readers only through a
+    boxing that sums it over the ranks (all-reduce to B, or reduce-scatter over channels): synchronised
+    BN. (Where SBP inference replicates a layer's batch, B, its statistics are whole already.) The
     running statistics' update reads a reshape of it, which is linear and stays P until its boxing."""
     compiled = compile_job(resnet_job(4), lower=False)
     graph, plans = compiled.state.graph, compiled.state.boxings
-    means = {o.outputs[0] for o in graph.ops if o.op_type == "mean"}  # only batch norm takes means
+    means = [o for o in graph.ops if o.op_type == "mean"]  # only batch norm takes means
     assert len(means) == 2 * 20, "a mean and a variance per batch norm: ResNet-18 has 20"
-    partial = means | {o.outputs[0] for o in graph.ops if o.op_type == "reshape" and means & set(o.inputs)}
-    assert len(partial) == 2 * len(means), "each statistic reshaped once for its running statistic"
-    assert {str(graph.tensors[m].sbp) for m in partial} == {"(P,)"}
+    for o in means:
+        split = str(graph.tensors[o.inputs[0]].sbp) == "(S(0),)"
+        assert str(graph.tensors[o.outputs[0]].sbp) == ("(P,)" if split else "(B,)"), o.name
+    stats = {o.outputs[0] for o in means}
+    partial = {m for m in stats if str(graph.tensors[m].sbp) == "(P,)"}
+    assert len(partial) >= len(stats) // 2, "the batch is split over the ranks for most layers"
+    partial |= {o.outputs[0] for o in graph.ops if o.op_type == "reshape" and partial & set(o.inputs)}
     for o in graph.ops:
         read = partial.intersection(o.inputs)
         if read and not (o.op_type == "reshape" and o.outputs[0] in partial):
             assert o.op_type == BOXING, f"{o.name} reads the partial statistic {read} unreduced"
             assert repr(plans[o.name]).startswith("P -> "), plans[o.name]
-    updated = {o.inputs[0] for o in graph.ops if o.op_type == "running_stat"}
+    producer = {out: o for o in graph.ops for out in o.outputs}
+
+    def source(t: str) -> str:  # through reshapes and boxings, to the op that computed the statistic
+        o = producer[t]
+        return source(o.inputs[0]) if o.op_type in ("reshape", BOXING) else o.op_type
+
+    running = [o for o in graph.ops if o.op_type == "running_stat"]
+    assert {source(o.inputs[1]) for o in running} == {"mean"}, "each reads its batch statistic"
+    updated = {o.inputs[0] for o in running}
     assert len(updated) == 40 and updated <= set(compiled.state.updates), "every running statistic"
 
 
