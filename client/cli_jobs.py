@@ -373,8 +373,11 @@ def _layout_of(args: argparse.Namespace) -> Callable[[Any], Any] | None:
             "trained it, e.g. --example examples/charlm.py"
         )
     from sbpflow.client.cli import _load_example
+    from sbpflow.client.set_values import param_types, parse_set
 
-    bound = _load_example(args.example).make_job().bound
+    make_job = _load_example(args.example).make_job
+    kwargs = dict(parse_set(item, param_types(make_job)) for item in args.set or ())
+    bound = make_job(**kwargs).bound
     return lambda tensors: bound.to_layout(args.layout, tensors)
 
 
@@ -403,6 +406,9 @@ def _export_flags(p: argparse.ArgumentParser) -> None:
         help="torch: nanoGPT/GPT-2 names, Linear weights [out, in], qkv as [q | k | v] (needs --example)",
     )
     p.add_argument("--example", help="with --layout torch: the example file whose make_job() built the model")
+    p.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="with --example: make_job's arguments, as trained"
+    )
 
 
 # name -> (command, help, flags beyond the example's, takes an example file, is a client of a server)

@@ -74,8 +74,10 @@ class DataPolicy:
         return p is not None and any(p == r or p.is_relative_to(r) for r in self.roots)
 
     def check(self, job: Job) -> None:
-        """Refuse ``job`` (DataAccessDenied) if its data names a file outside the roots."""
-        for what, path in data_paths(job.data):
+        """Refuse ``job`` (DataAccessDenied) if its data (or its held-out split) names a file outside
+        the roots."""
+        held_out = [(f"held-out {what}", path) for what, path in data_paths(job.eval_data)]
+        for what, path in [*data_paths(job.data), *held_out]:
             if not self.allows(path):
                 where = (
                     f"under the data roots {[str(r) for r in self.roots]}"

@@ -169,10 +169,10 @@ def make_job(tp: bool = False) -> sf.Job:
 """
 
 
-def _example(where: Path, tp: bool) -> Path:
+def _example(where: Path) -> Path:
     """An example file whose make_job builds the same model (what export reads the layout off)."""
     path = where / "example.py"
-    path.write_text(EXAMPLE.replace("tp: bool = False", f"tp: bool = {tp}"))
+    path.write_text(EXAMPLE)
     return path
 
 
@@ -213,7 +213,7 @@ def test_an_export_in_torch_layout_loads_into_pytorch_and_gives_the_same_logits(
     ours = next(iter(out.values()))[0]
     exported = tmp_path / "torch.safetensors"
     cli = [sys.executable, "-m", "sbpflow.client.cli", "export", str(ck), "--layout", "torch"]
-    cli += ["--example", str(_example(tmp_path, tp)), "--out", str(exported)]
+    cli += ["--example", str(_example(tmp_path)), "--set", f"tp={tp}", "--out", str(exported)]
     subprocess.run(cli, check=True, capture_output=True, text=True)
     file = TensorFile(exported)  # the bytes are safetensors; the safetensors package is not a dependency
     state = {k: torch.from_numpy(file.read(k)) for k in file.names()}

@@ -92,3 +92,20 @@ def test_the_char_lm_evaluates_on_text_it_never_trains_on() -> None:
     assert not set(charlm.HELD_OUT) & set(sf.corpus.PACKAGES)
     ((step, loss),) = sf.run(j, backend="inprocess").evals
     assert step == 2 and 3.0 < loss < 6.0  # ln(128) = 4.85 at the start
+
+
+def test_a_held_out_file_outside_the_data_roots_is_refused(tmp_path: Path) -> None:
+    import dataclasses
+    import shutil
+
+    from sbpflow.control_plane.data_policy import DataAccessDenied, DataPolicy
+    from tests.client.test_examples import load
+
+    j = load("charlm").make_job(ranks=1, steps=2, eval_every=2, width=16, seq_len=16, batch_size=4, layers=1)
+    elsewhere = tmp_path / "held_out.int32"
+    shutil.copy(j.eval_data.path, elsewhere)  # type: ignore[union-attr]
+    j = dataclasses.replace(j, eval_data=dataclasses.replace(j.eval_data, path=str(elsewhere)))  # type: ignore[type-var]
+    policy = DataPolicy.under([Path(j.data.path).parent])  # type: ignore[union-attr]
+    with pytest.raises(DataAccessDenied, match="held-out"):
+        policy.check(j)
+    DataPolicy.under([Path(j.data.path).parent, tmp_path]).check(j)  # type: ignore[union-attr]
