@@ -193,7 +193,10 @@ def _act(
     kind = task.kind
     if kind in (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER):
         names = ([regs[r].tensor for r in task.in_registers], [regs[r].tensor for r in task.out_registers])
-        return tasks.kernel_act(rc, task, names, donated, recycle)
+        reuse = None
+        if kind == pp.TASK_KIND_KERNEL and not looped and rc.xp is np and task.out_registers:
+            reuse = tasks.OutputReuse([regs[r].count == 1 for r in task.out_registers])
+        return tasks.kernel_act(rc, task, names, donated, recycle, reuse)
     if kind == pp.TASK_KIND_DATA_LOAD:
         return tasks.data_load_act(rc, _tensor(rc, task), task.micro_batch, tuple(task.coord))
     if kind == pp.TASK_KIND_ACCUMULATE:

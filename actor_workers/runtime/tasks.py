@@ -23,6 +23,7 @@ acts are in :mod:`.boxing_tasks`.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -130,6 +131,42 @@ class Recycler:
         return buffer
 
 
+# References to a kernel's previous output when nobody else holds it: OutputReuse.prev, the engine's
+# Register.last (a register's newest value), the local name in ``take`` and getrefcount's argument.
+# Any holder beyond those (a consumer's inbox, a view's base, the store, a fetch, a transfer in flight)
+# adds one, and the array is not lent (tests/actor_workers/runtime/test_output_reuse.py pins the count).
+UNHELD = 4
+
+
+class OutputReuse:
+    """A kernel writes each output into its own previous value of that output once nobody holds it.
+
+    Register reuse by lifetime: a one-slot register's value of step ``s`` is dead once every consumer has
+    acked it, which is before the producer can act for step ``s + 1`` (the slot must be free). What the
+    plan cannot see — a consumer that passed on a view of it, stored it, or still sends it — holds a
+    reference, so CPython's refcount decides at each act (:data:`UNHELD`). Only arrays that own their
+    memory and that the kernel made (not one of its inputs) are kept; kernels take them through
+    ``KernelContext.out_array``. After warm-up such a kernel allocates nothing."""
+
+    __slots__ = ("prev", "reuse")
+
+    def __init__(self, reuse: Sequence[bool]) -> None:
+        self.reuse = tuple(reuse)  # per output: its register has one slot
+        self.prev: list[Any] = [None] * len(self.reuse)
+
+    def take(self) -> tuple[Any, ...]:
+        out = []
+        for i in range(len(self.prev)):
+            p = self.prev[i]
+            out.append(p if p is not None and sys.getrefcount(p) <= UNHELD else None)
+        return tuple(out)
+
+    def keep(self, results: Sequence[Any], inputs: Sequence[Any]) -> None:
+        for i, r in enumerate(results):
+            owned = type(r) is np.ndarray and r.base is None and r.ndim > 0 and r.flags.writeable
+            self.prev[i] = r if self.reuse[i] and owned and all(r is not x for x in inputs) else None
+
+
 def guard_aliases(act: Act, recycler: Recycler, position: int, xp: ModuleType) -> Act:
     """``act`` (a reader of a recycled variable at input ``position``), turning recycling off if one of its
     outputs shares memory with the variable's value."""
@@ -151,11 +188,13 @@ def kernel_act(
     tensors: tuple[Sequence[str], Sequence[str]],
     donated: frozenset[int] = frozenset(),
     recycle: Recycler | None = None,
+    reuse: OutputReuse | None = None,
 ) -> Act:
     """The kernel of ``task`` on this rank's shards of the tensors ``tensors`` (its inputs' and outputs'
     names, those its registers hold), at the task's mesh coordinate; its outputs are checked against the
     plan's shapes. ``donated``: positions of inputs no other act reads (see :func:`donations`);
-    ``recycle``: the update of a variable whose first output may go into a retired array (:class:`Recycler`)."""
+    ``recycle``: the update of a variable whose first output may go into a retired array (:class:`Recycler`);
+    ``reuse``: outputs written into their own dead previous values (:class:`OutputReuse`)."""
     decls = rc.tables.tensors
     op = get_op(task.op_type)
     attrs = op.normalize_attrs({k: wire.attr_from_proto(v) for k, v in task.attrs.items()})
@@ -169,7 +208,7 @@ def kernel_act(
     base = (rc.xp, attrs, tuple(d.meta for d in ins), tuple(d.meta for d in outs), in_index, out_index)
     seed, kernel, micro_batch = rc.tables.config.seed, op.run_kernel, task.micro_batch
     make: Callable[..., KernelContext] = KernelContext
-    if donated or recycle is not None:
+    if donated or recycle is not None or reuse is not None:
         make = functools.partial(DonatingKernelContext, donated=donated)
     micro_batches, checked = rc.micro_batches, False
 
@@ -177,11 +216,15 @@ def kernel_act(
         nonlocal checked
         # rc.random_step, inlined: this runs ~300 times a step
         rstep = step if micro_batch < 0 else step * micro_batches + micro_batch
-        if recycle is None:
-            ctx = make(*base, seed, rstep)
-        else:
+        if recycle is not None:
             ctx = make(*base, seed, rstep, out_buffers=(recycle.take(arrays),))
+        elif reuse is not None:
+            ctx = make(*base, seed, rstep, out_buffers=reuse.take())
+        else:
+            ctx = make(*base, seed, rstep)
         results = kernel(ctx, arrays)
+        if reuse is not None:
+            reuse.keep(results, arrays)
         if not checked:  # a kernel's output shapes depend on its input shapes only, fixed by the plan
             _check_outputs(task, rc.rank, tensors[1], results, expected)
             checked = True

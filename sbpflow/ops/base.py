@@ -95,6 +95,17 @@ class KernelContext:
         # numpy's dtype, which is cupy's too: bfloat16 is ml_dtypes' (DType.to_numpy says so if it is missing)
         return self.out_metas[i].dtype.to_numpy()
 
+    def out_array(self, i: int = 0) -> Any:
+        """A dead array of output ``i``'s local shape and dtype that the kernel may write that output
+        into, or None (allocate). The actor runtime lends a kernel its own previous value of that output
+        once nobody holds it any more (``out_buffers``, actor_workers/runtime/tasks.py); no other caller
+        does, so a kernel that takes it returns the same values either way."""
+        bufs = getattr(self, "out_buffers", ())
+        b = bufs[i] if i < len(bufs) else None
+        if b is None or b.shape != self.out_shape(i) or b.dtype != self.out_dtype(i):
+            return None
+        return b
+
     def in_offset(self, i: int, axis: int) -> int:
         return self.in_index[i][axis].start
 

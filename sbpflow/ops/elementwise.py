@@ -157,6 +157,18 @@ def _div_grad(g: GradContext) -> Grads:
     return [unbroadcast(g, g.call("div", g.dy, b), 0), unbroadcast(g, db, 1)]
 
 
+def _binary_kernel(fn: Callable[[Any, Any], Any], ufunc: str) -> Callable[..., Any]:
+    """``fn(a, b)``, or the ufunc written into the runtime's dead previous output (``ctx.out_array``)."""
+
+    def kernel(ctx: KernelContext, a: Any, b: Any) -> Any:
+        out = ctx.out_array(0)
+        return fn(a, b) if out is None else getattr(ctx.xp, ufunc)(a, b, out=out)
+
+    return kernel
+
+
+_UFUNC = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "divide"}
+
 # name: (kernel, P through (a, b) one at a time, P in both at once, input kind, grad, doc)
 _BINARY: dict[str, tuple[Callable[[Any, Any], Any], tuple[bool, bool], bool, Kind, Any, str]] = {
     "add": (lambda a, b: a + b, (False, False), True, "numeric", _add_grad, "a + b"),
@@ -171,7 +183,7 @@ for _name, (_fn, _linear, _sum_partial, _kind, _grad, _doc) in _BINARY.items():
         inputs=("a", "b"),
         infer=_binary_infer(_name, _kind),
         rows=_broadcast_rows(_linear, _sum_partial),
-        kernel=lambda ctx, a, b, fn=_fn: fn(a, b),
+        kernel=_binary_kernel(_fn, _UFUNC[_name]),
         grad=_grad,
         doc=f"{_doc}, with numpy broadcasting",
     )

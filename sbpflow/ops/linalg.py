@@ -76,22 +76,28 @@ def _matmul_infer(metas: Metas, attrs: Attrs) -> Metas:
     return (TensorMeta((*a.shape[:-2], *m, n), a.dtype),)
 
 
-def _gemm(xp: Any, a: Any, b: Any) -> Any:
+def _gemm(xp: Any, a: Any, b: Any, out: Any = None) -> Any:
     """``a @ b`` in their dtype: numpy's bfloat16 (ml_dtypes) matmul accumulates and returns float32,
-    rounded here to bfloat16 as a bf16 GEMM with fp32 accumulation does."""
-    out = xp.matmul(a, b)
-    return out if out.dtype == a.dtype else out.astype(a.dtype)
+    rounded here to bfloat16 as a bf16 GEMM with fp32 accumulation does. ``out``: an array of the
+    result's shape and dtype to write into (the runtime's dead previous output), or None."""
+    if out is not None and out.dtype == a.dtype == b.dtype and a.dtype != "bfloat16":
+        return xp.matmul(a, b, out=out)
+    y = xp.matmul(a, b)
+    return y if y.dtype == a.dtype else y.astype(a.dtype)
 
 
 def _matmul_kernel(ctx: KernelContext, a: Any, b: Any) -> Any:
     xp = ctx.xp
     b = b.T if ctx.attrs["transpose_b"] else b
+    out = ctx.out_array(0)
     if ctx.attrs["transpose_a"]:
-        return _gemm(xp, _swap_last(a, True, xp), b)
+        return _gemm(xp, _swap_last(a, True, xp), b, out)
     if a.ndim > 2 and a.flags.c_contiguous:
         # the batch rows as the rows of one GEMM: numpy's matmul otherwise calls BLAS once per batch item
-        return _gemm(xp, a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
-    return _gemm(xp, a, b)
+        rows = None if out is None else out.reshape(-1, b.shape[-1])
+        y = _gemm(xp, a.reshape(-1, a.shape[-1]), b, rows)
+        return out if out is not None and y is rows else y.reshape(*a.shape[:-1], b.shape[-1])
+    return _gemm(xp, a, b, out)
 
 
 def _swap_last_op(g: GradContext, x: Any, ndim: int) -> Any:
@@ -170,6 +176,7 @@ def _batch_matmul_kernel(ctx: KernelContext, a: Any, b: Any) -> Any:
         xp,
         _swap_last(a, bool(ctx.attrs["transpose_a"]), xp),
         _swap_last(b, bool(ctx.attrs["transpose_b"]), xp),
+        ctx.out_array(0),
     )
 
 

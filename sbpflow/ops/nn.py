@@ -63,16 +63,17 @@ def _dot(xp: Any, a: Any, b: Any, axis: int) -> Any:
     return xp.sum(xp.multiply(a, b), axis=axis, keepdims=True)
 
 
-def _shifted(xp: Any, x: Any, axis: int) -> Any:
-    """x - max(x) along ``axis``, in a new C-contiguous array (the shift keeps exp from overflowing)."""
-    return xp.subtract(x, _max(xp, x, axis), out=xp.empty(x.shape, dtype=x.dtype))
+def _shifted(xp: Any, x: Any, axis: int, out: Any = None) -> Any:
+    """x - max(x) along ``axis``, in a new C-contiguous array or ``out`` (the shift keeps exp from
+    overflowing)."""
+    return xp.subtract(x, _max(xp, x, axis), out=xp.empty(x.shape, dtype=x.dtype) if out is None else out)
 
 
 def _softmax_kernel(ctx: KernelContext, x: Any) -> Any:
     # e / sum(e), e = exp(x - max x)
     xp = ctx.xp
     axis = _axis("softmax", ctx.in_metas[0], ctx.attrs)
-    e = _shifted(xp, x, axis)
+    e = _shifted(xp, x, axis, ctx.out_array(0))
     e = xp.exp(e, out=e)
     return xp.divide(e, _sum(xp, e, axis), out=e)
 
@@ -90,7 +91,7 @@ def _softmax_grad_kernel(ctx: KernelContext, y: Any, dy: Any) -> Any:
     # y (dy - sum(dy y))
     xp = ctx.xp
     axis = _axis("softmax_grad", ctx.in_metas[0], ctx.attrs)
-    p = xp.subtract(dy, _dot(xp, dy, y, axis))
+    p = xp.subtract(dy, _dot(xp, dy, y, axis), out=ctx.out_array(0))
     return xp.multiply(p, y, out=p)
 
 
