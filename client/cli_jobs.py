@@ -224,6 +224,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(
         f"{n} steps in {result.seconds:.2f} s ({n / max(result.seconds, 1e-9):.2f} steps/s, {args.backend})"
     )
+    for step, loss in result.evals:  # config.eval_every: the held-out split's loss
+        print(f"step {step}: held-out loss {loss:.6f}")
     if args.trace:
         from sbpflow.actor_workers.runtime.trace import chrome_trace
 
