@@ -126,3 +126,13 @@ def test_state_dict_after_a_trace_is_what_that_jobs_run_starts_from() -> None:
     start = reference.init_parameters(job)
     for name, value in net.state_dict().items():
         np.testing.assert_array_equal(value, start[f"model.{name}"])
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_ray_run_writes_the_trained_values_back_too() -> None:
+    net = sf.nn.MLP([8, 16, 4])
+    result = sf.run(trace(net, steps=2), backend="ray", timeout=120, return_parameters=True)
+    assert result.parameters is not None
+    held = net.state_dict()
+    for name, value in result.parameters.items():
+        np.testing.assert_array_equal(held[name.removeprefix("model.")], value)
