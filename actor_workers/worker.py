@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import os
-import queue
 import resource
 import threading
 import traceback
@@ -32,14 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sbpflow.actor_workers import reporting as progress
-from sbpflow.actor_workers.reporting import report
+from sbpflow.actor_workers.reporter import Reporter
 from sbpflow.actor_workers.runtime import threads
 from sbpflow.device import asnumpy
 from sbpflow.numerics import non_finite_parameters
 from sbpflow.v1 import plan_pb2 as pp
 from sbpflow.v1 import service_pb2 as sp
-
-HEARTBEAT_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -69,75 +66,6 @@ class WorkerOutcome:
     non_finite: list[str] = field(default_factory=list)  # parameters whose shard holds NaN or inf
     # (fetch, micro-batch) -> step -> this rank's share: the job's fetches but the loss
     fetched: dict[tuple[str, int], dict[int, Any]] = field(default_factory=dict)
-
-
-class Reporter:
-    """Sends WorkerReports to the control plane from a background thread; a lost control plane never
-    stalls the worker (reports that cannot be sent are dropped after a short retry). ``credential``: the
-    one the control plane minted for this job attempt, sent as the bearer (never the client token). Calls
-    ``on_cancel`` when an ack says the job must stop, or the hub answers that this attempt is no longer
-    the current one (FAILED_PRECONDITION)."""
-
-    def __init__(
-        self,
-        address: str,
-        job_id: str,
-        attempt: int,
-        rank: int,
-        worker_id: str,
-        credential: str = "",
-        on_cancel: Any = None,
-        host: str = "",
-    ) -> None:
-        import grpc
-
-        from sbpflow.v1 import service_pb2_grpc as sg
-
-        self._ids = (job_id, attempt, rank, worker_id, host)
-        self._metadata = (("authorization", f"Bearer {credential}"),) if credential else ()
-        self._channel = grpc.insecure_channel(address) if address else None
-        self._stub = sg.WorkerServiceStub(self._channel) if self._channel is not None else None
-        self._queue: queue.Queue[sp.WorkerReport | None] = queue.Queue()
-        self._on_cancel = on_cancel
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name=f"sbpflow-reporter-r{rank}", daemon=True)
-        self._thread.start()
-
-    def send(self, **payload: Any) -> None:
-        self._queue.put(report(*self._ids, **payload))
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued (up to ``timeout``), then stop (again: nothing)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
-        self._thread.join(timeout)
-        if self._channel is not None:
-            self._channel.close()
-
-    def _loop(self) -> None:
-        import grpc
-
-        while True:
-            try:
-                msg = self._queue.get(timeout=HEARTBEAT_SECONDS)
-            except queue.Empty:
-                msg = report(*self._ids, heartbeat=sp.Heartbeat())
-            if msg is None:
-                return
-            if self._stub is None:
-                continue
-            try:
-                ack = self._stub.Report(msg, timeout=5.0, metadata=self._metadata)
-            except grpc.RpcError as e:  # the control plane may be restarting; the run goes on
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and self._on_cancel is not None:
-                    self._on_cancel(f"the control plane no longer runs this attempt: {e.details()}")
-                continue
-            except Exception:  # noqa: BLE001 - a report that cannot be sent is dropped
-                continue
-            if ack.cancel and self._on_cancel is not None and msg.WhichOneof("payload") != "done":
-                self._on_cancel("the control plane cancelled the job")
 
 
 class Worker:
@@ -230,8 +158,10 @@ class Worker:
         uids: Any = None,
         start: Any = None,
         ranks: Sequence[int] | None = None,
+        data_roots: tuple[str, ...] | None = None,
     ) -> None:
-        """Connect to every peer, then build this rank's actors from the plan. ``start`` (a
+        """Connect to every peer, then build this rank's actors from the plan (``data_roots``: the control
+        plane's, checked on each data file as opened). ``start`` (a
         :class:`~sbpflow.actor_workers.snapshots.Start`): the first step, where the variables start
         from, and where to checkpoint. ``ranks``: the world's ranks, in the order of ``endpoints``
         (default: the plan's devices, for a plan that holds every rank's)."""
@@ -250,6 +180,7 @@ class Worker:
             xp=self.plane.xp,
             first_step=start.first_step,
             source=checkpointing.source_for(start.resume_from, start.init_from),
+            data_roots=data_roots,
         )
         rp = self._program.ranks[self.rank]
         loss = self._program.loss

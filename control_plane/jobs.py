@@ -12,9 +12,8 @@ Rules:
   Ray cluster's CPUs (backend ray), or this machine's CPUs. A job larger than the whole capacity is
   refused at Submit; the others wait PENDING with reason ``WAITING_FOR_RESOURCES`` and start in
   submission order (first come, first served: a large job is not overtaken forever by small ones).
-- A job is compiled once: Submit's validation compile (graph passes) is kept in memory with the queued
-  job and the run only lowers it (``launcher.launch``). A job queued again by a restarted control plane
-  is compiled again from its stored Job (those compiles live in memory only).
+- A job is compiled once: Submit's compile (graph passes) stays in memory with the queued job, and the
+  run only lowers it (``launcher.launch``); a job re-queued after a restart is compiled again.
 - Each running job has one thread that calls ``sbpflow.control_plane.launcher.launch`` and turns its listeners
   (``run_listeners.py``) into store writes: states, steps (loss history), per-worker rows and log lines. Every store write
   is a notice to ``feed`` (``job_feed.py``): a job's ``Watch`` streams wake on its own changes and share
@@ -23,13 +22,13 @@ Rules:
   from the latest one (up to ``max_restarts``): the job's attempt grows, with a "state" event (reason
   ``WORKER_LOST``) naming the rank. After a control-plane restart, a job that was in flight and has a
   checkpoint is queued again as its next attempt (``RESUMED_AFTER_RESTART``) and goes on from it; one
-  without stays FAILED (``CONTROL_PLANE_RESTARTED``).
-- A drain (SIGTERM, ``drain.py``) refuses admission with ``Draining`` and stops runs with ``drained`` set:
-  their jobs stay in flight, for the next control plane to re-queue from their checkpoint.
+  without stays FAILED (``CONTROL_PLANE_RESTARTED``). A drain (SIGTERM, ``drain.py``) refuses admission
+  (``Draining``) and leaves the jobs it stops in flight, for the next control plane to re-queue.
+- A run driven from outside (``bench/control_plane_scale.py``'s simulated workers) is ``adopted``.
 - A run whose loss goes NaN or infinite ends FAILED with ``NON_FINITE_LOSS`` at that step; one whose final
   parameters are not finite ends FAILED with ``NON_FINITE_PARAMETERS`` (:mod:`sbpflow.numerics`).
-- A corrupt latest checkpoint is passed over for the previous intact one. A log line, and a
-  ``CHECKPOINT_CORRUPT`` reason event, say so.
+- A corrupt latest checkpoint is passed over for the previous intact one (a log line and a reason
+  event ``CHECKPOINT_CORRUPT`` say so).
 - Reasons are machine-readable words (service.proto's JobStatus.reason); messages say what happened.
 """
 
@@ -40,15 +39,18 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sbpflow.checkpoint.read import CorruptCheckpoint, corrupt_note
 from sbpflow.control_plane import resume as resuming
+from sbpflow.control_plane.data_policy import reason_of
 from sbpflow.control_plane.drain import Draining
+from sbpflow.control_plane.job_checkpoints import resumable, run_checkpoints
 from sbpflow.control_plane.job_feed import JobFeed
 from sbpflow.control_plane.run_listeners import RunListeners
-from sbpflow.control_plane.store.job_store import JobStore, Resumable
+from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
 from sbpflow.control_plane.validation import ValidationError, compile_submit, describe_cluster
 from sbpflow.errors import SbpflowError
@@ -68,7 +70,6 @@ WAITING = "WAITING_FOR_RESOURCES"
 CANCELLED_BY_USER = "CANCELLED_BY_USER"
 SHUTDOWN = "CONTROL_PLANE_SHUTDOWN"
 WORKER_LOST = "WORKER_LOST"
-CHECKPOINT_CORRUPT = "CHECKPOINT_CORRUPT"  # a corrupt checkpoint was passed over for an earlier one
 
 _TERMINAL_CODES = frozenset({sp.JOB_STATE_SUCCEEDED, sp.JOB_STATE_FAILED, sp.JOB_STATE_CANCELLED})
 
@@ -167,7 +168,9 @@ class JobManager:
             from sbpflow.control_plane.scheduler import ensure_ray
 
             ensure_ray(self.config.run.ray_address, self.capacity)
-        reconciled = self.store.reconcile_after_restart(self._resumable)
+        reconciled = self.store.reconcile_after_restart(
+            lambda rec: resumable(self.config.checkpoint_root, rec)
+        )
         pending = sorted(self.store.list([JobState.PENDING], limit=1 << 30), key=lambda r: r.created)
         with self._lock:
             for rec in pending:
@@ -206,10 +209,9 @@ class JobManager:
     def resume(
         self, job_id: str, job_bytes: bytes | None = None, client_id: str = "", idempotency_key: str = ""
     ) -> JobRecord:
-        """A new job (PENDING, ``resumed_from`` = ``job_id``) that goes on from the ended job's latest
-        checkpoint: ``job_bytes`` (e.g. re-traced under another layout) or, if None, the job as it was
-        submitted. ``NotResumable`` if the job runs or has no checkpoint; ``ValidationError`` if the new
-        job does not match the checkpoint (see :mod:`.resume`)."""
+        """A new job (PENDING, ``resumed_from`` = ``job_id``) going on from the ended job's latest checkpoint:
+        ``job_bytes`` (another layout, say) or the job as submitted; ``NotResumable`` or ``ValidationError``
+        when it cannot (:mod:`.resume`)."""
         from sbpflow.checkpoint.read import CheckpointReader
 
         if self.draining:
@@ -295,6 +297,18 @@ class JobManager:
         self._schedule()
         self._notify(job_id)
         return self.store.get(job_id)
+
+    @contextmanager
+    def adopted(self, job_id: str, r: RunningJob) -> Iterator[RunningJob]:
+        """``r`` is ``job_id``'s run while the block runs (a run driven from outside the manager); its live
+        worker rows serve Get, List and /metrics as a run's of the manager's own do."""
+        with self._lock:
+            self._running[job_id] = r
+        try:
+            yield r
+        finally:
+            with self._lock:
+                self._running.pop(job_id, None)
 
     def workers(self, job_id: str) -> list[WorkerRecord]:
         """Per-worker rows: live ones for a running job, else the stored ones."""
@@ -394,57 +408,23 @@ class JobManager:
         found = resuming.start_checkpoint(self.config.checkpoint_root, self.store.get(job_id))
         return "" if found is None else str(found.path)
 
-    def _resumable(self, rec: JobRecord) -> Resumable | None:
-        """How a job left in flight by a previous control plane goes on: from its checkpoint, if it has
-        one with steps left after it."""
-        root = self.config.checkpoint_root
-        passed: list[CorruptCheckpoint] = []
-        found = resuming.start_checkpoint(root, rec, passed.append) if root is not None else None
-        if found is None or found.step >= rec.total_steps:
-            return None
-        return Resumable(
-            found.step,
-            f"the job was {rec.state.name} at step {rec.step} when the control plane stopped; attempt "
-            f"{rec.attempt + 1} resumes from its checkpoint {found.path} (step {found.step})"
-            + "".join(f"; {corrupt_note(c, found.step)}" for c in passed),
-        )
-
-    def _checkpointing(self, rec: JobRecord) -> tuple[dict[str, Any], int]:
-        """``run``'s checkpoint arguments for a job — where it checkpoints, and the checkpoint it goes on
-        from: its own latest (an earlier attempt's, before a control-plane restart re-queued it), else
-        the one a Resume started it from — and the step that checkpoint is at (0: none)."""
-        root = self.config.checkpoint_root
-        if root is None:
-            return {}, 0
-        passed: list[CorruptCheckpoint] = []
-        found = resuming.start_checkpoint(root, rec, passed.append)
-        if found is not None and found.step >= rec.total_steps:
-            found = None
-        for c in passed:  # a log line and a "reason" event each
-            note = corrupt_note(c, 0 if found is None else found.step)
-            self.store.append_log(rec.id, -1, "WARNING", note)
-            self.store.set_reason(rec.id, CHECKPOINT_CORRUPT, note)
-        kwargs = {
-            "checkpoint_dir": str(resuming.job_dir(root, rec.id)),
-            "resume_from": None if found is None else str(found.path),
-        }
-        return kwargs, 0 if found is None else found.step
-
     def _run(self, job_id: str, r: RunningJob) -> None:
         from sbpflow.actor_workers.runtime.errors import RuntimeFailure
         from sbpflow.control_plane.compiler import pipeline
         from sbpflow.control_plane.launcher import RunCancelled, launch
 
         rec = self.store.get(job_id)
-        checkpointing, first_step = self._checkpointing(rec)
+        checkpointing, first_step = run_checkpoints(self.config.checkpoint_root, self.store, rec)
         listeners = RunListeners(self, job_id, r, first_step)
         # a restart goes on from a checkpoint: without any, a job does not restart
         how = self.config.run if checkpointing else self.config.run.replace(max_restarts=0)
+        policy = self.config.data_policy
         try:
             listeners.on_state(JobState.COMPILING)
             # Submit's compile; a job re-queued by a restarted control plane is compiled again from its Job
-            if self.config.data_policy is not None:  # a re-queued job was checked under the roots of its day
-                self.config.data_policy.check(r.job)
+            if policy is not None:  # a re-queued job was checked under the roots of its day; every file is
+                r.job = policy.bind(r.job)  # checked again as the workers open it (data_policy.py)
+                how = how.replace(data_roots=policy.run_roots)
             compiled = r.compiled or pipeline.compile(r.job, lower="none")
             try:
                 result = launch(
@@ -468,14 +448,14 @@ class JobManager:
             if r.drained:  # in flight for the next server, which resumes it from its checkpoint
                 return
             if isinstance(e, RuntimeFailure):
-                self._finish(job_id, JobState.FAILED, "WORKER_ERROR", str(e))
+                self._finish(job_id, JobState.FAILED, reason_of(e, "WORKER_ERROR"), str(e))
                 return
             reason = SHUTDOWN if self._closed else CANCELLED_BY_USER
             self._finish(job_id, JobState.CANCELLED, reason, r.cancel_message)
         except NonFinite as e:  # NON_FINITE_LOSS (the step's loss is stored) or NON_FINITE_PARAMETERS
             self._finish(job_id, JobState.FAILED, e.reason, str(e))
         except SbpflowError as e:
-            self._finish(job_id, JobState.FAILED, "RUN_ERROR", str(e))
+            self._finish(job_id, JobState.FAILED, reason_of(e, "RUN_ERROR"), str(e))
         except Exception as e:  # a bug: keep the traceback in the job's log, never lose the job
             self.store.append_log(job_id, -1, "ERROR", traceback.format_exc())
             self._finish(job_id, JobState.FAILED, "INTERNAL", f"{type(e).__name__}: {e}")

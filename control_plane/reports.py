@@ -1,6 +1,9 @@
 """WorkerService: where Ray worker actors report to the control plane, in ``WorkerReport`` protobufs.
 
-A :class:`ReportHub` is the servicer. Whoever runs a job subscribes to one attempt with
+A :class:`ReportHub` is the servicer. Workers send one report (``Report``) or several in one message
+(``ReportBatch``, what :mod:`sbpflow.actor_workers.reporter` sends when reports come faster than it
+makes calls; a batch's credential is checked once per job attempt). Whoever runs a job subscribes to
+one attempt with
 :meth:`ReportHub.listen`, naming the attempt's ranks, and gets back the attempt's **credential**: an
 HMAC of the job id and attempt under a secret the hub draws at start and keeps in memory. The driver
 hands it to that attempt's workers (never the client token), and they send it as
@@ -11,7 +14,8 @@ hands it to that attempt's workers (never the client token), and they send it as
 - its attempt is the one being listened to (else FAILED_PRECONDITION, on which a worker stops: a stray
   worker of an old attempt, or of a job that has ended);
 - its rank is one of the attempt's ranks, and a step report's step goes forward for its rank (else
-  INVALID_ARGUMENT).
+  INVALID_ARGUMENT; in a batch, such a report is one sent again after an unanswered call, and is
+  skipped).
 
 :meth:`ReportHub.cancel` makes every later answer to a job's workers ``cancel=True``: that is how a
 Cancel reaches workers even when the driver cannot call them.
@@ -26,6 +30,7 @@ import hashlib
 import hmac
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
@@ -39,6 +44,8 @@ from sbpflow.v1 import service_pb2_grpc as sg
 
 Listener = Callable[[sp.WorkerReport], None]
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+YIELD_EVERY = 16  # reports of a batch delivered between two offers of the GIL to other threads
+INGESTING = 2  # report calls delivering at once (a 1,024-worker job makes ~1,000 calls a second)
 
 
 class ReportRefused(Exception):
@@ -68,6 +75,8 @@ class ReportHub(sg.WorkerServiceServicer):
         self._listening: dict[str, _Listening] = {}  # job id -> its current attempt
         self._cancelled: set[str] = set()
         self._server: grpc.Server | None = None
+        # calls delivering at once; the others wait off the GIL, so a Get competes with few threads
+        self._ingesting = threading.BoundedSemaphore(INGESTING)
         self.address = ""  # host:port once serving (own server) or set by the server it is added to
 
     # ---- for the driver ------------------------------------------------------------------------------
@@ -102,27 +111,48 @@ class ReportHub(sg.WorkerServiceServicer):
     # ---- the service -----------------------------------------------------------------------------------
     def Report(self, request: sp.WorkerReport, context: Any) -> sp.ReportAck:  # noqa: N802 - gRPC's name
         try:
-            return self._deliver(request, _bearer(context))
+            with self._ingesting:
+                return self._deliver(request, _bearer(context))
         except ReportRefused as e:
             context.abort(e.code, str(e))
             raise  # unreachable: abort raises
 
     def ReportStream(self, request_iterator: Iterable[sp.WorkerReport], context: Any) -> sp.ReportAck:  # noqa: N802
+        return self._deliver_all(request_iterator, context)
+
+    def ReportBatch(self, request: sp.WorkerReports, context: Any) -> sp.ReportAck:  # noqa: N802
+        return self._deliver_all(request.reports, context)
+
+    def _deliver_all(self, reports: Iterable[sp.WorkerReport], context: Any) -> sp.ReportAck:
+        """Deliver ``reports`` in order, stopping at a cancel; the first refused one aborts the call."""
         ack = sp.ReportAck()
         given = _bearer(context)
+        verified: tuple[str, int] | None = None  # a batch's credential is checked once per job attempt
         try:
-            for request in request_iterator:
-                ack = self._deliver(request, given)
-                if ack.cancel:
-                    break
+            with self._ingesting:
+                for i, report in enumerate(reports):
+                    ack = self._deliver(report, given, verified, batch=True)
+                    verified = (report.job_id, int(report.attempt))
+                    if ack.cancel:
+                        break
+                    if i % YIELD_EVERY == YIELD_EVERY - 1:
+                        time.sleep(0)  # a waiting Get gets the GIL now, not at the end of a long batch
         except ReportRefused as e:
             context.abort(e.code, str(e))
         return ack
 
-    def _deliver(self, report: sp.WorkerReport, given: str) -> sp.ReportAck:
+    def _deliver(
+        self,
+        report: sp.WorkerReport,
+        given: str,
+        verified: tuple[str, int] | None = None,
+        batch: bool = False,
+    ) -> sp.ReportAck:
         job, attempt, rank = report.job_id, int(report.attempt), int(report.rank)
         who = f"WorkerReport of job {job[:64]!r} attempt {attempt} rank {rank}"
-        if not hmac.compare_digest(given.encode(), self.credential(job, attempt).encode()):
+        if (job, attempt) != verified and not hmac.compare_digest(
+            given.encode(), self.credential(job, attempt).encode()
+        ):
             raise ReportRefused(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"{who}: {'no' if not given else 'a wrong'} worker credential; only the workers the control "
@@ -142,6 +172,8 @@ class ReportHub(sg.WorkerServiceServicer):
                 )
             if report.WhichOneof("payload") == "step":
                 last = cur.last_step.get(rank, 0)
+                if report.step.step <= last and batch:
+                    return sp.ReportAck(cancel=job in self._cancelled)  # a batch sent again: seen already
                 if report.step.step <= last:
                     raise ReportRefused(
                         grpc.StatusCode.INVALID_ARGUMENT,

@@ -54,6 +54,7 @@ from sbpflow.control_plane.rpc_contract import (
 )
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.worker_pool import PoolConfig, WorkerPool, install, uninstall
+from sbpflow.control_plane.worker_rows import WorkerRows
 from sbpflow.errors import SbpflowError
 from sbpflow.run_options import MANAGER_DEFAULTS, RunOptions
 from sbpflow.run_state import JobState
@@ -89,6 +90,7 @@ class ServerConfig:
     drain_grace: float = 25.0  # SIGTERM: seconds for running jobs to reach a checkpoint (drain.py)
     warm_workers: int = 0  # backend ray: idle worker actors kept for the next job of a shape (worker_pool.py)
     warm_idle_seconds: float = 300.0  # an idle warm worker is killed after this
+    worker_service: bool | None = None  # serve WorkerService; None: for the Ray backend (without TLS)
 
 
 class JobServicer:
@@ -98,10 +100,12 @@ class JobServicer:
         self.manager = manager
         self.store = manager.store
         self.options = run_options_to_proto(manager.config.run)  # every job runs under the server's
+        self.rows = WorkerRows(manager.workers)  # a large job's rows: at most 0.2 s old (worker_rows.py)
 
     def status_of(self, job_id: str) -> sp.JobStatus:
         rec = self.store.get(job_id)
-        m = status.job_status(rec, self.manager.workers(job_id))
+        m = status.job_status(rec)
+        self.rows.merge_into(m, rec)
         m.resumed_from, m.resume_checkpoint = rec.resumed_from, rec.resume_checkpoint
         m.last_checkpoint = self.manager.last_checkpoint(job_id)
         m.options.CopyFrom(self.options)
@@ -390,7 +394,8 @@ def _report_hub(cfg: ServerConfig) -> Any:
     """The WorkerService for Ray workers, on this server (workers send their attempt's credential with
     their reports, see reports.py); None (the run serves its own, on loopback) for the in-process
     backend, or when TLS guards the port (workers do not carry the CA yet)."""
-    if cfg.run.backend != "ray" or cfg.tls_cert:
+    wanted = cfg.run.backend == "ray" if cfg.worker_service is None else cfg.worker_service
+    if not wanted or cfg.tls_cert:
         return None
     from sbpflow.control_plane.reports import ReportHub
 

@@ -1131,6 +1131,30 @@ class WorkerReport(_message.Message):
 Global___WorkerReport: _TypeAlias = WorkerReport  # noqa: Y015
 
 @_typing.final
+class WorkerReports(_message.Message):
+    """Several reports of one worker, in the order it made them (what a worker sends when reports come faster
+    than it sends calls).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPORTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerReport]: ...
+    def __init__(
+        self,
+        *,
+        reports: _abc.Iterable[Global___WorkerReport] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reports", b"reports"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerReports: _TypeAlias = WorkerReports  # noqa: Y015
+
+@_typing.final
 class ReportAck(_message.Message):
     """The control plane's answer to a report."""
 

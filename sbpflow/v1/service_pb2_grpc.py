@@ -431,6 +431,11 @@ class WorkerServiceStub:
                 request_serializer=sbpflow_dot_v1_dot_service__pb2.WorkerReport.SerializeToString,
                 response_deserializer=sbpflow_dot_v1_dot_service__pb2.ReportAck.FromString,
                 _registered_method=True)
+        self.ReportBatch = channel.unary_unary(
+                '/sbpflow.v1.WorkerService/ReportBatch',
+                request_serializer=sbpflow_dot_v1_dot_service__pb2.WorkerReports.SerializeToString,
+                response_deserializer=sbpflow_dot_v1_dot_service__pb2.ReportAck.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -452,6 +457,14 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportBatch(self, request, context):
+        """A batch of reports in one message, delivered in order; refused whole if its first bad report is
+        refused (the reports before it are delivered). The ack is the last report's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -463,6 +476,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
             'ReportStream': grpc.stream_unary_rpc_method_handler(
                     servicer.ReportStream,
                     request_deserializer=sbpflow_dot_v1_dot_service__pb2.WorkerReport.FromString,
+                    response_serializer=sbpflow_dot_v1_dot_service__pb2.ReportAck.SerializeToString,
+            ),
+            'ReportBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportBatch,
+                    request_deserializer=sbpflow_dot_v1_dot_service__pb2.WorkerReports.FromString,
                     response_serializer=sbpflow_dot_v1_dot_service__pb2.ReportAck.SerializeToString,
             ),
     }
@@ -520,6 +538,33 @@ class WorkerService:
             target,
             '/sbpflow.v1.WorkerService/ReportStream',
             sbpflow_dot_v1_dot_service__pb2.WorkerReport.SerializeToString,
+            sbpflow_dot_v1_dot_service__pb2.ReportAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sbpflow.v1.WorkerService/ReportBatch',
+            sbpflow_dot_v1_dot_service__pb2.WorkerReports.SerializeToString,
             sbpflow_dot_v1_dot_service__pb2.ReportAck.FromString,
             options,
             channel_credentials,

@@ -165,6 +165,10 @@ class WorkerServiceStub:
     """A stream of reports from one worker; one ack when the worker closes the stream (or, with cancel set,
     as soon as the job must stop).
     """
+    ReportBatch: _grpc.UnaryUnaryMultiCallable[_service_pb2.WorkerReports, _service_pb2.ReportAck]
+    """A batch of reports in one message, delivered in order; refused whole if its first bad report is
+    refused (the reports before it are delivered). The ack is the last report's.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -176,6 +180,10 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     ReportStream: _aio.StreamUnaryMultiCallable[_service_pb2.WorkerReport, _service_pb2.ReportAck]  # type: ignore[assignment]
     """A stream of reports from one worker; one ack when the worker closes the stream (or, with cancel set,
     as soon as the job must stop).
+    """
+    ReportBatch: _aio.UnaryUnaryMultiCallable[_service_pb2.WorkerReports, _service_pb2.ReportAck]  # type: ignore[assignment]
+    """A batch of reports in one message, delivered in order; refused whole if its first bad report is
+    refused (the reports before it are delivered). The ack is the last report's.
     """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -197,6 +205,16 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_service_pb2.ReportAck, _abc.Awaitable[_service_pb2.ReportAck]]:
         """A stream of reports from one worker; one ack when the worker closes the stream (or, with cancel set,
         as soon as the job must stop).
+        """
+
+    @_abc_1.abstractmethod
+    def ReportBatch(
+        self,
+        request: _service_pb2.WorkerReports,
+        context: _ServicerContext,
+    ) -> _typing.Union[_service_pb2.ReportAck, _abc.Awaitable[_service_pb2.ReportAck]]:
+        """A batch of reports in one message, delivered in order; refused whole if its first bad report is
+        refused (the reports before it are delivered). The ack is the last report's.
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -384,8 +384,12 @@ def test_services_declare_their_methods() -> None:
     assert job["Watch"].server_streaming and job["Logs"].server_streaming
     assert not job["Submit"].server_streaming
     worker = {m.name: m for m in services["WorkerService"].methods}
-    assert set(worker) == {"Report", "ReportStream"}
+    assert set(worker) == {"Report", "ReportStream", "ReportBatch"}
     assert worker["ReportStream"].client_streaming and not worker["Report"].client_streaming
+    assert (
+        not worker["ReportBatch"].client_streaming
+        and worker["ReportBatch"].input_type.name == "WorkerReports"
+    )
     from sbpflow.v1 import service_pb2_grpc
 
     assert hasattr(service_pb2_grpc, "JobServiceStub") and hasattr(service_pb2_grpc, "WorkerServiceServicer")

@@ -1,0 +1,144 @@
+"""How a worker's ``WorkerReport``s reach the control plane: from a background thread, batched, so a slow
+control plane never stalls a step and a thousand workers do not make a call per step each.
+
+    reporter = Reporter(address, job_id, attempt, rank, worker_id, credential, on_cancel=worker.abort)
+    reporter.send(step=progress.step_report(step, loss, seconds))
+    reporter.close()                       # what is queued goes out first (bounded by a timeout)
+
+Rules:
+- a report goes out at once when no batch went for :data:`BATCH_SECONDS` (the first step of a job is
+  never held back); reports that come faster wait and go together: at most one batch per
+  ``BATCH_SECONDS`` per worker, and a report waits at most that long;
+- ``done``, ``error`` and ``log`` reports flush the queue at once and do not count as a batch (a job's
+  end is never delayed, nor its first step by the "running" line before it);
+- one report is a unary ``Report``; several are one ``ReportBatch`` (at most :data:`MAX_BATCH`);
+- with nothing to say for :data:`HEARTBEAT_SECONDS`, a heartbeat;
+- a batch the control plane did not answer (UNAVAILABLE, DEADLINE_EXCEEDED: it may be restarting or
+  busy) goes again with the next call, at most :data:`MAX_BATCH` reports, the newest kept (the hub
+  drops a redelivered step report of a batch); another refusal drops it; the run goes on either way.
+  An ack with ``cancel``, or FAILED_PRECONDITION (this attempt is no longer the current one), calls
+  ``on_cancel``. ``credential`` is the one the control plane minted for this job attempt, sent as the
+  bearer (never the client token).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+from sbpflow.actor_workers.reporting import report
+from sbpflow.v1 import service_pb2 as sp
+
+HEARTBEAT_SECONDS = 2.0
+BATCH_SECONDS = 1.0  # at most one batch per this many seconds while reports come faster
+MAX_BATCH = 256
+CALL_SECONDS = 5.0
+_URGENT = frozenset({"done", "error", "log"})  # kinds that flush at once
+_AGAIN = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})  # codes (names) on which a batch goes again
+
+
+class Reporter:
+    """Sends one worker's WorkerReports from a background thread (see the module's rules)."""
+
+    def __init__(
+        self,
+        address: str,
+        job_id: str,
+        attempt: int,
+        rank: int,
+        worker_id: str,
+        credential: str = "",
+        on_cancel: Any = None,
+        host: str = "",
+        channel: Any = None,
+    ) -> None:
+        import grpc
+
+        from sbpflow.v1 import service_pb2_grpc as sg
+
+        self._ids = (job_id, attempt, rank, worker_id, host)
+        self._metadata = (("authorization", f"Bearer {credential}"),) if credential else ()
+        self._own = channel is None and bool(address)
+        self._channel = (
+            channel if channel is not None else grpc.insecure_channel(address) if address else None
+        )
+        self._stub = sg.WorkerServiceStub(self._channel) if self._channel is not None else None
+        self._queue: queue.Queue[sp.WorkerReport | None] = queue.Queue()
+        self._on_cancel = on_cancel
+        self._closed = False
+        self._again: list[sp.WorkerReport] = []  # a batch to send again with the next call
+        self.calls = 0  # calls made (a batch is one)
+        self.sent = 0  # reports in them
+        self._thread = threading.Thread(target=self._loop, name=f"sbpflow-reporter-r{rank}", daemon=True)
+        self._thread.start()
+
+    def send(self, **payload: Any) -> None:
+        self._queue.put(report(*self._ids, **payload))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued (up to ``timeout``), then stop (again: nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._channel is not None and self._own:
+            self._channel.close()
+
+    def _loop(self) -> None:
+        last = 0.0  # when the last call went out that no urgent report flushed
+        while True:
+            try:
+                first = self._queue.get(timeout=HEARTBEAT_SECONDS)
+            except queue.Empty:
+                first = report(*self._ids, heartbeat=sp.Heartbeat())
+            batch, end = self._gather(first, last + BATCH_SECONDS)
+            if batch and self._stub is not None:
+                if batch[-1].WhichOneof("payload") not in _URGENT:
+                    last = time.monotonic()
+                self._call(batch)
+            if end:
+                return
+
+    def _gather(self, first: sp.WorkerReport | None, until: float) -> tuple[list[sp.WorkerReport], bool]:
+        """``first`` and what else comes by ``until`` (sooner on an urgent report); True: closing."""
+        batch: list[sp.WorkerReport] = []
+        msg = first
+        while True:
+            if msg is None:
+                return batch, True
+            batch.append(msg)
+            if msg.WhichOneof("payload") in _URGENT or len(batch) >= MAX_BATCH:
+                return batch, False
+            wait = until - time.monotonic()
+            try:
+                msg = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                return batch, False
+
+    def _call(self, batch: list[sp.WorkerReport]) -> None:
+        import grpc
+
+        assert self._stub is not None
+        batch, self._again = (self._again + batch)[-MAX_BATCH:], []
+        try:
+            if len(batch) == 1:
+                ack = self._stub.Report(batch[0], timeout=CALL_SECONDS, metadata=self._metadata)
+            else:
+                reports = sp.WorkerReports(reports=batch)
+                ack = self._stub.ReportBatch(reports, timeout=CALL_SECONDS, metadata=self._metadata)
+        except grpc.RpcError as e:  # the control plane may be restarting; the run goes on
+            if e.code().name in _AGAIN:
+                self._again = batch
+            elif e.code() == grpc.StatusCode.FAILED_PRECONDITION and self._on_cancel is not None:
+                self._on_cancel(f"the control plane no longer runs this attempt: {e.details()}")
+            return
+        except Exception:  # noqa: BLE001 - a report that cannot be sent is dropped
+            return
+        self.calls += 1
+        self.sent += len(batch)
+        done = any(m.WhichOneof("payload") == "done" for m in batch)
+        if ack.cancel and self._on_cancel is not None and not done:
+            self._on_cancel("the control plane cancelled the job")
