@@ -188,6 +188,11 @@ def main() -> None:
             results = [out.get(timeout=120) for _ in range(args.procs + 1)]
             for p in [*procs, queries]:
                 p.join(60)
+            sent_steps = max(r[2] for r in results if len(r) == 3)
+            t_end = time.monotonic()  # the last calls may still wait to be delivered: let them
+            while len(tracker.losses) < sent_steps and time.monotonic() - t_end < 30:
+                time.sleep(0.05)
+            backlog = time.monotonic() - t_end
             listeners.on_state(JobState.SUCCEEDED)
         for w in running.workers.values():  # as the manager does at a run's end
             m.store.upsert_worker(w)
@@ -199,7 +204,8 @@ def main() -> None:
     rate, cpu = (n1 - n0) / (w1 - w0), (c1 - c0) / (w1 - w0)
     print(f"{args.ranks} simulated ranks in {args.procs} processes, a step every {args.step_seconds:g} s, "
           f"{args.seconds:g} s measured; {steps} steps, {sent:,} reports in {calls:,} calls "
-          f"({sent / max(calls, 1):.1f} a call), {len(tracker.losses)} steps assembled")  # fmt: skip
+          f"({sent / max(calls, 1):.1f} a call), {len(tracker.losses)} steps assembled "
+          f"({backlog:.1f} s after the workers' last report)")  # fmt: skip
     print(f"reports ingested: {rate:,.0f}/s (target >= 5,000/s: {'met' if rate >= 5000 else 'NOT met'})")
     print(f"server CPU: {cpu:.2f} cores (target < 1: {'met' if cpu < 1 else 'NOT met'}); "
           f"max RSS {rss1 / 1024:.0f} MB (+{(rss1 - rss0) / 1024:.0f} MB over the window)")  # fmt: skip
