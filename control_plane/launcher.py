@@ -94,27 +94,24 @@ def run(
     **option_fields: Any,
 ) -> RunResult:
     """Compile ``job`` and train it for ``steps`` (default ``job.config.steps``). A ``job`` compiled already
-    (:func:`launch`) is only lowered, on its own state.
+    (:func:`launch`) is only lowered, on its own state. How it runs is a
+    :class:`~sbpflow.run_options.RunOptions`: ``options``, with any of its fields given as keywords on
+    top (``sf.run(job, backend="inprocess", timeout=60, return_parameters=True)``).
 
-    How it runs is a :class:`~sbpflow.run_options.RunOptions`: ``options``, with any of its fields given
-    as keywords on top (``sf.run(job, backend="inprocess", timeout=60, return_parameters=True)``).
-
-    A failing kernel, a shape error, a transport failure or a lost worker on any rank stops every rank
-    and raises :class:`~sbpflow.actor_workers.runtime.RuntimeFailure` naming the rank, the op and the
-    cause; a run that does not finish within ``timeout`` seconds raises its RuntimeTimeout subclass with
-    the actors that stalled; a set ``cancel`` raises :class:`RunCancelled`.
+    A failing kernel, a shape error, a transport failure or a lost worker on any rank stops every rank and
+    raises :class:`~sbpflow.actor_workers.runtime.RuntimeFailure` (rank, op, cause); a run past ``timeout``
+    raises its RuntimeTimeout naming the stalled actors; a set ``cancel`` raises :class:`RunCancelled`.
 
     Checkpoints (:mod:`sbpflow.checkpoint`): with ``checkpoint_dir`` and ``job.config.checkpoint_every``
     each rank saves its shards every that many steps; ``resume_from`` (a checkpoint, or a directory of
-    them: the latest) starts every variable from it, under this job's layout, and trains the steps left
-    of ``steps``; ``init_from`` starts the parameters from a safetensors/.npz file (or a checkpoint),
-    which must hold every parameter in its shape and dtype and nothing else unless ``strict=False``
-    (``layout="torch"``: a PyTorch state dict, :mod:`sbpflow.client.torch_layout`). A job traced in this
-    process starts from the values its modules held then, and its modules get the trained values back
-    (:mod:`sbpflow.bound_values`). On Ray, a lost worker restarts the job from its last checkpoint up to
-    ``max_restarts`` times. A job with ``config.eval_every`` evaluates its held-out split at those steps
-    (:mod:`~sbpflow.control_plane.evaluation`): ``on_eval(step, loss)`` and ``RunResult.evals``. ``tensorboard_dir``: TensorBoard scalars of the run go under it
-    (:mod:`sbpflow.control_plane.tensorboard_scalars`).
+    them: the latest) starts every variable from it and trains the steps left of ``steps``; ``init_from``
+    starts the parameters from a safetensors/.npz file or a checkpoint that holds every parameter in its
+    shape and dtype, and nothing else unless ``strict=False`` (``layout="torch"``: a PyTorch state dict,
+    :mod:`sbpflow.client.torch_layout`). A job traced in this process starts from its modules' values and
+    gives them the trained ones (:mod:`sbpflow.bound_values`). On Ray, a lost worker restarts the job from
+    its last checkpoint up to ``max_restarts`` times. ``config.eval_every``: the held-out split is
+    evaluated at those steps (:mod:`~sbpflow.control_plane.evaluation`: ``on_eval(step, loss)``,
+    ``RunResult.evals``). ``tensorboard_dir``: TensorBoard scalars (``tensorboard_scalars``).
     """
     how = _run_options(options, option_fields)
     job_ = job.state.job if isinstance(job, Compiled) else job
@@ -124,9 +121,8 @@ def run(
         raise SbpflowError(f"steps={steps}: a run trains for at least one step")
     resume_from, first_step = _resume_point(resume_from, steps)
     starts = nullcontext(None) if resume_from is not None else start_file(job_, init_from, layout, strict)
-    board = open_board(tensorboard_dir, job_, job_id, first_step)
-    listen = board.listen(on_step)
-    evals = evaluating(job_, checkpoint_dir, first_step, listen, on_eval, run)
+    board = open_board(tensorboard_dir, job_, job_id, first_step, on_step, on_eval)
+    evals = evaluating(job_, checkpoint_dir, first_step, board.on_step, board.on_eval, run)
     with board, starts as init_path, evals as ev:
         result = _run(
             job,
@@ -146,7 +142,7 @@ def run(
                 resume_from=resume_from,
                 init_from=init_path,
             ),
-            ev.on_step if ev is not None else listen,
+            ev.on_step if ev is not None else board.on_step,
             cancel,
         )
         board.add_trace(result.trace)

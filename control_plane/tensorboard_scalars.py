@@ -8,7 +8,7 @@ same run. What goes in (:data:`STEP_SCALARS`, then the rest):
 | tag | what |
 |---|---|
 | ``loss/train`` | the step's loss (the mean over its micro-batches) |
-| ``loss/eval`` | the held-out loss, where the run evaluates (:meth:`ScalarBoard.on_eval`) |
+| ``loss/eval`` | the held-out loss, where the job evaluates (``config.eval_every``: ``evaluation.py``) |
 | ``lr`` | the learning rate the optimizer applied at the step (its schedule included) |
 | ``throughput/samples_per_second`` | samples a second over the last steps |
 | ``time/step_seconds`` | the step's wall time |
@@ -32,6 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from sbpflow.control_plane.evaluation import EvalListener
 from sbpflow.control_plane.step_tracker import StepListener
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
@@ -60,10 +61,18 @@ def run_dir(root: str | Path, job: Job, job_id: str = "") -> Path:
 
 
 class ScalarBoard:
-    """One run's TensorBoard writer (tensorboardX's ``FileWriter`` on a thread of its own): steps through :meth:`listen`, eval losses through :meth:`on_eval`,
+    """One run's TensorBoard writer (tensorboardX's ``FileWriter`` on a thread of its own): steps through
+    :meth:`on_step`, eval losses through :meth:`on_eval`,
     the per-stream time split through :meth:`add_trace`. A context manager: leaving it closes the file."""
 
-    def __init__(self, path: str | Path, job: Job, first_step: int = 0) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        job: Job,
+        first_step: int = 0,
+        on_step: StepListener | None = None,
+        on_eval: EvalListener | None = None,
+    ) -> None:
         try:
             from tensorboardX.proto.summary_pb2 import Summary
             from tensorboardX.writer import FileWriter
@@ -75,6 +84,7 @@ class ScalarBoard:
         self.path.mkdir(parents=True, exist_ok=True)
         self._writer, self._summary = FileWriter(str(self.path), flush_secs=FLUSH_SECONDS), Summary
         self._optimizer, self._first_step = job.optimizer, first_step
+        self._then_step, self._then_eval = on_step, on_eval  # the run's own listeners, called after
         # An event costs the writer ~0.1 ms of Python, and a thread that wakes takes the GIL from the
         # streams: the board's own thread writes what came in every FLUSH_SECONDS, in one burst.
         self._queue: queue.SimpleQueue[tuple[int, list[tuple[str, float]]]] = queue.SimpleQueue()
@@ -93,26 +103,21 @@ class ScalarBoard:
                 break
         self._writer.close()
 
-    def listen(self, then: StepListener | None = None) -> StepListener:
-        """A step listener that writes the step's scalars, then calls ``then``."""
-
-        def on_step(m: sp.StepMetrics) -> None:
-            self.on_step(m)
-            if then is not None:
-                then(m)
-
-        return on_step
-
     def on_step(self, m: sp.StepMetrics) -> None:
+        """A step listener: the step's scalars, then the run's own ``on_step``."""
         step = self._first_step + int(m.step)  # the job's step: a resumed run goes on from its checkpoint
         values = [(tag, float(value(m))) for tag, value in STEP_SCALARS]
         if self._optimizer is not None:
             values.append(("lr", learning_rate(self._optimizer, step - 1)))
         self._queue.put((step, values))
+        if self._then_step is not None:
+            self._then_step(m)
 
     def on_eval(self, step: int, loss: float) -> None:
-        """The held-out loss at the job's ``step``."""
+        """An eval listener: the held-out loss at the job's ``step``, then the run's own ``on_eval``."""
         self._queue.put((step, [("loss/eval", float(loss))]))
+        if self._then_eval is not None:
+            self._then_eval(step, loss)
 
     def add_trace(self, events: Iterable[Any] | None) -> None:
         """Each step's busy seconds per stream (compute, communication, data), the mean over the ranks,
@@ -148,11 +153,8 @@ class ScalarBoard:
 class NoBoard:
     """What a run without ``tensorboard_dir`` has: the same calls, doing nothing."""
 
-    def listen(self, then: StepListener | None = None) -> StepListener | None:
-        return then
-
-    def on_eval(self, step: int, loss: float) -> None:
-        pass
+    def __init__(self, on_step: StepListener | None = None, on_eval: EvalListener | None = None) -> None:
+        self.on_step, self.on_eval = on_step, on_eval  # the run's own listeners, as they are
 
     def add_trace(self, events: Iterable[Any] | None) -> None:
         pass
@@ -167,7 +169,15 @@ class NoBoard:
 
 
 def open_board(
-    root: str | Path | None, job: Job, job_id: str = "", first_step: int = 0
+    root: str | Path | None,
+    job: Job,
+    job_id: str = "",
+    first_step: int = 0,
+    on_step: StepListener | None = None,
+    on_eval: EvalListener | None = None,
 ) -> ScalarBoard | NoBoard:
-    """The run's board: a writer under ``run_dir(root, ...)``, or a :class:`NoBoard` without a root."""
-    return NoBoard() if root is None else ScalarBoard(run_dir(root, job, job_id), job, first_step)
+    """The run's board: a writer under ``run_dir(root, ...)`` whose ``on_step`` and ``on_eval`` write, then
+    call the run's own; or, without a root, a :class:`NoBoard` holding the run's own listeners."""
+    if root is None:
+        return NoBoard(on_step, on_eval)
+    return ScalarBoard(run_dir(root, job, job_id), job, first_step, on_step, on_eval)
