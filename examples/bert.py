@@ -22,11 +22,13 @@ from sbpflow.client.nn.bert import BertConfig, BertForMaskedLM, tensor_parallel
 from sbpflow.client.summary import summarize
 from sbpflow.data import SyntheticSource
 
-# named configurations: "small" for tests and laptops; "base" and "large" as in the paper
+# named configurations: "small" for tests and laptops; "base" and "large" as in the paper, with BERT's
+# 30,522 WordPiece ids padded to 30,720 (a multiple of 128 x 8, as Megatron pads) so that TP up to 8
+# splits the vocabulary evenly
 SIZES: dict[str, dict[str, int]] = {
     "small": {"layers": 2, "heads": 2, "width": 32, "vocab": 64, "seq_len": 16},
-    "base": {"layers": 12, "heads": 12, "width": 768, "vocab": 30522, "seq_len": 512},
-    "large": {"layers": 24, "heads": 16, "width": 1024, "vocab": 30522, "seq_len": 512},
+    "base": {"layers": 12, "heads": 12, "width": 768, "vocab": 30720, "seq_len": 512},
+    "large": {"layers": 24, "heads": 16, "width": 1024, "vocab": 30720, "seq_len": 512},
 }
 
 

@@ -10,10 +10,10 @@ by classes ``S(1)`` over the ranks while the backbone stays data parallel (image
 ``S(0)``, parameters ``B``). The compiler all-gathers the [N, D] embeddings to ``B`` for the classifier,
 whose logits [N, K] come out ``S(1)``: each rank scores every face against its own identities.
 
-The loss is a softmax cross entropy in two stages that never gathers the logits
-(:func:`split_softmax_cross_entropy`): the row maximum from each rank's maxima of its own classes (an
-all-gather of N x ranks numbers), then the sum of exponentials and the label's logit as partial sums
-``P``, all-reduced over the ranks (2 N numbers). The logits are cosines with CosFace's additive margin
+The loss is a softmax cross entropy in two stages that never gathers the logits (``F.cross_entropy``
+with ``vocab_chunks``, sbpflow/ops/vocab.py): the row maximum from each rank's maxima of its own classes
+(an all-gather of N x ranks numbers), then the sum of exponentials and the label's logit as partial
+sums ``P``, reduced over the ranks (2 N numbers). The logits are cosines with CosFace's additive margin
 (``scale * (cos - margin)`` at the label), as InsightFace trains.
 
 Data: generated faces (``SyntheticSource``: N(0, 1) pixels and uniform identities, each a pure
@@ -32,24 +32,6 @@ from sbpflow.dtype import DType
 from sbpflow.random import Normal
 
 F = sf.nn.functional
-
-
-def split_softmax_cross_entropy(logits: sf.Tensor, labels: sf.Tensor, parts: int) -> sf.Tensor:
-    """Mean softmax cross entropy of ``logits`` [N, K] (``S(1)`` over ``parts`` ranks) at ``labels`` [N],
-    in two stages, without gathering the logits. ``parts`` must divide K."""
-    n, k = logits.shape
-    if k % parts:
-        raise SystemExit(
-            f"{k} classes do not split into {parts} equal parts; pick classes divisible by ranks"
-        )
-    # stage 1: the maximum of each rank's classes ([N, parts] S(1)), then of those ([N, 1] B: a gather
-    # of N x parts numbers): the shift that keeps exp from overflowing
-    shift = logits.reshape(n, parts, k // parts).max(axis=2).max(axis=1, keepdims=True)
-    shifted = logits - shift  # [N, K]  S(1)
-    # stage 2: sum of exponentials and the label's logit, each rank over its classes: P, all-reduced
-    sum_exp = shifted.exp().sum(axis=1)  # [N]  P -> B
-    target = (shifted * F.one_hot(labels, k, dtype=logits.dtype)).sum(axis=1)  # [N]  P -> B
-    return (sum_exp.log() - target).mean()  # mean over the batch of -log softmax at the label
 
 
 class MarginClassifier(sf.nn.Module):
@@ -85,11 +67,13 @@ class TrainFace(sf.Graph):
     def build(self, images: sf.Tensor, labels: sf.Tensor) -> sf.Tensor:
         features = self.backbone(images)  # [N, D]  S(0)
         if self.split is None:
-            loss = split_softmax_cross_entropy(self.head(features, labels), labels, 1)
+            loss = F.cross_entropy(self.head(features, labels), labels)
         else:  # every rank scores every face against its classes: labels whole, logits split by class
             labels = labels.to_global(self.split, sf.sbp.broadcast)  # [N]  B (an all-gather of N ids)
             logits = self.head(features, labels).to_global(self.split, sf.sbp.split(1))  # [N, K]  S(1)
-            loss = split_softmax_cross_entropy(logits, labels, self.split.size)
+            # two stages, the logits never gathered: the maxima of each rank's classes ([N, ranks],
+            # gathered), then the sums of exponentials and the label's logit, partial sums P
+            loss = F.cross_entropy(logits, labels, vocab_chunks=self.split.size)
         loss.backward()
         return loss
 
@@ -121,6 +105,10 @@ def make_job(
     """``model_parallel=False`` replicates the classifier too (plain data parallelism), for comparison."""
     if depth not in DEPTHS:
         raise SystemExit(f"--depth {depth}: use one of {sorted(DEPTHS)}")
+    if model_parallel and classes % ranks:
+        raise SystemExit(
+            f"--classes {classes} do not split into {ranks} equal parts; pick a multiple of --ranks"
+        )
     where = sf.placement(device, ranks=list(range(ranks)))
     backbone = ResNet(depth, embedding, width, small_stem=image_size <= 32)
     head = MarginClassifier(embedding, classes, scale, margin)

@@ -8,7 +8,8 @@ V vocabulary. The SBP comments give the layout of :func:`tensor_parallel` on the
 - each layer's qkv and first feed-forward weights are column-split ``S(1)``, both output projections
   row-split ``S(0)``, so a layer all-reduces twice (``P -> B``), as GPT's blocks do;
 - the MLM decoder is the word embedding itself (tied), so the logits come out split over the vocabulary
-  ``S(-1)``, with the decoder bias ``S(0)`` beside them.
+  ``S(-1)``, with the decoder bias ``S(0)`` beside them; the cross entropy takes them split
+  (vocabulary-parallel, ``F.cross_entropy(vocab_chunks=TP)``), so they are never gathered.
 
 Every other mesh axis is data parallel: the batch ``S(0)``, the parameters ``B``, their gradients ``P``.
 """
@@ -110,6 +111,7 @@ class BertForMaskedLM(Module):
         self.transform = Linear(d, d, init=_init())  # the head's dense layer, replicated
         self.ln_head = LayerNorm(d, cfg.eps)
         self.decoder_bias = Parameter((cfg.vocab_size,), Zeros())  # [V]  S(0) under TP
+        self.vocab_chunks = 1  # the TP degree once split: the loss then never gathers the logits
 
     def encode(self, tokens: Tensor, token_types: Tensor) -> Tensor:
         """Hidden states [B, T, D] for ``tokens`` and ``token_types`` [B, T]."""
@@ -130,7 +132,9 @@ class BertForMaskedLM(Module):
         h = F.matmul(pick, x)  # h: [B, P, D]  B under TP
         h = self.ln_head(F.gelu(self.transform(h), approximate="none"))
         logits = F.matmul(h, self.word.weight, transpose_b=True) + self.decoder_bias  # [B, P, V]  S(2)
-        return F.cross_entropy(logits, labels)  # loss: []
+        # under TP, the maxima of each rank's vocabulary slice, then the sums of exponentials and the
+        # label's logit as partial sums: [B, P]-sized boxings, not the [B, P, V] logits
+        return F.cross_entropy(logits, labels, vocab_chunks=self.vocab_chunks)  # loss: []
 
 
 def tensor_parallel(model: BertForMaskedLM, placement: Placement, tp_axis: int = -1) -> BertForMaskedLM:
@@ -139,4 +143,11 @@ def tensor_parallel(model: BertForMaskedLM, placement: Placement, tp_axis: int =
     axis = tp_axis % placement.ndim
     _set_axis(model.word.weight, placement, axis, Split(0))
     _set_axis(model.decoder_bias, placement, axis, Split(0))
+    tp, vocab = placement.shape[axis], model.config.vocab_size
+    if vocab % tp:
+        raise SbpflowError(
+            f"BERT vocabulary {vocab} does not split into {tp} equal tensor-parallel parts; pad it to a "
+            f"multiple of {tp} (Megatron pads to a multiple of 128 x TP)"
+        )
+    model.vocab_chunks = tp
     return model

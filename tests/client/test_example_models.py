@@ -51,7 +51,7 @@ def test_bert_large_traces_at_paper_scale() -> None:
     job = load("bert").make_job(ranks=64, dp=8, size="large", batch_size=64)
     job.verify()
     t = job.graph.tensors
-    assert t["model.word.weight"].meta.shape == (30522, 1024)
+    assert t["model.word.weight"].meta.shape == (30720, 1024)
     assert [str(s) for s in t["model.word.weight"].sbp] == ["B", "S(0)"], "vocabulary parallel on TP"
     assert [str(s) for s in t["model.layers.23.attn.qkv.weight"].sbp] == ["B", "S(1)"]
     assert [str(s) for s in t["model.layers.23.fc_out.weight"].sbp] == ["B", "S(0)"]
