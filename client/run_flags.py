@@ -42,7 +42,7 @@ def add_run_flags(p: argparse.ArgumentParser, defaults: RunOptions, exclude: Col
         raise SbpflowError(f"exclude={unknown}: RunOptions has no such field(s); it has {list(FIELD_NAMES)}")
     hints = typing.get_type_hints(RunOptions)
     group = p.add_argument_group("how the job runs (sbpflow.run_options.RunOptions)")
-    added = [f for f in fields(RunOptions) if f.name not in exclude]
+    added = [f for f in fields(RunOptions) if f.name in FIELD_NAMES and f.name not in exclude]
     p.set_defaults(**{_ADDED: tuple(f.name for f in added)})
     for f in added:
         default = getattr(defaults, f.name)

@@ -5,7 +5,14 @@ workers would read whatever they name, ``/etc/passwd`` included. :class:`DataPol
 Submit (``validation.compile_submit``) and again before a run starts (a job re-queued after a restart
 was validated under the roots of its day), every path that does not resolve under a root: paths are
 resolved as the server sees them, symlinks followed and ``..`` collapsed, so neither leads out.
-Refusals are :class:`DataAccessDenied` (PERMISSION_DENIED), naming the roots and never a file's bytes.
+Refusals are :class:`~sbpflow.data_access.DataAccessDenied` (PERMISSION_DENIED), naming the roots and
+never a file's bytes.
+
+A path checked is still only a name until it is read. So the policy also travels with the job: ``bind``
+stamps its roots on the job's file sources (``allowed_roots``, for what the control plane itself reads
+while it compiles), and the job manager runs every job with ``RunOptions.data_roots`` (``run_roots``),
+which the workers set on the sources they decode from the plan; each file is then checked as opened
+(:mod:`sbpflow.data_access`), so a symlink swapped after Submit leads nowhere.
 
     DataPolicy.under(["/data"])   # `sbpflow server --data-root /data`
     DataPolicy.under([])          # no --data-root: no file data at all (synthetic or inline only)
@@ -14,20 +21,15 @@ Refusals are :class:`DataAccessDenied` (PERMISSION_DENIED), naming the roots and
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sbpflow.data import ArrayFileSource, DataSource, TokenFileSource
+from sbpflow.data import ArrayFileSource, DataSource, TokenFileSource, with_roots
+from sbpflow.data_access import DENIED, MAX_SHOWN, DataAccessDenied, refusal, resolved, within
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
-
-MAX_SHOWN = 200  # characters of a refused path shown in the message
-
-
-class DataAccessDenied(SbpflowError, PermissionError):
-    """A job's data names a file outside the server's data roots."""
 
 
 def data_paths(source: DataSource | None) -> list[tuple[str, str]]:
@@ -39,39 +41,35 @@ def data_paths(source: DataSource | None) -> list[tuple[str, str]]:
     return []
 
 
-def _resolved(path: str | Path) -> Path | None:
-    """``path`` with symlinks and ``..`` resolved (relative to the server's directory); None if it
-    cannot name a file (a NUL byte, say)."""
-    try:
-        return Path(os.path.realpath(path))
-    except (ValueError, OSError):
-        return None
-
-
 @dataclass(frozen=True)
 class DataPolicy:
     roots: tuple[Path, ...]  # resolved
 
     @classmethod
     def under(cls, roots: Iterable[str | Path]) -> DataPolicy:
-        resolved = []
+        out = []
         for r in roots:
-            p = _resolved(r)
+            p = resolved(r)
             if p is None:  # a root that does not exist yet is fine: nothing resolves under it until it does
                 raise SbpflowError(f"--data-root {str(r)[:MAX_SHOWN]!r} cannot name a folder; give a path")
-            resolved.append(p)
-        return cls(tuple(resolved))
+            out.append(p)
+        return cls(tuple(out))
 
     @classmethod
     def embedded(cls) -> DataPolicy:
         """The embedded run's: the working directory and the corpus cache (``sbpflow.corpus``)."""
         from sbpflow.corpus import cache_dir
 
-        return cls(tuple(p for p in (_resolved(Path.cwd()), _resolved(cache_dir())) if p is not None))
+        return cls(tuple(p for p in (resolved(Path.cwd()), resolved(cache_dir())) if p is not None))
+
+    @property
+    def run_roots(self) -> tuple[str, ...]:
+        """The roots as ``RunOptions.data_roots``: what the workers check each opened file against."""
+        return tuple(str(r) for r in self.roots)
 
     def allows(self, path: str) -> bool:
-        p = _resolved(path)
-        return p is not None and any(p == r or p.is_relative_to(r) for r in self.roots)
+        p = resolved(path)
+        return p is not None and within(p, self.roots)
 
     def check(self, job: Job) -> None:
         """Refuse ``job`` (DataAccessDenied) if its data (or its held-out split) names a file outside
@@ -79,13 +77,24 @@ class DataPolicy:
         held_out = [(f"held-out {what}", path) for what, path in data_paths(job.eval_data)]
         for what, path in [*data_paths(job.data), *held_out]:
             if not self.allows(path):
-                where = (
-                    f"under the data roots {[str(r) for r in self.roots]}"
-                    if self.roots
-                    else "anywhere: the server has no --data-root"
-                )
-                raise DataAccessDenied(
-                    f"job {job.name[:MAX_SHOWN]!r}: {what} {path[:MAX_SHOWN]!r} is outside what the server "
-                    f"may read ({where}); put the file under a data root, or start the server with "
-                    "--data-root DIR (repeatable) for its folder"
-                )
+                raise refusal(what, path, self.roots, job.name)
+
+    def bind(self, job: Job) -> Job:
+        """``job`` checked (``check``), its file sources carrying the roots, so that what the control plane
+        reads of them (shapes, sample counts) is checked as opened too."""
+        self.check(job)
+        roots = self.run_roots
+        return dataclasses.replace(
+            job, data=with_roots(job.data, roots), eval_data=with_roots(job.eval_data, roots)
+        )
+
+
+def reason_of(error: BaseException, otherwise: str) -> str:
+    """A failed run's reason: ``PERMISSION_DENIED`` when a file was refused — by the check before the run,
+    or as a worker opened it (in process the cause itself; from a Ray worker its type's name) — else
+    ``otherwise``."""
+    cause = getattr(error, "cause", error)
+    refused = (
+        isinstance(cause, DataAccessDenied) or getattr(cause, "cause_type", "") == DataAccessDenied.__name__
+    )
+    return DENIED if refused else otherwise

@@ -27,6 +27,7 @@ its shards) raise :class:`~sbpflow.numerics.NonFiniteParameters` naming them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
 import threading
@@ -122,7 +123,7 @@ def run(
     resume_from, first_step = _resume_point(resume_from, steps)
     starts = nullcontext(None) if resume_from is not None else start_file(job_, init_from, layout, strict)
     board = open_board(tensorboard_dir, job_, job_id, first_step, on_step, on_eval)
-    evals = evaluating(job_, checkpoint_dir, first_step, board.on_step, board.on_eval, run)
+    evals = evaluating(job_, checkpoint_dir, first_step, board.on_step, board.on_eval, _evaluator(how))
     with board, starts as init_path, evals as ev:
         result = _run(
             job,
@@ -199,6 +200,11 @@ class _Stop(threading.Event):
         return super().is_set() or (self._cancel is not None and self._cancel.is_set())
 
 
+def _evaluator(how: RunOptions) -> Callable[..., RunResult]:
+    """``run`` for the held-out evaluations: they read files too, under the same data roots."""
+    return functools.partial(run, options=RunOptions(data_roots=how.data_roots))
+
+
 def launch(compiled: Compiled, **kwargs: Any) -> RunResult:
     """Train a job compiled already — Submit's validation compile, its graph passes done — with
     :func:`run`'s keywords: its lowering is finished on the same state (``pipeline.finish``), no pass runs
@@ -271,6 +277,7 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
             xp=xp,
             first_step=ctx.first_step,
             source=checkpointing.source_for(ctx.resume_from, ctx.init_from),
+            data_roots=ctx.run.data_roots,
         )
         for rank, rp in program.ranks.items():
             watch_steps(rp.context, devices[rank], loss, on_step(rank))

@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from sbpflow.control_plane.data_policy import DataAccessDenied
 from sbpflow.control_plane.drain import Draining
 from sbpflow.control_plane.resume import NotResumable
 from sbpflow.control_plane.scheduler import SchedulingError
 from sbpflow.control_plane.store.db import StoreError, StoreUnavailable, UnknownJobError
 from sbpflow.control_plane.validation import AdmissionError, ValidationError
+from sbpflow.data_access import DataAccessDenied
 from sbpflow.errors import SbpflowError
 
 T = TypeVar("T")

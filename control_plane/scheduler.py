@@ -246,16 +246,11 @@ class _Attempt:
             from sbpflow.actor_workers.planes import UidStore
 
             self.uids = ray.remote(UidStore).options(num_cpus=0).remote()
-        args = (
-            self.options.steps,
-            endpoints,
-            SETUP_SECONDS,
-            self.options.run.trace,
-            self.uids,
-            start,
-        )
+        args = (self.options.steps, endpoints, SETUP_SECONDS, self.options.run.trace, self.uids, start)
         setups = {  # each worker its own rank's plan; a lazy plan is lowered a batch at a time
-            r: self.workers[r].setup.remote(data, *args, ranks=self.ranks)
+            r: self.workers[r].setup.remote(
+                data, *args, ranks=self.ranks, data_roots=self.options.run.data_roots
+            )
             for r, data in compiled.rank_plans(self.ranks)
         }
         self._get("set up", setups)

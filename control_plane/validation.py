@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
+from sbpflow.data_access import DataAccessDenied
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
 from sbpflow.limits import LimitError
@@ -194,10 +195,12 @@ def _parse(job_bytes: bytes, max_bytes: int | None, data_policy: DataPolicy | No
             kind="missing",
             field="job.loss",
         )
-    if data_policy is not None:  # before anything opens a file the job names (PERMISSION_DENIED)
-        data_policy.check(job)
+    if data_policy is not None:  # before anything opens a file the job names (PERMISSION_DENIED); its
+        job = data_policy.bind(job)  # files are checked again as opened, here and in the workers
     try:
         job.check_inputs()
+    except DataAccessDenied:  # a symlink swapped since the check above
+        raise
     except SbpflowError as e:
         raise ValidationError(_message(e), kind="data", field="job.data") from e
     return job

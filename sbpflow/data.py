@@ -8,14 +8,17 @@ those rows. Synthetic data is drawn by the counter-based generator, so it too is
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
+from sbpflow.data_access import MAX_SHOWN, DataAccessDenied, opened
 from sbpflow.data_clicks import click_shapes, read_clicks
 from sbpflow.data_mlm import mlm_shapes, read_mlm
 from sbpflow.dtype import DType, as_dtype
@@ -96,7 +99,32 @@ class ArraySource(_Common):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ArrayFileSource(_Common):
+class _FileBacked(_Common):
+    """A source that reads files. ``allowed_roots``: set by the control plane from its data policy
+    (``--data-root``), never carried by the wire; each file is then opened once and checked as opened
+    (:mod:`sbpflow.data_access`). None: read what the process can (a user's own ``sf.run``)."""
+
+    allowed_roots: tuple[str, ...] | None = field(default=None, compare=False)
+
+    @contextmanager
+    def _file(self, what: str, path: str, fix: str) -> Iterator[str]:
+        """``path`` opened and checked; a file that cannot be read is a DataError saying ``fix``. The
+        reader's own message may quote the file's bytes, so it is never passed on."""
+        try:
+            with opened(path, self.allowed_roots, what) as name:
+                yield name
+        except DataAccessDenied:
+            raise
+        except FileNotFoundError:
+            raise DataError(f"{what} {path[:MAX_SHOWN]!r} does not exist") from None
+        except (OSError, ValueError) as e:
+            raise DataError(
+                f"{what} {path[:MAX_SHOWN]!r} is not readable ({type(e).__name__}); {fix}"
+            ) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArrayFileSource(_FileBacked):
     """One ``.npy`` file per field, memory-mapped: a rank reads only its rows."""
 
     paths: Mapping[str, str] = field(default_factory=dict)
@@ -104,15 +132,10 @@ class ArrayFileSource(_Common):
     def _open(self) -> dict[str, np.ndarray]:
         out = {}
         for k, p in self.paths.items():
-            try:
-                out[k] = np.load(p, mmap_mode="r")
-            except FileNotFoundError:
-                raise DataError(f"data field {k!r}: file {p!r} does not exist") from None
-            except (OSError, ValueError) as e:  # numpy's message may quote the file's bytes: never pass it on
-                raise DataError(
-                    f"data field {k!r}: {p!r} is not a readable .npy array file ({type(e).__name__}); write "
-                    "it with numpy.save"
-                ) from None
+            with self._file(
+                f"data field {k!r}", p, "give a .npy array file, written with numpy.save"
+            ) as name:
+                out[k] = np.load(name, mmap_mode="r")
         return out
 
     @property
@@ -131,7 +154,7 @@ class ArrayFileSource(_Common):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TokenFileSource(_Common):
+class TokenFileSource(_FileBacked):
     """A flat binary file of token ids (GPT-style): sample i is the window at ``i*seq_len``.
 
     Yields ``tokens`` and ``targets`` (the same window shifted by one token).
@@ -142,10 +165,8 @@ class TokenFileSource(_Common):
     seq_len: int = 0
 
     def _tokens(self) -> np.ndarray:
-        try:
-            return np.memmap(self.path, dtype=self.dtype.to_numpy(), mode="r")
-        except FileNotFoundError:
-            raise DataError(f"token file {self.path!r} does not exist") from None
+        with self._file("token file", self.path, f"give a flat file of {self.dtype.name} token ids") as name:
+            return np.memmap(name, dtype=self.dtype.to_numpy(), mode="r")
 
     @property
     def num_samples(self) -> int:
@@ -159,7 +180,7 @@ class TokenFileSource(_Common):
 
     def read(self, batch: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
         toks = self._tokens()
-        ids = self._sample_ids(self.num_samples, batch, rows)
+        ids = self._sample_ids((len(toks) - 1) // self.seq_len, batch, rows)
         # one gather of every window's positions, not a slice and a copy per sample
         at = ids[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         windows = np.asarray(toks)[at].astype(np.int64, copy=False).reshape(len(ids), self.seq_len + 1)
@@ -241,6 +262,14 @@ class SyntheticSource(_Common):
 
 
 DataSource = ArraySource | ArrayFileSource | TokenFileSource | SyntheticSource
+
+
+def with_roots(source: DataSource | None, roots: tuple[str, ...] | None) -> DataSource | None:
+    """``source`` whose files are checked as opened against ``roots`` (a source without files as it is):
+    how the control plane's data policy reaches a source decoded from the wire."""
+    if isinstance(source, ArrayFileSource | TokenFileSource):
+        return dataclasses.replace(source, allowed_roots=roots)
+    return source
 
 
 def _common(s: _Common) -> tuple[Any, ...]:

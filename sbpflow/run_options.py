@@ -78,6 +78,14 @@ class RunOptions:
             metavar="N",
         ),
     )
+    data_roots: tuple[str, ...] | None = field(
+        default=None,
+        metadata=_help(
+            "set by the control plane from its --data-root, never by a client: the folders a job's data "
+            "files must lie in, checked on each file as a worker opens it (None: no check)",
+            server_only=True,
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_NAMES:
@@ -98,19 +106,29 @@ class RunOptions:
             raise RunOptionsError(
                 "threads", self.threads, "give a whole number of threads, or 0 to leave them"
             )
+        roots = self.data_roots
+        if roots is not None and not (isinstance(roots, tuple) and all(isinstance(r, str) for r in roots)):
+            raise RunOptionsError("data_roots", roots, "give a tuple of folder paths, or None")
         for name in ("trace", "return_parameters"):
             if not isinstance(getattr(self, name), bool):
                 raise RunOptionsError(name, getattr(self, name), "give True or False")
 
     def replace(self, **changes: Any) -> RunOptions:
         """A copy with ``changes`` (validated again); an unknown name is an error listing the known ones."""
-        unknown = sorted(set(changes) - set(FIELD_NAMES))
+        known = [f.name for f in fields(RunOptions)]
+        unknown = sorted(set(changes) - set(known))
         if unknown:
-            raise SbpflowError(f"RunOptions has no field(s) {unknown}; it has {list(FIELD_NAMES)}")
+            raise SbpflowError(f"RunOptions has no field(s) {unknown}; it has {known}")
         return replace(self, **changes)
 
 
-FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(RunOptions))
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(RunOptions) if not f.metadata.get("server_only"))
+"""The options a user or an operator sets: on the wire (``sbpflow.v1.RunOptions``), as flags and as
+``sf.run`` keywords. The others (``data_roots``) are the control plane's own."""
+
+CLIENT_FIELDS: tuple[str, ...] = ("timeout", "max_restarts", "trace", "return_parameters")
+"""What a client may set for its own job at Submit (``SubmitJobRequest.options``); the rest of
+``FIELD_NAMES`` (where and how the server runs jobs) is the server's, and a Submit that sets it is refused."""
 
 MANAGER_DEFAULTS = RunOptions(timeout=24 * 3600.0, return_parameters=True)
 """The job manager's (and so the server's) defaults: a job may run for a day, its parameters are kept."""

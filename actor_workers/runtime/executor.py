@@ -90,6 +90,7 @@ def build(
     ranks: Collection[int] | None = None,
     first_step: int = 0,
     source: StoreSource | None = None,
+    data_roots: tuple[str, ...] | None = None,
 ) -> Program:
     """One :class:`RankProgram` per device of ``plan`` (or of ``ranks`` only: a worker builds its own),
     each acting ``steps`` times, as steps ``first_step, first_step + 1, ...`` (a resumed run: the acts see
@@ -97,9 +98,9 @@ def build(
 
     Everything is read from the plan's tasks, registers and tables (never ``plan.job``). ``transports``
     maps rank -> Transport. ``source`` gives the variables' starting shards (a checkpoint; default: the
-    initializers).
+    initializers). ``data_roots``: ``RunOptions.data_roots``, checked on every data file as it is opened.
     """
-    tables = plan_tables.of(plan)
+    tables = plan_tables.of(plan, data_roots)
     out = Program(tables)
     for device in plan.devices:
         if ranks is not None and device.rank not in ranks:

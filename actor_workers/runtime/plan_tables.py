@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sbpflow import wire
-from sbpflow.data import DataSource
+from sbpflow.data import DataSource, with_roots
 from sbpflow.graph import TensorDecl
 from sbpflow.job import JobConfig, ParameterSpec
 from sbpflow.v1 import plan_pb2 as pp
@@ -33,8 +33,10 @@ class PlanTables:
     micro_batches: int
 
 
-def of(plan: pp.Plan) -> PlanTables:
-    """The tables of ``plan``, decoded (a plan from before they existed has none: recompile it)."""
+def of(plan: pp.Plan, data_roots: tuple[str, ...] | None = None) -> PlanTables:
+    """The tables of ``plan``, decoded (a plan from before they existed has none: recompile it);
+    ``data_roots`` (``RunOptions.data_roots``, the control plane's): the folders the data source's files
+    must be in, checked on each file as opened (:mod:`sbpflow.data_access`)."""
     tensors = {t.name: wire.tensor_from_proto(t) for t in plan.tensors}
     return PlanTables(
         name=plan.job_name,
@@ -43,7 +45,7 @@ def of(plan: pp.Plan) -> PlanTables:
             p.tensor: ParameterSpec(p.tensor, wire.initializer_from_proto(p.init), p.trainable)
             for p in plan.parameters
         },
-        data=wire.data_from_proto(plan.data) if plan.HasField("data") else None,
+        data=with_roots(wire.data_from_proto(plan.data), data_roots) if plan.HasField("data") else None,
         config=wire.config_from_proto(plan.config),
         loss=plan.loss,
         fetches=tuple(plan.fetches),

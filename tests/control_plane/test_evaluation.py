@@ -98,7 +98,8 @@ def test_a_held_out_file_outside_the_data_roots_is_refused(tmp_path: Path) -> No
     import dataclasses
     import shutil
 
-    from sbpflow.control_plane.data_policy import DataAccessDenied, DataPolicy
+    from sbpflow.control_plane.data_policy import DataPolicy
+    from sbpflow.data_access import DataAccessDenied
     from tests.client.test_examples import load
 
     j = load("charlm").make_job(ranks=1, steps=2, eval_every=2, width=16, seq_len=16, batch_size=4, layers=1)
