@@ -231,8 +231,8 @@ def owned(xp: Any, x: Any) -> Any:
     return xp.empty_like(x)
 
 
-def _cube(xp: Any, x: Any) -> Any:
-    y = xp.multiply(x, x, out=owned(xp, x))
+def _cube(xp: Any, x: Any, out: Any = None) -> Any:
+    y = xp.multiply(x, x, out=owned(xp, x) if out is None else out)
     return xp.multiply(y, x, out=y)
 
 
@@ -280,9 +280,10 @@ defop(
 _GELU_C = math.sqrt(2.0 / math.pi)
 
 
-def _gelu_tanh(xp: Any, x: Any) -> Any:
-    """tanh(sqrt(2/pi) (x + 0.044715 x^3)) in one array the kernel owns, in the formula's order."""
-    t = _cube(xp, x)
+def _gelu_tanh(xp: Any, x: Any, out: Any = None) -> Any:
+    """tanh(sqrt(2/pi) (x + 0.044715 x^3)) in one array the kernel owns (or ``out``), in the formula's
+    order."""
+    t = _cube(xp, x, out)
     t = xp.multiply(t, 0.044715, out=t)
     t = xp.add(t, x, out=t)
     t = xp.multiply(t, _GELU_C, out=t)
@@ -292,7 +293,7 @@ def _gelu_tanh(xp: Any, x: Any) -> Any:
 def _gelu_kernel(ctx: KernelContext, x: Any) -> Any:
     # 0.5 x (1 + t) as ((1 + t) x) 0.5: the same bits (a product is commutative and halving is exact)
     xp = ctx.xp
-    y = _gelu_tanh(xp, x)
+    y = _gelu_tanh(xp, x, ctx.out_array(0))
     y = xp.add(y, 1.0, out=y)
     y = xp.multiply(y, x, out=y)
     return xp.multiply(y, 0.5, out=y)
@@ -302,7 +303,7 @@ def _gelu_grad_kernel(ctx: KernelContext, dy: Any, x: Any) -> Any:
     """dy (0.5 (1 + t) + 0.5 x (1 - t^2) C (1 + 3 * 0.044715 x x)), each term in the formula's order,
     in three arrays the kernel owns."""
     xp = ctx.xp
-    t = _gelu_tanh(xp, x)
+    t = _gelu_tanh(xp, x, ctx.out_array(0))
     poly = xp.multiply(x, 3 * 0.044715, out=owned(xp, x))  # (0.134145 x) x + 1
     poly = xp.multiply(poly, x, out=poly)
     poly = xp.add(poly, 1.0, out=poly)

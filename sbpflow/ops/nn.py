@@ -188,10 +188,11 @@ def _layer_norm_infer(metas: Metas, attrs: Attrs) -> Metas:
     return (x,)
 
 
-def _normalize(xp: Any, x: Any, eps: float) -> tuple[Any, Any]:
-    """``(x - mean) * rstd`` over the last axis in a new array, and ``rstd`` (biased variance, as torch):
-    one reduction for the mean, one pass to centre, one reduction for the variance, one pass to scale."""
-    centered = xp.subtract(x, row_mean(xp, x))
+def _normalize(xp: Any, x: Any, eps: float, out: Any = None) -> tuple[Any, Any]:
+    """``(x - mean) * rstd`` over the last axis in a new array (or ``out``), and ``rstd`` (biased
+    variance, as torch): one reduction for the mean, one pass to centre, one reduction for the variance,
+    one pass to scale."""
+    centered = xp.subtract(x, row_mean(xp, x), out=out)
     var = row_dot(xp, centered, centered)
     var = xp.divide(var, x.shape[-1], out=var)
     rstd = xp.sqrt(xp.add(var, x.dtype.type(eps), out=var), out=var)
@@ -201,7 +202,7 @@ def _normalize(xp: Any, x: Any, eps: float) -> tuple[Any, Any]:
 
 def _layer_norm_kernel(ctx: KernelContext, x: Any, w: Any, b: Any) -> Any:
     xp = ctx.xp
-    y, _ = _normalize(xp, x, float(ctx.attrs["eps"]))  # xhat, then xhat * w + b in place
+    y, _ = _normalize(xp, x, float(ctx.attrs["eps"]), ctx.out_array(0))  # xhat, then xhat * w + b in place
     return xp.add(xp.multiply(y, w, out=y), b, out=y)
 
 
@@ -248,7 +249,7 @@ def _layer_norm_grad_kernel(ctx: KernelContext, dy: Any, x: Any, w: Any) -> tupl
     dy_rows, xhat_rows = dy.reshape(-1, x.shape[-1]), xhat.reshape(-1, x.shape[-1])
     dbias = xp.einsum("ri->i", dy_rows)  # the parameters' sums over every row, without temporaries
     dweight = xp.einsum("ri,ri->i", dy_rows, xhat_rows)
-    gx = xp.multiply(dy, w)  # gradient w.r.t. xhat; then through the normalisation along the last axis
+    gx = xp.multiply(dy, w, out=ctx.out_array(0))  # w.r.t. xhat; then through the normalisation
     mean_g = row_mean(xp, gx)
     mean_gx = row_dot(xp, gx, xhat)
     mean_gx = xp.divide(mean_gx, x.shape[-1], out=mean_gx)
