@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sbpflow.client.byte_sizes import parse_bytes
 from sbpflow.client.cli_exit import UsageError
 from sbpflow.client.generate import cmd_generate, generate_flags
 from sbpflow.client.run_flags import add_run_flags, run_options_from_args
@@ -73,6 +74,7 @@ def server_config(args: argparse.Namespace) -> Any:
         tensorboard_dir=args.tensorboard_dir,
         open_metrics=args.open_metrics,
         data_roots=tuple(args.data_root),
+        device_memory=args.device_memory,
         insecure=args.insecure,
         max_streams=args.max_streams,
         drain_grace=args.drain_grace,
@@ -262,6 +264,13 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="DIR",
         help="jobs may read data files only under DIR (repeatable; symlinks resolved); default: none",
+    )
+    p.add_argument(
+        "--device-memory",
+        type=parse_bytes,
+        metavar="SIZE",
+        help="memory per device that Submit's admission check holds a job's plan to (e.g. 16GiB, 8G; 0: no "
+        "check); default: Ray's memory (or, in-process, this machine's) over the slots, a GPU's own",
     )
     p.add_argument(
         "--max-streams",
