@@ -24,6 +24,8 @@ too); without it that run stops at once, naming the install.
 
 from __future__ import annotations
 
+import itertools
+import os
 import queue
 import threading
 import time
@@ -45,6 +47,7 @@ STEP_SCALARS: tuple[tuple[str, Callable[[sp.StepMetrics], float]], ...] = (
     ("throughput/samples_per_second", lambda m: m.samples_per_second),
     ("time/step_seconds", lambda m: m.step_seconds),
 )
+_FILES = itertools.count()  # event files this process opened
 STREAM_TAGS = {
     "compute": "time/compute_seconds",
     "comm": "time/communication_seconds",
@@ -82,7 +85,11 @@ class ScalarBoard:
             ) from e
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._writer, self._summary = FileWriter(str(self.path), flush_secs=FLUSH_SECONDS), Summary
+        # tensorboardX names an event file by the second and the host: two runs of a job in one second
+        # (a resume right after its first attempt) would write one file, the second truncating the first
+        suffix = f".{os.getpid()}.{next(_FILES)}"
+        self._writer = FileWriter(str(self.path), flush_secs=FLUSH_SECONDS, filename_suffix=suffix)
+        self._summary = Summary
         self._optimizer, self._first_step = job.optimizer, first_step
         self._then_step, self._then_eval = on_step, on_eval  # the run's own listeners, called after
         # An event costs the writer ~0.1 ms of Python, and a thread that wakes takes the GIL from the

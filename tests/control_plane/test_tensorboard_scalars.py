@@ -105,14 +105,40 @@ def test_a_resumed_run_goes_on_at_the_jobs_steps(tmp_path: Path) -> None:
     assert sorted(scalars(tmp_path / "tb" / "j1")["loss/train"]) == [1, 2, 3, 4, 5, 6]
 
 
-def test_eval_losses_go_to_their_own_tag(tmp_path: Path) -> None:
-    job = load("mlp").make_job(steps=2)
-    with ScalarBoard(tmp_path / "run", job) as board:
+def test_held_out_losses_go_to_their_own_tag(tmp_path: Path) -> None:
+    from tests.control_plane.test_evaluation import job as evaluating_job
+
+    heard: list[tuple[int, float]] = []
+    result = sf.run(evaluating_job(every=2, steps=4), backend="inprocess", tensorboard_dir=str(tmp_path),
+                    job_id="ev", on_eval=lambda s, loss: heard.append((s, loss)))  # fmt: skip
+    assert heard == list(result.evals)  # the run's own listener still hears every evaluation
+    got = scalars(tmp_path / "ev")["loss/eval"]
+    assert sorted(got) == [2, 4]
+    for step, loss in result.evals:
+        assert math.isclose(got[step], loss, rel_tol=1e-6)
+
+
+def test_a_board_without_a_run_listener_writes_alone(tmp_path: Path) -> None:
+    with ScalarBoard(tmp_path / "run", load("mlp").make_job(steps=2)) as board:
         board.on_eval(10, 1.5)
-        board.on_eval(20, 1.25)
-    assert scalars(tmp_path / "run")["loss/eval"] == {10: 1.5, 20: 1.25}
+        board.on_step(sp.StepMetrics(step=1, loss=2.0, samples_per_second=3.0, step_seconds=0.5))
+    got = scalars(tmp_path / "run")
+    assert (
+        got["loss/eval"] == {10: 1.5}
+        and got["loss/train"] == {1: 2.0}
+        and got["time/step_seconds"] == {1: 0.5}
+    )
 
 
 def test_a_run_name_that_cannot_be_a_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SbpflowError, match="cannot name a TensorBoard run directory"):
         run_dir(tmp_path, load("mlp").make_job(steps=1), job_id="../escape")
+
+
+def test_two_runs_in_one_second_keep_both_files(tmp_path: Path) -> None:
+    job = load("mlp").make_job(steps=2)
+    for step in (1, 2):  # tensorboardX alone names both files alike, and the second truncates the first
+        with ScalarBoard(tmp_path / "run", job) as board:
+            board.on_step(sp.StepMetrics(step=step, loss=float(step)))
+    assert len(list((tmp_path / "run").iterdir())) == 2
+    assert scalars(tmp_path / "run")["loss/train"] == {1: 1.0, 2: 2.0}
