@@ -49,7 +49,10 @@ def test_decay_groups_exclude_biases_and_layer_norms_from_weight_decay() -> None
     decay, no_decay = j.optimizer.groups
     assert decay.weight_decay == 0.1 and no_decay.weight_decay == 0.0
     assert "model.blocks.0.attn.c_attn.weight" in decay.parameters and "model.wte.weight" in decay.parameters
-    assert "model.blocks.0.ln_1.weight" in no_decay.parameters and "model.blocks.0.attn.c_attn.bias" in no_decay.parameters
+    assert (
+        "model.blocks.0.ln_1.weight" in no_decay.parameters
+        and "model.blocks.0.attn.c_attn.bias" in no_decay.parameters
+    )
     assert j.optimizer.hyper("model.ln_f.bias")["weight_decay"] == 0.0
     assert j.optimizer.hyper("model.ln_f.bias")["lr"] == 1e-2  # not set by the group: the optimizer's
     assert wire.job_from_proto(wire.job_to_proto(j)).optimizer == j.optimizer
@@ -74,7 +77,9 @@ def test_groups_train_as_the_oracle_says(tp: bool) -> None:
 
 def test_a_group_with_lr_zero_is_left_as_it_started() -> None:
     model = sf.nn.GPT(CFG).to(sf.float64)
-    j, model = job(groups=lambda m: [{"params": [m.lm_head.weight], "lr": 0.0}, {"params": list(m.parameters())[:-1]}])
+    j, model = job(
+        groups=lambda m: [{"params": [m.lm_head.weight], "lr": 0.0}, {"params": list(m.parameters())[:-1]}]
+    )
     start = model.state_dict()["lm_head.weight"]
     sf.run(j, backend="inprocess")
     after = model.state_dict()
@@ -84,7 +89,11 @@ def test_a_group_with_lr_zero_is_left_as_it_started() -> None:
 
 @pytest.mark.parametrize(
     ("group", "words"),
-    [({"params": [], "momentum": 0.9}, "any of \\['lr', 'weight_decay'\\]"), ({"lr": 1.0}, "'params'"), ({"params": [], "lr": -1}, "lr=-1.0")],
+    [
+        ({"params": [], "momentum": 0.9}, "any of \\['lr', 'weight_decay'\\]"),
+        ({"lr": 1.0}, "'params'"),
+        ({"params": [], "lr": -1}, "lr=-1.0"),
+    ],
 )
 def test_a_bad_group_is_named(group: dict, words: str) -> None:
     with pytest.raises(sf.SbpflowError, match=words):

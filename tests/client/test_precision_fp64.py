@@ -36,7 +36,9 @@ def job(precision: str, ranks: int = 2) -> sf.Job:
 
 def test_an_fp64_job_is_float64_throughout_but_its_float32_data() -> None:
     j = job("fp64")
-    floats = {t.name: t.meta.dtype for t in j.graph.tensors.values() if t.meta.dtype.value.startswith("float")}
+    floats = {
+        t.name: t.meta.dtype for t in j.graph.tensors.values() if t.meta.dtype.value.startswith("float")
+    }
     inputs = {t.name for t in j.graph.of_kind(TensorKind.input)}
     assert {floats[n] for n in inputs if n in floats} == {sf.float32}
     assert {d for n, d in floats.items() if n not in inputs} == {sf.float64}
