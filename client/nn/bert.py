@@ -27,7 +27,7 @@ from sbpflow.client.tensor import Tensor
 from sbpflow.errors import SbpflowError
 from sbpflow.placement import Placement
 from sbpflow.random import Normal, Zeros
-from sbpflow.sbp import Split
+from sbpflow.sbp import B, Sbp, Split
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,17 @@ class BertConfig:
 
 def _init() -> Normal:
     return Normal(0.0, 0.02)  # BERT's truncated normal, untruncated
+
+
+Stream = tuple[Placement, tuple[Sbp, ...]] | None
+
+
+def _pinned(x: Tensor, stream: Stream) -> Tensor:
+    """Under TP, the residual stream held as Megatron holds it: whole on the TP axis, the batch split on
+    the others. Left to itself, SBP inference may split the sequence over the TP ranks instead and gather
+    every weight for every matmul, which can move fewer bytes on a small batch than Megatron's two
+    all-reduces a layer, but is not the layout this model is here to show."""
+    return x if stream is None else x.to_global(*stream)
 
 
 class SelfAttention(Module):
@@ -88,11 +99,12 @@ class Layer(Module):
         self.fc_out = Linear(4 * d, d, init=_init(), tp="row")  # weight [4D, D]  S(0)
         self.drop = Dropout(cfg.dropout)
         self.ln_ffn = LayerNorm(d, cfg.eps)
+        self.stream: Stream = None  # under TP: the residual stream's layout (see _pinned)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = self.ln_attn(x + self.attn(x))  # x: [B, T, D]  B
+        x = _pinned(self.ln_attn(x + self.attn(x)), self.stream)  # x: [B, T, D]  B
         h = F.gelu(self.fc(x), approximate="none")  # h: [B, T, 4D]  S(2)
-        return self.ln_ffn(x + self.drop(self.fc_out(h)))  # x: [B, T, D]  B
+        return _pinned(self.ln_ffn(x + self.drop(self.fc_out(h))), self.stream)  # x: [B, T, D]  B
 
 
 class BertForMaskedLM(Module):
@@ -112,6 +124,7 @@ class BertForMaskedLM(Module):
         self.ln_head = LayerNorm(d, cfg.eps)
         self.decoder_bias = Parameter((cfg.vocab_size,), Zeros())  # [V]  S(0) under TP
         self.vocab_chunks = 1  # the TP degree once split: the loss then never gathers the logits
+        self.stream: Stream = None  # under TP: the residual stream's layout (see _pinned)
 
     def encode(self, tokens: Tensor, token_types: Tensor) -> Tensor:
         """Hidden states [B, T, D] for ``tokens`` and ``token_types`` [B, T]."""
@@ -119,7 +132,7 @@ class BertForMaskedLM(Module):
         if t > self.config.seq_len:
             raise SbpflowError(f"BERT: a sequence of {t} tokens is longer than seq_len={self.config.seq_len}")
         x = self.word(tokens) + self.token_type(token_types)  # [B, T, D]  P -> B under TP
-        x = self.drop(self.ln_embed(x + self.position.weight[:t]))
+        x = _pinned(self.drop(self.ln_embed(x + self.position.weight[:t])), self.stream)
         for layer in self.layers:
             x = layer(x)
         return x
@@ -150,4 +163,7 @@ def tensor_parallel(model: BertForMaskedLM, placement: Placement, tp_axis: int =
             f"multiple of {tp} (Megatron pads to a multiple of 128 x TP)"
         )
     model.vocab_chunks = tp
+    model.stream = (placement, tuple(B if a == axis else Split(0) for a in range(placement.ndim)))
+    for layer in model.layers:
+        layer.stream = model.stream
     return model
