@@ -7,7 +7,8 @@ stdout, with keys that stay (a script may rely on them; a new key may be added, 
      "loss" (null before the first step), "samples_per_second",
      "created", "started", "finished" (ISO 8601 UTC, null when not yet),
      "last_checkpoint", "resumed_from", "resume_checkpoint",
-     "workers": [{"rank", "state", "step", "host"}]}
+     "workers": [{"rank", "state", "step", "host"}],
+     "eval_step" (0 before the first evaluation), "eval_loss" (null then)}
 
 ``plan``: ``{"job", "ops": [{"name", "op_type", "inputs", "outputs"}] (SBP per tensor, e.g. "(S(0), B)"),
 "boxing": [{"from", "to", "plan", "bytes"}], "boxing_bytes", "memory": {"RANK": {"parameters",
@@ -25,7 +26,7 @@ from typing import Any
 JOB_KEYS = (
     "job_id", "name", "state", "reason", "message", "attempt", "step", "total_steps", "loss",
     "samples_per_second", "created", "started", "finished", "last_checkpoint", "resumed_from",
-    "resume_checkpoint", "workers",
+    "resume_checkpoint", "workers", "eval_step", "eval_loss",
 )  # fmt: skip
 WORKER_KEYS = ("rank", "state", "step", "host")
 PLAN_KEYS = ("job", "ops", "boxing", "boxing_bytes", "memory", "notes")
@@ -70,6 +71,8 @@ def job(st: Any) -> dict[str, Any]:
             }
             for w in st.workers
         ],
+        "eval_step": st.eval_step,
+        "eval_loss": st.eval_loss if st.HasField("eval_loss") else None,
     }
     return doc
 
