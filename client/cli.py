@@ -15,6 +15,7 @@ from sbpflow.client.cli_exit import UsageError, run_command
 from sbpflow.client.cli_jobs import JOB_COMMANDS, RUN_DEFAULTS, RUN_EXCLUDED, _client_flags, cmd_run
 from sbpflow.client.run_flags import add_run_flags
 from sbpflow.errors import SbpflowError
+from sbpflow.run_options import CLIENT_FIELDS
 
 
 def _load_example(path: str) -> Any:
@@ -201,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "and needs a GPU per rank where the job runs (default: the example's own)",
             )
             p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other make_job argument")
+        if name == "submit":  # the job's own run options, within the server's (unset: the server's)
+            add_run_flags(p, None, only=CLIENT_FIELDS)
         if name in ("submit", "resume"):
             p.add_argument("--watch", action="store_true", help="follow the job with a progress bar")
             p.add_argument("--steps", type=int, help="train this many steps in all (default: the job's own)")

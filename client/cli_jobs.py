@@ -20,7 +20,7 @@ from typing import Any
 from sbpflow.client.byte_sizes import parse_bytes
 from sbpflow.client.cli_exit import UsageError
 from sbpflow.client.generate import cmd_generate, generate_flags
-from sbpflow.client.run_flags import add_run_flags, run_options_from_args
+from sbpflow.client.run_flags import add_run_flags, given_run_flags, run_options_from_args
 from sbpflow.errors import SbpflowError
 from sbpflow.run_options import MANAGER_DEFAULTS
 
@@ -96,7 +96,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from sbpflow.client.cli import _job_from_args
 
     with _client(args) as client:
-        handle = client.submit(_job_from_args(args), client_id=os.environ.get("USER", ""))
+        handle = client.submit(
+            _job_from_args(args), client_id=os.environ.get("USER", ""), **given_run_flags(args)
+        )
         print(handle.job_id, flush=True)
         return _ended(handle.watch()) if args.watch else 0
 

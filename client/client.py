@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 
 from sbpflow.errors import SbpflowError
+from sbpflow.run_options import CLIENT_FIELDS, FIELD_NAMES
 from sbpflow.v1 import job_pb2
 from sbpflow.v1 import service_pb2 as sp
 from sbpflow.v1 import service_pb2_grpc as sg
@@ -138,9 +139,27 @@ class Client:
 
     # ---- the API ----------------------------------------------------------------------------------
 
-    def submit(self, job: Any, client_id: str = "", idempotency_key: str = "") -> JobHandle:
-        """Submit a ``sbpflow.Job`` (or its ``sbpflow.v1.Job`` protobuf); returns a handle once stored."""
-        req = sp.SubmitJobRequest(job=_job_proto(job), client_id=client_id, idempotency_key=idempotency_key)
+    def submit(
+        self, job: Any, client_id: str = "", idempotency_key: str = "", **options: float | int | bool | None
+    ) -> JobHandle:
+        """Submit a ``sbpflow.Job`` (or its ``sbpflow.v1.Job`` protobuf); returns a handle once stored.
+
+        ``options``: this job's own run options, within the server's — ``timeout`` (seconds) and
+        ``max_restarts`` up to the server's, ``trace``, ``return_parameters``; None or absent: the
+        server's (``client.submit(job, timeout=600, max_restarts=2)``). The server refuses the rest
+        (backend, ray_address, threads: PERMISSION_DENIED, "set by the server") and more than it allows."""
+        unknown = sorted(set(options) - set(FIELD_NAMES))
+        if unknown:
+            raise TypeError(
+                f"submit() got unexpected keyword(s) {unknown}; a job's run options are {list(CLIENT_FIELDS)}"
+            )
+        given = {k: v for k, v in options.items() if v is not None}
+        req = sp.SubmitJobRequest(
+            job=_job_proto(job),
+            client_id=client_id,
+            idempotency_key=idempotency_key,
+            options=sp.RunOptions(**given),  # type: ignore[arg-type]
+        )
         resp = self._unary("Submit", req)
         return JobHandle(self, resp.job_id)
 

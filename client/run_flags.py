@@ -4,6 +4,9 @@ defaulting to the command's own defaults (``sbpflow server`` starts from the job
 
     add_run_flags(parser, MANAGER_DEFAULTS, exclude=("trace",))
     options = run_options_from_args(parser.parse_args(argv), MANAGER_DEFAULTS)
+
+    add_run_flags(parser, None, only=CLIENT_FIELDS)   # `sbpflow submit`: a job's own, unset: the server's
+    client.submit(job, **given_run_flags(parser.parse_args(argv)))
 """
 
 from __future__ import annotations
@@ -35,19 +38,28 @@ def _value_type(hint: Any) -> Any:
     return hint
 
 
-def add_run_flags(p: argparse.ArgumentParser, defaults: RunOptions, exclude: Collection[str] = ()) -> None:
-    """Add a flag for every field of RunOptions but ``exclude`` to ``p``, defaulting to ``defaults``."""
-    unknown = sorted(set(exclude) - set(FIELD_NAMES))
+def add_run_flags(
+    p: argparse.ArgumentParser,
+    defaults: RunOptions | None,
+    exclude: Collection[str] = (),
+    only: Collection[str] = FIELD_NAMES,
+) -> None:
+    """Add a flag for every field of RunOptions in ``only`` but ``exclude`` to ``p``, defaulting to
+    ``defaults`` (None: unset, the server's; ``given_run_flags`` has what was given)."""
+    unknown = sorted((set(exclude) | set(only)) - set(FIELD_NAMES))
     if unknown:
-        raise SbpflowError(f"exclude={unknown}: RunOptions has no such field(s); it has {list(FIELD_NAMES)}")
+        raise SbpflowError(
+            f"{unknown}: RunOptions has no such field(s) to make flags of; it has {list(FIELD_NAMES)}"
+        )
     hints = typing.get_type_hints(RunOptions)
     group = p.add_argument_group("how the job runs (sbpflow.run_options.RunOptions)")
-    added = [f for f in fields(RunOptions) if f.name in FIELD_NAMES and f.name not in exclude]
+    added = [f for f in fields(RunOptions) if f.name in only and f.name not in exclude]
     p.set_defaults(**{_ADDED: tuple(f.name for f in added)})
     for f in added:
-        default = getattr(defaults, f.name)
+        default = None if defaults is None else getattr(defaults, f.name)
         kind = _value_type(hints[f.name])
-        help_text = f.metadata["help"] + ("" if default is None else " (default: %(default)s)")
+        shown = " (default: the server's)" if defaults is None else " (default: %(default)s)"
+        help_text = f.metadata["help"] + ("" if default is None and defaults is not None else shown)
         kw: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
@@ -57,6 +69,11 @@ def add_run_flags(p: argparse.ArgumentParser, defaults: RunOptions, exclude: Col
                 if key in f.metadata:
                     kw[key] = f.metadata[key]
         group.add_argument(flag_of(f.name), **kw)
+
+
+def given_run_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The run flags ``args`` was given (those added with ``defaults=None`` and left unset are not)."""
+    return {n: v for n in getattr(args, _ADDED, ()) if (v := getattr(args, n)) is not None}
 
 
 def run_options_from_args(args: argparse.Namespace, defaults: RunOptions, **overrides: Any) -> RunOptions:

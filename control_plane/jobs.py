@@ -49,6 +49,7 @@ from sbpflow.control_plane.data_policy import reason_of
 from sbpflow.control_plane.drain import Draining
 from sbpflow.control_plane.job_checkpoints import resumable, run_checkpoints
 from sbpflow.control_plane.job_feed import JobFeed
+from sbpflow.control_plane.job_options import for_run, job_options
 from sbpflow.control_plane.run_listeners import RunListeners
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
@@ -202,9 +203,12 @@ class JobManager:
 
     # ---- the API ----------------------------------------------------------------------------------
 
-    def submit(self, job_bytes: bytes, client_id: str = "", idempotency_key: str = "") -> JobRecord:
-        """Validate and store a job (PENDING), then schedule; raises ``ValidationError`` for bad input."""
-        return self._admit(job_bytes, client_id, idempotency_key)
+    def submit(
+        self, job_bytes: bytes, client_id: str = "", idempotency_key: str = "", options: bytes = b""
+    ) -> JobRecord:
+        """Validate and store a job (PENDING), then schedule; raises ``ValidationError`` for bad input.
+        ``options``: the serialized RunOptions its client set (``job_options.py``; OptionRefused)."""
+        return self._admit(job_bytes, client_id, idempotency_key, options=options)
 
     def resume(
         self, job_id: str, job_bytes: bytes | None = None, client_id: str = "", idempotency_key: str = ""
@@ -227,6 +231,7 @@ class JobManager:
             check=lambda job: resuming.check_compatible(job, reader),
             resumed_from=rec.id,
             resume_checkpoint=str(found.path),
+            options=rec.options,  # the resumed job's client options go on with it
         )
         for c in passed:
             self.store.append_log(new.id, -1, "WARNING", corrupt_note(c, found.step))
@@ -240,7 +245,9 @@ class JobManager:
         check: Callable[[Job], None] = lambda job: None,
         resumed_from: str = "",
         resume_checkpoint: str = "",
+        options: bytes = b"",
     ) -> JobRecord:
+        job_options(sp.RunOptions.FromString(options), self.config.run)  # before any work: OptionRefused
         if self.draining:
             raise Draining()
         if self._closed:
@@ -266,6 +273,7 @@ class JobManager:
                 slots=slots,
                 resumed_from=resumed_from,
                 resume_checkpoint=resume_checkpoint,
+                options=options,
             )
             fresh = (
                 rec.state == JobState.PENDING and rec.id not in self._queue and rec.id not in self._running
@@ -417,7 +425,8 @@ class JobManager:
         checkpointing, first_step = run_checkpoints(self.config.checkpoint_root, self.store, rec)
         listeners = RunListeners(self, job_id, r, first_step)
         # a restart goes on from a checkpoint: without any, a job does not restart
-        how = self.config.run if checkpointing else self.config.run.replace(max_restarts=0)
+        base = for_run(self.config.run, rec.options)  # the server's, with what the job's client set
+        how = base if checkpointing else base.replace(max_restarts=0)
         policy = self.config.data_policy
         try:
             listeners.on_state(JobState.COMPILING)

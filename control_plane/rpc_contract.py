@@ -21,6 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from sbpflow.control_plane.drain import Draining
+from sbpflow.control_plane.job_options import OptionRefused
 from sbpflow.control_plane.resume import NotResumable
 from sbpflow.control_plane.scheduler import SchedulingError
 from sbpflow.control_plane.store.db import StoreError, StoreUnavailable, UnknownJobError
@@ -33,6 +34,7 @@ T = TypeVar("T")
 # Exception type -> gRPC status code; the first matching row wins (subclasses before their bases).
 CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (DataAccessDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (OptionRefused, grpc.StatusCode.PERMISSION_DENIED),
     (AdmissionError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownJobError, grpc.StatusCode.NOT_FOUND),

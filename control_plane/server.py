@@ -42,6 +42,7 @@ from sbpflow.control_plane.data_policy import DataPolicy
 from sbpflow.control_plane.drain import Drained
 from sbpflow.control_plane.drain import drain as drain_jobs
 from sbpflow.control_plane.isolation import CallCounter, CapacityInterceptor, StreamGate, check_bind, unready
+from sbpflow.control_plane.job_options import for_run
 from sbpflow.control_plane.jobs import JobManager, ManagerConfig
 from sbpflow.control_plane.metrics import Metrics
 from sbpflow.control_plane.rpc_contract import (
@@ -108,7 +109,11 @@ class JobServicer:
         self.rows.merge_into(m, rec)
         m.resumed_from, m.resume_checkpoint = rec.resumed_from, rec.resume_checkpoint
         m.last_checkpoint = self.manager.last_checkpoint(job_id)
-        m.options.CopyFrom(self.options)
+        m.options.CopyFrom(
+            run_options_to_proto(for_run(self.manager.config.run, rec.options))
+            if rec.options
+            else self.options
+        )  # the server's, with what the job's client set at Submit
         return m
 
     def Submit(self, request: bytes, context: grpc.ServicerContext) -> sp.SubmitJobResponse:  # noqa: N802
@@ -125,8 +130,8 @@ class JobServicer:
                 "SubmitJobRequest.job is missing; set it to sbpflow.wire.job_to_proto(job)",
             )
         check_keys(context, req)
-        blob = req.job.SerializeToString()
-        rec = guard(context, lambda: self.manager.submit(blob, req.client_id, req.idempotency_key))
+        blob, options = req.job.SerializeToString(), req.options.SerializeToString()  # job_options.py
+        rec = guard(context, lambda: self.manager.submit(blob, req.client_id, req.idempotency_key, options))
         return sp.SubmitJobResponse(job_id=rec.id, status=self.status_of(rec.id))
 
     def Resume(self, request: sp.ResumeJobRequest, context: grpc.ServicerContext) -> sp.ResumeJobResponse:  # noqa: N802

@@ -69,8 +69,10 @@ class JobStore(JobSideTables):
         slots: int = 0,
         resumed_from: str = "",
         resume_checkpoint: str = "",
+        options: bytes = b"",
     ) -> JobRecord:
-        """Store a new job: a fresh id, PENDING, attempt 1, and its "created" event.
+        """Store a new job: a fresh id, PENDING, attempt 1, and its "created" event; ``options``: the
+        serialized RunOptions its client set (kept with it, schema.py).
 
         With an ``idempotency_key``, a job already stored under the same (``client_id``, key) is
         returned instead, and nothing is written. ``resumed_from``/``resume_checkpoint``: the job (which
@@ -90,10 +92,11 @@ class JobStore(JobSideTables):
                 self._get(resumed_from)
             self._db.execute(
                 "INSERT INTO jobs (id, name, state, attempt, created, updated, job_proto, client_id, "
-                "idempotency_key, total_steps, slots, resumed_from, resume_checkpoint) "
-                "VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "idempotency_key, total_steps, slots, resumed_from, resume_checkpoint, options) "
+                "VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (job_id, name, str(JobState.PENDING), now, now, sqlite3.Binary(job_proto_bytes),
-                 client_id, idempotency_key, total_steps, slots, resumed_from, resume_checkpoint),
+                 client_id, idempotency_key, total_steps, slots, resumed_from, resume_checkpoint,
+                 sqlite3.Binary(options)),
             )  # fmt: skip
             data: dict[str, object] = {"resumed_from": resumed_from} if resumed_from else {}
             self._append_event(job_id, "created", JobState.PENDING, data=data, now=now)

@@ -10,8 +10,10 @@ infinity in a REAL column but turns NaN into NULL, so ``losses.loss`` may be NUL
 (every row of ``losses`` has a loss), and ``jobs.loss_nan`` says that the job's last loss is NaN (its
 ``loss`` NULL then, which otherwise means no step yet). Version 5 keeps the latest evaluation on the
 held-out split (``eval_step``, 0 before the first, and ``eval_loss``; NaN as NULL with ``eval_step``
-set). A file of an older version is migrated in place
-on open by ``MIGRATIONS[v]`` for each version ``v`` it is behind.
+set). Version 6 keeps the run options a client set for its job at Submit (``options``, a serialized
+``sbpflow.v1.RunOptions``; empty: the server's), so a job re-queued after a restart runs under them
+again. A file of an older version is migrated in place on open by ``MIGRATIONS[v]`` for each version
+``v`` it is behind.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 from sbpflow.run_state import JobState, WorkerState
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class JobRecord:
     resume_checkpoint: str = ""  # that checkpoint's path
     eval_step: int = 0  # the step of the latest evaluation on the held-out split (0: none yet)
     eval_loss: float | None = None  # its loss
+    options: bytes = b""  # the sbpflow.v1.RunOptions the client set at Submit (b"": the server's)
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     resume_checkpoint TEXT NOT NULL DEFAULT '',
     loss_nan INTEGER NOT NULL DEFAULT 0,
     eval_step INTEGER NOT NULL DEFAULT 0,
-    eval_loss REAL
+    eval_loss REAL,
+    options BLOB NOT NULL DEFAULT x''
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 CREATE INDEX IF NOT EXISTS jobs_created ON jobs(created);
@@ -206,12 +210,13 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE jobs ADD COLUMN eval_step INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE jobs ADD COLUMN eval_loss REAL",
     ),
+    5: ("ALTER TABLE jobs ADD COLUMN options BLOB NOT NULL DEFAULT x''",),
 }
 
 COLUMNS = (
     "id, name, state, reason, message, attempt, step, loss, samples_per_second, created, updated, "
     "started, finished, job_proto, client_id, total_steps, slots, resumed_from, resume_checkpoint, loss_nan, "
-    "eval_step, eval_loss"
+    "eval_step, eval_loss, options"
 )
 
 
@@ -233,7 +238,7 @@ def record_from_row(row: Sequence[Any]) -> JobRecord:
     """A ``JobRecord`` from a row of ``SELECT {COLUMNS} FROM jobs``."""
     (id_, name, state, reason, message, attempt, step, loss, sps, created, updated, started, finished,
      blob, client_id, total_steps, slots, resumed_from, resume_checkpoint, loss_nan, eval_step,
-     eval_loss) = row  # fmt: skip
+     eval_loss, options) = row  # fmt: skip
     return JobRecord(
         id=str(id_),
         name=str(name),
@@ -256,4 +261,5 @@ def record_from_row(row: Sequence[Any]) -> JobRecord:
         resume_checkpoint=str(resume_checkpoint),
         eval_step=int(eval_step),
         eval_loss=loss_from_column(eval_loss, int(eval_step) > 0),
+        options=bytes(options),
     )

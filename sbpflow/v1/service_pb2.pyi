@@ -511,6 +511,7 @@ class SubmitJobRequest(_message.Message):
     JOB_FIELD_NUMBER: _builtins.int
     CLIENT_ID_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    OPTIONS_FIELD_NUMBER: _builtins.int
     client_id: _builtins.str
     """Who submits (for listings and quotas); free-form."""
     idempotency_key: _builtins.str
@@ -521,16 +522,25 @@ class SubmitJobRequest(_message.Message):
     def job(self) -> _job_pb2.Job:
         """The job to run; rejected with INVALID_ARGUMENT if it does not validate."""
 
+    @_builtins.property
+    def options(self) -> Global___RunOptions:
+        """How this job runs, where it differs from the server's options: a client may set timeout (at most
+        the server's), max_restarts (at most the server's), trace and return_parameters. backend,
+        ray_address and threads are the server's: a request that sets one is refused with
+        PERMISSION_DENIED. Kept with the job (a job re-queued after a restart runs under them again).
+        """
+
     def __init__(
         self,
         *,
         job: _job_pb2.Job | None = ...,
         client_id: _builtins.str = ...,
         idempotency_key: _builtins.str = ...,
+        options: Global___RunOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "options", b"options"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "idempotency_key", b"idempotency_key", "job", b"job"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "idempotency_key", b"idempotency_key", "job", b"job", "options", b"options"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -284,14 +284,14 @@ def test_a_version_2_store_is_migrated(tmp_path: Path) -> None:
     con.executescript(
         "ALTER TABLE jobs DROP COLUMN resumed_from; ALTER TABLE jobs DROP COLUMN resume_checkpoint; "
         "ALTER TABLE jobs DROP COLUMN loss_nan; ALTER TABLE jobs DROP COLUMN eval_step; "
-        "ALTER TABLE jobs DROP COLUMN eval_loss; PRAGMA user_version=2;"
+        "ALTER TABLE jobs DROP COLUMN eval_loss; ALTER TABLE jobs DROP COLUMN options; PRAGMA user_version=2;"
     )
     con.commit()
     con.close()
     with JobStore(path) as s:
         rec = s.get(job_id)
         assert (rec.resumed_from, rec.resume_checkpoint) == ("", "")
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
 
 
 def test_a_version_3_store_is_migrated_and_then_keeps_nan_losses(tmp_path: Path) -> None:
@@ -303,7 +303,8 @@ def test_a_version_3_store_is_migrated_and_then_keeps_nan_losses(tmp_path: Path)
     con = sqlite3.connect(path)  # what version 3 wrote: a NOT NULL loss, no loss_nan
     con.executescript(
         "ALTER TABLE jobs DROP COLUMN loss_nan; ALTER TABLE jobs DROP COLUMN eval_step; "
-        "ALTER TABLE jobs DROP COLUMN eval_loss; ALTER TABLE losses RENAME TO old; "
+        "ALTER TABLE jobs DROP COLUMN eval_loss; ALTER TABLE jobs DROP COLUMN options; "
+        "ALTER TABLE losses RENAME TO old; "
         "CREATE TABLE losses (job_id TEXT NOT NULL REFERENCES jobs(id), step INTEGER NOT NULL, "
         "loss REAL NOT NULL, samples_per_second REAL NOT NULL, time REAL NOT NULL, PRIMARY KEY (job_id, step)); "
         "INSERT INTO losses SELECT * FROM old; DROP TABLE old; PRAGMA user_version=3;"
@@ -314,7 +315,7 @@ def test_a_version_3_store_is_migrated_and_then_keeps_nan_losses(tmp_path: Path)
         assert [p.loss for p in s.losses(job_id)] == [0.5]
         s.record_step(job_id, 2, math.nan, 10.0)
         assert math.isnan(s.losses(job_id)[1].loss) and math.isnan(s.get(job_id).loss or 0.0)
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 5
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
