@@ -252,12 +252,48 @@ def run_torch(s: Shape, steps: int, warmup: int, on_step: Any = None) -> tuple[f
 WORKERS = 2
 
 
-def run_sbpflow_ray(s: Shape, steps: int, warmup: int) -> float:
-    """The main job on ``WORKERS`` Ray workers: seconds per step between the driver's step reports."""
+def ray_workers_cpu() -> float:
+    """CPU seconds (user + system) of this driver's Ray worker processes (``ray::...`` descendants)."""
+    tick, me = os.sysconf("SC_CLK_TCK"), os.getpid()
+    parent, cpu, named = {}, {}, set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read(5) == b"ray::":
+                    named.add(int(pid))
+        except OSError:
+            continue
+        parent[int(pid)] = int(fields[1])
+        cpu[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
+
+    def mine(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == me:
+                return True
+        return False
+
+    return sum(cpu[p] for p in named if mine(p))
+
+
+def run_sbpflow_ray(s: Shape, steps: int, warmup: int) -> tuple[float, float]:
+    """The main job on ``WORKERS`` Ray workers: seconds per step between the driver's step reports, and
+    the workers' CPU seconds per step per worker over the same reports (what load on the machine leaves
+    mostly alone; reports may lag the workers by a step, as they do for the wall time)."""
     job = make_job(s, warmup + steps, ranks=WORKERS)
     done: list[float] = []
-    sf.run(job, backend="ray", on_step=lambda m: done.append(time.perf_counter()), timeout=1800)
-    return (done[-1] - done[warmup - 1]) / steps  # reports may come in bursts; their span does not lie
+    cpu: list[float] = []
+
+    def on_step(_: Any) -> None:
+        done.append(time.perf_counter())
+        if len(done) in (warmup, warmup + steps):
+            cpu.append(ray_workers_cpu())
+
+    sf.run(job, backend="ray", on_step=on_step, timeout=1800)
+    # reports may come in bursts; their span does not lie
+    return (done[-1] - done[warmup - 1]) / steps, (cpu[-1] - cpu[0]) / steps / WORKERS
 
 
 def _ddp_worker(rank: int, port: int, s: Shape, steps: int, warmup: int, out: Any) -> None:
@@ -283,13 +319,20 @@ def _ddp_worker(rank: int, port: int, s: Shape, steps: int, warmup: int, out: An
         opt.step()
         sched.step()
         loss.item()
-        marks.append(time.perf_counter())
+        marks.append((time.perf_counter(), _process_cpu()))
     dist.destroy_process_group()
-    if rank == 0:
-        out.put((marks[-1] - marks[warmup - 1]) / steps)
+    (w0, c0), (w1, c1) = marks[warmup - 1], marks[-1]
+    out.put((rank, (w1 - w0) / steps, (c1 - c0) / steps))
 
 
-def run_ddp(s: Shape, steps: int, warmup: int) -> float:
+def _process_cpu() -> float:
+    """This process's CPU seconds, all its threads (gloo's included)."""
+    t = os.times()
+    return t.user + t.system
+
+
+def run_ddp(s: Shape, steps: int, warmup: int) -> tuple[float, float]:
+    """Rank 0's seconds per step and the workers' mean CPU seconds per step."""
     import socket
 
     import torch.multiprocessing as mp
@@ -302,10 +345,11 @@ def run_ddp(s: Shape, steps: int, warmup: int) -> float:
     procs = [ctx.Process(target=_ddp_worker, args=(r, port, s, steps, warmup, out)) for r in range(WORKERS)]
     for proc in procs:
         proc.start()
-    result = float(out.get(timeout=1800))
+    got = [out.get(timeout=1800) for _ in procs]
     for proc in procs:
         proc.join(60)
-    return result
+    wall = next(w for r, w, _ in got if r == 0)
+    return wall, statistics.mean(c for _, _, c in got)
 
 
 def _spread(xs: list[float]) -> str:
@@ -314,7 +358,8 @@ def _spread(xs: list[float]) -> str:
 
 def bench_ddp(s: Shape, steps: int, warmup: int, repeat: int, unbucketed: bool = False) -> float:
     """sbpflow on Ray against DDP, alternating; with ``unbucketed`` also sbpflow with one all-reduce a
-    gradient (``grad_bucket_bytes=0``) in the same rounds: the bucketing's own effect, side by side."""
+    gradient (``grad_bucket_bytes=0``) in the same rounds: the bucketing's own effect, side by side. Wall
+    time per step (the target) and CPU time per step per worker (what a loaded machine leaves alone)."""
     import ray
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -329,7 +374,7 @@ def bench_ddp(s: Shape, steps: int, warmup: int, repeat: int, unbucketed: bool =
     variants = {"sbpflow (ray)": dict(CONFIG)}
     if unbucketed:
         variants["sbpflow unbucketed"] = {**CONFIG, "grad_bucket_bytes": 0}
-    got: dict[str, list[float]] = {k: [] for k in (*variants, "torch DDP")}
+    got: dict[str, list[tuple[float, float]]] = {k: [] for k in (*variants, "torch DDP")}
     try:
         for _ in range(repeat):
             for name, config in variants.items():
@@ -342,19 +387,28 @@ def bench_ddp(s: Shape, steps: int, warmup: int, repeat: int, unbucketed: bool =
                     CONFIG.clear()
                     CONFIG.update(saved)
             got["torch DDP"].append(run_ddp(s, steps, warmup))
-            print("    " + "   ".join(f"{k} {v[-1] * 1e3:7.1f} ms/step" for k, v in got.items()))
+            print(
+                "    "
+                + "   ".join(
+                    f"{k} {v[-1][0] * 1e3:7.1f} ms/step (CPU {v[-1][1] * 1e3:5.1f})" for k, v in got.items()
+                )
+                + f"   load {os.getloadavg()[0]:.1f}"
+            )
     finally:
         ray.shutdown()
-    pt = statistics.median(got["torch DDP"])
+    med = {
+        k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in got.items()
+    }
     for name, xs in got.items():
-        print(f"  {name}: {_spread(xs)}")
-    ratio = statistics.median(got["sbpflow (ray)"]) / pt
-    per_round = [a / b for a, b in zip(got["sbpflow (ray)"], got["torch DDP"], strict=True)]
+        print(f"  {name}: {_spread([w for w, _ in xs])}; CPU per worker {med[name][1] * 1e3:.1f} ms/step")
+    pt = med["torch DDP"]
+    ratio = med["sbpflow (ray)"][0] / pt[0]
+    per_round = [a[0] / b[0] for a, b in zip(got["sbpflow (ray)"], got["torch DDP"], strict=True)]
     print(
         f"  ratio sbpflow / DDP {ratio:.2f} (target <= {TARGET}) {'MET' if ratio <= TARGET else 'NOT MET'}; per "
-        f"round {', '.join(f'{r:.2f}' for r in per_round)}"
+        f"round {', '.join(f'{r:.2f}' for r in per_round)}; CPU time ratio {med['sbpflow (ray)'][1] / pt[1]:.2f}"
         + (
-            f"; unbucketed / DDP {statistics.median(got['sbpflow unbucketed']) / pt:.2f}"
+            f"; unbucketed / DDP {med['sbpflow unbucketed'][0] / pt[0]:.2f} (CPU {med['sbpflow unbucketed'][1] / pt[1]:.2f})"
             if unbucketed
             else ""
         )
