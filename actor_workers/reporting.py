@@ -9,7 +9,7 @@ loss (:mod:`sbpflow.control_plane.step_tracker`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sbpflow import wire
@@ -29,24 +29,37 @@ def report(
     return msg
 
 
+STREAMS = ("compute", "comm", "data")  # the engine's streams, each a key of a step's timings
+
+
 def watch_steps(
-    rc: Any, device: pp.DevicePlan, loss: str | None, done: Callable[[int, float | None, float], None]
+    rc: Any,
+    device: pp.DevicePlan,
+    loss: str | None,
+    done: Callable[[int, float | None, Mapping[str, float]], None],
 ) -> None:
-    """Call ``done(step, loss, seconds)`` once per step the rank of ``rc`` completes: a rank that holds
+    """Call ``done(step, loss, timings)`` once per step the rank of ``rc`` completes: a rank that holds
     the loss when it fetches it (``loss`` its share), any other when the last variable it assigns has
-    come in (``loss`` None: a pipeline stage without the loss, say); ``seconds`` since the last one."""
+    come in (``loss`` None: a pipeline stage without the loss, say). ``timings``: seconds since the last
+    one (``"step"``), and how long each stream spent in acts in that time (``"compute"``, ``"comm"``,
+    ``"data"``: ``rc.busy``, which the engine adds to)."""
     sinks = [t for t in device.tasks if t.kind == pp.TASK_KIND_SINK]
     holds_loss = any(
         "fetch" in t.attrs and str(wire.attr_from_proto(t.attrs["fetch"])) == loss for t in sinks
     )
     assigns = sum("assign" in t.attrs for t in sinks)
     last = [time.monotonic()]
+    busy_then: dict[str, float] = {}
     assigned: dict[int, int] = {}
 
     def step_done(step: int, value: float | None) -> None:
         now = time.monotonic()
-        seconds, last[0] = now - last[0], now
-        done(step, value, seconds)
+        timings = {"step": now - last[0]}
+        last[0] = now
+        for stream in STREAMS:
+            spent = rc.busy.get(stream, 0.0)
+            timings[stream], busy_then[stream] = spent - busy_then.get(stream, 0.0), spent
+        done(step, value, timings)
 
     def fetched(name: str, micro_batch: int, step: int, value: Any) -> None:
         if name == loss and micro_batch < 0:
@@ -63,7 +76,9 @@ def watch_steps(
     rc.assign_hooks.append(on_assign)
 
 
-def step_report(step: int, loss: float | None, seconds: float) -> sp.StepReport:
-    """The StepReport of (0-based) ``step``: with the rank's loss share where it holds the loss."""
+def step_report(step: int, loss: float | None, timings: Mapping[str, float] | float) -> sp.StepReport:
+    """The StepReport of (0-based) ``step``: with the rank's loss share where it holds the loss, and
+    ``watch_steps``'s timings (a number: the step's seconds alone)."""
     losses = [] if loss is None else [loss]
-    return sp.StepReport(step=step + 1, losses=losses, loss=loss or 0.0, timings_seconds={"step": seconds})
+    seconds = {"step": float(timings)} if isinstance(timings, (int, float)) else timings
+    return sp.StepReport(step=step + 1, losses=losses, loss=loss or 0.0, timings_seconds=seconds)

@@ -31,7 +31,7 @@ import functools
 import gc
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -122,7 +122,7 @@ def run(
         raise SbpflowError(f"steps={steps}: a run trains for at least one step")
     resume_from, first_step = _resume_point(resume_from, steps)
     starts = nullcontext(None) if resume_from is not None else start_file(job_, init_from, layout, strict)
-    board = open_board(tensorboard_dir, job_, job_id, first_step, on_step, on_eval)
+    board = open_board(tensorboard_dir, job_, job_id, first_step, on_step, on_eval, on_report)
     evals = evaluating(job_, checkpoint_dir, first_step, board.on_step, board.on_eval, _evaluator(how))
     with board, starts as init_path, evals as ev:
         result = _run(
@@ -132,7 +132,7 @@ def run(
                 steps=steps - first_step,
                 run=how,
                 on_state=on_state,
-                on_report=on_report,
+                on_report=board.on_report,
                 on_attempt=on_attempt,
                 cancel=_Stop(cancel),  # set by a cancel, or by the tracker at a non-finite loss
                 report_hub=report_hub,
@@ -146,7 +146,6 @@ def run(
             ev.on_step if ev is not None else board.on_step,
             cancel,
         )
-        board.add_trace(result.trace)
     if ev is not None:
         result = dataclasses.replace(result, evals=tuple(ev.results))
     if bound is not None and result.parameters is not None:
@@ -257,11 +256,11 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
     job, plan = compiled.state.job, compiled.plan or _whole_plan(compiled)
     loss = job.loss
 
-    def on_step(rank: int) -> Callable[[int, float | None, float], None]:
-        def done(step: int, value: float | None, seconds: float) -> None:
+    def on_step(rank: int) -> Callable[[int, float | None, Mapping[str, float]], None]:
+        def done(step: int, value: float | None, timings: Mapping[str, float]) -> None:
             if value is not None:
                 tracker.add(rank, step - ctx.first_step, value)
-            ctx.report(rank, step=step_report(step, value, seconds))
+            ctx.report(rank, step=step_report(step, value, timings))
 
         return done
 

@@ -12,7 +12,7 @@ same run. What goes in (:data:`STEP_SCALARS`, then the rest):
 | ``lr`` | the learning rate the optimizer applied at the step (its schedule included) |
 | ``throughput/samples_per_second`` | samples a second over the last steps |
 | ``time/step_seconds`` | the step's wall time |
-| ``time/compute_seconds``, ``time/communication_seconds``, ``time/data_seconds`` | how long each stream was busy in the step, the mean over the ranks; from the act trace, so with ``trace=True`` |
+| ``time/compute_seconds``, ``time/communication_seconds``, ``time/data_seconds`` | how long each stream spent in acts since the rank's last step (its step reports), the mean over the ranks |
 
 The writer is tensorboardX's ``FileWriter`` (one event a step with all its scalars: 30 us a scalar, where
 ``SummaryWriter.add_scalar`` takes 75 us): an 87 KB pure-Python wheel that needs only numpy,
@@ -29,13 +29,12 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 from sbpflow.control_plane.evaluation import EvalListener
-from sbpflow.control_plane.step_tracker import StepListener
+from sbpflow.control_plane.step_tracker import ReportListener, StepListener
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
 from sbpflow.reference_optim import learning_rate
@@ -65,8 +64,8 @@ def run_dir(root: str | Path, job: Job, job_id: str = "") -> Path:
 
 class ScalarBoard:
     """One run's TensorBoard writer (tensorboardX's ``FileWriter`` on a thread of its own): steps through
-    :meth:`on_step`, eval losses through :meth:`on_eval`,
-    the per-stream time split through :meth:`add_trace`. A context manager: leaving it closes the file."""
+    :meth:`on_step`, held-out losses through :meth:`on_eval`, each step's stream times through
+    :meth:`on_report`; each then calls the run's own listener. A context manager: leaving it closes."""
 
     def __init__(
         self,
@@ -75,6 +74,7 @@ class ScalarBoard:
         first_step: int = 0,
         on_step: StepListener | None = None,
         on_eval: EvalListener | None = None,
+        on_report: ReportListener | None = None,
     ) -> None:
         try:
             from tensorboardX.proto.summary_pb2 import Summary
@@ -91,7 +91,12 @@ class ScalarBoard:
         self._writer = FileWriter(str(self.path), flush_secs=FLUSH_SECONDS, filename_suffix=suffix)
         self._summary = Summary
         self._optimizer, self._first_step = job.optimizer, first_step
-        self._then_step, self._then_eval = on_step, on_eval  # the run's own listeners, called after
+        self._then_step, self._then_eval, self._then_report = on_step, on_eval, on_report  # called after
+        g = job.graph  # every rank reports every step's stream times
+        placements = [t.placement for t in g.tensors.values()] + [o.placement for o in g.ops]
+        self._ranks = len({r for pl in placements if pl is not None for r in pl.ranks})
+        self._split: dict[int, dict[int, dict[str, float]]] = {}  # step -> rank -> stream -> seconds
+        self._lock = threading.Lock()  # reports come from stream and gRPC threads
         # An event costs the writer ~0.1 ms of Python, and a thread that wakes takes the GIL from the
         # streams: the board's own thread writes what came in every FLUSH_SECONDS, in one burst.
         self._queue: queue.SimpleQueue[tuple[int, list[tuple[str, float]]]] = queue.SimpleQueue()
@@ -126,25 +131,34 @@ class ScalarBoard:
         if self._then_eval is not None:
             self._then_eval(step, loss)
 
-    def add_trace(self, events: Iterable[Any] | None) -> None:
-        """Each step's busy seconds per stream (compute, communication, data), the mean over the ranks,
-        from the act trace (``ActEvent``s; nothing without one)."""
-        busy: dict[tuple[int, str], float] = {}  # (iteration, stream) -> seconds, over every rank
-        ranks: set[int] = set()
-        for e in events or ():
-            busy[(e.iteration, e.stream)] = busy.get((e.iteration, e.stream), 0.0) + (e.end - e.start)
-            ranks.add(e.rank)
-        steps: dict[int, list[tuple[str, float]]] = {}
-        for (it, stream), seconds in sorted(busy.items()):
-            if stream in STREAM_TAGS:
-                steps.setdefault(self._first_step + it + 1, []).append(
-                    (STREAM_TAGS[stream], seconds / len(ranks))
-                )
-        for step, values in steps.items():
-            self._queue.put((step, values))
+    def on_report(self, rep: sp.WorkerReport) -> None:
+        """A report listener: each step's stream times (compute, communication, data; ``watch_steps``), the
+        mean over the job's ranks once all have reported it; then the run's own ``on_report``."""
+        timings = rep.step.timings_seconds if rep.WhichOneof("payload") == "step" else {}
+        if "compute" in timings:
+            with self._lock:
+                shares = self._split.setdefault(int(rep.step.step), {})
+                shares[rep.rank] = {k: timings[k] for k in STREAM_TAGS if k in timings}
+                if len(shares) == self._ranks:
+                    self._write_split(int(rep.step.step))
+        if self._then_report is not None:
+            self._then_report(rep)
+
+    def _write_split(self, step: int) -> None:
+        """Step ``step``'s stream times, the mean over the ranks that reported it (under the lock)."""
+        shares = self._split.pop(step)
+        keys = {k for t in shares.values() for k in t}
+        means = [
+            (STREAM_TAGS[k], sum(t.get(k, 0.0) for t in shares.values()) / len(shares)) for k in sorted(keys)
+        ]
+        self._queue.put((step, means))
 
     def close(self) -> None:
-        """Write what is queued, close the event file (idempotent)."""
+        """Write what is queued (a step some rank never reported: the mean over those that did), close the
+        event file (idempotent)."""
+        with self._lock:
+            for step in sorted(self._split):
+                self._write_split(step)
         self._closing.set()
         self._thread.join()
 
@@ -160,11 +174,13 @@ class ScalarBoard:
 class NoBoard:
     """What a run without ``tensorboard_dir`` has: the same calls, doing nothing."""
 
-    def __init__(self, on_step: StepListener | None = None, on_eval: EvalListener | None = None) -> None:
-        self.on_step, self.on_eval = on_step, on_eval  # the run's own listeners, as they are
-
-    def add_trace(self, events: Iterable[Any] | None) -> None:
-        pass
+    def __init__(
+        self,
+        on_step: StepListener | None = None,
+        on_eval: EvalListener | None = None,
+        on_report: ReportListener | None = None,
+    ) -> None:
+        self.on_step, self.on_eval, self.on_report = on_step, on_eval, on_report  # the run's own, as they are
 
     def __enter__(self) -> NoBoard:
         return self
@@ -182,9 +198,10 @@ def open_board(
     first_step: int = 0,
     on_step: StepListener | None = None,
     on_eval: EvalListener | None = None,
+    on_report: ReportListener | None = None,
 ) -> ScalarBoard | NoBoard:
     """The run's board: a writer under ``run_dir(root, ...)`` whose ``on_step`` and ``on_eval`` write, then
     call the run's own; or, without a root, a :class:`NoBoard` holding the run's own listeners."""
     if root is None:
-        return NoBoard(on_step, on_eval)
-    return ScalarBoard(run_dir(root, job, job_id), job, first_step, on_step, on_eval)
+        return NoBoard(on_step, on_eval, on_report)
+    return ScalarBoard(run_dir(root, job, job_id), job, first_step, on_step, on_eval, on_report)

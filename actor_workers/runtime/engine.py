@@ -44,9 +44,13 @@ class RunResult:
 
 
 class _Stream:
-    __slots__ = ("name", "cond", "heap", "waiting", "remaining", "current", "events", "order", "level", "pos")
+    __slots__ = (
+        "name", "cond", "heap", "waiting", "remaining", "current", "events", "order", "level", "pos", "busy"
+    )  # fmt: skip
 
-    def __init__(self, name: str, lock: threading.Lock, actors: list[Actor], ordered: bool) -> None:
+    def __init__(
+        self, name: str, lock: threading.Lock, actors: list[Actor], ordered: bool, busy: dict[str, float]
+    ) -> None:
         self.name = name
         self.cond = threading.Condition(lock)
         self.heap: list[tuple[int, int, int, Actor]] = []
@@ -58,6 +62,8 @@ class _Stream:
         self.order = sorted(actors, key=lambda a: (a.priority, a.id)) if ordered else None
         self.level: list[Actor] = []
         self.pos = 0
+        self.busy = busy  # name -> seconds the stream has spent in acts (step reports read it)
+        busy.setdefault(name, 0.0)
         if self.order is not None:
             self.level = [a for a in self.order if a.iterations > 0]
 
@@ -84,15 +90,17 @@ class Engine:
         rank: int = 0,
         ordered_streams: Collection[str] = (),
         abort_hooks: Sequence[AbortHook] = (),
+        busy: dict[str, float] | None = None,
     ) -> None:
         self.rank = rank
+        self.busy = {} if busy is None else busy  # stream -> seconds in acts so far (a RankContext's)
         self._actors, self._registers = link(actors, registers)
         self._trace = trace
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         for name in dict.fromkeys(a.stream for a in actors):
             members = [a for a in self._actors if a.spec.stream == name]
-            self._streams[name] = _Stream(name, self._lock, members, name in ordered_streams)
+            self._streams[name] = _Stream(name, self._lock, members, name in ordered_streams, self.busy)
         for a in self._actors:
             a.stream = self._streams[a.spec.stream]
         self._left = sum(a.iterations for a in self._actors)
@@ -215,7 +223,7 @@ class Engine:
     # ---- the stream thread ----------------------------------------------------------------------------
     def _loop(self, s: _Stream) -> None:
         lock, cond, heap, trace = self._lock, s.cond, s.heap, self._trace
-        events = s.events
+        events, busy, name = s.events, s.busy, s.name
         perf = time.perf_counter
         a: Actor | None = None
         outs: Any = None
@@ -245,12 +253,12 @@ class Engine:
                 it = a.it
                 values = self._take(a) if a.in_regs or a.out_regs else []
             try:
+                t0 = perf()
+                outs = a.act(it, values)
+                t1 = perf()
+                busy[name] += t1 - t0  # only this thread writes this stream's entry
                 if trace:
-                    t0 = perf()
-                    outs = a.act(it, values)
-                    events.append((a, it, t0, perf()))
-                else:
-                    outs = a.act(it, values)
+                    events.append((a, it, t0, t1))
                 if a.n_out:
                     if type(outs) is not list and type(outs) is not tuple or len(outs) != a.n_out:
                         raise ValueError(_bad_outputs(outs, a.n_out))

@@ -254,7 +254,9 @@ ORDERED_STREAMS = ("comm",)
 
 def engine(rp: RankProgram, trace: bool = False) -> Engine:
     """The engine that runs one rank's program (its communication stream ordered)."""
-    return Engine(rp.actors, rp.registers, trace, rank=rp.rank, ordered_streams=ORDERED_STREAMS)
+    return Engine(
+        rp.actors, rp.registers, trace, rank=rp.rank, ordered_streams=ORDERED_STREAMS, busy=rp.context.busy
+    )
 
 
 def execute(

@@ -56,6 +56,7 @@ class RankContext:
     transport: Any = None  # a Transport; None for a plan without communication
     xp: ModuleType = np
     compute: ComputeStream | None = None  # a GPU worker's compute stream (sbpflow.cuda_streams)
+    busy: dict[str, float] = field(default_factory=dict)  # stream -> seconds in acts (the engine adds)
     # (tensor, micro-batch or -1) -> step -> this rank's value
     fetched: dict[tuple[str, int], dict[int, Any]] = field(default_factory=dict)
     # each called, in order, by every SINK fetch act with (tensor, micro-batch, step, value): progress

@@ -67,7 +67,10 @@ def scheduled(job: sf.Job) -> sf.Job:
 
 def test_sf_run_writes_every_steps_scalars(tmp_path: Path) -> None:
     job = scheduled(load("mlp").make_job(steps=5))
-    result = sf.run(job, backend="inprocess", timeout=120, trace=True, tensorboard_dir=str(tmp_path))
+    reports: list[sp.WorkerReport] = []
+    result = sf.run(
+        job, backend="inprocess", timeout=120, tensorboard_dir=str(tmp_path), on_report=reports.append
+    )
     (run,) = tmp_path.iterdir()
     assert run.name.startswith(f"{job.name}-")
     got = scalars(run)
@@ -83,7 +86,13 @@ def test_sf_run_writes_every_steps_scalars(tmp_path: Path) -> None:
     assert all(v > 0 for v in got["time/step_seconds"].values())
     for tag in ("time/compute_seconds", "time/communication_seconds", "time/data_seconds"):
         assert sorted(got[tag]) == steps and all(v >= 0 for v in got[tag].values()), tag
-    assert sum(got["time/compute_seconds"].values()) > 0
+    for s in steps:  # each the mean over the ranks of what their step reports said
+        said = [
+            r.step.timings_seconds for r in reports if r.WhichOneof("payload") == "step" and r.step.step == s
+        ]
+        assert len(said) == 2 and all(t["compute"] > 0 and t["comm"] >= 0 and t["data"] >= 0 for t in said)
+        assert math.isclose(got["time/compute_seconds"][s], sum(t["compute"] for t in said) / 2, rel_tol=1e-5)
+    assert sum(got["time/compute_seconds"].values()) > 0  # the run's own on_report heard them all too
 
 
 def test_a_server_writes_each_job_under_its_id(tmp_path: Path) -> None:
