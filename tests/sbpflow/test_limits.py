@@ -81,7 +81,7 @@ def test_a_huge_or_negative_stage_is_refused_without_enumerating_it(job) -> None
     t = time.perf_counter()
     with pytest.raises(PipelineError, match="no op is in stage 1"):
         check_stages(g)
-    assert time.perf_counter() - t < 1.0
+    assert time.perf_counter() - t < 10.0  # enumerating 2^31 stages would take minutes and gigabytes
     g.ops[-1] = dataclasses.replace(g.ops[-1], stage=-1)
     with pytest.raises(PipelineError, match="numbered from 0"):
         check_stages(g)

@@ -156,7 +156,7 @@ def test_a_closed_peer_fails_calls_that_need_it_at_once() -> None:
             ts[0].all_reduce(np.zeros(2), (0, 2), "x")
         with pytest.raises(TransportError, match="rank 2"):
             ts[1].send(np.zeros(2), 2, "y")
-        assert time.monotonic() - start < 2
+        assert time.monotonic() - start < 15  # at once, not by the 30 s timeout
         out = values(spmd(ts, lambda t: t.all_reduce(np.ones(2), (0, 1), "still"), ranks=[0, 1]))
         np.testing.assert_array_equal(out[1], [2.0, 2.0])  # the others still work
 
