@@ -88,6 +88,14 @@ def ran_for(rec: JobRecord, now: float | None = None) -> str:
     return duration(end - rec.started)
 
 
+def held_out(r: JobRecord) -> str:
+    """The latest held-out loss and its step (``config.eval_every``), or an empty cell."""
+    if not r.eval_step:
+        return ""
+    loss = "NaN" if r.eval_loss is None else fmt(r.eval_loss)
+    return f"{esc(loss)} <small>at step {r.eval_step}</small>"
+
+
 def badge(state: JobState) -> str:
     return f"<span class='state' style='background:{STATE_COLORS[state]}'>{esc(state.name)}</span>"
 
@@ -142,6 +150,7 @@ def job_list(records: Sequence[JobRecord], losses: dict[str, list[LossPoint]], s
                 badge(r.state),
                 f"{r.step}/{r.total_steps}",
                 "" if r.loss is None else esc(fmt(r.loss)),
+                held_out(r),
                 "" if not r.samples_per_second else esc(fmt(r.samples_per_second)),
                 esc(when(r.created)),
                 esc(ran_for(r)),
@@ -149,7 +158,19 @@ def job_list(records: Sequence[JobRecord], losses: dict[str, list[LossPoint]], s
                 loss_chart(losses.get(r.id, []), width=300, height=120),
             ]
         )
-    head = ("id", "name", "state", "step", "loss", "samples/s", "created", "ran for", "reason", "loss")
+    head = (
+        "id",
+        "name",
+        "state",
+        "step",
+        "loss",
+        "held-out",
+        "samples/s",
+        "created",
+        "ran for",
+        "reason",
+        "loss",
+    )
     body = (
         "<h1>sbpflow jobs</h1>"
         f"<div id='jobs' data-live>{table(head, rows, 'no jobs yet: submit one with sbpflow submit')}</div>"

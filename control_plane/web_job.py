@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from sbpflow.checkpoint.read import CheckpointInfo
 from sbpflow.control_plane.charts import Series, fmt, line_chart
 from sbpflow.control_plane.store.schema import JobEvent, JobRecord, LogRecord, LossPoint, WorkerRecord
-from sbpflow.control_plane.web import TERMINAL, badge, esc, frame, loss_chart, ran_for, table, when
+from sbpflow.control_plane.web import TERMINAL, badge, esc, frame, held_out, loss_chart, ran_for, table, when
 from sbpflow.job import Job
 from sbpflow.run_state import JobState
 
@@ -64,6 +64,7 @@ def _overview(v: JobView) -> str:
         ("state", f"{badge(r.state)} {esc(r.reason)}"),
         ("step", f"{r.step} of {r.total_steps}"),
         ("loss", "" if r.loss is None else esc(fmt(r.loss))),
+        ("held-out loss", held_out(r)),
         ("samples/s", "" if not r.samples_per_second else esc(fmt(r.samples_per_second))),
         ("attempt", str(r.attempt)),
         ("created", esc(when(r.created))),

@@ -13,6 +13,7 @@ import pytest
 
 from sbpflow.client.client import JobHandle
 from sbpflow.control_plane.auth import COOKIE, SESSION_SECONDS, TokenCheck
+from sbpflow.control_plane.charts import fmt
 from sbpflow.control_plane.server import ControlPlane, ServerConfig
 from sbpflow.run_options import MANAGER_DEFAULTS
 from tests.client.test_examples import load
@@ -163,3 +164,17 @@ def test_a_malformed_or_oversized_form_is_refused(served: tuple[ControlPlane, Jo
     code, _, body = request(base, "POST", "/login", {"token": "x" * 10_000})
     assert code == 413 and "at most" in body
     assert request(base, "POST", "/v1/jobs", {})[0] == 405  # the API takes no POST
+
+
+def test_a_job_that_evaluates_shows_its_held_out_loss(tmp_path: Path) -> None:
+    from tests.control_plane.test_evaluation import job as evaluating_job
+
+    with serving(tmp_path, [evaluating_job(every=2, steps=4)], checkpoint_root=str(tmp_path / "c")) as (
+        plane,
+        (h,),
+    ):
+        rec = plane.store.get(h.job_id)
+        assert rec.eval_step == 4 and rec.eval_loss is not None
+        shown = f"{fmt(rec.eval_loss)} <small>at step 4</small>"
+        assert shown in request(plane.http_address, "GET", f"/jobs/{h.job_id}", token="tok")[2]
+        assert shown in request(plane.http_address, "GET", "/", token="tok")[2]
