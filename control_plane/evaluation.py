@@ -6,7 +6,7 @@ An evaluation reads the parameters of that step's checkpoint (``eval_every`` is 
 training run: a thread waits for the checkpoint to complete and runs the eval job — the job's forward,
 no optimizer, nothing trainable, on the held-out batches — in process while training goes on. Each result
 goes to ``on_eval(step, loss)`` (the job manager records it: status and metrics) and into
-``RunResult.evals``. The graph is the training graph: dropout, if the model has any, stays on.
+``RunResult.evals``. The graph is the training graph with every dropout off (rate 0), as in eval mode.
 """
 
 from __future__ import annotations
@@ -32,12 +32,18 @@ WAIT_SECONDS = 600.0  # for a step's checkpoint to complete, at most
 
 
 def eval_job(job: Job) -> Job:
-    """``job``'s forward on its held-out split, ``eval_batches`` steps of it."""
+    """``job``'s forward on its held-out split, ``eval_batches`` steps of it, in eval mode: every
+    dropout at rate 0 (the identity)."""
     assert job.eval_data is not None
     c = job.config
+    ops = [
+        dataclasses.replace(o, attrs={**o.attrs, "rate": 0.0}) if o.op_type == "dropout" else o
+        for o in job.graph.ops
+    ]
     return dataclasses.replace(
         job,
         name=f"{job.name}-eval",
+        graph=dataclasses.replace(job.graph, ops=ops),
         parameters=[dataclasses.replace(p, trainable=False) for p in job.parameters],
         data=job.eval_data,
         optimizer=None,

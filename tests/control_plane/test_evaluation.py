@@ -110,3 +110,21 @@ def test_a_held_out_file_outside_the_data_roots_is_refused(tmp_path: Path) -> No
     with pytest.raises(DataAccessDenied, match="held-out"):
         policy.check(j)
     DataPolicy.under([Path(j.data.path).parent, tmp_path]).check(j)  # type: ignore[union-attr]
+
+
+def test_the_evaluation_turns_dropout_off() -> None:
+    class Dropped(Train):
+        def build(self, x: sf.Tensor, y: sf.Tensor) -> sf.Tensor:
+            h = sf.nn.functional.dropout(self.model(x), 0.5)
+            loss = sf.nn.functional.cross_entropy(h, y)
+            loss.backward()
+            return loss
+
+    graph = Dropped(sf.nn.MLP([8, 16, 4]).to(sf.float64), 2)
+    graph.config.eval_every, graph.config.eval_batches = 2, 2
+    train, held_out = sources()
+    j = graph.trace(train, eval_data=held_out)
+    rates = {o.attrs["rate"] for o in eval_job(j).graph.ops if o.op_type == "dropout"}
+    assert rates == {0.0} and {o.attrs["rate"] for o in j.graph.ops if o.op_type == "dropout"} == {0.5}
+    ((step, loss),) = sf.run(j, backend="inprocess").evals
+    assert loss == pytest.approx(oracle(j, 2), rel=1e-12)
