@@ -37,24 +37,28 @@ def http_get(url: str, token: str | None = None) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
+def job_of(pg_name: str) -> str | None:
+    """The job id of an sbpflow placement group's name, ``sbpflow-<job id>-a<attempt>`` (scheduler.py)."""
+    if not pg_name.startswith("sbpflow-") or "-a" not in pg_name:
+        return None
+    return pg_name.removeprefix("sbpflow-").rsplit("-a", 1)[0]
+
+
 def bundle_hosts(job_id: str) -> list[str]:
-    """The node IP of each bundle of the job's placement group, in bundle (= rank) order."""
+    """The node IP of each bundle of the job's (first attempt's) placement group, in bundle (= rank)
+    order."""
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     for pg in ray.util.placement_group_table().values():
-        if pg["name"] == f"sbpflow-{job_id}":
+        if pg["name"] == f"sbpflow-{job_id}-a1":
             by_bundle = pg["bundles_to_node_id"]
             return [ips.get(by_bundle[i], by_bundle[i]) for i in sorted(by_bundle)]
     return []
 
 
 def placements() -> dict[str, list[str]]:
-    """Every sbpflow placement group the cluster has seen: name -> its bundles' node IPs."""
-    names = [pg["name"] for pg in ray.util.placement_group_table().values()]
-    return {
-        n.removeprefix("sbpflow-"): bundle_hosts(n.removeprefix("sbpflow-"))
-        for n in names
-        if n.startswith("sbpflow-")
-    }
+    """Every sbpflow job whose placement group the cluster has seen: job id -> its bundles' node IPs."""
+    jobs = [job_of(pg["name"]) for pg in ray.util.placement_group_table().values()]
+    return {j: bundle_hosts(j) for j in jobs if j is not None}
 
 
 def main() -> None:
