@@ -84,7 +84,13 @@ class ScalarBoard:
                 "tensorboard_dir= needs tensorboardX: pip install tensorboardX (it is in sbpflow's dev extra)"
             ) from e
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SbpflowError(
+                f"tensorboard_dir: cannot make {self.path} ({e.strerror or e}); give a directory this process "
+                "can write (--tensorboard-dir on a server)"
+            ) from e
         # tensorboardX names an event file by the second and the host: two runs of a job in one second
         # (a resume right after its first attempt) would write one file, the second truncating the first
         suffix = f".{os.getpid()}.{next(_FILES)}"

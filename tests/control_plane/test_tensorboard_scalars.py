@@ -151,3 +151,9 @@ def test_two_runs_in_one_second_keep_both_files(tmp_path: Path) -> None:
             board.on_step(sp.StepMetrics(step=step, loss=float(step)))
     assert len(list((tmp_path / "run").iterdir())) == 2
     assert scalars(tmp_path / "run")["loss/train"] == {1: 1.0, 2: 2.0}
+
+
+def test_a_directory_that_cannot_be_made_is_named(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(SbpflowError, match=r"cannot make .*file/r.*give a directory this process can write"):
+        ScalarBoard(tmp_path / "file" / "r", load("mlp").make_job(steps=1))
