@@ -414,9 +414,10 @@ def _export_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="the file to write (default: <id>-step-NNNNNNNN.<format>)")
     p.add_argument(
         "--layout",
-        choices=("sbpflow", "torch"),
+        choices=("sbpflow", "torch", "gpt2"),
         default="sbpflow",
-        help="torch: nanoGPT/GPT-2 names, Linear weights [out, in], qkv as [q | k | v] (needs --example)",
+        help="torch: nanoGPT names, Linear weights [out, in], qkv as [q | k | v]; gpt2: Hugging Face's GPT-2 "
+        "(the same, its Conv1D weights [in, out]); both need --example",
     )
     p.add_argument("--example", help="with --layout torch: the example file whose make_job() built the model")
     p.add_argument(

@@ -7,6 +7,7 @@ layout (``layout="torch"``, :mod:`sbpflow.client.torch_layout`) through it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,7 +20,13 @@ from sbpflow.errors import SbpflowError
 
 Convert = Callable[[Mapping[str, np.ndarray], tuple[TorchRule, ...]], dict[str, np.ndarray]]
 # layout -> (to it, from it)
-LAYOUTS: dict[str, tuple[Convert, Convert]] = {"torch": (to_torch, from_torch)}
+LAYOUTS: dict[str, tuple[Convert, Convert]] = {
+    "torch": (to_torch, from_torch),  # nanoGPT: nn.Linear everywhere
+    "gpt2": (  # Hugging Face's GPT-2: Conv1D in the blocks
+        functools.partial(to_torch, conv1d=True),
+        functools.partial(from_torch, conv1d=True),
+    ),
+}
 
 
 class GraphValues:

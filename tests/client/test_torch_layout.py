@@ -84,17 +84,28 @@ def test_an_unknown_torch_name_passes_through_so_a_strict_import_names_it() -> N
 # ---- against PyTorch ---------------------------------------------------------------------------------
 
 
-def torch_gpt(cfg: sf.nn.GPTConfig) -> Any:
-    """nanoGPT's GPT (untied head, GELU tanh as GPT-2), in plain PyTorch."""
+def torch_gpt(cfg: sf.nn.GPTConfig, conv1d: bool = False) -> Any:
+    """nanoGPT's GPT (untied head, GELU tanh as GPT-2), in plain PyTorch; ``conv1d``: Hugging Face
+    GPT-2's blocks, whose projections are Conv1D (weight [in, out], y = x @ W + b)."""
     torch = pytest.importorskip("torch", reason="torch comes with the bench extra: pip install -e '.[bench]'")
     nn, fn = torch.nn, torch.nn.functional
+
+    class Conv1D(nn.Module):
+        def __init__(self, n_in: int, n_out: int) -> None:
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.empty(n_in, n_out)), nn.Parameter(torch.empty(n_out))
+
+        def forward(self, x: Any) -> Any:
+            return x @ self.weight + self.bias
+
+    Lin = Conv1D if conv1d else nn.Linear
 
     class Attention(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.c_attn, self.c_proj = (
-                nn.Linear(cfg.n_embd, 3 * cfg.n_embd),
-                nn.Linear(cfg.n_embd, cfg.n_embd),
+                Lin(cfg.n_embd, 3 * cfg.n_embd),
+                Lin(cfg.n_embd, cfg.n_embd),
             )
 
         def forward(self, x: Any) -> Any:
@@ -108,8 +119,8 @@ def torch_gpt(cfg: sf.nn.GPTConfig) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.c_fc, self.c_proj = (
-                nn.Linear(cfg.n_embd, 4 * cfg.n_embd),
-                nn.Linear(4 * cfg.n_embd, cfg.n_embd),
+                Lin(cfg.n_embd, 4 * cfg.n_embd),
+                Lin(4 * cfg.n_embd, cfg.n_embd),
             )
 
         def forward(self, x: Any) -> Any:
@@ -223,8 +234,11 @@ def test_an_export_in_torch_layout_loads_into_pytorch_and_gives_the_same_logits(
     np.testing.assert_allclose(ours, want, rtol=1e-10, atol=1e-12)
 
 
-def test_a_gpt_initialised_by_pytorch_imports_and_gives_pytorchs_first_loss(tmp_path: Path) -> None:
-    theirs = torch_gpt(CFG)
+@pytest.mark.parametrize("layout", ["torch", "gpt2"], ids=["nanogpt", "hf-gpt2"])
+def test_a_gpt_initialised_by_pytorch_imports_and_gives_pytorchs_first_loss(
+    layout: str, tmp_path: Path
+) -> None:
+    theirs = torch_gpt(CFG, conv1d=layout == "gpt2")
     torch = pytest.importorskip("torch")
     tokens, targets = batch(1)
     with torch.no_grad():
@@ -234,7 +248,7 @@ def test_a_gpt_initialised_by_pytorch_imports_and_gives_pytorchs_first_loss(tmp_
                 logits.reshape(-1, CFG.vocab_size), torch.from_numpy(targets).reshape(-1)
             )
         )
-    path = tmp_path / "nanogpt.safetensors"
+    path = tmp_path / "theirs.safetensors"
     write_safetensors(path, {k: v.detach().numpy() for k, v in theirs.state_dict().items()})
     where = sf.placement("cpu", [0, 1])
     for tp in (False, True):
@@ -243,5 +257,8 @@ def test_a_gpt_initialised_by_pytorch_imports_and_gives_pytorchs_first_loss(tmp_
             placement=where,
             input_sbp=sf.sbp.broadcast if tp else sf.sbp.split(0),
         )
-        got = sf.run(job, backend="inprocess", init_from=str(path), layout="torch").losses[0]
+        got = sf.run(job, backend="inprocess", init_from=str(path), layout=layout).losses[0]
         assert math.isclose(got, want, rel_tol=1e-10), (tp, got, want)
+    wrong = "torch" if layout == "gpt2" else "gpt2"  # the other orientation: a shape error, not a silent one
+    with pytest.raises(sf.SbpflowError, match="shape mismatch"):
+        sf.run(job, backend="inprocess", init_from=str(path), layout=wrong)
