@@ -1,8 +1,8 @@
 """BERT masked-language-model pre-training, tensor x data parallel on a 2-d mesh, traced into a Job.
 
     sbpflow run examples/bert.py --ranks 2                          # 2 layers, width 32, TP over 2 ranks
-    sbpflow run examples/bert.py --ranks 4 --set dp=2               # a 2x2 mesh: DP groups of 2 TP ranks
-    sbpflow plan examples/bert.py --ranks 64 --set dp=8 --set size=large   # BERT-Large, 8 DP x 8 TP
+    sbpflow run examples/bert.py --ranks 4 --dp 2                   # a 2x2 mesh: DP groups of 2 TP ranks
+    sbpflow plan examples/bert.py --ranks 64 --dp 8 --set size=large --set batch_size=64   # BERT-Large, 8x8
 
 The mesh is ``dp`` data-parallel groups of ``ranks / dp`` tensor-parallel ranks: the batch is ``S(0)``
 over mesh axis 0 and whole (``B``) over axis 1, where ``sf.nn.bert.tensor_parallel`` splits the
@@ -50,12 +50,12 @@ class TrainBert(sf.Graph):
         return loss
 
 
-def mesh(ranks: int, dp: int) -> sf.Placement:
+def mesh(ranks: int, dp: int, device: str = "cpu") -> sf.Placement:
     """``dp`` rows of ``ranks / dp`` tensor-parallel ranks."""
     if dp < 1 or ranks % dp:
         raise SystemExit(f"--ranks {ranks} is not divisible by --dp {dp}: each DP group needs as many ranks")
     per = ranks // dp
-    return sf.placement("cpu", ranks=[list(range(i * per, (i + 1) * per)) for i in range(dp)])
+    return sf.placement(device, ranks=[list(range(i * per, (i + 1) * per)) for i in range(dp)])
 
 
 def make_job(
@@ -73,6 +73,7 @@ def make_job(
     lr: float = 1e-3,
     warmup: int = 2,
     seed: int = 0,
+    device: str = "cpu",
 ) -> sf.Job:
     """``size`` picks a configuration; a non-zero ``layers``/``heads``/``width``/``vocab``/``seq_len``
     overrides its entry."""
@@ -88,7 +89,7 @@ def make_job(
         n_embd=c["width"],
         dropout=dropout,
     )
-    where = mesh(ranks, dp)
+    where = mesh(ranks, dp, device)
     model = tensor_parallel(BertForMaskedLM(cfg), where, tp_axis=1)
     predictions = max(1, round(0.15 * c["seq_len"]))
     data = SyntheticSource(

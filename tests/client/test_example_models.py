@@ -23,7 +23,7 @@ def losses_printed(out: str) -> list[float]:
     return [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
 
 
-@pytest.mark.parametrize("name", ["insightface", "bert"])
+@pytest.mark.parametrize("name", ["wide_deep", "insightface", "bert"])  # resnet: test_example_resnet.py
 def test_trains_from_the_cli_on_two_in_process_ranks(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["run", str(EXAMPLES / f"{name}.py"), "--ranks", "2", "--steps", "2", "--backend", "inprocess"]
     assert main([*args, *RUNS[name]]) == 0
@@ -43,7 +43,7 @@ def test_trains_on_two_ray_workers(name: str, ray_local: str, capsys: pytest.Cap
 
 def test_bert_runs_on_a_dp_x_tp_mesh_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["run", str(EXAMPLES / "bert.py"), "--ranks", "4", "--steps", "2", "--backend", "inprocess"]
-    assert main([*args, "--set", "dp=2"]) == 0
+    assert main([*args, "--dp", "2"]) == 0
     assert len(losses_printed(capsys.readouterr().out)) == 2
 
 
