@@ -255,7 +255,7 @@ def mutated_job(draw: st.DrawFn, bases: list[bytes]) -> bytes:
         return blob[:cut] + bytes([blob[cut] ^ draw(st.integers(1, 255))]) + blob[cut + 1 :]
     job = job_pb2.Job.FromString(blob)
     names = [t.name for t in job.graph.tensors] + [o.name for o in job.graph.ops]
-    node = draw(st.sampled_from(_nodes(job)))
+    node = draw(st.sampled_from([n for n in _nodes(job) if n.DESCRIPTOR.fields]))  # not an empty message
     fd = draw(st.sampled_from(list(node.DESCRIPTOR.fields)))
     _mutate(draw, node, fd, names)
     return job.SerializeToString()
