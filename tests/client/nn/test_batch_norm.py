@@ -122,3 +122,26 @@ def test_a_running_statistic_in_micro_batches_is_refused_with_the_fix() -> None:
 def test_momentum_out_of_range_is_refused() -> None:
     with pytest.raises(SbpflowError, match=r"momentum in \[0, 1\]"):
         sf.nn.BatchNorm2d(4, momentum=1.5)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"zero_stage": 3},
+        {"activation_checkpointing": True},
+        {"zero_stage": 1, "activation_checkpointing": True},
+    ],
+    ids=["zero3", "recompute", "zero1-recompute"],
+)
+def test_the_statistics_follow_zero_and_recomputation_as_one_device(config: dict[str, Any]) -> None:
+    """ZeRO shards the trained parameters only; recomputation re-runs the forward for the backward, not
+    the statistics' update (it is read by no backward op)."""
+    job = fit_job(2)
+    job = as_float64(
+        dataclasses.replace(job, config=dataclasses.replace(job.config, **config)), batches=STEPS
+    )
+    want = reference.train(job, steps=STEPS).parameters
+    got = sf.run(job, steps=STEPS, return_parameters=True, backend="inprocess", timeout=60).parameters
+    assert got is not None
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-12, atol=1e-14, err_msg=name)
