@@ -85,18 +85,23 @@ def memory_cap() -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-@pytest.fixture(scope="module")
-def plane(tmp_path_factory: pytest.TempPathFactory, memory_cap: None) -> Iterator[ControlPlane]:
+def serving(folder: Path, **config: Any) -> Iterator[ControlPlane]:
+    """A fuzzed server (in-process backend, an HTTP endpoint, 4 slots) with ``config`` on top."""
     cfg = ServerConfig(
-        store=str(tmp_path_factory.mktemp("fuzz") / "jobs.db"),
+        store=str(folder / "jobs.db"),
         run=MANAGER_DEFAULTS.replace(backend="inprocess", timeout=60.0),
         slots=4,
         http_port=0,
-        max_message_bytes=8 << 20,
+        **config,
     )
     p = ControlPlane(cfg).start()
     yield p
     p.stop()
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory: pytest.TempPathFactory, memory_cap: None) -> Iterator[ControlPlane]:
+    yield from serving(tmp_path_factory.mktemp("fuzz"), max_message_bytes=8 << 20)
 
 
 @pytest.fixture(scope="module")

@@ -33,11 +33,10 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from sbpflow import wire
-from sbpflow.control_plane.server import ControlPlane, ServerConfig
-from sbpflow.run_options import MANAGER_DEFAULTS
+from sbpflow.control_plane.server import ControlPlane
 from sbpflow.v1 import service_pb2 as sp
 from tests.client.test_examples import load
-from tests.control_plane.test_fuzz import FUZZ, SERVICE, _submit_bytes, memory_cap  # noqa: F401 - a fixture
+from tests.control_plane.test_fuzz import FUZZ, SERVICE, _submit_bytes, memory_cap, serving  # noqa: F401 - a fixture
 
 TOKEN = "s3cret-t0ken"
 RIGHT = f"Bearer {TOKEN}"
@@ -52,16 +51,7 @@ FIGURES: Counter[str] = Counter()
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory, memory_cap: None) -> Iterator[ControlPlane]:  # noqa: F811
-    cfg = ServerConfig(
-        store=str(tmp_path_factory.mktemp("fuzz-auth") / "jobs.db"),
-        run=MANAGER_DEFAULTS.replace(backend="inprocess", timeout=60.0),
-        slots=4,
-        http_port=0,
-        auth_token=TOKEN,
-    )
-    p = ControlPlane(cfg).start()
-    yield p
-    p.stop()
+    yield from serving(tmp_path_factory.mktemp("fuzz-auth"), auth_token=TOKEN)
 
 
 @pytest.fixture(scope="module")
