@@ -190,3 +190,25 @@ def test_a_job_swapped_after_submit_fails_permission_denied_on_a_server(
             assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
     finally:
         plane.stop()
+
+
+def test_a_job_swapped_while_it_waits_fails_permission_denied_as_it_starts(
+    tmp_path: Path,
+    mlp: ModuleType,  # noqa: F811
+) -> None:
+    """The check before a run (a job queued, or re-queued by a restart, was checked under Submit's view)."""
+    job, link = files_job(mlp, tmp_path, steps=2)
+    plane = start(tmp_path, data_roots=(str(tmp_path / "root"),), slots=2)
+    try:
+        with Client(plane.address) as c:
+            blocker = c.submit(mlp.make_job(steps=LONG))
+            until(lambda: blocker.status().state == sp.JOB_STATE_RUNNING, "the blocker to run")
+            waiting = c.submit(job)
+            assert waiting.status().state == sp.JOB_STATE_PENDING
+            swap(link, tmp_path / "outside")
+            blocker.cancel()
+            final = waiting.wait(timeout=60)
+            assert sp.JobState.Name(final.state) == "JOB_STATE_FAILED" and final.reason == DENIED, final
+            assert final.step == 0 and "outside what the server may read" in final.message
+    finally:
+        plane.stop()
