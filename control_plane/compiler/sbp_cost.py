@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
 
-from sbpflow.boxing import boxing_cost
+from sbpflow.boxing import boxing_cost, plan_boxing
 from sbpflow.control_plane.compiler.state import Choice
 from sbpflow.ops.base import AttrValue, NdSignature, get_op
 from sbpflow.placement import Placement
-from sbpflow.sbp import B, NdSbp, PartialSum, Split
+from sbpflow.sbp import B, Broadcast, NdSbp, PartialSum, Split
 from sbpflow.tensor_meta import TensorMeta
 
 # ---- what a choice depends on: no names, so repeated layers share one evaluation ------------------
@@ -134,11 +134,30 @@ def store(home: Placement | None, pl: Placement, want: NdSbp) -> tuple[Placement
 
 
 @lru_cache(maxsize=1 << 16)
-def _boxing(meta: TensorMeta, src: Placement, have: NdSbp, pl: Placement, want: NdSbp) -> tuple[int, int]:
+def boxing_bytes_steps(
+    meta: TensorMeta, src: Placement, have: NdSbp, pl: Placement, want: NdSbp
+) -> tuple[int, int]:
     """(bytes, steps) of boxing ``meta`` from (src, have) to (pl, want); cached apart from the plans."""
     if have == want and src == pl:
         return 0, 0
     return boxing_cost(meta, src, have, pl, want)
+
+
+_boxing = boxing_bytes_steps
+
+
+@lru_cache(maxsize=1 << 16)
+def boxing_bytes_collectives(
+    meta: TensorMeta, src: Placement, have: NdSbp, pl: Placement, want: NdSbp
+) -> tuple[int, int]:
+    """(bytes, steps that move bytes): a local slice or a zero fill starts no collective, so it has no
+    latency to pay."""
+    if src != pl:
+        return boxing_bytes_steps(meta, src, have, pl, want)  # point to point: every step sends
+    if have == want:
+        return 0, 0
+    plan = plan_boxing(meta, src, have, pl, want)
+    return plan.bytes, sum(1 for s in plan.steps if s.bytes)
 
 
 def goal_of(out: Out, s: NdSignature, call: Call) -> NdSbp | None:
@@ -253,7 +272,7 @@ def _rank(ctx: Context, s: NdSignature, index: int, out_metas: Sequence[TensorMe
         b, n = later_of[k, mine]
         later, steps = later + b, steps + n
     touched = sum(
-        _local_bytes(m, pl, nd) for m, nd in zip((*call.metas, *out_metas), (*s.ins, *s.outs), strict=True)
+        local_bytes(m, pl, nd) for m, nd in zip((*call.metas, *out_metas), (*s.ins, *s.outs), strict=True)
     )
     return _Key(here + later, steps, here, touched, index)
 
@@ -299,6 +318,21 @@ def evaluate(ctx: Context) -> tuple[NdSignature, Choice] | None:
     return best, Choice(best, key.bytes, _reason(key, keyed))
 
 
+def overruled(ctx: Context, s: NdSignature, walk: Choice) -> Choice:
+    """``s``, the whole-graph program's choice (:mod:`sbp_ilp`), priced here, and why it beats the walk's."""
+    if s == walk.signature:
+        return Choice(s, walk.cost, f"whole-graph optimum, as the walk finds: {walk.reason}")
+    c = ctx.call
+    out_metas, sigs = signatures(c.op_type, c.attrs, c.metas, c.placement.shape)
+    key = _rank(ctx, s, sigs.index(s), out_metas, {})
+    return Choice(
+        s,
+        key.bytes,
+        f"whole-graph optimum at {key.bytes} B here: the one-op walk would pick {walk.signature!r} "
+        f"({walk.reason.split(';')[0]}), which costs more further on",
+    )
+
+
 def _reason(key: _Key, keyed: Sequence[tuple[_Key, NdSignature]]) -> str:
     if len(keyed) == 1:
         return "the only valid signature"
@@ -318,10 +352,45 @@ def _reason(key: _Key, keyed: Sequence[tuple[_Key, NdSignature]]) -> str:
     return f"{why}; {len(keyed)} candidates"
 
 
-def _local_bytes(meta: TensorMeta, pl: Placement, nd: NdSbp) -> int:
+def local_bytes(meta: TensorMeta, pl: Placement, nd: NdSbp) -> int:
     """Bytes of the largest shard one rank holds (uneven splits round up)."""
     shape = list(meta.shape)
     for s, parts in zip(nd, pl.shape, strict=True):
         if isinstance(s, Split):
             shape[s.axis] = -(-shape[s.axis] // parts)
     return prod(shape) * meta.dtype.itemsize
+
+
+# ---- work per rank: what a signature leaves each rank to compute ----------------------------------
+
+
+def _contraction(op_type: str, attrs: Mapping[str, AttrValue], metas: Sequence[TensorMeta]) -> int:
+    a = metas[0]
+    return a.shape[-2] if attrs.get("transpose_a") else a.shape[-1]
+
+
+# op -> its logical multiply-adds per output element; the others are priced by the bytes they touch
+_CONTRACTIONS = {"matmul": _contraction, "batch_matmul": _contraction}
+
+
+def flops_per_rank(
+    op_type: str,
+    attrs: Attrs,
+    metas: Sequence[TensorMeta],
+    out_metas: Sequence[TensorMeta],
+    pl: Placement,
+    s: NdSignature,
+) -> int:
+    """A contraction's FLOPs on one rank under ``s``: 2 m n k over the ranks of every mesh axis whose row
+    splits the work (any entry S or P); an all-``B`` row repeats it on every rank of that axis. 0 for an op
+    that is not a contraction."""
+    k_of = _CONTRACTIONS.get(op_type)
+    if k_of is None:
+        return 0
+    total = 2 * prod(out_metas[0].shape) * k_of(op_type, {k: v for k, _, v in attrs}, metas)
+    split = prod(
+        n
+        for axis, n in enumerate(pl.shape)
+        if not all(isinstance(nd[axis], Broadcast) for nd in (*s.ins, *s.outs))
+    )
+    return total // split

@@ -1,5 +1,14 @@
 """SBP signature inference: an nd-SBP for every tensor, hence a signature for every op.
 
+**The whole graph first** (:mod:`sbp_ilp`): when some weight is annotated split (tensor parallelism,
+ZeRO-3) and the program fits its budget (the 1-d meshes of the examples; not yet a 2-d mesh of GPT, nor a
+96-layer job), one integer program picks every op's signature and every free source's layout at once,
+minimising the bytes the boxing table prices, a step's latency and the FLOPs a replica repeats; the walk
+below follows it: its sources are stored as the program chose, unannotated variables replicated, and
+``choose`` takes the program's signature, saying what the one-op walk would have picked instead.
+Otherwise (a data-parallel job, a program too large, or none proven optimal in time) the walk decides
+alone. Annotations, targets and micro-batch fits bind both alike.
+
 ``run(state)`` walks the ops in topological order and, for each, picks one of
 ``op.nd_signatures(metas, attrs, mesh)`` on the op's placement (``OpNode.placement``, else the placement
 of its first input, else of its first output). The op's placement is written back onto the node, every
@@ -25,7 +34,7 @@ its outputs cost their readers (a one-op lookahead), ties broken by boxing steps
 A gradient is laid out like its parameter (the update reads it so; ZeRO annotates otherwise), and when
 the step is cut into micro-batches a signature must also fit one micro-batch.
 
-Known effects: a weight nobody annotated is stored as its forward reader wants it, which can cost its
+Known effects of the walk alone: a weight nobody annotated is stored as its forward reader wants it, which can cost its
 gradient a gather; a partial activation that one reader all-reduces and a backward reader wants split is
 reduce-scattered again from the partial source (boxing_pass boxes from the producer's layout, not from a
 copy already made, which a local slice of the all-reduced copy would serve for free).
@@ -36,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from sbpflow.control_plane.compiler import sbp_ilp
 from sbpflow.control_plane.compiler.rewrites import rewritten
 from sbpflow.control_plane.compiler.sbp_cost import (
     Attrs,
@@ -51,11 +61,13 @@ from sbpflow.control_plane.compiler.sbp_cost import (
     canonical,
     evaluate,
     goal_of,
+    overruled,
+    signatures,
     store,
 )
 from sbpflow.control_plane.compiler.state import Choice, CompileState
 from sbpflow.errors import GraphError
-from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl
+from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.job import Job
 from sbpflow.ops.base import NdSignature, get_op
 from sbpflow.placement import Placement
@@ -80,6 +92,7 @@ class _Solver:
     memo: dict[Context, tuple[NdSignature, Choice] | None] = field(default_factory=dict)
     micro: dict[str, tuple[Attrs, tuple[TensorMeta, ...]]] = field(default_factory=dict)  # see _micro_calls
     cut: int = 1  # micro-batches per step
+    forced: dict[str, NdSignature] = field(default_factory=dict)  # the whole-graph program's choices
 
     def _state(self, t: str) -> State:
         if t in self.fixed:
@@ -147,6 +160,8 @@ class _Solver:
                 f"{pl.shape} mesh of {pl}; use fewer ranks{', fewer micro-batches' if cut else ''} or larger tensors"
             )
         best, choice = found
+        if node.name in self.forced:
+            best, choice = self.forced[node.name], overruled(ctx, self.forced[node.name], choice)
         for t, want in zip(node.inputs, best.ins, strict=True):
             if t not in self.fixed:
                 self.placed[t], self.fixed[t] = store(self.placed.get(t), pl, want)
@@ -184,17 +199,23 @@ def run(state: CompileState) -> None:
     for var, new in state.updates.items():
         _check_update(g, var, new)
 
+    placements = _placements(g, solver)
+    whole = sbp_ilp.solve(_problem(state, solver, placements)) if _programmable(g) else None
+    if whole is not None:
+        solver.forced = whole.signatures
+        for t, (pl, sbp) in whole.stored.items():
+            solver.placed[t], solver.fixed[t] = pl, sbp
+        for t in g.tensors.values():  # the variables the program held replicated
+            if t.kind in _REPLICATED and t.name not in solver.fixed and t.name in solver.placed:
+                solver.fixed[t.name] = (B,) * solver.placed[t.name].ndim
     ops = []
     for node in g.ops:
-        pl = _op_placement(g, solver, node)
-        node = replace(node, placement=pl)
-        for o in node.outputs:
-            solver.placed.setdefault(o, pl)
+        node = replace(node, placement=placements[node.name])
         if node.op_type == BOXING:  # already boxed (a rerun): the node keeps its endpoints
             for o in node.outputs:
-                solver.fixed.setdefault(o, g.tensors[o].sbp or (B,) * pl.ndim)
+                solver.fixed.setdefault(o, g.tensors[o].sbp or (B,) * node.placement.ndim)
         else:
-            state.choices[node.name] = solver.choose(node, pl)
+            state.choices[node.name] = solver.choose(node, node.placement)
         ops.append(node)
     g.ops = ops
 
@@ -223,6 +244,69 @@ def _micro_calls(job: Job, m: int) -> dict[str, tuple[Attrs, tuple[TensorMeta, .
         )
         for o in g.ops
     }
+
+
+def _placements(g: Graph, solver: _Solver) -> dict[str, Placement]:
+    """Each op's placement, before any SBP is chosen: its own, else its tensors' (a source nobody placed
+    takes its first reader's, as the walk stores it there)."""
+    out = {}
+    for node in g.ops:
+        pl = out[node.name] = _op_placement(g, solver, node)
+        for t in node.inputs:
+            if t not in solver.produced:
+                solver.placed.setdefault(t, pl)
+        for o in node.outputs:
+            solver.placed.setdefault(o, pl)
+    return out
+
+
+# An unannotated variable is replicated for the program, as the walk stores it for its forward reader:
+# data parallelism is the default, and splitting a weight is what annotations (megatron) and ZeRO say.
+_REPLICATED = (TensorKind.parameter, TensorKind.optimizer_state)
+
+
+def _programmable(g: Graph) -> bool:
+    """Whether the whole-graph program decides: when some parameter is annotated split (tensor
+    parallelism, ZeRO-3), and not on a rerun (that keeps what boxing made). A job that splits no weight is
+    data parallel, which the walk lays out as users expect (gradients all-reduced, then bucketed); an
+    automatic search over such a job's layouts is ``--auto``'s, under a memory budget."""
+    if any(o.op_type == BOXING for o in g.ops):
+        return False
+    return any(
+        t.kind is TensorKind.parameter and t.sbp is not None and any(isinstance(x, Split) for x in t.sbp)
+        for t in g.tensors.values()
+    )
+
+
+def _problem(state: CompileState, solver: _Solver, placements: dict[str, Placement]) -> sbp_ilp.Problem:
+    g = state.graph
+    calls = []
+    for node in g.ops:
+        pl = placements[node.name]
+        metas = tuple(g.tensors[t].meta for t in node.inputs)
+        attrs = attrs_key(get_op(node.op_type).normalize_attrs(node.attrs))
+        out_metas, sigs = signatures(node.op_type, attrs, metas, pl.shape)
+        if node.name in solver.micro:
+            small = set(signatures(node.op_type, *solver.micro[node.name], pl.shape)[1])
+            sigs = tuple(s for s in sigs if s in small)
+        calls.append(
+            sbp_ilp.OpCall(node.name, node.op_type, attrs, node.inputs, node.outputs, pl, sigs, out_metas)
+        )
+    fixed = {t: (solver.placed[t], sbp) for t, sbp in solver.fixed.items()}
+    read = {t for node in g.ops for t in node.inputs}
+    free = {t: solver.placed.get(t) for t in read if t not in solver.produced and t not in fixed}
+    for t in [t for t in free if g.tensors[t].kind in _REPLICATED]:
+        pl = free.pop(t) or placements[next(o.name for o in g.ops if t in o.inputs)]
+        fixed[t] = (pl, (B,) * pl.ndim)
+    goal: dict[str, sbp_ilp.Layout | str] = {}
+    for node in g.ops:
+        for out in node.outputs:
+            source = solver.updates.get(out) or (None if out in solver.targets else solver.grad_of.get(out))
+            if source is not None:
+                goal[out] = (solver.placed[out], fixed[source][1]) if source in fixed else source
+            elif out in solver.targets:
+                goal[out] = (solver.placed[out], solver.targets[out])
+    return sbp_ilp.Problem(tuple(calls), {t: d.meta for t, d in g.tensors.items()}, fixed, free, goal)
 
 
 def _op_placement(g: Graph, solver: _Solver, node: OpNode) -> Placement:

@@ -142,10 +142,10 @@ def test_megatron_forward_has_one_all_reduce_per_block_and_no_scatter_gather_pai
         if s.bytes and g.tensors[o.inputs[0]].meta.shape  # the scalar loss aside
     )
     if name == "gpt-tp4":
-        # the attention's q/k/v reshape moves heads by all-to-all (see the SBP dump); the rest is one
-        # all-reduce per sub-layer: 2 per block, the final norm's reduce-scatter feeding a split head
-        assert forward[Collective.all_reduce] == 2 * GPT["layers"] - 1
-        assert forward[Collective.reduce_scatter] <= 1 and not forward[Collective.all_gather]
+        # Megatron's: one all-reduce per sub-layer, 2 per block, and nothing else (sbp_ilp.py)
+        assert forward[Collective.all_reduce] == 2 * GPT["layers"]
+        assert not forward[Collective.reduce_scatter] and not forward[Collective.all_gather]
+        assert not forward[Collective.all_to_all]
     else:
         assert forward[Collective.all_reduce] + forward[Collective.reduce_scatter] == 1
         assert not forward[Collective.all_gather]

@@ -82,8 +82,8 @@ def test_megatron_mlp_keeps_the_column_then_row_split() -> None:
     assert sig["model.net.2.matmul_0"] == "S(1), S(0) -> P"  # row split: a partial sum
     t = state.graph.tensors
     assert t["x"].sbp == (B,)  # a free data input comes out whole, no gather
-    # a variable is never stored partial: the output bias is split like the loss's columns
-    assert t["model.net.2.bias"].sbp == (S(0),)
+    # an unannotated variable is replicated (the whole-graph program's rule, sbp_inference.py)
+    assert t["model.net.2.bias"].sbp == (B,)
 
 
 def test_dp2xtp2_reads_batch_over_dp_and_weights_over_tp() -> None:
