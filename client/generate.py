@@ -3,7 +3,9 @@
 
 Each new token is one forward-only run of the model on the last ``seq_len`` tokens, its parameters
 imported from the checkpoint (strict: the example must build the model that was trained); the logits of
-the last position, divided by the temperature and cut to the ``top_k`` likeliest, give the next token.
+the context's last position, divided by the temperature and cut to the ``top_k`` likeliest, give the
+next token. The job is compiled once: its input is always ``seq_len`` tokens long (the context, then
+padding that a causal model's earlier positions never see), read from a file rewritten before each run.
 Temperature 0 takes the likeliest (greedy). The example provides ``make_model(**kwargs)``, returning the
 model (a module whose forward maps ids [B, T] to logits [B, T, V], ``config.seq_len`` long at most), its
 placement and the tokens' SBP, and ``encode`` / ``decode`` between text and ids.
@@ -12,8 +14,11 @@ placement and the tokens' SBP, and ``encode`` / ``decode`` between text and ids.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +27,7 @@ from sbpflow.client.cli_exit import UsageError
 from sbpflow.client.nn.module import Module
 from sbpflow.client.static_graph import Graph
 from sbpflow.client.tensor import Tensor
-from sbpflow.data import ArraySource
+from sbpflow.data import ArrayFileSource
 from sbpflow.errors import SbpflowError
 from sbpflow.placement import Placement
 
@@ -77,20 +82,25 @@ def generate(
 ) -> list[int]:
     """``prompt`` followed by ``sampling.max_new_tokens`` tokens the model draws, each from a run of
     the model (keywords ``run``: ``sf.run``'s, default the in-process backend) under ``placement``."""
-    from sbpflow.control_plane.launcher import run as sf_run
+    from sbpflow.control_plane.compiler import pipeline
+    from sbpflow.control_plane.launcher import launch
 
     if not prompt:
         raise SbpflowError("the prompt is empty: give at least one character to continue from")
     window = int(model.config.seq_len)
     ids, rng = list(prompt), np.random.default_rng(sampling.seed)
-    for _ in range(sampling.max_new_tokens):
-        context = np.asarray(ids[-window:], np.int64)[None, :]
-        job = _Forward(model.eval()).trace(
-            ArraySource(batch_size=1, arrays={"tokens": context}), placement=placement, input_sbp=input_sbp
-        )
-        result = sf_run(job, init_from=checkpoint, **{"backend": "inprocess", **run})
-        (logits,) = result.outputs.values()
-        ids.append(next_token(logits[0][0, -1], sampling, rng))
+    with tempfile.TemporaryDirectory(prefix="sbpflow-generate-") as scratch:
+        tokens = Path(scratch) / "tokens.npy"
+        np.save(tokens, np.zeros((1, window), np.int64))
+        data = ArrayFileSource(batch_size=1, paths={"tokens": str(tokens)})
+        job = _Forward(model.eval()).trace(data, placement=placement, input_sbp=input_sbp)
+        compiled = pipeline.compile(dataclasses.replace(job, bound=None))  # the module keeps its values
+        for _ in range(sampling.max_new_tokens):
+            context = ids[-window:]
+            np.save(tokens, np.asarray([context + [0] * (window - len(context))], np.int64))
+            result = launch(compiled, init_from=checkpoint, **{"backend": "inprocess", **run})
+            (logits,) = result.outputs.values()
+            ids.append(next_token(logits[0][0, len(context) - 1], sampling, rng))
     return ids
 
 
