@@ -26,6 +26,7 @@ attempt's workers get that attempt's credential from the hub (``hub.listen``), n
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ import numpy as np
 
 from sbpflow.actor_workers.runtime.errors import RuntimeAborted, RuntimeFailure, RuntimeTimeout
 from sbpflow.control_plane.compiler.pipeline import Compiled
+from sbpflow.control_plane.elastic import ELASTIC_RESUME, replan, restart_point
 from sbpflow.control_plane.reports import ReportHub
 from sbpflow.control_plane.run_context import LaunchContext, RunResult, assemble_outputs, output_names
 from sbpflow.control_plane.step_tracker import StepTracker
@@ -116,14 +118,14 @@ def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker)
             options.on_report(r)
 
     job_id = options.job_id or f"run-{os.getpid()}-{time.monotonic_ns()}"
-    current, restarts = options, 0
+    current, restarts, group = options, 0, None
     try:
         while True:
             try:
                 with hub.listen(job_id, current.attempt, on_report, ranks) as credential:
                     attempt = _Attempt(types, job_id, current, hub.address, credential)
                     try:
-                        attempt.start(compiled, _start(compiled, current))
+                        attempt.start(compiled, _start(compiled, current), group)
                         current.state(JobState.RUNNING)
                         tracker.restart_clock()
                         outcomes = attempt.wait()
@@ -131,16 +133,23 @@ def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker)
                         tracker.settle(result.losses, current.first_step - options.first_step)
                         attempt.clean = True  # its workers may go back to a warm pool
                     finally:
+                        group = None
                         attempt.teardown()
             except RuntimeFailure as failure:
                 if not isinstance(failure.cause, WorkerLost) or restarts >= options.run.max_restarts:
                     raise
                 restarts += 1
-                current, skipped = _restart(options, current, tracker)
+                current, skipped = restart_point(options, current, tracker)
+                layout = replan(compiled, functools.partial(_reserve, f"sbpflow-{job_id}-a{current.attempt}"))
+                if layout is not None:  # a job with fallback layouts: the one reserved for this attempt
+                    compiled, group = layout.compiled, layout.group
+                    types, ranks = compiled.device_types(), list(compiled.device_types())
+                    tracker.relayout(compiled.state.graph.tensors.get(compiled.state.job.loss))
                 current.new_attempt(
-                    "WORKER_LOST",
-                    f"{failure}; attempt {current.attempt} (restart {restarts} of at most "
-                    f"{options.run.max_restarts}) resumes from step {current.first_step}{skipped}",
+                    ELASTIC_RESUME if layout is not None and layout.change else "WORKER_LOST",
+                    f"{failure}; {layout.change + '; ' if layout is not None and layout.change else ''}"
+                    f"attempt {current.attempt} (restart {restarts} of at most {options.run.max_restarts}) "
+                    f"resumes from step {current.first_step}{skipped}",
                 )
                 continue
             done = current.first_step - options.first_step  # steps earlier attempts trained
@@ -164,44 +173,6 @@ def _start(compiled: Compiled, options: LaunchContext) -> Any:
         options.init_from if options.resume_from is None else None,
         checkpointing.options_for(compiled.state.job, options.checkpoint_dir, ranks, options.attempt),
     )
-
-
-def _restart(first: LaunchContext, failed: LaunchContext, tracker: StepTracker) -> tuple[LaunchContext, str]:
-    """The options of the attempt after ``failed``: from the latest intact checkpoint of the run's
-    directory (or from where the run started when none was written), its steps forgotten by the
-    tracker; and a note naming the corrupt checkpoints passed over ('' if none).
-
-    A checkpoint later than the last step whose loss reached the tracker is passed over too (the
-    reports of the steps before it died with a worker): the attempt trains those steps again, so the
-    run's losses stay complete and equal to an uninterrupted run's."""
-    from sbpflow.checkpoint.read import corrupt_note, latest_intact, list_checkpoints
-
-    corrupt: list[Any] = []
-    known = tracker.known()
-    at_most = None if known is None else first.first_step + known
-    root = first.checkpoint_dir
-    last = latest_intact(root, corrupt.append, at_most) if root else None
-    end = failed.first_step + failed.steps
-    if last is not None and first.first_step < last.step < end:
-        at, resume = last.step, str(last.path)
-    else:
-        at, resume = first.first_step, first.resume_from
-    tracker.rewind(at - first.first_step)
-    skipped = "".join(f"; {corrupt_note(c, at)}" for c in corrupt)
-    later = (
-        [c.path.name for c in list_checkpoints(root) if at_most is not None and c.step > at_most]
-        if root
-        else []
-    )
-    if later:
-        skipped += (
-            f"; {', '.join(later)} passed over: the losses of the steps after {at_most} never reached the "
-            f"control plane (their reports went with the worker), so steps {at + 1}-{at_most} train again"
-        )
-    new = dataclasses.replace(
-        failed, attempt=failed.attempt + 1, first_step=at, steps=end - at, resume_from=resume
-    )
-    return new, skipped
 
 
 class _Attempt:
@@ -231,11 +202,17 @@ class _Attempt:
         if unknown:
             raise SchedulingError(f"device types {sorted(unknown)} have no Ray resources; use cpu or cuda")
 
-    def start(self, compiled: Compiled, start: Any = None) -> None:
+    def start(self, compiled: Compiled, start: Any = None, group: WarmGroup | None = None) -> None:
+        """Start a worker per rank and set each up with its plan: in ``group`` (a placement group reserved
+        for this attempt, :mod:`.elastic`), else in a warm or new one (:meth:`_place`)."""
         import ray
 
         self.options.state(JobState.STARTING)
-        self.group = self._place()
+        if group is not None:
+            self.group = group
+            group.workers = [self._spawn(group.pg, i) for i in range(len(self.ranks))]
+        else:
+            self.group = self._place()
         self.workers = dict(zip(self.ranks, self.group.workers, strict=True))
         # each worker's own node address and id (a worker on another node listens there)
         self.info = self._get("start", {r: w.info.remote() for r, w in self.workers.items()})
@@ -259,7 +236,6 @@ class _Attempt:
         """A warm group of this attempt's shape from the pool, its workers assigned to this attempt, or
         a new placement group with a new worker per rank (room made first by dropping idle groups)."""
         import ray
-        from ray.util.placement_group import placement_group
 
         key = tuple(self.types[r] for r in self.ranks)
         bundles = [BUNDLES[t].resources for t in key]
@@ -274,16 +250,15 @@ class _Attempt:
                                     for r, w in zip(self.ranks, group.workers, strict=True)})  # fmt: skip
                 return group
             pool.make_room(resources_of(bundles), ray.available_resources)
-        pg = placement_group(bundles, strategy="PACK", name=f"sbpflow-{self.job_id}-a{self.options.attempt}")
-        self.group = WarmGroup(key, pg, [], resources_of(bundles))
-        ready, _ = ray.wait([pg.ready()], timeout=SETUP_SECONDS)
-        if not ready:
+        name = f"sbpflow-{self.job_id}-a{self.options.attempt}"
+        self.group = _reserve(name, key, SETUP_SECONDS)
+        if self.group is None:
             have = ray.cluster_resources()
             raise SchedulingError(
                 f"the cluster cannot hold {len(bundles)} workers ({resources_of(bundles)}) within {SETUP_SECONDS:.0f} s; "
                 f"it has { ({k: v for k, v in have.items() if k in ('CPU', 'GPU')}) }; use fewer ranks or a bigger cluster"
             )
-        self.group.workers = [self._spawn(pg, i) for i in range(len(self.ranks))]
+        self.group.workers = [self._spawn(self.group.pg, i) for i in range(len(self.ranks))]
         return self.group
 
     def _spawn(self, pg: Any, index: int) -> Any:
@@ -426,6 +401,21 @@ class _Attempt:
             pool.release(group)
         else:
             destroy(group)
+
+
+def _reserve(name: str, key: tuple[jp.DeviceType.ValueType, ...], seconds: float) -> WarmGroup | None:
+    """A new placement group ``name`` with a bundle per device type of ``key`` (in rank order), ready
+    within ``seconds``; None, and the group removed, when the cluster cannot hold it by then."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundles = [BUNDLES[t].resources for t in key]
+    pg = placement_group(bundles, strategy="PACK", name=name)
+    ready, _ = ray.wait([pg.ready()], timeout=seconds)
+    if not ready:
+        remove_placement_group(pg)
+        return None
+    return WarmGroup(key, pg, [], resources_of(bundles))
 
 
 def _failure(f: Any) -> RuntimeFailure:

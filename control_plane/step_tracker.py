@@ -89,6 +89,13 @@ class StepTracker:
         with self._lock:
             return len(self.losses)
 
+    def relayout(self, loss: TensorDecl | None) -> None:
+        """The loss is ``loss`` from now on: an elastic restart placed it on other ranks (shares pending go)."""
+        with self._lock:
+            self._decl = loss
+            self._ranks = tuple(loss.placement.ranks) if loss is not None and loss.placement else ()
+            self._pending.clear()
+
     def rewind(self, steps: int) -> None:
         """Forget every step from ``steps`` on (a restarted attempt trains and reports them again)."""
         with self._lock:

@@ -113,6 +113,7 @@ class OptimizerSpec:
 
 
 GRAD_BUCKET_BYTES = 25 * 2**20  # JobConfig.grad_bucket_bytes's default, and a message's without the field
+ELASTIC_GRACE = 30.0  # JobConfig.elastic_grace's default, and a message's without the field
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,10 @@ class JobConfig:
     # held-out split, from that step's checkpoint (so a multiple of checkpoint_every)
     eval_every: int = 0
     eval_batches: int = 1
+    # elastic resume (control_plane/elastic.py): the rank counts, largest first, the job may go on with
+    # when a lost worker's capacity is not back within ``elastic_grace`` seconds; () = the same ranks only
+    elastic: tuple[int, ...] = ()
+    elastic_grace: float = ELASTIC_GRACE
 
     def __post_init__(self) -> None:
         checks = [
@@ -152,6 +157,15 @@ class JobConfig:
                 f"to a divisor of it (checkpoint_every={self.checkpoint_every})",
             ),
             (self.grad_bucket_bytes >= 0, "grad_bucket_bytes must be >= 0 (0 = one all-reduce per gradient)"),
+            (
+                all(n >= 1 for n in self.elastic) and len(set(self.elastic)) == len(self.elastic),
+                f"elastic={self.elastic}: give distinct rank counts >= 1, e.g. elastic=(2, 1)",
+            ),
+            (
+                0 <= self.elastic_grace < float("inf"),
+                f"elastic_grace={self.elastic_grace}: give the seconds (>= 0) a lost worker's capacity has to "
+                "come back before the job goes on with fewer ranks",
+            ),
         ]
         for ok, msg in checks:
             if not ok:

@@ -19,6 +19,7 @@ from sbpflow.dtype import DType
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.job import (
+    ELASTIC_GRACE,
     GRAD_BUCKET_BYTES,
     SGD,
     AdamW,
@@ -404,6 +405,8 @@ def config_to_proto(c: JobConfig) -> pb.JobConfig:
         fusion=c.fusion,
         eval_every=c.eval_every,
         eval_batches=c.eval_batches,
+        elastic=c.elastic,
+        elastic_grace=c.elastic_grace,
     )
 
 
@@ -423,6 +426,8 @@ def config_from_proto(m: pb.JobConfig) -> JobConfig:
         m.fusion,
         m.eval_every,
         m.eval_batches or 1,
+        tuple(m.elastic),
+        m.elastic_grace if m.HasField("elastic_grace") else ELASTIC_GRACE,
     )
 
 

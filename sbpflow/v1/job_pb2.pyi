@@ -1258,6 +1258,8 @@ class JobConfig(_message.Message):
     FUSION_FIELD_NUMBER: _builtins.int
     EVAL_EVERY_FIELD_NUMBER: _builtins.int
     EVAL_BATCHES_FIELD_NUMBER: _builtins.int
+    ELASTIC_FIELD_NUMBER: _builtins.int
+    ELASTIC_GRACE_FIELD_NUMBER: _builtins.int
     steps: _builtins.int
     """Optimizer steps to run."""
     gradient_accumulation_steps: _builtins.int
@@ -1290,6 +1292,14 @@ class JobConfig(_message.Message):
     """
     eval_batches: _builtins.int
     """0 reads as 1."""
+    elastic_grace: _builtins.float
+    """Seconds a lost worker's capacity has to come back before the job re-plans; absent = 30."""
+    @_builtins.property
+    def elastic(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Elastic resume: the rank counts, largest first, the job may go on with when a lost worker's capacity
+        is not back within elastic_grace seconds (control_plane/elastic.py); empty = the same ranks only.
+        """
+
     def __init__(
         self,
         *,
@@ -1307,13 +1317,20 @@ class JobConfig(_message.Message):
         fusion: _builtins.bool = ...,
         eval_every: _builtins.int = ...,
         eval_batches: _builtins.int = ...,
+        elastic: _abc.Iterable[_builtins.int] | None = ...,
+        elastic_grace: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_grad_bucket_bytes", b"_grad_bucket_bytes", "grad_bucket_bytes", b"grad_bucket_bytes"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_elastic_grace", b"_elastic_grace", "_grad_bucket_bytes", b"_grad_bucket_bytes", "elastic_grace", b"elastic_grace", "grad_bucket_bytes", b"grad_bucket_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grad_bucket_bytes", b"_grad_bucket_bytes", "activation_checkpointing", b"activation_checkpointing", "checkpoint_every", b"checkpoint_every", "eval_batches", b"eval_batches", "eval_every", b"eval_every", "fusion", b"fusion", "grad_bucket_bytes", b"grad_bucket_bytes", "gradient_accumulation_steps", b"gradient_accumulation_steps", "loss_scale", b"loss_scale", "micro_batches", b"micro_batches", "pipeline_schedule", b"pipeline_schedule", "precision", b"precision", "seed", b"seed", "steps", b"steps", "zero_stage", b"zero_stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_elastic_grace", b"_elastic_grace", "_grad_bucket_bytes", b"_grad_bucket_bytes", "activation_checkpointing", b"activation_checkpointing", "checkpoint_every", b"checkpoint_every", "elastic", b"elastic", "elastic_grace", b"elastic_grace", "eval_batches", b"eval_batches", "eval_every", b"eval_every", "fusion", b"fusion", "grad_bucket_bytes", b"grad_bucket_bytes", "gradient_accumulation_steps", b"gradient_accumulation_steps", "loss_scale", b"loss_scale", "micro_batches", b"micro_batches", "pipeline_schedule", b"pipeline_schedule", "precision", b"precision", "seed", b"seed", "steps", b"steps", "zero_stage", b"zero_stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__elastic_grace: _TypeAlias = _typing.Literal["elastic_grace"]  # noqa: Y015
+    _WhichOneofArgType__elastic_grace: _TypeAlias = _typing.Literal["_elastic_grace", b"_elastic_grace"]  # noqa: Y015
     _WhichOneofReturnType__grad_bucket_bytes: _TypeAlias = _typing.Literal["grad_bucket_bytes"]  # noqa: Y015
     _WhichOneofArgType__grad_bucket_bytes: _TypeAlias = _typing.Literal["_grad_bucket_bytes", b"_grad_bucket_bytes"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__elastic_grace) -> _WhichOneofReturnType__elastic_grace | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__grad_bucket_bytes) -> _WhichOneofReturnType__grad_bucket_bytes | None: ...
 
 Global___JobConfig: _TypeAlias = JobConfig  # noqa: Y015

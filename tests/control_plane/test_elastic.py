@@ -1,0 +1,217 @@
+"""Elastic resume (issue 19 part 4): a job that loses a worker whose capacity is not back within its grace
+period re-plans on a fallback rank count (``JobConfig.elastic``), resumes from its last intact checkpoint
+and goes on; the attempt and the new layout show in status, events and metrics.
+
+The Ray test is a DP 4 float64 job on the session's 4-CPU Ray: another tenant's placement group waits for
+2 CPUs, rank 3's worker is SIGKILLed after the checkpoint at step 8, the tenant gets its CPUs as the failed
+attempt's group goes, so the job's 4 ranks are not back within its grace period and it goes on as DP 2. Its
+losses equal, to 1e-12, those of an uninterrupted in-process run that switched layouts at the same step
+(DP 4 up to the checkpoint, then the example's own DP 2 from it) — and, the global batch being the same,
+those of an uninterrupted DP 4 run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+import sbpflow as sf
+from sbpflow import wire
+from sbpflow.checkpoint import read as ck_read
+from sbpflow.checkpoint.format import step_dir
+from sbpflow.control_plane.compiler import pipeline
+from sbpflow.control_plane.compiler.pipeline import Compiled
+from sbpflow.control_plane.elastic import (
+    ELASTIC_RESUME,
+    ElasticError,
+    replace_world,
+    replan,
+    world,
+)
+from sbpflow.control_plane.jobs import JobManager, ManagerConfig
+from sbpflow.control_plane.metrics import Metrics
+from sbpflow.control_plane.store.job_store import JobStore
+from sbpflow.errors import SbpflowError
+from sbpflow.job import Job, JobConfig
+from sbpflow.run_options import MANAGER_DEFAULTS
+from sbpflow.run_state import JobState
+from sbpflow.sbp import S
+from tests.client.test_examples import load
+from tests.control_plane.compiler.test_autodiff import as_float64
+from tests.control_plane.test_server import until
+
+STEPS, EVERY, KILL_AFTER = 160, 4, 8  # step reports come a second apart: the job runs on past KILL_AFTER
+
+
+@pytest.fixture(scope="module")
+def mlp() -> ModuleType:
+    return load("mlp")
+
+
+def elastic(job: Job, **config: Any) -> Job:
+    return dataclasses.replace(job, config=dataclasses.replace(job.config, **config))
+
+
+def dp(mlp: ModuleType, ranks: int, **kw: Any) -> Job:
+    """The MLP example in float64, data parallel over ``ranks``, checkpointing every EVERY steps."""
+    job = mlp.make_job(ranks=ranks, n_in=64, hidden=256, batch_size=32, steps=STEPS, lr=0.02, **kw)
+    return elastic(as_float64(job), checkpoint_every=EVERY)
+
+
+def test_replace_world_scales_the_data_parallel_axis_and_keeps_the_sbp(mlp: ModuleType) -> None:
+    job = dp(mlp, 4)
+    two = replace_world(job, 2)
+    assert world(two) == [0, 1]
+    for name, t in job.graph.tensors.items():
+        new = two.graph.tensors[name]
+        assert new.sbp == t.sbp and new.meta == t.meta and new.kind == t.kind
+        assert t.placement is None or new.placement == sf.placement("cpu", [0, 1])
+    assert [o.placement for o in two.graph.ops] == [
+        None if o.placement is None else sf.placement("cpu", [0, 1]) for o in job.graph.ops
+    ]
+    two.verify()
+    # the same model: the re-placed job's one-step loss is the DP 4 job's (the same global batch)
+    a = sf.run(elastic(job, steps=1), backend="inprocess").losses
+    b = sf.run(elastic(two, steps=1), backend="inprocess").losses
+    np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+def test_a_mesh_shrinks_along_its_first_axis_only(mlp: ModuleType) -> None:
+    job = mlp.make_job(ranks=4, tp=True)  # a 1-d TP placement over 4: it spans every rank
+    assert world(replace_world(job, 2)) == [0, 1]
+    grid = sf.placement("cpu", [[0, 1], [2, 3]])
+    g = job.graph.copy()
+    for name, t in g.tensors.items():
+        if t.placement is not None:
+            g.tensors[name] = dataclasses.replace(t, placement=grid, sbp=None)
+    meshed = dataclasses.replace(job, graph=g)
+    halved = replace_world(meshed, 2)
+    assert {t.placement for t in halved.graph.tensors.values()} == {sf.placement("cpu", [[0, 1]])}
+    with pytest.raises(SbpflowError, match=r"2x2 mesh .* cannot go on 1 ranks: only its first"):
+        replace_world(meshed, 1)
+
+
+def test_what_cannot_re_place_is_refused_naming_it(mlp: ModuleType) -> None:
+    piped = mlp.make_job(ranks=2, pp=2, layers=2, micro_batches=2)
+    with pytest.raises(SbpflowError, match=r"covers only ranks \[0\] of the job's \[0, 1\].*pipeline"):
+        replace_world(piped, 1)
+    job = mlp.make_job(ranks=4, batch_size=20)  # 20 over 4 divides; over 3 it does not
+    with pytest.raises(SbpflowError, match=r"split S\(0\): its 20 over 4 ranks does not divide over 3"):
+        replace_world(job, 3)
+    assert S(0) in [t.sbp[0] for t in job.graph.tensors.values() if t.sbp]
+
+
+def test_elastic_config_is_checked_and_crosses_the_wire(mlp: ModuleType) -> None:
+    with pytest.raises(SbpflowError, match=r"elastic=\(2, 2\): give distinct rank counts"):
+        JobConfig(elastic=(2, 2))
+    with pytest.raises(SbpflowError, match=r"elastic_grace=-1"):
+        JobConfig(elastic_grace=-1)
+    job = elastic(mlp.make_job(ranks=4), elastic=(2, 1), elastic_grace=7.5)
+    back = wire.job_from_proto(wire.job_to_proto(job))
+    assert (back.config.elastic, back.config.elastic_grace) == ((2, 1), 7.5)
+    plain = wire.job_from_proto(wire.job_to_proto(mlp.make_job()))
+    assert (plain.config.elastic, plain.config.elastic_grace) == ((), 30.0)
+
+
+def test_replan_reserves_the_same_ranks_first_then_the_fallbacks(mlp: ModuleType) -> None:
+    job = elastic(mlp.make_job(ranks=4, batch_size=24), elastic=(3, 2), elastic_grace=5)
+    compiled: Compiled = pipeline.compile(job)
+    asked: list[tuple[int, float]] = []
+
+    def holds(n: int) -> Any:
+        def reserve(key: tuple[int, ...], seconds: float) -> Any:
+            asked.append((len(key), seconds))
+            return f"group of {len(key)}" if len(key) <= n else None
+
+        return reserve
+
+    same = replan(compiled, holds(4))
+    assert same is not None and same.compiled is compiled and same.change == "" and asked == [(4, 5)]
+    asked.clear()
+    three = replan(compiled, holds(3))
+    assert three is not None and three.group == "group of 3" and asked == [(4, 5), (3, 10.0)]
+    assert "re-planned from 4 ranks to 3 ([0, 1, 2, 3] -> [0, 1, 2]" in three.change
+    assert list(three.compiled.device_types()) == [0, 1, 2]
+    with pytest.raises(ElasticError, match=r"2 ranks: the cluster cannot hold them"):
+        replan(compiled, holds(1))
+    assert replan(pipeline.compile(mlp.make_job(ranks=4)), holds(0)) is None  # no fallbacks: as ever
+
+
+def kill_after_checkpoint(
+    store: JobStore, root: Path, job_id: str, rank: int, step: int, done: dict[str, Any]
+) -> None:
+    """Once ``job_id``'s checkpoint at ``step`` is complete and the control plane has the losses up to it
+    (a restart goes on from no later checkpoint): another tenant's placement group asks for 2 of the
+    session Ray's CPUs (it waits: the job holds all 4), then rank ``rank``'s worker is SIGKILLed."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    until(lambda: (c := ck_read.latest(root / job_id)) is not None and c.step >= step, "a checkpoint", 120)
+    until(lambda: store.get(job_id).step >= step, f"step {step}'s loss", 120)
+    done["tenant"] = placement_group([{"CPU": 1.0}] * 2, strategy="PACK")
+    info = ray.get(ray.get_actor(f"sbpflow-{job_id}-a1-r{rank}").info.remote())
+    os.kill(info["pid"], signal.SIGKILL)
+    done["pid"] = info["pid"]
+
+
+def test_dp4_loses_a_worker_and_goes_on_dp2_from_its_checkpoint(
+    ray_local: str, mlp: ModuleType, tmp_path: Path
+) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    job = elastic(dp(mlp, 4), elastic=(2,), elastic_grace=3.0)
+    root = tmp_path / "ckpt"
+    done: dict[str, Any] = {}
+    with JobStore(tmp_path / "jobs.db") as store:
+        config = ManagerConfig(
+            run=MANAGER_DEFAULTS.replace(ray_address=ray_local, max_restarts=1),
+            slots=4,
+            checkpoint_root=str(root),
+            keep_run_results=True,
+        )
+        m = JobManager(store, config)
+        m.metrics = Metrics(store, m.workers)
+        m.start()
+        try:
+            rec = m.submit(wire.job_to_proto(job).SerializeToString())
+            killer = threading.Thread(
+                target=kill_after_checkpoint, args=(store, root, rec.id, 3, KILL_AFTER, done)
+            )
+            killer.start()
+            until(lambda: store.get(rec.id).attempt == 2, "attempt 2", 180)
+            metrics = m.metrics.exposition().decode()  # while the job is in flight
+            until(lambda: store.get(rec.id).state.terminal, "the job's end", 300)
+            killer.join()
+        finally:
+            if "tenant" in done:
+                remove_placement_group(done["tenant"])
+            m.shutdown()
+        final = store.get(rec.id)
+        events = store.events(rec.id)
+        workers = store.workers(rec.id)
+    assert final.state == JobState.SUCCEEDED, final.message
+    (moved,) = [e for e in events if e.reason == ELASTIC_RESUME]
+    assert moved.state == JobState.STARTING and moved.data["attempt"] == 2
+    assert "rank 3" in moved.message and f"pid {done['pid']}" in moved.message
+    assert "not back within 3 s: re-planned from 4 ranks to 2 ([0, 1, 2, 3] -> [0, 1]" in moved.message
+    at = int(moved.message.split("resumes from step ")[1].split(";")[0].split()[0])
+    assert at >= KILL_AFTER and at % EVERY == 0
+    assert sorted(w.rank for w in workers) == [0, 1]  # the job's last attempt ran on 2 ranks
+    assert f'sbpflow_job_attempt{{job_id="{rec.id}",name="{rec.name}"}} 2.0' in metrics
+    got = m.run_results[rec.id].losses
+    assert len(got) == STEPS and m.run_results[rec.id].attempts == 2
+
+    ref = tmp_path / "ref"
+    dp4 = sf.run(job, backend="inprocess", checkpoint_dir=str(ref)).losses
+    switched = sf.run(dp(mlp, 2), backend="inprocess", resume_from=str(step_dir(ref, at))).losses
+    np.testing.assert_allclose(got[:at], dp4[:at], rtol=1e-12, atol=0)
+    np.testing.assert_allclose(got[at:], switched, rtol=1e-12, atol=0)
+    np.testing.assert_allclose(got, dp4, rtol=1e-12, atol=0)  # the same global batch: DP 4's losses too
