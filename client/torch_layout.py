@@ -31,6 +31,7 @@ class TorchRule:
     transpose: bool = False  # a Linear weight: [in, out] here, [out, in] there
     qkv_heads: int = 0  # fused qkv columns: [H, 3, Dh] here, [3, H, Dh] there (0: not fused qkv)
     conv1d: bool = False  # a Conv1D in Hugging Face's GPT-2 ([in, out] there: not transposed)
+    tied: bool = False  # a second name there for a tensor that has its own rule (a tied head)
 
 
 # module type -> {child name here: its name in PyTorch}: nanoGPT keeps GPT's modules in `transformer`
@@ -75,6 +76,9 @@ def torch_rules(modules: Mapping[str, Module]) -> tuple[TorchRule, ...]:
                 rules.append(
                     TorchRule(f"{path}.{pname}", name, transpose, heads_of.get(path, 0), path in conv1d)
                 )
+            if isinstance(mod, GPT) and mod.config.tie_embeddings:  # nanoGPT and GPT-2 name it twice
+                head = _join(torch_of[path], "lm_head.weight")
+                rules.append(TorchRule(f"{path}.wte.weight", head, tied=True))
     return tuple(rules)
 
 
@@ -110,11 +114,14 @@ def from_torch(
     """A PyTorch state dict's arrays (by PyTorch name) under the job's tensor names and layout. Names
     no rule knows pass through unchanged, so a strict import names them as unexpected."""
     by_torch = {r.torch: r for r in rules}
-    out = {}
+    out, tied = {}, {}
     for name, value in tensors.items():
         a, r = np.asarray(value), by_torch.get(name)
         if r is None:
             out[name] = a
+            continue
+        if r.tied:
+            tied[r.tensor] = (name, a)
             continue
         if _transposed(r, conv1d) and a.ndim != 2:
             raise CheckpointError(
@@ -124,6 +131,12 @@ def from_torch(
         # columns that cannot be 3 x heads wide are left as they are: the import names their shape
         fused = r.qkv_heads and a.ndim and a.shape[-1] % (3 * r.qkv_heads) == 0
         out[r.tensor] = _qkv(a, r.qkv_heads, to_torch=False) if fused else a
+    for tensor, (name, a) in tied.items():
+        if tensor in out and not np.array_equal(out[tensor], a):
+            raise CheckpointError(
+                f"{name!r} is tied to {tensor!r} here (tie_embeddings), but the file holds other values for "
+                "it; load it into a model with tie_embeddings=False"
+            )
     return out
 
 

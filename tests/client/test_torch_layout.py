@@ -262,3 +262,19 @@ def test_a_gpt_initialised_by_pytorch_imports_and_gives_pytorchs_first_loss(
     wrong = "torch" if layout == "gpt2" else "gpt2"  # the other orientation: a shape error, not a silent one
     with pytest.raises(sf.SbpflowError, match="shape mismatch"):
         sf.run(job, backend="inprocess", init_from=str(path), layout=wrong)
+
+
+def test_a_tied_head_has_both_names_there_and_one_tensor_here() -> None:
+    cfg = sf.nn.GPTConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, n_embd=16, tie_embeddings=True)
+    model = sf.nn.GPT(cfg)
+    rules = torch_rules({"model": model})
+    values = {f"model.{k}": v for k, v in model.state_dict().items()}
+    there = to_torch(values, rules)
+    np.testing.assert_array_equal(
+        there["lm_head.weight"], there["transformer.wte.weight"]
+    )  # as nanoGPT saves it
+    back = from_torch(there, rules)
+    assert set(back) == set(values) and np.array_equal(back["model.wte.weight"], values["model.wte.weight"])
+    there["lm_head.weight"] = there["lm_head.weight"] + 1
+    with pytest.raises(sf.SbpflowError, match="tied to 'model.wte.weight'"):
+        from_torch(there, rules)
