@@ -56,9 +56,10 @@ class Bucket:
     first_read: int = 1 << 62  # op position of the earliest reader of any of its gradients
 
 
-def candidate(state: CompileState, node: OpNode, reads: dict[str, int]) -> bool:
-    """Whether ``node`` is a boxing that all-reduces a gradient that only it reads (module docstring)."""
-    if node.op_type != BOXING or node.outputs[0] not in state.grads.values():
+def candidate(state: CompileState, node: OpNode, reads: dict[str, int], grads: set[str]) -> bool:
+    """Whether ``node`` is a boxing that all-reduces a gradient (of ``grads``) from a partial value that
+    only it reads (module docstring)."""
+    if node.op_type != BOXING or node.outputs[0] not in grads:
         return False
     src, dst = state.graph.tensors[node.inputs[0]], state.graph.tensors[node.outputs[0]]
     if src.placement != dst.placement or src.sbp is None or dst.sbp is None or reads[src.name] != 1:
@@ -82,8 +83,9 @@ def buckets(state: CompileState, cap: int) -> list[list[OpNode]]:
             first_read.setdefault(t, i)
     open_: dict[tuple[object, ...], Bucket] = {}
     done: list[list[OpNode]] = []
+    grads = set(state.grads.values())
     for i, o in enumerate(g.ops):
-        if not candidate(state, o, reads):
+        if not candidate(state, o, reads, grads):
             continue
         src = g.tensors[o.inputs[0]]
         key = (src.placement, src.sbp, src.meta.dtype, o.stage, o.checkpoint)
