@@ -54,6 +54,7 @@ from sbpflow.control_plane.rpc_contract import (
     valid_job_id,
 )
 from sbpflow.control_plane.store.job_store import JobStore
+from sbpflow.control_plane.store.schema import JobRecord
 from sbpflow.control_plane.worker_pool import PoolConfig, WorkerPool, install, uninstall
 from sbpflow.control_plane.worker_rows import WorkerRows
 from sbpflow.errors import SbpflowError
@@ -109,12 +110,16 @@ class JobServicer:
         self.rows.merge_into(m, rec)
         m.resumed_from, m.resume_checkpoint = rec.resumed_from, rec.resume_checkpoint
         m.last_checkpoint = self.manager.last_checkpoint(job_id)
-        m.options.CopyFrom(
+        m.options.CopyFrom(self.options_of(rec))
+        return m
+
+    def options_of(self, rec: JobRecord) -> sp.RunOptions:
+        """The options ``rec``'s job runs under: the server's, with what its client set at Submit."""
+        return (
             run_options_to_proto(for_run(self.manager.config.run, rec.options))
             if rec.options
             else self.options
-        )  # the server's, with what the job's client set at Submit
-        return m
+        )
 
     def Submit(self, request: bytes, context: grpc.ServicerContext) -> sp.SubmitJobResponse:  # noqa: N802
         try:
@@ -179,17 +184,19 @@ class JobServicer:
         recs = guard(context, lambda: self.store.list(states, limit=size + 1, offset=offset))
         more = len(recs) > size
         jobs = [status.job_status(r) for r in recs[:size]]
-        for m in jobs:
-            m.options.CopyFrom(self.options)
+        for m, r in zip(jobs, recs, strict=False):
+            m.options.CopyFrom(self.options_of(r))
         return sp.ListJobsResponse(
             jobs=jobs,
             next_page_token=str(offset + size) if more else "",
         )
 
     def Watch(self, request: sp.WatchJobRequest, context: grpc.ServicerContext) -> Iterator[sp.JobEvent]:  # noqa: N802
-        guard(context, lambda: self.store.get(valid_job_id(context, request.job_id)))
+        options = self.options_of(
+            guard(context, lambda: self.store.get(valid_job_id(context, request.job_id)))
+        )
         for ev in self.manager.follow(request.job_id, request.after_seq, context.is_active, POLL_SECONDS):
-            ev.status.options.CopyFrom(self.options)
+            ev.status.options.CopyFrom(options)
             yield ev
 
     def Cancel(self, request: sp.CancelJobRequest, context: grpc.ServicerContext) -> sp.JobStatus:  # noqa: N802

@@ -99,6 +99,9 @@ def test_a_jobs_options_run_it_and_show_in_its_status(tmp_path: Path, mlp: Modul
             )
             final = quick.wait(timeout=60)  # the job's own timeout ended it, not the server's day
             assert _state(final) == "FAILED" and "TimeoutError" in final.message, final
+            listed = {s.job_id: s.options.timeout for s in c.list()}  # List and Watch say the same
+            assert listed[quick.job_id] == 1.5 and listed[plain.job_id] == 600.0
+            assert all(ev.status.options.timeout == 1.5 for ev in quick.events())
             assert _state(plain.wait(timeout=60)) == "SUCCEEDED"
             with pytest.raises(ClientError) as e:
                 c.submit(mlp.make_job(steps=1), backend="ray")
