@@ -200,7 +200,9 @@ def run(state: CompileState) -> None:
         _check_update(g, var, new)
 
     placements = _placements(g, solver)
-    small = len(g.ops) <= sbp_ilp.MAX_OPS and all(pl.ndim == 1 for pl in placements.values())
+    small = (
+        sbp_ilp.ENABLED and len(g.ops) <= sbp_ilp.MAX_OPS and all(pl.ndim == 1 for pl in placements.values())
+    )
     whole = sbp_ilp.solve(_problem(state, solver, placements)) if small and _programmable(g) else None
     if whole is not None:
         solver.forced = whole.signatures
