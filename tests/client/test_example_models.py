@@ -70,3 +70,23 @@ def test_insightface_paper_scale_traces_with_a_million_identities() -> None:
     job.verify()
     w = job.graph.tensors["head.weight"]
     assert w.meta.shape == (512, 1_000_000) and str(w.sbp) == "(S(1),)"
+
+
+def test_bert_keeps_megatrons_weight_splits_where_the_activations_outweigh_them() -> None:
+    """With the residual stream pinned (whole on TP, batch on DP), qkv and the first feed-forward layer
+    run column-split and the second row-split on their own weight shards: no weight is gathered for
+    them. (The attention projection may go sequence-parallel instead: fewer bytes, the compiler's call.)"""
+    from sbpflow.control_plane.compiler.pipeline import compile as compile_job
+
+    job = load("bert").make_job(
+        ranks=4, dp=2, layers=2, heads=4, width=256, vocab=512, seq_len=128, batch_size=32
+    )
+    graph = compile_job(job, lower=False).state.graph
+    want = {"attn.qkv": "(B, S(1))", "fc": "(B, S(1))", "fc_out": "(B, S(0))"}
+    for o in graph.ops:
+        layer = o.name.split(".matmul_0")[0].split("layers.")[-1].split(".", 1)[-1]
+        if o.op_type == "matmul" and not o.name.startswith("grad/") and layer in want:
+            assert str(graph.tensors[o.inputs[1]].sbp) == want[layer], (
+                o.name,
+                graph.tensors[o.inputs[1]].sbp,
+            )
