@@ -83,6 +83,18 @@ def _job_proto(job: Any) -> job_pb2.Job:
     return job_to_proto(job)
 
 
+def _refuse_held_values(job: Any) -> None:
+    """A job traced from modules that hold values (trained by ``sf.run``, loaded, or drawn by
+    ``state_dict``) would start on a server from its initializers: the values do not cross the wire."""
+    bound = getattr(job, "bound", None)
+    if bound is not None and bound.held():
+        raise SbpflowError(
+            f"job {job.name!r} was traced from modules that hold values (trained by sf.run, loaded with "
+            "load_state_dict, or drawn by state_dict); a server cannot be sent them and would start from the "
+            "initializers: run it here with sf.run, or trace it from fresh modules"
+        )
+
+
 @dataclass(frozen=True)
 class JobOutcome:
     """What a finished job produced: its end state, the loss per step and the trained parameters."""
@@ -154,6 +166,7 @@ class Client:
                 f"submit() got unexpected keyword(s) {unknown}; a job's run options are {list(CLIENT_FIELDS)}"
             )
         given = {k: v for k, v in options.items() if v is not None}
+        _refuse_held_values(job)
         req = sp.SubmitJobRequest(
             job=_job_proto(job),
             client_id=client_id,

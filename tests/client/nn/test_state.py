@@ -136,3 +136,14 @@ def test_a_ray_run_writes_the_trained_values_back_too() -> None:
     held = net.state_dict()
     for name, value in result.parameters.items():
         np.testing.assert_array_equal(held[name.removeprefix("model.")], value)
+
+
+def test_a_job_traced_from_modules_holding_values_is_not_sent_to_a_server() -> None:
+    from sbpflow.client.client import Client
+
+    net = sf.nn.MLP([8, 16, 4])
+    fresh = trace(net)  # traced before any value: the server draws what sf.run would
+    sf.run(fresh, backend="inprocess")
+    with Client("127.0.0.1:1") as client:  # refused before any call: no server needed
+        with pytest.raises(sf.SbpflowError, match="hold values"):
+            client.submit(trace(net))
