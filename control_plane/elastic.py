@@ -37,7 +37,8 @@ from sbpflow.job import Job
 from sbpflow.placement import Placement
 from sbpflow.sbp import Split, format_nd
 
-PLACE_SECONDS = 10.0  # how long a fallback layout's placement group may take to be ready
+PLACE_SECONDS = 60.0  # how long a fallback layout's placement group may take to be ready: Ray declares a
+# lost node dead only after its health checks fail (~30 s), and may try the group there till then
 ELASTIC_RESUME = "ELASTIC_RESUME"  # the reason of an attempt that goes on with another layout
 
 # (device type of each rank, in rank order; seconds) -> a ready placement group, or None by then

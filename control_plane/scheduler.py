@@ -41,6 +41,7 @@ from sbpflow.control_plane.elastic import ELASTIC_RESUME, replan, restart_point
 from sbpflow.control_plane.reports import ReportHub
 from sbpflow.control_plane.run_context import LaunchContext, RunResult, assemble_outputs, output_names
 from sbpflow.control_plane.step_tracker import StepTracker
+from sbpflow.control_plane.worker_failures import WorkerError, WorkerLost, echoes, failure_of, primary
 from sbpflow.control_plane.worker_pool import WarmGroup, destroy, installed, resources_of
 from sbpflow.errors import SbpflowError
 from sbpflow.run_state import JobState
@@ -51,14 +52,11 @@ from sbpflow.v1 import service_pb2 as sp
 
 SETUP_SECONDS = 120.0  # placement group, actor start-up and connections
 SETTLE_SECONDS = 1.0  # after a first failure, how long to wait for the worker that caused it to show
+PING_SECONDS = 10.0  # then a worker still running that does not answer a ping within this is lost
 
 
 class SchedulingError(SbpflowError):
     """The cluster cannot hold the job (too few CPUs or GPUs), or Ray could not be reached."""
-
-
-class WorkerLost(SbpflowError):
-    """A worker process died (killed, out of memory, its node gone)."""
 
 
 @dataclass(frozen=True)
@@ -333,7 +331,7 @@ class _Attempt:
                     continue
                 outcomes[rank] = outcome
                 if outcome.failure is not None:
-                    failures.append(_failure(outcome.failure))
+                    failures.append(failure_of(outcome.failure))
             now = time.monotonic()
             if failures and settle_until is None:
                 settle_until = now + SETTLE_SECONDS
@@ -358,8 +356,27 @@ class _Attempt:
                 settle_until = now
                 self.abort("timed out")
         if failures:
-            raise _primary(failures)
+            raise primary(failures + self._unanswered(sorted(refs.values()), failures))
         return outcomes
+
+    def _unanswered(self, ranks: list[int], failures: list[RuntimeFailure]) -> list[RuntimeFailure]:
+        """The ranks among ``ranks`` (still running after the first failure) whose worker does not answer
+        within ``PING_SECONDS``: lost with their node, though Ray has not said so yet (a node is declared
+        dead only after its health checks fail), so their peers' transport errors came first."""
+        import ray
+
+        stopped = self.options.cancel is not None and self.options.cancel.is_set()
+        if stopped or not all(echoes(f) for f in failures):  # a cause of its own, or a cancel
+            return []
+        pings = {self.workers[r].info.remote(): r for r in ranks}
+        answered, _ = ray.wait(list(pings), num_returns=len(pings), timeout=PING_SECONDS)
+        lost = [r for ref, r in pings.items() if ref not in answered]
+        for ref in answered:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                lost.append(pings[ref])
+        return [self._lost(r, TimeoutError(f"no answer within {PING_SECONDS:.0f} s")) for r in sorted(lost)]
 
     def _lost(self, rank: int, exc: BaseException) -> RuntimeFailure:
         info = self.info.get(rank, {})
@@ -416,34 +433,6 @@ def _reserve(name: str, key: tuple[jp.DeviceType.ValueType, ...], seconds: float
         remove_placement_group(pg)
         return None
     return WarmGroup(key, pg, [], resources_of(bundles))
-
-
-def _failure(f: Any) -> RuntimeFailure:
-    cause = WorkerError(f"{f.cause_type}: {f.cause}", f.cause_type, f.traceback)
-    return RuntimeFailure(f.rank, f.actor, f.op, cause, f.iteration)
-
-
-class WorkerError(SbpflowError):
-    """An exception raised in a worker process, carried back as text (type, message, traceback)."""
-
-    def __init__(self, message: str, cause_type: str = "", remote_traceback: str = "") -> None:
-        super().__init__(message)
-        self.cause_type = cause_type
-        self.remote_traceback = remote_traceback
-
-
-# The failure to report when several ranks fail: the one that caused the others.
-_ECHO_CAUSES = ("TransportError", "TransportAborted", "RuntimeAborted")
-
-
-def _primary(failures: list[RuntimeFailure]) -> RuntimeFailure:
-    def rank(f: RuntimeFailure) -> int:
-        if isinstance(f.cause, WorkerLost):
-            return 0
-        cause_type = getattr(f.cause, "cause_type", type(f.cause).__name__)
-        return 2 if cause_type in _ECHO_CAUSES else 1
-
-    return min(failures, key=rank)
 
 
 def _result(

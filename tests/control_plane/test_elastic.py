@@ -31,6 +31,7 @@ from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.elastic import (
     ELASTIC_RESUME,
+    PLACE_SECONDS,
     ElasticError,
     replace_world,
     replan,
@@ -137,7 +138,7 @@ def test_replan_reserves_the_same_ranks_first_then_the_fallbacks(mlp: ModuleType
     assert same is not None and same.compiled is compiled and same.change == "" and asked == [(4, 5)]
     asked.clear()
     three = replan(compiled, holds(3))
-    assert three is not None and three.group == "group of 3" and asked == [(4, 5), (3, 10.0)]
+    assert three is not None and three.group == "group of 3" and asked == [(4, 5), (3, PLACE_SECONDS)]
     assert "re-planned from 4 ranks to 3 ([0, 1, 2, 3] -> [0, 1, 2]" in three.change
     assert list(three.compiled.device_types()) == [0, 1, 2]
     with pytest.raises(ElasticError, match=r"2 ranks: the cluster cannot hold them"):

@@ -25,6 +25,7 @@ namespaces cannot be made (not root, no iproute2, no CAP_SYS_ADMIN).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -176,3 +177,43 @@ def test_server_joins_a_two_node_cluster_and_dp4_trains_as_in_process(
     others = [hosts_ for job_id, hosts_ in placed.items() if job_id != got["job_id"]]
     assert len(others) == 1 and set(others[0]) == {hosts.a.ip, hosts.b.ip}, placed
     assert "sbpflow_jobs" in got["metrics_names"], got["metrics_names"]
+
+
+def test_a_lost_node_the_job_goes_on_with_the_ranks_of_the_other_and_succeeds(
+    hosts: netns.TwoHosts, work: Path
+) -> None:
+    """Issue 19's acceptance: a DP 4 job over both nodes (elastic to 2 ranks); host b — its Ray node and
+    the two workers on it — is SIGKILLed mid-job; its ranks are not back within the job's grace period,
+    so the job re-plans as DP 2 on host a, goes on from its last checkpoint and ends SUCCEEDED, its float64
+    losses those of the uninterrupted in-process run (the same global batch) to 1e-12."""
+    steps = 80
+    job = load("mlp").make_job(ranks=RANKS, n_in=64, hidden=1024, batch_size=32, steps=steps, lr=0.02)
+    job = as_float64(job)
+    job = dataclasses.replace(
+        job, config=dataclasses.replace(job.config, checkpoint_every=4, elastic=(2,), elastic_grace=5.0)
+    )
+    want = sf.run(job, backend="inprocess")
+    (work / "job.pb").write_bytes(wire.job_to_proto(job).SerializeToString())
+    cluster = netns.RayCluster.start(hosts, work)
+    env = {**cluster.env, "SBPFLOW_TOKEN": "multinode-test-token", "PYTHONPATH": str(ROOT)}
+    del env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
+    server = Server(
+        hosts.a, env, "--host", hosts.a.ip, "--port", "0", "--http-port", "0",
+        "--ray-address", cluster.address, "--store", str(work / "jobs.db"),
+        "--checkpoint-root", str(work / "ckpt"), "--max-restarts", "1",
+    )  # fmt: skip
+    grpc_address, _ = server.addresses()
+    out = hosts.a.run(
+        [sys.executable, "-m", "tests.deploy.netns_elastic_driver", "--server", grpc_address,
+         "--job", str(work / "job.pb"), "--kill-at", "8", "--kill-netns", hosts.b.netns],
+        env, timeout=600,
+    )  # fmt: skip
+    got = json.loads(out.strip().splitlines()[-1])
+    assert server.stop() == 0, "\n".join(server.lines)
+    assert got["state"] == "SUCCEEDED", (got, "\n".join(server.lines[-40:]))
+    assert got["killed"] >= 3 and got["killed_at"] < steps, got  # a raylet and two workers at least
+    assert got["attempt"] == 2 and got["workers"] == [0, 1], got
+    (move,) = got["moves"]
+    assert "re-planned from 4 ranks to 2 ([0, 1, 2, 3] -> [0, 1]" in move, move
+    assert len(got["losses"]) == steps
+    np.testing.assert_allclose(got["losses"], want.losses, rtol=1e-12, atol=0)
