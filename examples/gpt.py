@@ -53,7 +53,7 @@ def make_job(
     ranks: int = 2,
     layers: int = 2,
     heads: int = 4,  # divides 4 ranks: --tp on 4 ranks keeps whole heads (Megatron's layout)
-    width: int = 32,
+    width: int = 64,  # weights larger than 64 tokens of activations: TP pays off (Megatron's layout)
     vocab: int = 64,
     seq_len: int = 16,
     batch_size: int = 4,
@@ -64,6 +64,7 @@ def make_job(
     seed: int = 0,
     tp: bool = False,
     vocab_parallel: bool = False,
+    sequence_parallel: bool = False,
     dp: int = 1,
     pp: int = 1,
     stage_ranks: tuple[int, ...] = (),
@@ -91,7 +92,9 @@ def make_job(
         where = sf.placement(device, ranks=list(range(ranks)))
         input_sbp = (sf.sbp.broadcast if tp else sf.sbp.split(0),)
     if tp:
-        sf.nn.parallel.megatron(model, where, tp_axis=-1, vocab_parallel=vocab_parallel)
+        sf.nn.parallel.megatron(
+            model, where, tp_axis=-1, vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel
+        )
     head = None
     if pp > 1 or stage_ranks:
         if tp:
@@ -149,7 +152,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--width", type=int, default=32)
+    ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -161,6 +164,9 @@ def main() -> None:
         "--vocab-parallel",
         action="store_true",
         help="with --tp: split the embedding, the head and the loss by vocabulary",
+    )
+    ap.add_argument(
+        "--sequence-parallel", action="store_true", help="with --tp: the residual stream split by sequence"
     )
     ap.add_argument("--dp", type=int, default=1, help="with --tp: data-parallel groups (a 2-d mesh)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages")

@@ -28,7 +28,13 @@ def data_parallel(model: Module, placement: Placement) -> Module:
     return model
 
 
-def megatron(model: Module, placement: Placement, tp_axis: int = -1, vocab_parallel: bool = False) -> Module:
+def megatron(
+    model: Module,
+    placement: Placement,
+    tp_axis: int = -1,
+    vocab_parallel: bool = False,
+    sequence_parallel: bool = False,
+) -> Module:
     """Megatron-LM tensor parallelism: Linear layers marked ``tp="column"``/``"row"`` are split, all else B.
 
     For a GPT block this puts qkv and fc weights at ``S(1)`` and both projections at ``S(0)``; the
@@ -36,7 +42,11 @@ def megatron(model: Module, placement: Placement, tp_axis: int = -1, vocab_paral
     as Megatron does, for a model with ``vocab_layers()`` (the token embedding and the output head) and
     ``vocab_chunks``: the embedding's rows ``S(0)`` (each rank looks up its own ids, a partial sum), the
     head's columns ``S(1)`` (logits ``S(-1)``), and the cross entropy on the split logits
-    (``vocab_chunks`` = the tensor-parallel degree), so the logits are never gathered. Returns the model.
+    (``vocab_chunks`` = the tensor-parallel degree), so the logits are never gathered.
+    ``sequence_parallel`` (Megatron's sequence parallelism, for a model with ``sequence_layout``) lays the
+    residual stream between blocks out split by sequence over the tensor axis (``S(1)``; ``S(0)`` over
+    the other, data-parallel axes), so that layer norms and dropout run on shards and each all-reduce
+    becomes a reduce-scatter and an all-gather of the same bytes. Returns the model.
     """
     axis = tp_axis % placement.ndim if -placement.ndim <= tp_axis < placement.ndim else None
     if axis is None:
@@ -44,6 +54,17 @@ def megatron(model: Module, placement: Placement, tp_axis: int = -1, vocab_paral
     data_parallel(model, placement)
     if vocab_parallel:
         _split_vocabulary(model, placement, axis)
+    if sequence_parallel:
+        nd: list[Sbp] = [Split(0)] * placement.ndim  # the batch over the data-parallel axes
+        nd[axis] = Split(1)  # [B, T, D]: the sequence over the tensor axis
+        laid = [m for m in model.modules() if hasattr(m, "sequence_layout")]
+        if not laid:
+            raise SbpflowError(
+                f"megatron(sequence_parallel=True): {type(model).__name__} has no module with a "
+                "sequence_layout; give the model one (see sf.nn.GPT) or leave sequence_parallel off"
+            )
+        for m in laid:
+            m.sequence_layout = (placement, tuple(nd))  # type: ignore[attr-defined]
     marked = 0
     for m in model.modules():
         if isinstance(m, Linear) and m.tp is not None:

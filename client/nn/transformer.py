@@ -16,7 +16,9 @@ from sbpflow.client.nn.layers import Dropout, Embedding, LayerNorm, Linear, Modu
 from sbpflow.client.nn.module import Module
 from sbpflow.client.tensor import Tensor
 from sbpflow.errors import SbpflowError
+from sbpflow.placement import Placement
 from sbpflow.random import Normal
+from sbpflow.sbp import NdSbp
 
 
 @dataclass(frozen=True)
@@ -93,9 +95,12 @@ class Block(Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = LayerNorm(cfg.n_embd)
         self.mlp = FeedForward(cfg)
+        self.sequence_layout: tuple[Placement, NdSbp] | None = None  # between the sub-layers; see GPT
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))  # x: [B, T, D]  B
+        x = x + self.attn(self.ln_1(x))  # x: [B, T, D]  B (S(1) sequence-parallel)
+        if self.sequence_layout is not None:
+            x = x.to_global(*self.sequence_layout)
         return x + self.mlp(self.ln_2(x))  # x: [B, T, D]  B
 
 
@@ -113,6 +118,12 @@ class GPT(Module):
         # cross entropy over this many slices of V: megatron(vocab_parallel=True) sets the TP degree, so
         # that logits split by class are never gathered
         self.vocab_chunks = 1
+        # where the residual stream lies between blocks: megatron(sequence_parallel=True) splits it by
+        # sequence over the tensor axis, so that layer norms and dropout run on shards (None: inferred)
+        self.sequence_layout: tuple[Placement, NdSbp] | None = None
+
+    def _between_blocks(self, x: Tensor) -> Tensor:
+        return x if self.sequence_layout is None else x.to_global(*self.sequence_layout)
 
     def vocab_layers(self) -> tuple[Embedding, Linear | None]:
         """The layers whose vocabulary axis Megatron splits: the token embedding and the output head."""
@@ -127,8 +138,8 @@ class GPT(Module):
         pos = self.wpe.weight[:t]  # pos: [T, D], broadcast over the batch
         x = self.drop(tok + pos)
         for block in self.blocks:
-            x = block(x)  # x: [B, T, D]
-        x = self.ln_f(x)
+            x = block(self._between_blocks(x))  # x: [B, T, D]  B, or S(1) sequence-parallel
+        x = self.ln_f(self._between_blocks(x))
         if self.config.tie_embeddings:
             logits = F.matmul(x, self.wte.weight, transpose_b=True)  # logits: [B, T, V]
         else:

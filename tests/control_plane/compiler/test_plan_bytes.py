@@ -133,3 +133,23 @@ def test_tp4_backward_is_megatrons() -> None:
     boxed = {out for o in state.graph.ops if o.op_type == BOXING for out in o.outputs}
     assert not boxed & set(head.inputs), head.inputs
     assert not [n for n, p in state.boxings.items() if "all-to-all" in repr(p)]
+
+
+def test_default_tp_on_4_ranks_moves_no_weight() -> None:
+    """``examples/gpt.py --ranks 4 --tp`` with its defaults (4 heads, so the column split keeps whole
+    heads) is Megatron's layout: no weight is boxed in the forward (2 heads over 4 ranks all-gathered
+    c_proj.weight every step)."""
+    job = load("gpt").make_job(ranks=4, tp=True)
+    state = pipeline.compile(job).state
+    weights = {t.name for t in state.graph.of_kind(TensorKind.parameter)}
+    moved = [n for n, p in state.boxings.items() if p.bytes and any(n.startswith(w + ".") for w in weights)]
+    assert not moved, moved
+
+
+def test_tp4_sequence_parallel_moves_no_more_than_megatron() -> None:
+    """TP4 with ``sequence_parallel``: Megatron's sequence parallelism turns each of the TP4 figure's
+    all-reduces into a reduce-scatter and an all-gather of the same bytes, and all-gathers the final
+    norm's sequence-split output for the replicated head, 3 * 32,768 = 98,304 B: 1,671,192 B."""
+    hand = MEGATRON_TP4 + 3 * ACTIVATION
+    assert hand == 1_671_192
+    assert step_bytes(compiled(tp=True, sequence_parallel=True)) <= hand
