@@ -15,7 +15,8 @@ Rules:
   annotations stay, and a tensor split on that axis must still divide (the global batch over the new data
   parallel size), so the job's math — and, in float64, its losses — are those of the old layout;
 - a fallback that cannot re-place (a pipeline's sub-placements, a mesh axis that does not scale, a split
-  that no longer divides, a compile error) is passed over, and the failure names each one and why;
+  that no longer divides) is refused at Submit (:func:`check_fallbacks`); one that fails to compile or to
+  be placed is passed over, and the failure names each one and why;
 - a job without fallbacks waits for its own ranks as before (``SETUP_SECONDS``).
 """
 
@@ -31,6 +32,7 @@ from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.run_context import LaunchContext
 from sbpflow.control_plane.step_tracker import StepTracker
+from sbpflow.control_plane.validation import ValidationError
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import Graph
 from sbpflow.job import Job
@@ -112,6 +114,24 @@ def _scale(pl: Placement, ranks: Sequence[int], size: int) -> Placement:
     return Placement(pl.device_type, tuple(range(size)), (first, *pl.shape[1:]))
 
 
+def check_fallbacks(job: Job) -> None:
+    """Refuse at Submit (``ValidationError``) a fallback rank count the job cannot go on with: one not
+    below its ranks, or one its placements or splits cannot be re-placed on (:func:`replace_world`)."""
+    ranks = len(world(job))
+    for size in job.config.elastic:
+        try:
+            if size >= ranks:
+                raise SbpflowError(f"the job is placed on {ranks} ranks: a fallback goes on with fewer")
+            replace_world(job, size)
+        except SbpflowError as e:
+            raise ValidationError(
+                f"job {job.name!r} cannot fall back to {size} ranks (JobConfig.elastic={job.config.elastic}): "
+                f"{e}",
+                kind="elastic",
+                field="job.config.elastic",
+            ) from None
+
+
 def replan(compiled: Compiled, reserve: Reserve) -> Layout | None:
     """The layout the next attempt runs: ``compiled``'s own when its ranks are held again within the
     job's grace period, else the first fallback the cluster holds (an ``ElasticError`` when none);
@@ -144,7 +164,7 @@ def replan(compiled: Compiled, reserve: Reserve) -> Layout | None:
         seconds = time.monotonic() - t0
         change = (
             f"its {len(types)} ranks were not back within {grace:g} s: re-planned from {len(types)} ranks "
-            f"to {size} ({_placements(job)} -> {_placements(new.state.job)}, compiled in {seconds:.1f} s)"
+            f"to {size} ({_placements(job)} -> {_placements(new.state.job)}, compiled and placed in {seconds:.2f} s)"
         )
         return Layout(new, group, change)
     raise ElasticError(

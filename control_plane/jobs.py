@@ -20,10 +20,12 @@ Rules:
   one store read a change; ``Logs`` streams wait on every change.
 - Checkpoints (``checkpoint_root``): job ID writes them to ``<root>/ID``. A lost worker restarts the run
   from the latest one (up to ``max_restarts``): the job's attempt grows, with a "state" event (reason
-  ``WORKER_LOST``) naming the rank. After a control-plane restart, a job that was in flight and has a
-  checkpoint is queued again as its next attempt (``RESUMED_AFTER_RESTART``) and goes on from it; one
-  without stays FAILED (``CONTROL_PLANE_RESTARTED``). A drain (SIGTERM, ``drain.py``) refuses admission
-  (``Draining``) and leaves the jobs it stops in flight, for the next control plane to re-queue.
+  ``WORKER_LOST``) naming the rank; a job with fallback rank counts whose ranks are not back within its
+  grace period goes on with fewer (reason ``ELASTIC_RESUME``, ``elastic.py``; each fallback is checked
+  at Submit). After a control-plane restart, a job that was in flight and has a checkpoint is queued
+  again as its next attempt (``RESUMED_AFTER_RESTART``) and goes on from it; one without stays FAILED
+  (``CONTROL_PLANE_RESTARTED``). A drain (SIGTERM, ``drain.py``) refuses admission (``Draining``) and
+  leaves the jobs it stops in flight, for the next control plane to re-queue.
 - A run driven from outside (``bench/control_plane_scale.py``'s simulated workers) is ``adopted``.
 - A run whose loss goes NaN or infinite ends FAILED with ``NON_FINITE_LOSS`` at that step; one whose final
   parameters are not finite ends FAILED with ``NON_FINITE_PARAMETERS`` (:mod:`sbpflow.numerics`).
@@ -47,6 +49,7 @@ from sbpflow.checkpoint.read import CorruptCheckpoint, corrupt_note
 from sbpflow.control_plane import resume as resuming
 from sbpflow.control_plane.data_policy import reason_of
 from sbpflow.control_plane.drain import Draining
+from sbpflow.control_plane.elastic import check_fallbacks
 from sbpflow.control_plane.job_checkpoints import resumable, run_checkpoints
 from sbpflow.control_plane.job_feed import JobFeed
 from sbpflow.control_plane.job_options import for_run, job_options
@@ -263,6 +266,7 @@ class JobManager:
                 field="job.graph",
             )
         check(job)
+        check_fallbacks(job)  # JobConfig.elastic: each fallback re-places (elastic.py)
         with self._lock:
             rec = self.store.create(
                 job_bytes,

@@ -40,6 +40,7 @@ from sbpflow.control_plane.elastic import (
 from sbpflow.control_plane.jobs import JobManager, ManagerConfig
 from sbpflow.control_plane.metrics import Metrics
 from sbpflow.control_plane.store.job_store import JobStore
+from sbpflow.control_plane.validation import ValidationError
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job, JobConfig
 from sbpflow.run_options import MANAGER_DEFAULTS
@@ -120,6 +121,28 @@ def test_elastic_config_is_checked_and_crosses_the_wire(mlp: ModuleType) -> None
     assert (back.config.elastic, back.config.elastic_grace) == ((2, 1), 7.5)
     plain = wire.job_from_proto(wire.job_to_proto(mlp.make_job()))
     assert (plain.config.elastic, plain.config.elastic_grace) == ((), 30.0)
+
+
+def test_submit_refuses_a_fallback_the_job_cannot_go_on_with(mlp: ModuleType, tmp_path: Path) -> None:
+    with JobStore(tmp_path / "jobs.db") as store:
+        m = JobManager(store, ManagerConfig(MANAGER_DEFAULTS.replace(backend="inprocess"), slots=4))
+        m.start()
+        try:
+            for fallbacks, why in [
+                ((3,), r"to 3 ranks .*: tensor .* its 32 over 4 ranks does not divide over 3"),
+                ((2, 4), r"to 4 ranks .*: the job is placed on 4 ranks: a fallback goes on with fewer"),
+            ]:
+                job = elastic(mlp.make_job(ranks=4, batch_size=32), elastic=fallbacks)
+                with pytest.raises(ValidationError, match=why) as refused:
+                    m.submit(wire.job_to_proto(job).SerializeToString())
+                assert refused.value.field == "job.config.elastic"
+            assert store.list() == []  # nothing stored
+            ok = m.submit(
+                wire.job_to_proto(elastic(mlp.make_job(ranks=4), elastic=(2, 1))).SerializeToString()
+            )
+            assert ok.job_proto  # admitted (it runs on, in process)
+        finally:
+            m.shutdown()
 
 
 def test_replan_reserves_the_same_ranks_first_then_the_fallbacks(mlp: ModuleType) -> None:
