@@ -16,7 +16,10 @@ def podman_base() -> str:
     why = containers.unavailable()
     if why is not None:
         pytest.skip(why)
-    return containers.base_image()
+    try:
+        return containers.base_image()
+    except containers.NoBase as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="session")
@@ -27,4 +30,4 @@ def cpu_image(podman_base: str) -> Iterator[containers.Built]:
     try:
         yield built
     finally:
-        containers.remove_image(built.tag)
+        containers.remove_image(built)

@@ -48,6 +48,10 @@ class PodmanError(RuntimeError):
     """A podman command failed; the message holds its command line and output."""
 
 
+class NoBase(RuntimeError):
+    """Neither the registry's base image nor the tools to make its stand-in are here."""
+
+
 def podman(*args: str, timeout: float = 300.0, check: bool = True) -> str:
     """Run ``podman ARGS``; its stdout. A failure (``check``) raises with the command and its output."""
     p = subprocess.run([PODMAN, *args], capture_output=True, text=True, timeout=timeout)
@@ -86,7 +90,7 @@ def base_image() -> str:
         return REGISTRY_BASE
     if not image_exists(STANDIN_BASE):
         if shutil.which("debootstrap") is None:
-            raise PodmanError(
+            raise NoBase(
                 f"{REGISTRY_BASE} does not pull ({pulled.stderr.decode()[-300:].strip()}) and debootstrap, which "
                 "makes the stand-in, is not installed: apt-get install -y --no-install-recommends debootstrap"
             )
@@ -109,6 +113,11 @@ class Built:
     seconds: float
     size: int
     deps_seconds: float  # of that, the `deps` stage (0-ish when it came from the cache)
+    dangling_before: frozenset[str]  # untagged images that were there before the build: not ours
+
+
+def dangling() -> frozenset[str]:
+    return frozenset(podman("images", "-q", "--no-trunc", "--filter", "dangling=true").split())
 
 
 def image_size(ref: str) -> int:
@@ -134,18 +143,20 @@ def build(dockerfile: str, tag: str, base: str) -> Built:
     (tagged and kept as the cache), then the whole image."""
     common = [*RUN_FLAGS, "-f", str(DEPLOY / dockerfile), "--build-arg", f"BASE={base}", "--layers"]
     deps = _deps_tag(dockerfile, base)
-    t0 = time.monotonic()
+    before, t0 = dangling(), time.monotonic()
     podman("build", *common, "--target", "deps", "-t", deps, str(CONTEXT), timeout=BUILD_SECONDS)
     t1 = time.monotonic()
     _drop_older_deps(dockerfile, deps)
     podman("build", *common, "-t", tag, str(CONTEXT), timeout=BUILD_SECONDS)
-    return Built(tag, time.monotonic() - t0, image_size(tag), t1 - t0)
+    return Built(tag, time.monotonic() - t0, image_size(tag), t1 - t0, before)
 
 
-def remove_image(tag: str) -> None:
-    """Remove ``tag`` and the layers only it holds (the deps cache below it stays: it is tagged)."""
-    podman("rmi", "-f", tag, check=False)
-    podman("image", "prune", "-f", check=False)  # the dangling wheel stages of this build
+def remove_image(built: Built) -> None:
+    """Remove the image's tag, the layers only it holds (the deps cache below it stays: it is tagged)
+    and the untagged images its build left (the wheel stage); no other image."""
+    podman("rmi", "-f", built.tag, check=False)
+    for image in sorted(dangling() - built.dangling_before):
+        podman("rmi", image, check=False)
 
 
 def in_image(image: str, script: str, *flags: str, timeout: float = 300.0) -> str:

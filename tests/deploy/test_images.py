@@ -68,7 +68,7 @@ def test_the_gpu_image_builds_and_loads_cuda_as_far_as_a_machine_without_a_gpu_g
             cpu_image.tag, "python -c 'import ray, sys; print(ray.__version__, sys.version.split()[0])'"
         )
     finally:
-        containers.remove_image(built.tag)
+        containers.remove_image(built)
     assert out[0] == cpu.strip(), "one Ray and one Python in every pod of a cluster"
     assert out[1].startswith("nccl ") and int(out[1].split()[1]) >= 22000, out  # NCCL 2.20+ loads
     # CuPy and the CUDA wheels are there; the driver is the one thing missing, and the error says so
