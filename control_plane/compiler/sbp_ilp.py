@@ -50,8 +50,8 @@ from sbpflow.placement import Placement
 from sbpflow.sbp import NdSbp
 from sbpflow.tensor_meta import TensorMeta
 
-# within budget: ops on 1-d meshes (a 2-d mesh multiplies every op's candidates: GPT's 2 layers on 2 x 2
-# take 178,000 variables, beyond what HiGHS proves in seconds), and not a deep model's thousands of ops
+# within budget: not a deep model's thousands of ops; a 2-d mesh is solved one axis at a time
+# (sbp_inference._whole_graph: all of GPT's 2 layers on 2 x 2 at once take 178,000 variables)
 MAX_OPS = 4_000
 ENABLED = True  # bench/plan_quality.py turns it off to run the walk's plans beside the program's
 MAX_CHOICES = 60_000  # x, z, y and shared-boxing variables together: above this the walk decides

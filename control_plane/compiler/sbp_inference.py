@@ -1,8 +1,9 @@
 """SBP signature inference: an nd-SBP for every tensor, hence a signature for every op.
 
 **The whole graph first** (:mod:`sbp_ilp`): when some weight is annotated split (tensor parallelism,
-ZeRO-3) and the program fits its budget (the 1-d meshes of the examples; not yet a 2-d mesh of GPT, nor a
-96-layer job), one integer program picks every op's signature and every free source's layout at once,
+ZeRO-3) and the program fits its budget (the examples' meshes; on a 2-d mesh one mesh axis at a time, the
+other held; not a 96-layer job), one integer program picks every op's signature and every free source's
+layout at once,
 minimising the bytes the boxing table prices, a step's latency and the FLOPs a replica repeats; the walk
 below follows it: its sources are stored as the program chose, unannotated variables replicated, and
 ``choose`` takes the program's signature, saying what the one-op walk would have picked instead.
@@ -200,10 +201,7 @@ def run(state: CompileState) -> None:
         _check_update(g, var, new)
 
     placements = _placements(g, solver)
-    small = (
-        sbp_ilp.ENABLED and len(g.ops) <= sbp_ilp.MAX_OPS and all(pl.ndim == 1 for pl in placements.values())
-    )
-    whole = sbp_ilp.solve(_problem(state, solver, placements)) if small and _programmable(g) else None
+    whole = _whole_graph(state, solver, placements) if sbp_ilp.ENABLED and _programmable(g) else None
     if whole is not None:
         solver.forced = whole.signatures
         for t, (pl, sbp) in whole.stored.items():
@@ -281,7 +279,53 @@ def _programmable(g: Graph) -> bool:
     )
 
 
-def _problem(state: CompileState, solver: _Solver, placements: dict[str, Placement]) -> sbp_ilp.Problem:
+def _whole_graph(
+    state: CompileState, solver: _Solver, placements: dict[str, Placement]
+) -> sbp_ilp.Solution | None:
+    """The program's choice. On a 2-d mesh every op has the product of its rows as candidates, too many
+    for one program (GPT's 2 layers on 2 x 2: 178,000 variables), so each mesh axis in turn is solved
+    exactly with the other held where the walk (then the previous solve) put it: never worse than the
+    walk, by the program's price."""
+    if len(state.graph.ops) > sbp_ilp.MAX_OPS:
+        return None
+    ndim = max(pl.ndim for pl in placements.values())
+    if ndim == 1:
+        return sbp_ilp.solve(_problem(state, solver, placements))
+    if ndim > 2:
+        return None
+    ref, best = _walk(state, solver, placements), None
+    for axis in range(ndim):
+        found = sbp_ilp.solve(_problem(state, solver, placements, (axis, ref)))
+        if found is None:
+            break
+        best, ref = found, found.signatures
+    return best
+
+
+def _walk(state: CompileState, solver: _Solver, placements: dict[str, Placement]) -> dict[str, NdSignature]:
+    """The signatures the walk alone picks, on a copy of the solver (its memo shared: prices are pure)."""
+    s = solver
+    twin = _Solver(
+        s.graph, dict(s.fixed), dict(s.placed), s.targets, s.updates, s.grad_of, s.produced, s.readers
+    )
+    twin.memo, twin.micro, twin.cut = s.memo, s.micro, s.cut
+    return {
+        o.name: twin.choose(o, placements[o.name]).signature for o in state.graph.ops if o.op_type != BOXING
+    }
+
+
+def _along(s: NdSignature, axis: int) -> tuple[object, ...]:
+    return tuple(nd[axis] for nd in (*s.ins, *s.outs))
+
+
+def _problem(
+    state: CompileState,
+    solver: _Solver,
+    placements: dict[str, Placement],
+    keep: tuple[int, dict[str, NdSignature]] | None = None,
+) -> sbp_ilp.Problem:
+    """The program over every op's candidates; with ``keep = (axis, signatures)`` only those that match
+    ``signatures`` along that mesh axis."""
     g = state.graph
     calls = []
     for node in g.ops:
@@ -292,6 +336,9 @@ def _problem(state: CompileState, solver: _Solver, placements: dict[str, Placeme
         if node.name in solver.micro:
             small = set(signatures(node.op_type, *solver.micro[node.name], pl.shape)[1])
             sigs = tuple(s for s in sigs if s in small)
+        if keep is not None and keep[0] < pl.ndim and node.name in keep[1]:
+            held = _along(keep[1][node.name], keep[0])
+            sigs = tuple(s for s in sigs if _along(s, keep[0]) == held)
         calls.append(
             sbp_ilp.OpCall(node.name, node.op_type, attrs, node.inputs, node.outputs, pl, sigs, out_metas)
         )
