@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sbpflow as sf  # noqa: E402
+from bench._ray_timing import run_timed  # noqa: E402
 from bench.overhead import Regression, Train  # noqa: E402
 from sbpflow.data import ArraySource  # noqa: E402
 from sbpflow.sbp import S  # noqa: E402
@@ -62,10 +63,9 @@ def make_job(widths: list[int], batch: int, steps: int, batches: int = 4) -> sf.
 
 
 def run_sbpflow(widths: list[int], batch: int, steps: int, warmup: int) -> float:
-    job = make_job(widths, batch, steps + warmup)
-    done: list[float] = []  # when each step's loss reached the driver
-    sf.run(job, backend="ray", on_step=lambda m: done.append(time.perf_counter()), timeout=3600)
-    return (done[-1] - done[warmup - 1]) / steps  # reports may arrive in bursts; their span does not lie
+    """Seconds per step from the workers' own step report times (bench/_ray_timing.py: workers batch
+    their reports, so when they reach the driver says nothing)."""
+    return run_timed(make_job(widths, batch, steps + warmup), warmup, steps, WORKERS)[0]
 
 
 # ---- PyTorch DDP ---------------------------------------------------------------------------------------

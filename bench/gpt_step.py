@@ -60,6 +60,7 @@ from typing import Any  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _ray_timing import run_timed  # noqa: E402
 from _shared import blas_kernel  # noqa: E402
 
 import sbpflow as sf  # noqa: E402
@@ -252,87 +253,10 @@ def run_torch(s: Shape, steps: int, warmup: int, on_step: Any = None) -> tuple[f
 WORKERS = 2
 
 
-def ray_worker_pids() -> list[int]:
-    """This driver's Ray worker processes (``ray::...`` descendants)."""
-    me, parent, named = os.getpid(), {}, []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                parent[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read(5) == b"ray::":
-                    named.append(int(pid))
-        except OSError:
-            continue
-
-    def mine(pid: int) -> bool:
-        while pid > 1:
-            pid = parent.get(pid, 0)
-            if pid == me:
-                return True
-        return False
-
-    return [p for p in named if mine(p)]
-
-
-def cpu_of(pids: list[int]) -> float:
-    """CPU seconds (user + system) of the processes ``pids`` (0 for one that is gone)."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
-
-
 def run_sbpflow_ray(s: Shape, steps: int, warmup: int) -> tuple[float, float]:
-    """The main job on ``WORKERS`` Ray workers: seconds per step, from the workers' own clocks (each step
-    report's time; a step ends when its last rank's does — workers batch their reports, so when they
-    reach the driver says nothing), and the workers' CPU seconds per step per worker over the same span
-    (their processes' CPU sampled every 20 ms by a driver thread, interpolated at the two step ends)."""
-    import threading
-
-    job = make_job(s, warmup + steps, ranks=WORKERS)
-    ends: dict[int, float] = {}
-    samples: list[tuple[float, float]] = []
-    running = threading.Event()
-
-    def on_report(r: Any) -> None:
-        if r.WhichOneof("payload") == "step":
-            t = r.time.seconds + r.time.nanos * 1e-9
-            ends[r.step.step] = max(ends.get(r.step.step, t), t)
-
-    def sample() -> None:  # the process tree rescanned each second (workers start late), else their stats
-        pids: list[int] = []
-        scanned = 0.0
-        while not running.wait(0.02):
-            if time.monotonic() - scanned > 1.0:
-                pids, scanned = ray_worker_pids(), time.monotonic()
-            samples.append((time.time(), cpu_of(pids)))
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        sf.run(job, backend="ray", on_report=on_report, timeout=1800)
-    finally:
-        running.set()
-        sampler.join()
-    t0, t1 = ends[warmup], ends[warmup + steps]
-    # the CPU over the steps the samples cover (the last ones may end after the last sample)
-    last = max(k for k, t in ends.items() if warmup < k <= warmup + steps and t <= samples[-1][0])
-    cpu = (_at(samples, ends[last]) - _at(samples, t0)) / (last - warmup) / WORKERS
-    return (t1 - t0) / steps, cpu
-
-
-def _at(samples: list[tuple[float, float]], t: float) -> float:
-    """The sampled value at time ``t``, linear between the samples around it."""
-    for (ta, va), (tb, vb) in zip(samples, samples[1:], strict=False):
-        if ta <= t <= tb:
-            return va + (vb - va) * (t - ta) / max(tb - ta, 1e-9)
-    raise SystemExit(f"bench/gpt_step.py: no CPU samples around t={t:.3f}; the run was too short to sample")
+    """The main job on ``WORKERS`` Ray workers: seconds per step and CPU seconds per step per worker,
+    from the workers' side (bench/_ray_timing.py)."""
+    return run_timed(make_job(s, warmup + steps, ranks=WORKERS), warmup, steps, WORKERS)
 
 
 def _ddp_worker(rank: int, port: int, s: Shape, steps: int, warmup: int, out: Any) -> None:
