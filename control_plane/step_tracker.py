@@ -71,13 +71,14 @@ class StepTracker:
         self._on_step = on_step
         self._lock = threading.Lock()
         self._pending: dict[int, dict[int, Any]] = {}
-        self._last = time.monotonic()
+        self._last = time.time()  # wall clock: a rank's report says when (by its clock) it ended a step
+        self._at: dict[int, float] = {}  # per pending step: when its last share's rank ended it
         self._recent: deque[float] = deque(maxlen=WINDOW + 1)  # completion times of the recent steps
         self.losses: list[float] = []
 
     def restart_clock(self) -> None:
         """Time the first step from now (the run starts after compile and set-up)."""
-        self._last = time.monotonic()
+        self._last = time.time()
         self._recent.clear()
         self._recent.append(self._last)
 
@@ -95,15 +96,19 @@ class StepTracker:
             self._decl = loss
             self._ranks = tuple(loss.placement.ranks) if loss is not None and loss.placement else ()
             self._pending.clear()
+            self._at.clear()
 
     def rewind(self, steps: int) -> None:
         """Forget every step from ``steps`` on (a restarted attempt trains and reports them again)."""
         with self._lock:
             del self.losses[steps:]
             self._pending.clear()
+            self._at.clear()
 
-    def add(self, rank: int, step: int, value: Any) -> None:
-        """Rank ``rank``'s share of the loss of (0-based) ``step``."""
+    def add(self, rank: int, step: int, value: Any, at: float | None = None) -> None:
+        """Rank ``rank``'s share of the loss of (0-based) ``step``, which it ended at ``at`` (seconds since
+        the epoch, from its report; None: now). Workers send their reports in batches, so the step's
+        time is when its last rank ended it, not when the shares arrived."""
         if self._decl is None or rank not in self._ranks:
             return
         with self._lock:
@@ -111,12 +116,14 @@ class StepTracker:
                 return  # the run stops at the step that diverged: later ones are not reported
             shares = self._pending.setdefault(step, {})
             shares[rank] = np.asarray(value)
+            self._at[step] = max(self._at.get(step, 0.0), time.time() if at is None else at)
             done = []
             while self.non_finite is None and len(self._pending.get(len(self.losses), {})) == len(
                 self._ranks
             ):
+                ended = self._at.pop(len(self.losses))
                 shares = self._pending.pop(len(self.losses))
-                done.append(self._complete(float(assemble_value(self._decl, shares))))
+                done.append(self._complete(float(assemble_value(self._decl, shares)), ended))
         self._emit(done)
 
     def settle(self, losses: Sequence[float], start: int) -> None:
@@ -126,13 +133,14 @@ class StepTracker:
             done = []
             while self.non_finite is None and start <= len(self.losses) < start + len(losses):
                 self._pending.pop(len(self.losses), None)
-                done.append(self._complete(float(losses[len(self.losses) - start])))
+                ended = self._at.pop(len(self.losses), None)
+                done.append(self._complete(float(losses[len(self.losses) - start]), ended))
         self._emit(done)
 
-    def _complete(self, loss: float) -> tuple[sp.StepMetrics, bool]:
-        """Step ``len(losses)`` is complete with ``loss``: its metrics, and whether the run must stop.
-        Called under the lock."""
-        now = time.monotonic()
+    def _complete(self, loss: float, ended: float | None = None) -> tuple[sp.StepMetrics, bool]:
+        """Step ``len(losses)`` is complete with ``loss`` (ended at ``ended``; None: now): its metrics,
+        and whether the run must stop. Called under the lock."""
+        now = max(time.time() if ended is None else ended, self._last)  # ranks' clocks may differ a little
         seconds, self._last = now - self._last, now
         self._recent.append(now)
         self.losses.append(loss)
