@@ -95,6 +95,7 @@ class Solution:
     signatures: dict[str, NdSignature]
     stored: dict[str, Layout]  # free source -> its layout
     bytes: int  # what the chosen plan boxes, by the table
+    price: float  # the program's objective, in bytes moved (boxing, latency, work)
 
 
 # an expression: a constant 1 (None) or the sum of some variables (their column indices)
@@ -106,7 +107,6 @@ class _Program:
     cost: list[float] = field(default_factory=list)
     integral: list[int] = field(default_factory=list)
     rows: list[tuple[dict[int, float], float, float]] = field(default_factory=list)
-    constant: float = 0.0
     moved: list[tuple[int | None, int]] = field(default_factory=list)  # (column or always, bytes)
 
     def var(self, cost: float, integral: bool) -> int:
@@ -286,7 +286,7 @@ def _run(
     sigs = {op.name: op.signatures[_one(val, x[op.name])] for op in p.ops}
     chosen = {t: options[_one(val, [z for _, z in options])][0] for t, options in stored.items()}
     moved = sum(b for col, b in prog.moved if col is None or val[col] > 0)
-    return Solution(sigs, chosen, moved)
+    return Solution(sigs, chosen, moved, float(res.fun) / SCALE)
 
 
 def _one(val: np.ndarray, cols: Sequence[int]) -> int:
