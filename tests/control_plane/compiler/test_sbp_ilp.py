@@ -34,7 +34,7 @@ def _call(name: str, op: str, ins: tuple[str, ...], outs: tuple[str, ...], metas
 
 
 def _mlp(goal_y: bool) -> sbp_ilp.Problem:
-    """x [8, 16] @ w1 [16, 32] -> relu -> @ w2 [32, 4]: x annotated S(0), w1 S(1), w2 free."""
+    """x [8, 16] @ w1 [16, 32] -> relu -> @ w2 [32, 4] -> two relus: x annotated S(0), w1 S(1), w2 free."""
     f32 = DType.float32
     metas = {"x": TensorMeta((8, 16), f32), "w1": TensorMeta((16, 32), f32), "w2": TensorMeta((32, 4), f32)}
     ops = []
@@ -43,6 +43,7 @@ def _mlp(goal_y: bool) -> sbp_ilp.Problem:
         ("act", "relu", ("h",), ("r",)),
         ("mm2", "matmul", ("r", "w2"), ("y",)),
         ("out", "relu", ("y",), ("z",)),
+        ("out2", "relu", ("y",), ("z2",)),  # a second reader of y: one boxing serves both
     ):
         call, made = _call(name, op, ins, outs, metas)
         ops.append(call)
