@@ -3,6 +3,9 @@
 
 A job's own latest intact checkpoint (an earlier attempt's) comes first, then the one a Resume started
 it from (:func:`sbpflow.control_plane.resume.start_checkpoint`); a corrupt one is passed over, saying so.
+Its own are taken no later than the job's last stored step (``rec.step``): a control plane that stopped
+with reports in flight never stored the losses of the steps after it, so those steps train again and
+the job's loss history stays whole.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ def resumable(root: str | None, rec: JobRecord) -> Resumable | None:
     """How a job left in flight by a previous control plane goes on: from its checkpoint, if it has one
     with steps left after it."""
     passed: list[CorruptCheckpoint] = []
-    found = resuming.start_checkpoint(root, rec, passed.append) if root is not None else None
+    found = resuming.start_checkpoint(root, rec, passed.append, rec.step) if root is not None else None
     if found is None or found.step >= rec.total_steps:
         return None
     return Resumable(
@@ -40,7 +43,7 @@ def run_checkpoints(root: str | None, store: JobStore, rec: JobRecord) -> tuple[
     if root is None:
         return {}, 0
     passed: list[CorruptCheckpoint] = []
-    found = resuming.start_checkpoint(root, rec, passed.append)
+    found = resuming.start_checkpoint(root, rec, passed.append, rec.step)
     if found is not None and found.step >= rec.total_steps:
         found = None
     for c in passed:

@@ -475,7 +475,8 @@ class JobManager:
         else:
             from sbpflow.control_plane.status import result_proto
 
-            self.store.save_result(job_id, result_proto(job_id, result).SerializeToString())
+            saved = result_proto(job_id, result, [p.loss for p in self.store.losses(job_id)])
+            self.store.save_result(job_id, saved.SerializeToString())
             if self.config.keep_run_results:
                 self.run_results[job_id] = result
             self._finish(

@@ -53,14 +53,14 @@ def job_dir(root: str | Path, job_id: str) -> Path:
 
 
 def start_checkpoint(
-    root: str | Path, rec: JobRecord, on_corrupt: OnCorrupt | None = None
+    root: str | Path, rec: JobRecord, on_corrupt: OnCorrupt | None = None, at_most: int | None = None
 ) -> CheckpointInfo | None:
-    """The checkpoint ``rec``'s job goes on from: its own latest complete one, else the one it started
-    from; None when there is neither (or that one is gone or damaged). With ``on_corrupt``, each is
-    verified (every byte read) and a corrupt one passed over and reported; without, only listed (cheap:
-    for status)."""
+    """The checkpoint ``rec``'s job goes on from: its own latest complete one (of a step no later than
+    ``at_most`` when given), else the one it started from; None when there is neither (or that one is
+    gone or damaged). With ``on_corrupt``, each is verified (every byte read) and a corrupt one passed
+    over and reported; without, only listed (cheap: for status)."""
     mine = job_dir(root, rec.id)
-    own = latest(mine) if on_corrupt is None else latest_intact(mine, on_corrupt)
+    own = latest(mine) if on_corrupt is None else latest_intact(mine, on_corrupt, at_most)
     if own is not None or not rec.resume_checkpoint:
         return own
     try:

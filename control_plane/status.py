@@ -115,11 +115,14 @@ def log_line(r: LogRecord) -> sp.LogLine:
     return sp.LogLine(job_id=r.job_id, rank=r.rank, time=timestamp(r.time), level=r.level, text=r.text)
 
 
-def result_proto(job_id: str, result: RunResult) -> sp.JobResult:
-    """The JobResult of a finished run: its losses and its trained parameters (when it kept them)."""
+def result_proto(job_id: str, result: RunResult, history: Sequence[float] = ()) -> sp.JobResult:
+    """The JobResult of a finished run: its losses and its trained parameters (when it kept them). The
+    losses are the job's ``history`` (the store's: every attempt's, a run resumed after a control-plane
+    restart included) where it holds at least the run's own."""
     from sbpflow.wire import array_to_proto
 
-    m = sp.JobResult(job_id=job_id, state=sp.JOB_STATE_SUCCEEDED, losses=result.losses)
+    losses = list(history) if len(history) >= len(result.losses) else result.losses
+    m = sp.JobResult(job_id=job_id, state=sp.JOB_STATE_SUCCEEDED, losses=losses)
     for name, value in (result.parameters or {}).items():
         host = value.get() if hasattr(value, "get") and not isinstance(value, np.ndarray) else value  # cupy
         m.parameters[name].CopyFrom(array_to_proto(np.asarray(host)))

@@ -89,6 +89,8 @@ def test_sigterm_drains_and_the_next_server_resumes_the_job(tmp_path: Path, mlp:
             assert sp.JobState.Name(st.state) == "JOB_STATE_FAILED" and st.reason == "CONTROL_PLANE_RESTARTED"
             end = c.handle(saved.job_id).wait(120)
             assert sp.JobState.Name(end.state) == "JOB_STATE_SUCCEEDED" and end.attempt == 2, end
+            result = c.handle(saved.job_id).result()  # both attempts' losses, not only the resumed run's
+            assert list(result.losses) == [pt.loss for pt in p.store.losses(saved.job_id)]
             whole = c.submit(job_of(mlp, STEPS, every=EVERY))  # the same job, never interrupted
             assert sp.JobState.Name(whole.wait(120).state) == "JOB_STATE_SUCCEEDED"
         resumed = [e for e in p.store.events(saved.job_id) if e.reason == "RESUMED_AFTER_RESTART"]

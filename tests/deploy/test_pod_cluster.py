@@ -12,14 +12,10 @@ checkpoints on volumes (:mod:`tests.deploy.pod_cluster`). From the host:
 - /healthz and /readyz answer without the token, /metrics and /v1/jobs with it, from the container;
 - nothing is left: no container, volume or network of the test.
 
-Known bugs, each marked only after every other check has passed: when the drain's checkpoint lies
-past the last step whose loss reached the store (reports lag the workers), the next control plane
-resumes the job from it, and the steps between have no loss (xfail, not strict: it depends on timing;
-a lost worker's restart caps its checkpoint at the last loss, scheduler.py, a control-plane restart
-does not, resume.start_checkpoint). And GetResult of a job that SUCCEEDED after a control-plane restart
-holds only the resumed attempt's losses (deploy/README.md's run shows it: "2040 steps" of 3000); the
-long job here is cancelled, whose result is the store's history. Slow (about 2 minutes here on 2 busy
-cores, the image cached); skips where podman cannot run.
+Every step of the long job has its loss: when the drain's checkpoint lies past the last step whose
+loss reached the store (reports lag the workers), the next control plane resumes from the checkpoint
+before it (``control_plane/job_checkpoints.py``). Slow (about 2 minutes here on 2 busy cores, the image
+cached); skips where podman cannot run.
 """
 
 from __future__ import annotations
@@ -159,9 +155,5 @@ def test_a_containerised_cluster_trains_restarts_and_keeps_its_jobs(cpu_image: B
     )
     print(f"\ncluster up and ready in {up:.0f} s; control plane stopped (drained) in {stop_seconds:.1f} s; "
           f"{steps[-1]} steps of the long job; the cluster's part {seconds:.0f} s")  # fmt: skip
-    missing = sorted(set(range(1, steps[-1] + 1)) - set(steps))
-    if missing:  # the bug this marks: see the module docstring
-        pytest.xfail(
-            f"steps {missing[0]}-{missing[-1]} have no loss: after the control-plane restart the job resumed "
-            "from a checkpoint later than the last step whose loss the store held"
-        )
+    # a control plane resumes no later than the last step whose loss the store holds (job_checkpoints.py)
+    assert sorted(set(range(1, steps[-1] + 1)) - set(steps)) == []
