@@ -15,6 +15,7 @@ from sbpflow.ops import (  # noqa: F401  (each registers its ops)
     pool,
     reduction,
     shape,
+    vocab,
 )
 from sbpflow.ops.base import OPS, NdSignature, NoGrad, OpDef, Signature, defop, get_op
 

@@ -386,6 +386,3 @@ defop(
     attrs={"ignore_index": -100},
     doc="(softmax(logits) - onehot(labels)) * dy[..., None], zero at ignored positions",
 )
-
-
-from sbpflow.ops import vocab as _vocab  # noqa: E402, F401  (registers the vocabulary-parallel loss, which reuses the checks above)
