@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sbpflow.control_plane.run_context import LaunchContext
 from sbpflow.control_plane.elastic import restart_point as _restart
+from sbpflow.control_plane.run_context import LaunchContext
 from sbpflow.control_plane.step_tracker import StepTracker
 from sbpflow.dtype import DType
 from sbpflow.graph import TensorDecl
