@@ -133,12 +133,7 @@ def analytic(s: Shape) -> dict[str, float]:
 
 
 def measure(s: Shape, trace_malloc: bool, profile: bool, lower: pipeline.Lower = "auto") -> dict[str, Any]:
-    notes = []
-    if s.pp > 1 and not pipeline.available("micro_batching"):
-        notes.append(
-            f"no micro-batching pass yet: PP {s.pp} dropped, TP {s.tp} x DP {s.dp} on {s.tp * s.dp} devices"
-        )
-        s = Shape(**{**asdict(s), "pp": 1, "micro_batches": 1})
+    notes: list[str] = []
     tracemalloc.start()
     t = time.perf_counter()
     job = make_job(s)
