@@ -17,12 +17,17 @@ Rules:
 - a fallback that cannot re-place (a pipeline's sub-placements, a mesh axis that does not scale, a split
   that no longer divides) is refused at Submit (:func:`check_fallbacks`); one that fails to compile or to
   be placed is passed over, and the failure names each one and why;
-- a job without fallbacks waits for its own ranks as before (``SETUP_SECONDS``).
+- a job without fallbacks waits for its own ranks as before (``SETUP_SECONDS``);
+- while a job runs on a fallback, :class:`Regrow` looks whether the cluster has room for its own layout
+  again; once it has, the first checkpoint completed after that (whose losses all reached the control
+  plane) stops the attempt, and the next is re-planned from it as after a loss — its own ranks first —
+  with reason ``ELASTIC_GROW``, not counted as a restart.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +44,8 @@ from sbpflow.job import Job
 from sbpflow.placement import Placement
 from sbpflow.sbp import Split, format_nd
 
+REGROW_SECONDS = 1.0  # how often a job on a fallback looks for room for its own layout
+ELASTIC_GROW = "ELASTIC_GROW"  # the reason of an attempt that goes back to the job's own layout
 PLACE_SECONDS = 60.0  # how long a fallback layout's placement group may take to be ready: Ray declares a
 # lost node dead only after its health checks fail (~30 s), and may try the group there till then
 ELASTIC_RESUME = "ELASTIC_RESUME"  # the reason of an attempt that goes on with another layout
@@ -172,6 +179,63 @@ def replan(compiled: Compiled, reserve: Reserve) -> Layout | None:
         f"fallback of JobConfig.elastic={job.config.elastic} fits: {'; '.join(passed)}; add capacity and "
         "resume the job, or list smaller rank counts"
     )
+
+
+def attempt_note(
+    layout: Layout | None, lost: bool, failure: Exception, attempt: LaunchContext, restarts: int, skipped: str
+) -> tuple[str, str]:
+    """The reason and message of the attempt after ``failure``: a restart after a lost worker (on the same
+    or a fallback layout), or a planned one back onto the job's own ranks (``lost`` false)."""
+    change = "" if layout is None else layout.change
+    at = f"resumes from step {attempt.first_step}{skipped}"
+    if not lost:
+        back = "" if layout is None else f"its own ranks are back: {_placements(layout.compiled.state.job)}"
+        return ELASTIC_GROW, f"{change or back}; attempt {attempt.attempt} {at}"
+    limit = attempt.run.max_restarts
+    return (
+        ELASTIC_RESUME if change else "WORKER_LOST",
+        f"{failure}; {change + '; ' if change else ''}attempt {attempt.attempt} (restart {restarts} of at "
+        f"most {limit}) {at}",
+    )
+
+
+class Regrow:
+    """While a job runs on a fallback: whether the cluster has room for its own layout again (``room()``,
+    beyond what the attempt holds), looked at every :data:`REGROW_SECONDS`; ``due()`` turns true at the
+    first checkpoint completed after there was room, with every loss up to it reported."""
+
+    def __init__(
+        self, room: Callable[[], bool], root: str | None, tracker: StepTracker, first_step: int
+    ) -> None:
+        self._room, self._root, self._tracker, self._first = room, root, tracker, first_step
+        self._since: int | None = None  # the latest checkpoint's step when there was room
+        self._closed = threading.Event()
+        if root is not None:
+            threading.Thread(target=self._look, name="sbpflow-regrow", daemon=True).start()
+
+    def _look(self) -> None:
+        while not self._closed.wait(REGROW_SECONDS):
+            if self._room():
+                self._since = self._checkpoint()
+                return
+
+    def _checkpoint(self) -> int:
+        from sbpflow.checkpoint.read import latest
+
+        found = latest(self._root) if self._root else None
+        return 0 if found is None else found.step
+
+    def due(self) -> bool:
+        """Whether the attempt should stop now to grow (see the class)."""
+        if self._since is None:
+            return False
+        step, known = self._checkpoint(), self._tracker.known()
+        return step > self._since and (known is None or step <= self._first + known)
+
+    def close(self) -> bool:
+        """Stop looking; whether the attempt was due to grow."""
+        self._closed.set()
+        return self.due()
 
 
 def _placements(job: Job) -> str:

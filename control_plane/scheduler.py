@@ -26,18 +26,18 @@ attempt's workers get that attempt's credential from the hub (``hub.listen``), n
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from sbpflow.actor_workers.runtime.errors import RuntimeAborted, RuntimeFailure, RuntimeTimeout
 from sbpflow.control_plane.compiler.pipeline import Compiled
-from sbpflow.control_plane.elastic import ELASTIC_RESUME, replan, restart_point
+from sbpflow.control_plane.elastic import Regrow, attempt_note, replan, restart_point
+from sbpflow.control_plane.ray_groups import BUNDLES, DEVICE_TYPES, reserve, room_for
 from sbpflow.control_plane.reports import ReportHub
 from sbpflow.control_plane.run_context import LaunchContext, RunResult, assemble_outputs, output_names
 from sbpflow.control_plane.step_tracker import StepTracker
@@ -57,21 +57,6 @@ PING_SECONDS = 10.0  # then a worker still running that does not answer a ping w
 
 class SchedulingError(SbpflowError):
     """The cluster cannot hold the job (too few CPUs or GPUs), or Ray could not be reached."""
-
-
-@dataclass(frozen=True)
-class Bundle:
-    """What one rank's worker reserves, per device type (a table, not a branch)."""
-
-    resources: dict[str, float]
-    actor_options: dict[str, float]
-
-
-DEVICE_TYPES = {jp.DEVICE_TYPE_CPU: "cpu", jp.DEVICE_TYPE_CUDA: "cuda"}
-BUNDLES = {
-    jp.DEVICE_TYPE_CPU: Bundle({"CPU": 1.0}, {"num_cpus": 1.0}),
-    jp.DEVICE_TYPE_CUDA: Bundle({"GPU": 1.0}, {"num_cpus": 0.0, "num_gpus": 1.0}),
-}
 
 
 def ensure_ray(address: str | None, cpus: int) -> None:
@@ -116,12 +101,13 @@ def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker)
             options.on_report(r)
 
     job_id = options.job_id or f"run-{os.getpid()}-{time.monotonic_ns()}"
-    current, restarts, group = options, 0, None
+    own, current, restarts, group, regrow = compiled, options, 0, None, None
     try:
         while True:
             try:
                 with hub.listen(job_id, current.attempt, on_report, ranks) as credential:
-                    attempt = _Attempt(types, job_id, current, hub.address, credential)
+                    stop: Callable[[], bool] | None = None if regrow is None else regrow.due
+                    attempt = _Attempt(types, job_id, current, hub.address, credential, stop)
                     try:
                         attempt.start(compiled, _start(compiled, current), group)
                         current.state(JobState.RUNNING)
@@ -134,28 +120,33 @@ def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker)
                         group = None
                         attempt.teardown()
             except RuntimeFailure as failure:
-                if not isinstance(failure.cause, WorkerLost) or restarts >= options.run.max_restarts:
+                grow = regrow is not None and regrow.close()  # stopped at a checkpoint: room to grow
+                lost = isinstance(failure.cause, WorkerLost) and restarts < options.run.max_restarts
+                if not grow and not lost:
                     raise
-                restarts += 1
                 current, skipped = restart_point(options, current, tracker)
-                layout = replan(compiled, functools.partial(_reserve, f"sbpflow-{job_id}-a{current.attempt}"))
+                restarts += not grow
+                layout = replan(
+                    own if grow else compiled, partial(reserve, f"sbpflow-{job_id}-a{current.attempt}")
+                )
                 if layout is not None:  # a job with fallback layouts: the one reserved for this attempt
                     compiled, group = layout.compiled, layout.group
                     types, ranks = compiled.device_types(), list(compiled.device_types())
                     tracker.relayout(compiled.state.graph.tensors.get(compiled.state.job.loss))
-                current.new_attempt(
-                    ELASTIC_RESUME if layout is not None and layout.change else "WORKER_LOST",
-                    f"{failure}; {layout.change + '; ' if layout is not None and layout.change else ''}"
-                    f"attempt {current.attempt} (restart {restarts} of at most {options.run.max_restarts}) "
-                    f"resumes from step {current.first_step}{skipped}",
-                )
+                room = partial(room_for, own, compiled)  # on a fallback: room for the job's own ranks?
+                shrunk = compiled is not own
+                regrow = Regrow(room, options.checkpoint_dir, tracker, options.first_step) if shrunk else None
+                current.new_attempt(*attempt_note(layout, not grow, failure, current, restarts, skipped))
                 continue
             done = current.first_step - options.first_step  # steps earlier attempts trained
             prefix = (tracker.losses[:done] + [float("nan")] * done)[:done]
+            attempts = current.attempt - options.attempt + 1
             return dataclasses.replace(
-                result, losses=prefix + result.losses, first_step=options.first_step, attempts=restarts + 1
+                result, losses=prefix + result.losses, first_step=options.first_step, attempts=attempts
             )
     finally:
+        if regrow is not None:
+            regrow.close()  # stop looking
         if own_hub:
             hub.stop()
 
@@ -183,8 +174,10 @@ class _Attempt:
         options: LaunchContext,
         address: str,
         credential: str,
+        stop: Callable[[], bool] | None = None,
     ) -> None:
         self.ranks = list(types)
+        self.stop = stop  # true: end the attempt now (Regrow: the job's own ranks are back)
         self.types = dict(types)
         self.options = options
         self.job_id = job_id
@@ -249,7 +242,7 @@ class _Attempt:
                 return group
             pool.make_room(resources_of(bundles), ray.available_resources)
         name = f"sbpflow-{self.job_id}-a{self.options.attempt}"
-        self.group = _reserve(name, key, SETUP_SECONDS)
+        self.group = reserve(name, key, SETUP_SECONDS)
         if self.group is None:
             have = ray.cluster_resources()
             raise SchedulingError(
@@ -342,6 +335,12 @@ class _Attempt:
                 failures.append(RuntimeFailure(None, None, None, RuntimeAborted("cancelled")))
                 settle_until = now
                 self.abort("cancelled")
+            if self.stop is not None and settle_until is None and self.stop():
+                failures.append(
+                    RuntimeFailure(None, None, None, RuntimeAborted("the job's own ranks are back"))
+                )
+                settle_until = now
+                self.abort("the job's own ranks are back: it goes on with them from its checkpoint")
             if now >= deadline and settle_until is None:
                 failures.append(
                     RuntimeTimeout(
@@ -418,21 +417,6 @@ class _Attempt:
             pool.release(group)
         else:
             destroy(group)
-
-
-def _reserve(name: str, key: tuple[jp.DeviceType.ValueType, ...], seconds: float) -> WarmGroup | None:
-    """A new placement group ``name`` with a bundle per device type of ``key`` (in rank order), ready
-    within ``seconds``; None, and the group removed, when the cluster cannot hold it by then."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    bundles = [BUNDLES[t].resources for t in key]
-    pg = placement_group(bundles, strategy="PACK", name=name)
-    ready, _ = ray.wait([pg.ready()], timeout=seconds)
-    if not ready:
-        remove_placement_group(pg)
-        return None
-    return WarmGroup(key, pg, [], resources_of(bundles))
 
 
 def _result(

@@ -2,8 +2,8 @@
 period re-plans on a fallback rank count (``JobConfig.elastic``), resumes from its last intact checkpoint
 and goes on; the attempt and the new layout show in status, events and metrics.
 
-The Ray test is a DP 4 float64 job on the session's 4-CPU Ray: another tenant's placement group waits for
-2 CPUs, rank 3's worker is SIGKILLed after the checkpoint at step 8, the tenant gets its CPUs as the failed
+The Ray test is a DP 4 float64 job on the session's 4-CPU Ray: another tenant's task waits for 2 CPUs,
+rank 3's worker is SIGKILLed after the checkpoint at step 8, the tenant gets its CPUs as the failed
 attempt's group goes, so the job's 4 ranks are not back within its grace period and it goes on as DP 2. Its
 losses equal, to 1e-12, those of an uninterrupted in-process run that switched layouts at the same step
 (DP 4 up to the checkpoint, then the example's own DP 2 from it) — and, the global batch being the same,
@@ -12,10 +12,12 @@ those of an uninterrupted DP 4 run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -30,6 +32,7 @@ from sbpflow.checkpoint.format import step_dir
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.elastic import (
+    ELASTIC_GROW,
     ELASTIC_RESUME,
     PLACE_SECONDS,
     ElasticError,
@@ -169,18 +172,31 @@ def test_replan_reserves_the_same_ranks_first_then_the_fallbacks(mlp: ModuleType
     assert replan(pipeline.compile(mlp.make_job(ranks=4)), holds(0)) is None  # no fallbacks: as ever
 
 
+def tenant() -> Any:
+    """Another tenant of the cluster: a task that holds 2 CPUs until cancelled. Queued at the raylet, it
+    gets them the moment a failed attempt's group gives them back, before any new placement group."""
+    import ray
+
+    return ray.remote(num_cpus=2)(lambda: time.sleep(3600)).remote()
+
+
+def leave(ref: Any) -> None:
+    import ray
+
+    ray.cancel(ref, force=True)
+
+
 def kill_after_checkpoint(
     store: JobStore, root: Path, job_id: str, rank: int, step: int, done: dict[str, Any]
 ) -> None:
     """Once ``job_id``'s checkpoint at ``step`` is complete and the control plane has the losses up to it
-    (a restart goes on from no later checkpoint): another tenant's placement group asks for 2 of the
-    session Ray's CPUs (it waits: the job holds all 4), then rank ``rank``'s worker is SIGKILLed."""
+    (a restart goes on from no later checkpoint): another tenant asks for 2 of the session Ray's CPUs (it
+    waits: the job holds all 4), then rank ``rank``'s worker is SIGKILLed."""
     import ray
-    from ray.util.placement_group import placement_group
 
     until(lambda: (c := ck_read.latest(root / job_id)) is not None and c.step >= step, "a checkpoint", 120)
     until(lambda: store.get(job_id).step >= step, f"step {step}'s loss", 120)
-    done["tenant"] = placement_group([{"CPU": 1.0}] * 2, strategy="PACK")
+    done["tenant"] = tenant()
     info = ray.get(ray.get_actor(f"sbpflow-{job_id}-a1-r{rank}").info.remote())
     os.kill(info["pid"], signal.SIGKILL)
     done["pid"] = info["pid"]
@@ -189,8 +205,6 @@ def kill_after_checkpoint(
 def test_dp4_loses_a_worker_and_goes_on_dp2_from_its_checkpoint(
     ray_local: str, mlp: ModuleType, tmp_path: Path
 ) -> None:
-    from ray.util.placement_group import remove_placement_group
-
     job = elastic(dp(mlp, 4), elastic=(2,), elastic_grace=3.0)
     root = tmp_path / "ckpt"
     done: dict[str, Any] = {}
@@ -216,7 +230,7 @@ def test_dp4_loses_a_worker_and_goes_on_dp2_from_its_checkpoint(
             killer.join()
         finally:
             if "tenant" in done:
-                remove_placement_group(done["tenant"])
+                leave(done["tenant"])
             m.shutdown()
         final = store.get(rec.id)
         events = store.events(rec.id)
@@ -239,3 +253,51 @@ def test_dp4_loses_a_worker_and_goes_on_dp2_from_its_checkpoint(
     np.testing.assert_allclose(got[:at], dp4[:at], rtol=1e-12, atol=0)
     np.testing.assert_allclose(got[at:], switched, rtol=1e-12, atol=0)
     np.testing.assert_allclose(got, dp4, rtol=1e-12, atol=0)  # the same global batch: DP 4's losses too
+
+
+def test_with_its_ranks_back_the_job_grows_again_at_the_next_checkpoint(
+    ray_local: str, mlp: ModuleType, tmp_path: Path
+) -> None:
+    """DP 4 -> DP 2 as above (through ``sf.run``, the example's small MLP), then the tenant leaves as
+    attempt 2 begins: the cluster has room for the job's own 4 ranks again, and the first checkpoint after
+    that takes it back to DP 4 (attempt 3, ELASTIC_GROW), its losses still the uninterrupted DP 4 run's."""
+    import ray
+
+    steps, every = 3000, 20  # ~3 ms a step: attempt 2 must outlast the reports' second of lag
+    job = elastic(as_float64(mlp.make_job(ranks=4, steps=steps)), checkpoint_every=every)
+    job = elastic(job, elastic=(2,), elastic_grace=3.0)
+    root = tmp_path / "ckpt"
+    attempts: list[tuple[int, int, str, str]] = []
+    other: list[Any] = []
+
+    def on_step(s: Any) -> None:
+        if (
+            s.step >= 2 * every
+            and not other
+            and (c := ck_read.latest(root)) is not None
+            and c.step >= 2 * every
+        ):
+            other.append(tenant())
+            info = ray.get(ray.get_actor("sbpflow-grow-a1-r3").info.remote())
+            os.kill(info["pid"], signal.SIGKILL)
+
+    def on_attempt(*a: Any) -> None:
+        attempts.append(a)
+        if a[0] == 2:  # the tenant leaves as the job goes on with 2 ranks
+            threading.Timer(0.5, leave, (other[0],)).start()
+
+    try:
+        got = sf.run(
+            job, job_id="grow", ray_address=ray_local, checkpoint_dir=str(root), max_restarts=1,
+            on_step=on_step, on_attempt=on_attempt, timeout=600,
+        )  # fmt: skip
+    finally:
+        for ref in other:  # gone already unless the job never reached attempt 2
+            with contextlib.suppress(Exception):
+                leave(ref)
+    assert [(a, reason) for a, _, reason, _ in attempts] == [(2, ELASTIC_RESUME), (3, ELASTIC_GROW)], attempts
+    assert attempts[1][3].startswith("its own ranks are back: [0, 1, 2, 3]; attempt 3 resumes from step")
+    assert attempts[1][1] >= attempts[0][1] and attempts[1][1] % every == 0
+    assert got.attempts == 3 and len(got.losses) == steps
+    want = sf.run(job, backend="inprocess").losses
+    np.testing.assert_allclose(got.losses, want, rtol=1e-12, atol=0)
