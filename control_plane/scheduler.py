@@ -96,7 +96,8 @@ def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker)
 
     def on_report(r: sp.WorkerReport) -> None:
         if r.WhichOneof("payload") == "step" and r.step.losses:
-            tracker.add(int(r.rank), int(r.step.step) - 1 - options.first_step, r.step.loss)
+            at = r.time.ToNanoseconds() / 1e9 if r.HasField("time") else None  # when the rank ended it
+            tracker.add(int(r.rank), int(r.step.step) - 1 - options.first_step, r.step.loss, at)
         if options.on_report is not None:
             options.on_report(r)
 
