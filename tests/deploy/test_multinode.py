@@ -210,7 +210,8 @@ def test_a_lost_node_the_job_goes_on_with_the_ranks_of_the_other_and_succeeds(
     )  # fmt: skip
     got = json.loads(out.strip().splitlines()[-1])
     assert server.stop() == 0, "\n".join(server.lines)
-    assert got["state"] == "SUCCEEDED", (got, "\n".join(server.lines[-40:]))
+    said = {k: got[k] for k in ("state", "message", "attempt", "moves", "killed_at", "killed", "workers")}
+    assert got["state"] == "SUCCEEDED", (said, "\n".join(server.lines[-60:]))
     assert got["killed"] >= 3 and got["killed_at"] < steps, got  # a raylet and two workers at least
     assert got["attempt"] == 2 and got["workers"] == [0, 1], got
     (move,) = got["moves"]
