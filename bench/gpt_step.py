@@ -234,18 +234,24 @@ def run_torch(s: Shape, steps: int, warmup: int, on_step: Any = None) -> tuple[f
     batches = [torch.randint(0, s.vocab, (s.batch, s.seq_len + 1), generator=gen) for _ in range(4)]
     losses, marks = [], []
     for i in range(total):
-        data = batches[i % len(batches)]
-        loss = model(data[:, :-1], data[:, 1:])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(torch_step(model, opt, sched, batches[i % len(batches)]))
         marks.append(mark())
         if on_step is not None:
             on_step()
     return (*per_step(marks, warmup, steps), losses)
+
+
+def torch_step(model: Any, opt: Any, sched: Any, data: Any) -> float:
+    """One PyTorch training step as the main job's (AdamW, clip at 1.0, the schedule); its loss."""
+    import torch
+
+    loss = model(data[:, :-1], data[:, 1:])
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return float(loss.item())
 
 
 # ---- 2 workers: sbpflow on Ray against PyTorch DDP over gloo ---------------------------------------------
@@ -274,14 +280,7 @@ def _ddp_worker(rank: int, port: int, s: Shape, steps: int, warmup: int, out: An
     batches = [torch.randint(0, s.vocab, (per, s.seq_len + 1), generator=gen) for _ in range(4)]
     marks = []
     for i in range(warmup + steps):
-        data = batches[i % len(batches)]
-        loss = model(data[:, :-1], data[:, 1:])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        loss.item()
+        torch_step(model, opt, sched, batches[i % len(batches)])
         marks.append((time.perf_counter(), _process_cpu()))
     dist.destroy_process_group()
     (w0, c0), (w1, c1) = marks[warmup - 1], marks[-1]
