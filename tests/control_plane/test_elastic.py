@@ -53,7 +53,11 @@ from tests.client.test_examples import load
 from tests.control_plane.compiler.test_autodiff import as_float64
 from tests.control_plane.test_server import until
 
-STEPS, EVERY, KILL_AFTER = 160, 4, 8  # step reports come a second apart: the job runs on past KILL_AFTER
+STEPS, EVERY, KILL_AFTER = (
+    1000,
+    20,
+    20,
+)  # reports come a second apart: the job must run for seconds past KILL_AFTER (at 160 steps it could end before the kill)
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +256,9 @@ def test_dp4_loses_a_worker_and_goes_on_dp2_from_its_checkpoint(
     switched = sf.run(dp(mlp, 2), backend="inprocess", resume_from=str(step_dir(ref, at))).losses
     np.testing.assert_allclose(got[:at], dp4[:at], rtol=1e-12, atol=0)
     np.testing.assert_allclose(got[at:], switched, rtol=1e-12, atol=0)
-    np.testing.assert_allclose(got, dp4, rtol=1e-12, atol=0)  # the same global batch: DP 4's losses too
+    # the same global batch: DP 4's losses too, to 1e-12 of the loss's scale (trained this long the loss
+    # reaches ~1e-7, where the reduction order's last bits, 4 ranks then 2, show as 1e-11 relative)
+    np.testing.assert_allclose(got, dp4, rtol=1e-12, atol=1e-12 * dp4[0])
 
 
 def test_with_its_ranks_back_the_job_grows_again_at_the_next_checkpoint(
