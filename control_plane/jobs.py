@@ -428,6 +428,7 @@ class JobManager:
         rec = self.store.get(job_id)
         checkpointing, first_step = run_checkpoints(self.config.checkpoint_root, self.store, rec)
         listeners = RunListeners(self, job_id, r, first_step)
+        finish = listeners.finish
         # a restart goes on from a checkpoint: without any, a job does not restart
         base = for_run(self.config.run, rec.options)  # the server's, with what the job's client set
         how = base if checkpointing else base.replace(max_restarts=0)
@@ -439,60 +440,50 @@ class JobManager:
                 r.job = policy.bind(r.job)  # checked again as the workers open it (data_policy.py)
                 how = how.replace(data_roots=policy.run_roots)
             compiled = r.compiled or pipeline.compile(r.job, lower="none")
-            try:
-                result = launch(
-                    compiled,
-                    options=how,
-                    on_state=listeners.on_state,
-                    on_step=listeners.on_step,
-                    on_report=listeners.on_report,
-                    on_attempt=listeners.on_attempt,
-                    on_eval=listeners.on_eval,
-                    cancel=r.cancel,
-                    report_hub=self.report_hub,
-                    job_id=job_id,
-                    attempt=rec.attempt,
-                    tensorboard_dir=self.config.tensorboard_dir,
-                    **checkpointing,
-                )
-            finally:  # what the run said while the store could not write goes before the job's end
-                listeners.flush(STORE_FLUSH_SECONDS)
+            result = launch(
+                compiled,
+                options=how,
+                on_state=listeners.on_state,
+                on_step=listeners.on_step,
+                on_report=listeners.on_report,
+                on_attempt=listeners.on_attempt,
+                on_eval=listeners.on_eval,
+                cancel=r.cancel,
+                report_hub=self.report_hub,
+                job_id=job_id,
+                attempt=rec.attempt,
+                tensorboard_dir=self.config.tensorboard_dir,
+                **checkpointing,
+            )
         except (RunCancelled, RuntimeFailure) as e:
             if r.drained:  # in flight for the next server, which resumes it from its checkpoint
                 return
             if isinstance(e, RuntimeFailure):
-                self._finish(job_id, JobState.FAILED, reason_of(e, "WORKER_ERROR"), str(e))
+                finish(JobState.FAILED, reason_of(e, "WORKER_ERROR"), str(e))
                 return
             reason = SHUTDOWN if self._closed else CANCELLED_BY_USER
-            self._finish(job_id, JobState.CANCELLED, reason, r.cancel_message)
+            finish(JobState.CANCELLED, reason, r.cancel_message)
         except NonFinite as e:  # NON_FINITE_LOSS (the step's loss is stored) or NON_FINITE_PARAMETERS
-            self._finish(job_id, JobState.FAILED, e.reason, str(e))
+            finish(JobState.FAILED, e.reason, str(e))
         except SbpflowError as e:
-            self._finish(job_id, JobState.FAILED, reason_of(e, "RUN_ERROR"), str(e))
+            finish(JobState.FAILED, reason_of(e, "RUN_ERROR"), str(e))
         except Exception as e:  # a bug: keep the traceback in the job's log, never lose the job
-            self.store.append_log(job_id, -1, "ERROR", traceback.format_exc())
-            self._finish(job_id, JobState.FAILED, "INTERNAL", f"{type(e).__name__}: {e}")
+            listeners.write(self.store.append_log, job_id, -1, "ERROR", traceback.format_exc())
+            finish(JobState.FAILED, "INTERNAL", f"{type(e).__name__}: {e}")
         else:
             from sbpflow.control_plane.status import result_proto
 
-            saved = result_proto(job_id, result, [p.loss for p in self.store.losses(job_id)])
-            self.store.save_result(job_id, saved.SerializeToString())
+            def save() -> None:  # queued: the store's loss history is whole by the time it runs
+                history = [p.loss for p in self.store.losses(job_id)]
+                self.store.save_result(job_id, result_proto(job_id, result, history).SerializeToString())
+
+            listeners.write(save)
             if self.config.keep_run_results:
                 self.run_results[job_id] = result
-            self._finish(
-                job_id, JobState.SUCCEEDED, "", f"{len(result.losses)} steps in {result.seconds:.2f} s"
-            )
+            finish(JobState.SUCCEEDED, "", f"{len(result.losses)} steps in {result.seconds:.2f} s")
         finally:
+            listeners.close(list(r.workers.values()), STORE_FLUSH_SECONDS)
             with self._lock:
-                for w in r.workers.values():
-                    self.store.upsert_worker(w)
                 del self._running[job_id]
             self._schedule()
             self._notify(job_id)
-
-    def _finish(self, job_id: str, state: JobState, reason: str, message: str) -> None:
-        level = "INFO" if state == JobState.SUCCEEDED else "ERROR"
-        self.store.append_log(job_id, -1, level, f"{state.name} {reason}: {message}".replace(" :", ":"))
-        self.store.transition(job_id, state, reason, message)  # last: a stream that sees it has every line
-        if self.metrics is not None:
-            self.metrics.finished(state)

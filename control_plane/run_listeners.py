@@ -7,9 +7,10 @@ live per-worker rows and the workers' log lines. Every write wakes the manager's
 
 A store that cannot write for a while (a full disk, a lost volume) must neither lose what the run said
 nor reach into the run: every write goes through an ordered queue, a write that fails with
-``StoreUnavailable`` stays queued (with every later one behind it) and is retried at the next write
-and by :meth:`RunListeners.flush` when the run ends. A queue of ``MAX_UNWRITTEN`` writes cancels the
-run (the store has been gone too long to keep its rows in memory).
+``StoreUnavailable`` stays queued (with every later one behind it) and is retried at the next write and
+by :meth:`RunListeners.close` when the run ends; the job's end (:meth:`RunListeners.finish`) queues
+behind them. A queue of ``MAX_UNWRITTEN`` writes cancels the run (the store has been gone too long to
+keep its rows in memory).
 """
 
 from __future__ import annotations
@@ -64,24 +65,22 @@ class RunListeners:
         if new == JobState.STARTING and self.m.metrics is not None:
             self.m.metrics.compile_seconds.observe(now - self._state_since)
         self._state_since = now
-        self._write(self.m.store.transition, self.job_id, new)
+        self.write(self.m.store.transition, self.job_id, new)
         if new == JobState.STARTING:
             self._log(f"compiled; starting {self.r.slots} worker(s) on backend {self.m.config.run.backend}")
         self.m._notify(self.job_id)
 
     def on_step(self, s: sp.StepMetrics) -> None:
         step = self.first_step + s.step  # the run numbers its steps from its start
-        self._write(self.m.store.record_step, self.job_id, step, s.loss, s.samples_per_second, s.step_seconds)
+        self.write(self.m.store.record_step, self.job_id, step, s.loss, s.samples_per_second, s.step_seconds)
         if self.m.metrics is not None:
             self.m.metrics.step_seconds.observe(s.step_seconds)
         self.m._notify(self.job_id)
 
     def on_eval(self, step: int, loss: float) -> None:
         """An evaluation on the held-out split at ``step`` (numbered from the job's start already)."""
-        self._write(self.m.store.record_eval, self.job_id, step, loss)
-        self._write(
-            self.m.store.append_log, self.job_id, -1, "INFO", f"step {step}: held-out loss {loss:.4f}"
-        )
+        self.write(self.m.store.record_eval, self.job_id, step, loss)
+        self.write(self.m.store.append_log, self.job_id, -1, "INFO", f"step {step}: held-out loss {loss:.4f}")
         self.m._notify(self.job_id)
 
     def on_attempt(self, attempt: int, first_step: int, reason: str, message: str) -> None:
@@ -89,15 +88,15 @@ class RunListeners:
         old attempt's worker rows go (the new attempt's workers report afresh)."""
         self.r.workers.clear()
         self._state = JobState.STARTING
-        self._write(
+        self.write(
             self.m.store.new_attempt, self.job_id, attempt, JobState.STARTING, reason, message, first_step
         )
-        self._write(
+        self.write(
             self.m.store.append_log, self.job_id, -1, "WARNING", f"attempt {attempt}: {reason}: {message}"
         )
         self.m._notify(self.job_id)
 
-    def _write(self, fn: Callable[..., Any], *args: Any) -> None:
+    def write(self, fn: Callable[..., Any], *args: Any) -> None:
         """``fn(*args)`` on the store, in order behind every write still queued; never raises
         ``StoreUnavailable`` into the run (see the module's docstring)."""
         with self._lock:
@@ -136,6 +135,28 @@ class RunListeners:
                 return False
             time.sleep(RETRY_SECONDS)
 
+    def finish(self, state: JobState, reason: str, message: str) -> None:
+        """The job's end, behind every write still queued: its closing log line, then its terminal state
+        (last: a stream that sees it has every line)."""
+        level = "INFO" if state == JobState.SUCCEEDED else "ERROR"
+        text = f"{state.name} {reason}: {message}".replace(" :", ":")
+        self.write(self.m.store.append_log, self.job_id, -1, level, text)
+        self.write(self.m.store.transition, self.job_id, state, reason, message)
+        if self.m.metrics is not None:
+            self.m.metrics.finished(state)
+
+    def close(self, workers: list[WorkerRecord], timeout: float) -> None:
+        """The run's last writes (its worker rows), then everything held is retried for ``timeout`` s; a
+        store still gone then keeps the job non-terminal, and a restarted control plane re-queues it."""
+        for w in workers:
+            self.write(self.m.store.upsert_worker, w)
+        if not self.flush(timeout):
+            log.error(
+                "job %s: %d store writes could not be made in %.0f s (%s); the job stays %s in the store "
+                "until a restarted control plane takes it up again",
+                self.job_id, len(self._unwritten), timeout, self.m.store.write_error, self._state,
+            )  # fmt: skip
+
     def on_report(self, rep: sp.WorkerReport) -> None:
         kind = rep.WhichOneof("payload") or "heartbeat"
         old = self.r.workers.get(rep.rank)
@@ -147,16 +168,16 @@ class RunListeners:
             rep.host or (old.host if old else ""), step, when,
         )  # fmt: skip
         if kind == "log":
-            self._write(
+            self.write(
                 self.m.store.append_log, self.job_id, rep.rank, rep.log.level or "INFO", rep.log.text, when
             )
         elif kind == "error":
             e = rep.error
             where = f"op {e.op_name} ({e.op_type}): " if e.op_name else ""
             text = f"{where}{e.cause}\n{e.traceback}".rstrip()
-            self._write(self.m.store.append_log, self.job_id, rep.rank, "ERROR", text)
+            self.write(self.m.store.append_log, self.job_id, rep.rank, "ERROR", text)
         if kind in ("log", "error", "done"):
             self.m._notify(self.job_id)
 
     def _log(self, text: str) -> None:
-        self._write(self.m.store.append_log, self.job_id, -1, "INFO", text)
+        self.write(self.m.store.append_log, self.job_id, -1, "INFO", text)

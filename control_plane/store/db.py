@@ -135,6 +135,9 @@ class _Tx:
             try:
                 self._store._db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
             except sqlite3.Error as e:
+                # a COMMIT that fails (SQLITE_FULL, an I/O error) leaves the transaction open: without
+                # the ROLLBACK every later write would fail "cannot start a transaction within a transaction"
+                self._rollback()
                 if isinstance(exc, sqlite3.Error):
                     raise self._failed(exc) from exc
                 raise self._failed(e) from e
@@ -144,6 +147,12 @@ class _Tx:
                 self._store.write_error = ""
         finally:
             self._store._lock.release()
+
+    def _rollback(self) -> None:
+        try:
+            self._store._db.execute("ROLLBACK")
+        except sqlite3.Error:  # none was open
+            pass
 
     def _failed(self, e: sqlite3.Error) -> StoreUnavailable:
         self._store.write_error = f"{type(e).__name__}: {e}"

@@ -35,6 +35,7 @@ from sbpflow.control_plane.store.schema import JobEvent, JobRecord
 from sbpflow.data import ArrayFileSource, DataError, TokenFileSource
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
+from sbpflow.run_state import JobState
 from sbpflow.v1 import service_pb2 as sp
 from tests.control_plane.test_server import LONG, mlp, start, until  # noqa: F401 - mlp is a fixture
 
@@ -241,6 +242,25 @@ def test_a_store_gone_too_long_cancels_the_run_saying_why(
         assert st.state == sp.JOB_STATE_CANCELLED, st
         assert "the job store could not write for 20 writes in a row" in st.message
         assert "database or disk is full" in st.message and "then resume the job" in st.message
+    finally:
+        plane.stop()
+
+
+def test_a_store_gone_past_the_end_of_a_run_lets_the_run_go_and_keeps_the_job(
+    tmp_path: Path,
+    mlp: ModuleType,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sbpflow.control_plane import jobs
+
+    monkeypatch.setattr(jobs, "STORE_FLUSH_SECONDS", 0.5)
+    plane = start(tmp_path, http_port=0)
+    try:
+        with store_outage(plane, mlp.make_job(steps=20), 2) as h:  # the run ends while the disk is full
+            until(lambda: h.job_id not in plane.manager._running, "the manager to let go of the run", 60)
+            assert plane.store.get(h.job_id).state == JobState.RUNNING  # never a terminal state unwritten
+        with Client(plane.address) as c:
+            assert c.submit(mlp.make_job(steps=2)).wait(60).state == sp.JOB_STATE_SUCCEEDED  # slots freed
     finally:
         plane.stop()
 

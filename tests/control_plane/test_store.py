@@ -430,3 +430,29 @@ def test_workers_logs_and_results(store: JobStore) -> None:
     assert store.result(rec.id) == b"result"
     with pytest.raises(UnknownJobError):
         store.append_log("nope", 0, "INFO", "x")
+
+
+class _CommitFails:
+    """The store's connection with a COMMIT that fails as on a full disk (the write itself went in)."""
+
+    def __init__(self, real: sqlite3.Connection) -> None:
+        self.real = real
+
+    def execute(self, sql: str, *a: object) -> object:
+        if sql == "COMMIT":
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.real.execute(sql, *a)
+
+
+def test_a_failed_commit_is_rolled_back_and_the_store_writes_again(store: JobStore) -> None:
+    from sbpflow.control_plane.store.db import StoreUnavailable
+
+    rec = store.create(b"", "j")
+    real = store._db
+    store._db = _CommitFails(real)  # type: ignore[assignment]
+    with pytest.raises(StoreUnavailable, match="disk is full"):
+        store.append_log(rec.id, -1, "INFO", "lost")
+    assert not real.in_transaction and store.write_error
+    store._db = real  # the disk has room again: the next write goes (no transaction left open)
+    store.append_log(rec.id, -1, "INFO", "kept")
+    assert [line.text for line in store.logs(rec.id)] == ["kept"] and store.write_error == ""
