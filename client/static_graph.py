@@ -61,9 +61,16 @@ class GraphConfig:
     fusion: bool = False  # elementwise chains as one kernel each
     eval_every: int = 0  # the held-out loss every this many steps (trace(..., eval_data=...)); 0 = never
     eval_batches: int = 1  # batches of the held-out split per evaluation
+    # trace() lays the job out as the automatic plan search's winner on its placement's ranks
+    # (control_plane/compiler/auto_plan.py), within memory_per_device bytes (0: the profile's device)
+    auto_parallel: bool = False
+    memory_per_device: int = 0
+    auto_profile: str = "cpu"  # the cost model's device profile: cpu (measured), h200 or a file
 
     def to_job_config(self, steps: int | None = None) -> JobConfig:
         values = asdict(self)
+        for key in ("auto_parallel", "memory_per_device", "auto_profile"):  # the trace's, not the job's
+            del values[key]
         if steps is not None:
             values["steps"] = steps
         values["precision"] = Precision(values["precision"])
@@ -165,6 +172,10 @@ class Graph:
             eval_data=eval_data,
         )
         job.verify()
+        if self.config.auto_parallel:
+            from sbpflow.control_plane.compiler.auto_plan import choose
+
+            job = choose(job, self.config.memory_per_device or None, self.config.auto_profile)
         return job
 
     def _module_paths(self) -> dict[int, str]:

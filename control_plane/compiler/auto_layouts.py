@@ -11,7 +11,8 @@ traced job (its placements and annotations ignored) into that layout, as data, t
   *column*-parallel (weight split by output features, its bias too) unless its activation comes from an
   open column-parallel matmul, which makes it that one's *row*-parallel partner (weight split by input
   features, bias ``B``): GPT's qkv/proj and fc/proj, an MLP's hidden layer. A column left without a
-  partner (GPT's head) stays replicated. Every other parameter is ``B``;
+  partner (GPT's head) stays replicated. Every other parameter is ``B``. With pipeline stages each
+  stage is its own ``dp x tp`` mesh (compile_scale.py's TP x PP x DP);
 * **pipeline stages**: the model's repeated blocks (the scope path with the most numbered children,
   ``model.blocks.<i>``) cut into ``pp`` consecutive runs, block ``i`` of ``n`` in stage ``i * pp // n``
   (the examples' ``stage_blocks``); what comes before the first block runs in the first stage and
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from sbpflow.errors import SbpflowError
@@ -176,14 +177,15 @@ def _axis_sbp(pl: Placement, lay: Layout, tp_entry: Sbp, dp_entry: Sbp) -> NdSbp
     return (tp_entry,) if lay.tp > 1 else (dp_entry,)
 
 
-def tp_annotations(g: Graph, pl: Placement, lay: Layout) -> dict[str, NdSbp]:
-    """Every parameter's nd-SBP under tensor parallelism: Megatron's pairs split, everything else ``B``."""
-    out: dict[str, NdSbp] = {t.name: (B,) * pl.ndim for t in g.of_kind(TensorKind.parameter)}
+def tp_annotations(g: Graph, where: Mapping[str, Placement], lay: Layout) -> dict[str, NdSbp]:
+    """Every parameter's nd-SBP on its placement (``where``) under tensor parallelism: Megatron's pairs
+    split over the tensor axis, everything else ``B``."""
+    out: dict[str, NdSbp] = {t.name: (B,) * where[t.name].ndim for t in g.of_kind(TensorKind.parameter)}
     for pair in tp_pairs(g):
         for (w, b), (w_sbp, b_sbp) in ((pair.column, (Split(1), Split(0))), (pair.row, (Split(0), B))):
-            out[w] = _axis_sbp(pl, lay, w_sbp, B)
+            out[w] = _axis_sbp(where[w], lay, w_sbp, B)
             if b is not None:
-                out[b] = _axis_sbp(pl, lay, b_sbp, B)
+                out[b] = _axis_sbp(where[b], lay, b_sbp, B)
     return out
 
 
@@ -199,7 +201,7 @@ def relayout(job: Job, lay: Layout) -> Job:
         where.update(dict.fromkeys(o.outputs, stages[o.stage]))
         for name in o.inputs:
             where.setdefault(name, stages[o.stage])
-    sbps = tp_annotations(g, stages[0], lay) if lay.tp > 1 else {}
+    sbps = tp_annotations(g, where, lay) if lay.tp > 1 else {}
     tensors: dict[str, TensorDecl] = {}
     for name, t in g.tensors.items():
         pl, sbp = where.get(name, stages[0]), sbps.get(name)

@@ -7,7 +7,7 @@ fastest that fits a memory budget per device chosen, and why (issue 15, delivera
 
 **What is weighed** (:func:`layouts`): on ``ranks`` devices, every mesh of ``pp`` pipeline stages of
 ``tp x dp`` ranks (pipeline stages only where the model has as many repeated blocks, tensor parallelism
-only where the graph has Megatron pairs and not with stages: the layouts of :mod:`auto_layouts`), each
+only where the graph has Megatron pairs: the layouts of :mod:`auto_layouts`), each
 ZeRO stage 0-3 where there is data parallelism, and for a pipeline ``pp`` or ``2 pp`` micro-batches.
 Recompute is weighed only for a layout that does not fit without it: it adds a forward's compute and
 saves only activations, so it never wins where the layout fits already. ``powers_of_two`` keeps only
@@ -112,7 +112,7 @@ def layouts(job: Job, ranks: int, powers_of_two: bool = False) -> Iterator[Layou
         if pp > 1 and pp > blocks:
             continue
         for tp in _degrees(ranks // pp, powers_of_two):
-            if tp > 1 and (pp > 1 or not pairs):
+            if tp > 1 and not pairs:
                 continue
             dp = ranks // (pp * tp)
             cuts = (pp, 2 * pp) if pp > 1 else (job.config.micro_batches,)
