@@ -13,6 +13,10 @@ traced job (its placements and annotations ignored) into that layout, as data, t
   features, bias ``B``): GPT's qkv/proj and fc/proj, an MLP's hidden layer. A column left without a
   partner (GPT's head) stays replicated. Every other parameter is ``B``. With pipeline stages each
   stage is its own ``dp x tp`` mesh (compile_scale.py's TP x PP x DP);
+* **embedding tables** (``tables``): every parameter an ``embedding`` op reads rows of, split by rows
+  ``S(0)`` over a 1-d mesh (over the data-parallel axis of a 2-d one): each rank holds and looks up a
+  slice of the vocabulary, the lookups partial sums (OneFlow's Wide & Deep layout, Megatron's
+  vocabulary-parallel embedding);
 * **pipeline stages**: the model's repeated blocks (the scope path with the most numbered children,
   ``model.blocks.<i>``) cut into ``pp`` consecutive runs, block ``i`` of ``n`` in stage ``i * pp // n``
   (the examples' ``stage_blocks``); what comes before the first block runs in the first stage and
@@ -23,7 +27,6 @@ traced job (its placements and annotations ignored) into that layout, as data, t
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -42,6 +45,7 @@ class Layout:
     zero: int = 0
     recompute: bool = False
     micro_batches: int = 1
+    tables: bool = False  # embedding tables split by rows (OneFlow's model-parallel embedding)
 
     @property
     def ranks(self) -> int:
@@ -54,7 +58,8 @@ class Layout:
         return "x".join(parts) or "DP1"
 
     def __str__(self) -> str:
-        extra = [f"ZeRO-{self.zero}"] * (self.zero > 0) + ["recompute"] * self.recompute
+        extra = ["tables-S(0)"] * self.tables + [f"ZeRO-{self.zero}"] * (self.zero > 0)
+        extra += ["recompute"] * self.recompute
         extra += [f"M{self.micro_batches}"] * (self.micro_batches > 1)
         return " ".join([self.mesh, *extra])
 
@@ -114,7 +119,11 @@ def _bias(g: Graph, node: OpNode, params: set[str]) -> str | None:
     return None
 
 
-_NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+def tables(g: Graph) -> list[str]:
+    """The parameters an ``embedding`` op looks rows up in, in forward order."""
+    params = {t.name for t in g.of_kind(TensorKind.parameter)}
+    found = [o.inputs[0] for o in g.ops if o.op_type == "embedding" and o.inputs[0] in params]
+    return list(dict.fromkeys(found))
 
 
 def block_of(g: Graph) -> dict[str, int]:
@@ -202,6 +211,9 @@ def relayout(job: Job, lay: Layout) -> Job:
         for name in o.inputs:
             where.setdefault(name, stages[o.stage])
     sbps = tp_annotations(g, where, lay) if lay.tp > 1 else {}
+    for name in tables(g) if lay.tables else ():  # rows over the whole of a 1-d mesh, else over DP
+        pl = where[name]
+        sbps[name] = _axis_sbp(pl, lay, Split(0) if pl.ndim == 1 else B, Split(0))
     tensors: dict[str, TensorDecl] = {}
     for name, t in g.tensors.items():
         pl, sbp = where.get(name, stages[0]), sbps.get(name)

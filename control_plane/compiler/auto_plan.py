@@ -8,7 +8,8 @@ fastest that fits a memory budget per device chosen, and why (issue 15, delivera
 **What is weighed** (:func:`layouts`): on ``ranks`` devices, every mesh of ``pp`` pipeline stages of
 ``tp x dp`` ranks (pipeline stages only where the model has as many repeated blocks, tensor parallelism
 only where the graph has Megatron pairs: the layouts of :mod:`auto_layouts`), each
-ZeRO stage 0-3 where there is data parallelism, and for a pipeline ``pp`` or ``2 pp`` micro-batches.
+ZeRO stage 0-3 where there is data parallelism, for a pipeline ``pp`` or ``2 pp`` micro-batches, and
+for a model with embedding tables each layout with its tables whole and split by rows.
 Recompute is weighed only for a layout that does not fit without it: it adds a forward's compute and
 saves only activations, so it never wins where the layout fits already. ``powers_of_two`` keeps only
 power-of-two degrees (a 1,024-device search).
@@ -24,13 +25,14 @@ simpler layout). When nothing fits, :class:`NoPlanFits` names the smallest peak 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sbpflow.control_plane.compiler import pipeline
-from sbpflow.control_plane.compiler.auto_layouts import Layout, block_of, relayout, tp_pairs
+from sbpflow.control_plane.compiler.auto_layouts import Layout, block_of, relayout, tables, tp_pairs
 from sbpflow.control_plane.compiler.micro_batching import layout as slots
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
@@ -107,6 +109,7 @@ def layouts(job: Job, ranks: int, powers_of_two: bool = False) -> Iterator[Layou
     g = job.graph
     blocks = len(set(block_of(g).values()))
     pairs = bool(tp_pairs(g))
+    splits = (False, True) if tables(g) else (False,)
     batch = job.data.batch_size if job.data is not None else ranks
     for pp in _degrees(ranks, powers_of_two):
         if pp > 1 and pp > blocks:
@@ -119,8 +122,8 @@ def layouts(job: Job, ranks: int, powers_of_two: bool = False) -> Iterator[Layou
             for m in cuts:
                 if batch % m or batch // m < dp:  # every micro-batch splits over the data-parallel ranks
                     continue
-                for zero in range(4) if dp > 1 else (0,):
-                    yield Layout(pp=pp, tp=tp, dp=dp, zero=zero, micro_batches=m)
+                for split, zero in itertools.product(splits, range(4) if dp > 1 else (0,)):
+                    yield Layout(pp=pp, tp=tp, dp=dp, zero=zero, micro_batches=m, tables=split)
 
 
 def _degrees(n: int, powers_of_two: bool) -> list[int]:
@@ -260,20 +263,24 @@ def _ms(s: float) -> str:
 
 
 def table(cands: Sequence[Candidate], budget: int, winner: Candidate, notes: Sequence[str] = ()) -> str:
-    """One row per candidate: layout, modelled step, compute, comm, exposed comm (ms), peak, fits."""
-    head = f"{'layout':24s} {'step ms':>8s} {'compute':>8s} {'comm':>8s} {'exposed':>8s} {'peak/device':>12s}"
+    """One row per priced candidate, fastest first: layout, modelled step, compute, comm, exposed comm
+    (ms), peak per device, fits; then the refused layouts, grouped by the compiler's error."""
+    head = f"{'layout':30s} {'step ms':>8s} {'compute':>8s} {'comm':>8s} {'exposed':>8s} {'peak/device':>12s}"
     lines = [head + f"  fits {_size(budget)}?", "-" * (len(head) + 12)]
-    for c in sorted(cands, key=lambda c: (c.estimate is None, c.key() if c.estimate else (0, 0, c.layout))):
-        mark = "*" if c is winner else " "
-        if c.estimate is None:
-            lines.append(f"{mark}{str(c.layout):23s} refused by the compiler: {c.error[:90]}")
-            continue
-        e = c.estimate
+    for c in sorted((c for c in cands if c.estimate is not None), key=Candidate.key):
+        e, mark = c.estimate, "*" if c is winner else " "
+        assert e is not None
         fits = "yes" if c.fits(budget) else f"no: {_size(c.peak - budget)} over"
         lines.append(
-            f"{mark}{str(c.layout):23s} {_ms(e.step_s):>8s} {_ms(e.compute_s):>8s} {_ms(e.comm_s):>8s} "
+            f"{mark}{str(c.layout):29s} {_ms(e.step_s):>8s} {_ms(e.compute_s):>8s} {_ms(e.comm_s):>8s} "
             f"{_ms(e.exposed_comm_s):>8s} {_size(c.peak):>12s}  {fits}"
         )
+    refused: dict[str, list[str]] = {}
+    for c in cands:
+        if c.estimate is None:
+            refused.setdefault(c.error, []).append(str(c.layout))
+    for error, names in refused.items():
+        lines.append(f" refused by the compiler ({', '.join(names)}): {error[:200]}")
     return "\n".join([*lines, *(f"({n})" for n in notes)])
 
 
