@@ -115,6 +115,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(compiled.summary())
     say = (lambda text: print(text, file=sys.stderr)) if args.json else print  # stdout holds the JSON
+    if args.profile:
+        from sbpflow.control_plane.compiler.cost_model import estimate, load_profile
+
+        say(str(estimate(compiled, load_profile(args.profile), args.link)))
     if args.out:
         if compiled.plan is None:
             raise SbpflowError(f"no plan to write to {args.out}: {'; '.join(compiled.notes)}")
@@ -220,6 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", help="write the Plan protobuf to this file")
             p.add_argument("--html", help="write a self-contained HTML picture of the graph to this file")
             p.add_argument("--dot", help="write Graphviz dot text of the graph to this file")
+            p.add_argument(
+                "--profile",
+                metavar="cpu|h200|FILE",
+                help="print the modelled step time on this device profile (cpu: this machine, measured)",
+            )
+            p.add_argument("--link", help="the profile's link kind to model (default: the profile's own)")
             p.add_argument(
                 "--json",
                 action="store_true",

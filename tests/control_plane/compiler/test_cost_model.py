@@ -1,0 +1,249 @@
+"""The cost model (control_plane/compiler/cost_model.py) and the op library's flop table (sbpflow/ops/flops.py).
+
+Deterministic properties only, on a fixed hand-made profile (or the saved H200 one): the measured CPU
+profile is timed once, for its shape. How well the model ranks measured step times is
+bench/plan_quality.py's business, not a test's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sbpflow.boxing import Collective, plan_boxing
+from sbpflow.client.cli import main
+from sbpflow.control_plane.compiler import pipeline
+from sbpflow.control_plane.compiler.cost_model import (
+    DeviceProfile,
+    LinkProfile,
+    ProfileError,
+    StepEstimate,
+    estimate,
+    load_profile,
+    step_seconds,
+)
+from sbpflow.control_plane.compiler.cpu_profile import measure_cpu_profile
+from sbpflow.dtype import DType
+from sbpflow.ops.base import OPS
+from sbpflow.ops.flops import FLOPS, work
+from sbpflow.placement import placement
+from sbpflow.sbp import B, P, S
+from sbpflow.tensor_meta import TensorMeta
+from tests.client.test_examples import EXAMPLES, load
+
+# round figures, so that every expectation below is exact arithmetic
+FIXED = DeviceProfile(
+    name="fixed",
+    flops_per_s={"float32": 1e12},
+    mem_bytes_per_s=1e11,
+    links={"shm": LinkProfile(latency_s=1e-5, bytes_per_s=1e9), "slow": LinkProfile(1e-5, 1e8)},
+    op_overhead_s=0.0,
+)
+F32 = DType.float32
+
+
+def meta(*shape: int) -> TensorMeta:
+    return TensorMeta(tuple(shape), F32)
+
+
+def compiled(example: str, **kwargs: Any) -> pipeline.Compiled:
+    return pipeline.compile(load(example).make_job(**kwargs))
+
+
+# ---- the flop table ------------------------------------------------------------------------------------
+
+
+def test_every_op_has_a_flop_count() -> None:
+    missing = sorted(set(OPS) - set(FLOPS))
+    assert not missing, f"add a row to sbpflow/ops/flops.py for {missing}"
+
+
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_matmul_flops_are_two_per_multiply_add(transpose_a: bool) -> None:
+    a = meta(4, 16, 128) if not transpose_a else meta(4, 128, 16)
+    w = work("matmul", (a, meta(128, 384)), (meta(4, 16, 384),), {"transpose_a": transpose_a})
+    assert w.flops == 2 * 4 * 16 * 384 * 128
+    assert w.bytes == (4 * 16 * 128 + 128 * 384 + 4 * 16 * 384) * 4
+
+
+def test_views_move_nothing_and_unknown_ops_are_refused() -> None:
+    assert work("reshape", (meta(4, 8),), (meta(32),), {"shape": (32,)}).bytes == 0
+    with pytest.raises(KeyError, match="no flop count; add a row for it to sbpflow/ops/flops.py"):
+        work("no_such_op", (), (), {})
+
+
+def test_attention_flops_are_exact_in_a_compiled_gpt() -> None:
+    """The two batched products of causal attention, q k^T and att v: 2 * B * H * T * T * Dh each per
+    layer, on one rank that holds the whole batch; each backward product costs the same again, twice."""
+    b, t, h, d, layers = 4, 16, 4, 128, 2
+    est = estimate(compiled("gpt", ranks=1, heads=h, width=d, seq_len=t, batch_size=b, layers=layers), FIXED)
+    bmm = [c for c in est.by_op if c.op_type == "batch_matmul"]
+    forward = sum(c.flops for c in bmm if not c.name.startswith("grad/"))
+    backward = sum(c.flops for c in bmm if c.name.startswith("grad/"))
+    assert forward == layers * 2 * (2 * b * h * t * t * (d // h))
+    assert backward == 2 * forward
+
+
+# ---- profiles ------------------------------------------------------------------------------------------
+
+
+def test_profile_json_round_trips(tmp_path: Path) -> None:
+    for p in (FIXED, load_profile("h200")):
+        assert DeviceProfile.from_json(p.to_json()) == p
+        file = tmp_path / f"{p.name}.json"
+        file.write_text(p.to_json())
+        assert load_profile(str(file)) == p
+
+
+def test_the_h200_profile_holds_the_published_figures() -> None:
+    h = load_profile("h200")
+    assert h.peak("bfloat16") == h.peak("float16") == 989.5e12  # 1,979 TFLOPS with sparsity, halved
+    assert h.peak("float64") == 67e12 and h.mem_bytes_per_s == 4.8e12 and h.link().bytes_per_s == 450e9
+
+
+def test_unknown_profile_names_the_known_ones() -> None:
+    with pytest.raises(ProfileError, match=r"no device profile 'a100'.*'cpu', 'h200'"):
+        load_profile("a100")
+
+
+def test_a_malformed_profile_file_says_what_it_needs(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "x", "flops_per_s": {"float32": 1.0}}')
+    with pytest.raises(ProfileError, match="needs name, flops_per_s"):
+        load_profile(str(bad))
+    with pytest.raises(ProfileError, match="no link 'nvlink'; its links are"):
+        FIXED.link("nvlink")
+
+
+def test_the_measured_cpu_profile_is_positive_everywhere() -> None:
+    p = measure_cpu_profile(0.2)
+    assert min(p.flops_per_s.values()) > 0 and p.mem_bytes_per_s > 0 and p.op_overhead_s > 0
+    assert set(p.links) == {"inprocess", "shm", "tcp"}
+    assert all(x.latency_s > 0 and x.bytes_per_s > 0 for x in p.links.values())
+
+
+# ---- communication -------------------------------------------------------------------------------------
+
+
+def test_collective_time_is_latency_plus_bytes_with_the_ring_factor() -> None:
+    pl = placement("cpu", [0, 1, 2, 3])
+    t = meta(1024, 256)  # 1 MiB
+    link = FIXED.link()
+    ar = plan_boxing(t, pl, (P,), pl, (B,))
+    (step,) = ar.steps
+    assert step.collective is Collective.all_reduce
+    assert step_seconds(step, ar, link, FIXED.mem_bytes_per_s) == pytest.approx(
+        6 * 1e-5 + 2 * 3 / 4 * t.nbytes / 1e9
+    )
+    ag = plan_boxing(t, pl, (S(0),), pl, (B,))
+    assert step_seconds(ag.steps[0], ag, link, 1e11) == pytest.approx(3 * 1e-5 + 3 / 4 * t.nbytes / 1e9)
+
+
+def test_modelled_time_is_monotonic_in_bytes() -> None:
+    pl = placement("cpu", [0, 1])
+    times = []
+    for rows in (8, 64, 512, 4096):
+        plan = plan_boxing(meta(rows, 64), pl, (P,), pl, (B,))
+        times.append(step_seconds(plan.steps[0], plan, FIXED.link(), 1e11))
+    assert times == sorted(times) and len(set(times)) == len(times)
+    small, big = (estimate(compiled("mlp", ranks=2, hidden=h), FIXED) for h in (16, 256))
+    assert big.comm_s > small.comm_s and big.compute_s > small.compute_s
+
+
+def test_a_slower_link_costs_more_and_never_less_than_compute() -> None:
+    c = compiled("gpt", ranks=2)
+    fast, slow = estimate(c, FIXED, "shm"), estimate(c, FIXED, "slow")
+    assert slow.comm_s > fast.comm_s and slow.step_s > fast.step_s
+    assert slow.compute_s == fast.compute_s
+
+
+# ---- compute and overlap -------------------------------------------------------------------------------
+
+
+def test_more_ranks_less_compute_per_rank() -> None:
+    per_rank = [
+        estimate(compiled("mlp", ranks=n, batch_size=64, hidden=256), FIXED).compute_s for n in (1, 2, 4)
+    ]
+    assert per_rank[0] > per_rank[1] > per_rank[2]
+    tp = [estimate(compiled("gpt", ranks=n, tp=n > 1, width=128), FIXED).compute_s for n in (1, 2, 4)]
+    assert tp[0] > tp[1] > tp[2]
+
+
+LAYOUTS = [
+    ("mlp", {"ranks": 1}),
+    ("mlp", {"ranks": 2}),
+    ("mlp", {"ranks": 4, "tp": True}),
+    ("gpt", {"ranks": 2}),
+    ("gpt", {"ranks": 4, "tp": True}),
+    ("gpt", {"ranks": 4, "tp": True, "dp": 2}),
+    ("gpt", {"ranks": 2, "pp": 2, "micro_batches": 4}),
+    ("gpt", {"ranks": 4, "pp": 2, "micro_batches": 2}),
+]
+
+
+@pytest.mark.parametrize(("example", "kwargs"), LAYOUTS, ids=[f"{e}-{k}" for e, k in LAYOUTS])
+def test_overlap_never_exceeds_communication(example: str, kwargs: dict[str, Any]) -> None:
+    e = estimate(compiled(example, **kwargs), FIXED, "slow")
+    assert 0.0 <= e.exposed_comm_s <= e.comm_s + 1e-15
+    assert e.step_s >= e.compute_s
+    if kwargs.get("pp", 1) == 1:  # one stage: two in-order streams never take longer than both in turn
+        assert e.step_s <= e.compute_s + e.comm_s + 1e-12
+    assert sum(c.seconds for c in e.by_op) == pytest.approx(
+        e.comm_s + sum(c.seconds for c in e.by_op if not c.comm)
+    )
+
+
+def test_gradient_all_reduces_overlap_the_rest_of_backward() -> None:
+    """Data parallelism where compute dominates: with one all-reduce per gradient (no buckets) all but
+    the first layer's hide behind the backward still to run; one bucket for the whole model (the default
+    25 MiB) is ready only when backward is done, and is exposed whole."""
+    slow_compute = replace(FIXED, flops_per_s={"float32": 1e9}, mem_bytes_per_s=1e9)
+    out = {}
+    for bucket in (0, 25 * 2**20):
+        job = load("mlp").make_job(ranks=2, layers=4, batch_size=256)
+        job.config = replace(job.config, grad_bucket_bytes=bucket)
+        e = estimate(pipeline.compile(job), slow_compute)
+        grads = [c for c in e.by_op if c.comm and c.name.startswith("grad/")]
+        assert grads and all(c.op_type == "boxing" for c in grads) and e.comm_s < 0.1 * e.compute_s
+        out[bucket] = e, sum(c.seconds for c in grads)
+    (each, each_s), (one, one_s) = out[0], out[25 * 2**20]
+    assert each.overlapped_comm_s > 0.8 * each_s
+    assert one.exposed_comm_s >= one_s * (1 - 1e-9)
+
+
+def test_pipeline_stages_overlap() -> None:
+    """Four micro-batches on two stages: the stages run at once, so the step is shorter than both
+    stages' compute in turn, and longer than the busiest stage's alone (the bubble)."""
+    e = estimate(compiled("gpt", ranks=2, pp=2, micro_batches=4, layers=4), FIXED)
+    per_stage = [sum(c.seconds for c in e.by_op if c.stage == s and not c.comm) for s in (0, 1)]
+    assert max(per_stage) == pytest.approx(e.compute_s)
+    assert e.compute_s < e.step_s < sum(per_stage) + e.comm_s
+
+
+# ---- memory --------------------------------------------------------------------------------------------
+
+
+def test_memory_is_the_plans_estimate_or_an_upper_bound_without_one() -> None:
+    for example, kwargs in (("mlp", {"ranks": 2}), ("gpt", {"ranks": 4, "tp": True})):
+        c = compiled(example, **kwargs)
+        e = estimate(c, FIXED)
+        assert e.memory_from_plan and e.peak_memory_bytes == max(m.total for m in c.memory.values())
+        bare = estimate(c.state, FIXED)
+        assert not bare.memory_from_plan and bare.peak_memory_bytes >= e.peak_memory_bytes
+
+
+def test_estimate_prints_its_breakdown() -> None:
+    text = str(estimate(compiled("mlp", ranks=2), FIXED))
+    assert text.startswith("modelled step on fixed (link shm): ")
+    assert "exposed comm" in text and "most expensive ops" in text
+    assert isinstance(replace(estimate(compiled("mlp"), FIXED), by_op=()), StepEstimate)
+
+
+def test_plan_cli_prints_the_modelled_step(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(EXAMPLES / "mlp.py"), "--ranks", "2", "--profile", "h200"]) == 0
+    assert "modelled step on h200 (link nccl)" in capsys.readouterr().out
+    assert main(["plan", str(EXAMPLES / "mlp.py"), "--profile", "a100"]) != 0
+    assert "no device profile 'a100'" in capsys.readouterr().err
