@@ -11,10 +11,12 @@ that compute the same value.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from sbpflow.dtype import DType
+from sbpflow.ops.packing import unpacked_shapes
 from sbpflow.tensor_meta import TensorMeta
 
 F32, I64 = DType.float32, DType.int64
@@ -176,8 +178,8 @@ def torch_peer(op: str, a: Mapping[str, Any], t: list[Any]) -> Callable[[], Any]
         r, b = t
         m = float(a["momentum"])
         return lambda: torch.add(r * (1 - m), b, alpha=m * float(a["scale"]))
-    if op == "unpack":
-        sizes = [m.numel for m in GRADS]
-        shapes = [m.shape for m in GRADS]
+    if op == "unpack":  # the case's own parts: the graphs' buckets differ from GRADS
+        shapes = unpacked_shapes(a)
+        sizes = [math.prod(s) for s in shapes]
         return lambda: [p.view(s) for p, s in zip(torch.split(t[0], sizes), shapes, strict=True)]
     return None

@@ -8,6 +8,7 @@ incoming gradient, so they also take ``P`` there while the saved forward values 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from sbpflow.dtype import DType
@@ -15,7 +16,7 @@ from sbpflow.errors import ShapeError
 from sbpflow.ops.base import Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop, sig
 from sbpflow.ops.reduction import normalize_axes
 from sbpflow.ops.rows import all_broadcast
-from sbpflow.ops.rowwise import row_dot, row_max, row_mean, row_sum
+from sbpflow.ops.rowwise import jit_rows, row_dot, row_max, row_mean, row_sum
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import TensorMeta
 
@@ -69,11 +70,22 @@ def _shifted(xp: Any, x: Any, axis: int, out: Any = None) -> Any:
     return xp.subtract(x, _max(xp, x, axis), out=xp.empty(x.shape, dtype=x.dtype) if out is None else out)
 
 
+def _rows(a: Any) -> Any:
+    """``a`` as ``[rows, last axis]`` (a view: rows_jit's arrays are C-contiguous)."""
+    return a.reshape(-1, a.shape[-1])
+
+
 def _softmax_kernel(ctx: KernelContext, x: Any) -> Any:
     # e / sum(e), e = exp(x - max x)
     xp = ctx.xp
     axis = _axis("softmax", ctx.in_metas[0], ctx.attrs)
-    e = _shifted(xp, x, axis, ctx.out_array(0))
+    out = ctx.out_array(0)
+    if axis == x.ndim - 1 and (jit := jit_rows(xp, x)) is not None:
+        e = xp.empty(x.shape, dtype=x.dtype) if out is None else out
+        jit.shift_rows(_rows(x), _rows(e), xp.empty(x.size // x.shape[-1], dtype=x.dtype))
+        jit.normalize_rows(_rows(xp.exp(e, out=e)))
+        return e
+    e = _shifted(xp, x, axis, out)
     e = xp.exp(e, out=e)
     return xp.divide(e, _sum(xp, e, axis), out=e)
 
@@ -91,7 +103,12 @@ def _softmax_grad_kernel(ctx: KernelContext, y: Any, dy: Any) -> Any:
     # y (dy - sum(dy y))
     xp = ctx.xp
     axis = _axis("softmax_grad", ctx.in_metas[0], ctx.attrs)
-    p = xp.subtract(dy, _dot(xp, dy, y, axis), out=ctx.out_array(0))
+    out = ctx.out_array(0)
+    if axis == y.ndim - 1 and y.shape == dy.shape and (jit := jit_rows(xp, y, dy)) is not None:
+        out = xp.empty(y.shape, dtype=y.dtype) if out is None else out
+        jit.softmax_grad_rows(_rows(y), _rows(dy), _rows(out))
+        return out
+    p = xp.subtract(dy, _dot(xp, dy, y, axis), out=out)
     return xp.multiply(p, y, out=p)
 
 
@@ -200,9 +217,20 @@ def _normalize(xp: Any, x: Any, eps: float, out: Any = None) -> tuple[Any, Any]:
     return xp.multiply(centered, rstd, out=centered), rstd
 
 
+def _params_fit(x: Any, *params: Any) -> bool:
+    """Whether each parameter is ``[D]`` for x's last axis D (rows_jit indexes without checking; a shard
+    that does not fit takes the numpy kernel, which refuses it)."""
+    return all(p.shape == x.shape[-1:] for p in params)
+
+
 def _layer_norm_kernel(ctx: KernelContext, x: Any, w: Any, b: Any) -> Any:
     xp = ctx.xp
-    y, _ = _normalize(xp, x, float(ctx.attrs["eps"]), ctx.out_array(0))  # xhat, then xhat * w + b in place
+    out = ctx.out_array(0)
+    if _params_fit(x, w, b) and (jit := jit_rows(xp, x, w, b)) is not None:
+        out = xp.empty(x.shape, dtype=x.dtype) if out is None else out
+        jit.layer_norm_rows(_rows(x), w, b, float(ctx.attrs["eps"]), _rows(out))
+        return out
+    y, _ = _normalize(xp, x, float(ctx.attrs["eps"]), out)  # xhat, then xhat * w + b in place
     return xp.add(xp.multiply(y, w, out=y), b, out=y)
 
 
@@ -245,6 +273,12 @@ def _layer_norm_grad_kernel(ctx: KernelContext, dy: Any, x: Any, w: Any) -> tupl
     """rstd (gx - mean(gx) - xhat mean(gx xhat)) with gx = dy w, in the kernel's two arrays (xhat and
     gx); dweight = sum(dy xhat) and dbias = sum(dy) over the rows."""
     xp = ctx.xp
+    if dy.shape == x.shape and _params_fit(x, w) and (jit := jit_rows(xp, dy, x, w)) is not None:
+        dx = ctx.out_array(0)
+        dx = xp.empty(x.shape, dtype=x.dtype) if dx is None else dx
+        dw, db = xp.empty_like(w), xp.empty_like(w)
+        jit.layer_norm_grad_rows(_rows(dy), _rows(x), w, float(ctx.attrs["eps"]), _rows(dx), dw, db)
+        return dx, dw, db
     xhat, rstd = _normalize(xp, x, float(ctx.attrs["eps"]))
     dy_rows, xhat_rows = dy.reshape(-1, x.shape[-1]), xhat.reshape(-1, x.shape[-1])
     dbias = xp.einsum("ri->i", dy_rows)  # the parameters' sums over every row, without temporaries
@@ -312,9 +346,35 @@ def _array(x: Any) -> Any:
     return x if getattr(x, "ndim", 0) else None
 
 
+def _flat(xp: Any, a: Any) -> Any:
+    """One value a row of logits (labels, the loss's gradient) as a C-contiguous 1-d array."""
+    return xp.ascontiguousarray(a).reshape(-1)
+
+
+def _labels_fit(logits: Any, labels: Any) -> bool:
+    """Whether ``labels`` has one value per row of ``logits`` (else the numpy kernel refuses them)."""
+    return getattr(labels, "shape", None) == logits.shape[:-1]
+
+
+def _exp_shifted(jit: ModuleType, xp: Any, logits: Any) -> tuple[Any, Any]:
+    """exp(logits - max) along the last axis as ``[rows, classes]``, by rows_jit and numpy's exp, and
+    the row maxima."""
+    rows = logits.size // logits.shape[-1]
+    e, maxima = xp.empty((rows, logits.shape[-1]), dtype=logits.dtype), xp.empty(rows, dtype=logits.dtype)
+    jit.shift_rows(_rows(logits), e, maxima)
+    return xp.exp(e, out=e), maxima
+
+
 def _ce_kernel(ctx: KernelContext, logits: Any, labels: Any) -> Any:
     # where(kept, max + log(sum(exp(logits - max))) - logits[label], 0)
     xp = ctx.xp
+    if _labels_fit(logits, labels) and (jit := jit_rows(xp, logits)) is not None:
+        loss = xp.empty(logits.size // logits.shape[-1], dtype=logits.dtype)
+        ignore = int(ctx.attrs["ignore_index"])
+        e, maxima = _exp_shifted(jit, xp, logits)
+        if jit.cross_entropy_rows(_rows(logits), e, maxima, _flat(xp, labels), ignore, loss):
+            return loss.reshape(labels.shape)
+        # a label out of range: the numpy kernel below raises numpy's error for it
     kept, safe = _kept(ctx, labels)
     m = row_max(xp, logits)
     e = xp.subtract(logits, m)
@@ -360,6 +420,12 @@ def _ce_grad_kernel(ctx: KernelContext, logits: Any, labels: Any, dy: Any) -> An
     """e * (dy / sum(e)) - onehot * dy (dy zero where ignored), e = exp(logits - max): the onehot term
     is subtracted at the label of each row only (elsewhere it is a zero, and x - 0 == x)."""
     xp = ctx.xp
+    fit = _labels_fit(logits, labels) and getattr(dy, "shape", None) == labels.shape
+    if fit and (jit := jit_rows(xp, logits)) is not None:
+        e, _ = _exp_shifted(jit, xp, logits)
+        ignore = int(ctx.attrs["ignore_index"])
+        jit.cross_entropy_grad_rows(e, _flat(xp, labels), _flat(xp, dy), ignore)
+        return e.reshape(logits.shape)
     kept, safe = _kept(ctx, labels)
     n_classes = logits.shape[-1]
     e = _shifted(xp, logits, logits.ndim - 1)  # C-contiguous, so that rows below is a view of it

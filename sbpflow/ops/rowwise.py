@@ -10,6 +10,8 @@ is the same value, in a third of the time on every shape of the GPT examples.
 
 from __future__ import annotations
 
+from functools import cache
+from types import ModuleType
 from typing import Any
 
 
@@ -34,3 +36,32 @@ def row_max(xp: Any, x: Any) -> Any:
         return xp.max(x, axis=-1, keepdims=True)
     # numpy's argmax is vectorised along a row and returns the first nan where there is one
     return xp.take_along_axis(x, xp.argmax(x, axis=-1)[..., None], axis=-1)
+
+
+_JIT_DTYPES = ("float32", "float64")
+
+
+@cache
+def _rows_jit() -> ModuleType | None:
+    try:  # numba compiles the module's loops at first call; an install without it keeps numpy's kernels
+        from sbpflow.ops import rows_jit
+    except ImportError:
+        return None
+    return rows_jit
+
+
+def jit_rows(xp: Any, *arrays: Any) -> ModuleType | None:
+    """rows_jit, where its one-pass row loops may run nn.py's kernel on ``arrays`` (the inputs, then any
+    ``out=`` array): numpy, numba installed, every array C-contiguous with rows to work on, and one float
+    dtype (float32 or float64; the others, and cupy, take the numpy kernel). None otherwise."""
+    if xp.__name__ != "numpy":
+        return None
+    first = arrays[0]
+    for a in arrays:
+        if not isinstance(a, xp.ndarray) or a.ndim == 0 or a.dtype != first.dtype or a.size == 0:
+            return None
+        if not a.flags.c_contiguous:
+            return None
+    if first.dtype.name not in _JIT_DTYPES:
+        return None
+    return _rows_jit()

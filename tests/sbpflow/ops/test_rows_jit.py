@@ -1,0 +1,138 @@
+"""sbpflow/ops/rows_jit.py's one-pass row loops against nn.py's numpy kernels, the reference they replace.
+
+The same op runs twice on the same values: on C-contiguous arrays, which take the numba loops, and on a
+strided view of them, which rowwise.jit_rows refuses, so the numpy kernel runs. float64 must agree to
+the last few bits (only the sums' order differs), float32 to its precision; -inf scores (a causal
+mask), whole -inf rows, nan, ignored and negative labels included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sbpflow.ops  # noqa: F401  (registers every op family)
+from sbpflow.ops.eager import EagerBuilder
+from sbpflow.ops.rowwise import jit_rows
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+TOL = {np.float64: (1e-12, 1e-13), np.float32: (2e-5, 2e-6)}
+IGNORE = -100
+
+
+def strided(a: Any) -> Any:
+    """The same values as a view with a step of 2 along the last axis: not C-contiguous."""
+    wide = np.repeat(a, 2, axis=-1) if a.ndim else a
+    return wide[..., ::2]
+
+
+def both(op: str, *inputs: Any, **attrs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The op's outputs through rows_jit (contiguous inputs) and through the numpy kernel (the first
+    input strided), after checking that each took the path it should."""
+    assert jit_rows(np, inputs[0]) is not None, "numba is a dependency: the fast path must be taken here"
+    slow = (strided(inputs[0]), *inputs[1:])
+    assert jit_rows(np, slow[0]) is None
+    with np.errstate(all="ignore"):
+        return EagerBuilder().call(op, *inputs, **attrs), EagerBuilder().call(op, *slow, **attrs)
+
+
+def same(got: tuple[Any, ...], want: tuple[Any, ...], dtype: Any, what: str) -> None:
+    rtol, atol = TOL[dtype]
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.dtype == w.dtype and g.shape == w.shape, (
+            f"{what} output {i}: {g.dtype}{g.shape} vs {w.dtype}{w.shape}"
+        )
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=f"{what} output {i}")
+
+
+@st.composite
+def rows(draw: st.DrawFn, dtype: Any) -> Any:
+    lead = draw(st.lists(st.integers(1, 5), min_size=0, max_size=2))
+    n = draw(st.sampled_from([2, 3, 7, 16, 64, 130]))  # n = 1: a strided view would be contiguous
+    seed = draw(st.integers(0, 2**32 - 1))
+    return np.random.default_rng(seed).standard_normal((*lead, n)).astype(dtype) * 3
+
+
+DTYPES = [np.float64, np.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@SETTINGS
+@given(data=st.data())
+def test_softmax_and_its_gradient(dtype: Any, data: st.DataObject) -> None:
+    x = data.draw(rows(dtype))
+    if x.shape[-1] > 1 and data.draw(st.booleans()):
+        x[..., -1] = -np.inf  # a masked score
+    (y,), (y_ref,) = both("softmax", x, axis=-1)
+    same((y,), (y_ref,), dtype, f"softmax {x.shape}")
+    dy = np.random.default_rng(1).standard_normal(x.shape).astype(dtype)
+    got, want = both("softmax_grad", y_ref, dy, axis=-1)
+    same(got, want, dtype, f"softmax_grad {x.shape}")
+
+
+def test_softmax_rows_of_minus_inf_and_nan_stay_nan() -> None:
+    x = np.zeros((3, 5))
+    x[0] = -np.inf
+    x[1, 2] = np.nan
+    (y,), (y_ref,) = both("softmax", x, axis=-1)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(y_ref))
+    assert np.isnan(y[:2]).all() and np.allclose(y[2], 0.2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@SETTINGS
+@given(data=st.data())
+def test_layer_norm_and_its_gradient(dtype: Any, data: st.DataObject) -> None:
+    x = data.draw(rows(dtype))
+    rng = np.random.default_rng(2)
+    w, b = (rng.standard_normal(x.shape[-1]).astype(dtype) for _ in range(2))
+    same(*both("layer_norm", x, w, b, eps=1e-5), dtype, f"layer_norm {x.shape}")
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    slow = EagerBuilder().call("layer_norm_grad", dy, strided(x), w, eps=1e-5)
+    assert jit_rows(np, dy, x, w) is not None
+    same(
+        EagerBuilder().call("layer_norm_grad", dy, x, w, eps=1e-5), slow, dtype, f"layer_norm_grad {x.shape}"
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("label_dtype", [np.int64, np.int32])
+@SETTINGS
+@given(data=st.data())
+def test_cross_entropy_and_its_gradient(dtype: Any, label_dtype: Any, data: st.DataObject) -> None:
+    logits = data.draw(rows(dtype))
+    n = logits.shape[-1]
+    choices = st.one_of(st.integers(0, n - 1), st.just(IGNORE), st.integers(-n, -1))
+    labels = np.array(
+        data.draw(st.lists(choices, min_size=logits[..., 0].size, max_size=logits[..., 0].size)), label_dtype
+    ).reshape(logits.shape[:-1])
+    same(*both("cross_entropy", logits, labels, ignore_index=IGNORE), dtype, f"cross_entropy {logits.shape}")
+    dy = np.random.default_rng(3).standard_normal(labels.shape).astype(dtype)
+    got, want = both("cross_entropy_grad", logits, labels, dy, ignore_index=IGNORE)
+    same(got, want, dtype, f"cross_entropy_grad {logits.shape}")
+
+
+def test_cross_entropy_label_out_of_range_raises_numpys_error() -> None:
+    logits = np.zeros((2, 4))
+    with pytest.raises(IndexError):
+        EagerBuilder().call("cross_entropy", logits, np.array([1, 4]), ignore_index=IGNORE)
+    with pytest.raises(IndexError):
+        EagerBuilder().call("cross_entropy", strided(logits), np.array([1, 4]), ignore_index=IGNORE)
+
+
+@pytest.mark.parametrize(
+    "arrays",
+    [
+        [np.zeros((2, 3), np.float16)],  # numba has no float16 loops: numpy's kernel
+        [np.zeros((2, 3)), np.zeros((2, 3), np.float32)],  # mixed dtypes
+        [np.zeros((2, 0))],  # no elements
+        [np.float64(1.0)],  # 0-d
+        [np.zeros((3, 2)).T],  # not C-contiguous
+    ],
+)
+def test_jit_rows_refuses_what_the_loops_do_not_take(arrays: list[Any]) -> None:
+    assert jit_rows(np, *arrays) is None
