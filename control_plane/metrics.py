@@ -21,19 +21,26 @@ Per-job series cover the jobs in flight (the ``MAX_JOBS`` newest) and, for ``EXP
 after it ended, each ended one among the ``RECENT`` newest: a job's series expire once it has ended.
 Labels are bounded: the job id, and the job's name cut to ``MAX_NAME`` characters (names are user
 strings), so ``/metrics`` stays bounded on a long-lived server whatever jobs were submitted.
+
+``sbpflow_worker_up`` has a series per worker: a 1,024-rank job's 1,024 samples cost ~10 ms of Python
+through prometheus-client's families on every scrape, holding the GIL while reports come in. Its lines
+are therefore written here (:class:`WorkerUpLines`): each job's label text is made once per rank set and
+kept, and a scrape joins it with each worker's 0 or 1; the text is the one prometheus-client writes for
+the same family (a test compares them byte for byte).
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from sbpflow.control_plane.store.job_store import JobStore
-from sbpflow.control_plane.store.schema import WorkerRecord
+from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
 from sbpflow.run_state import IN_FLIGHT, JobState, WorkerState
 
 RECENT = 50
@@ -46,9 +53,20 @@ _STEP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 _COMPILE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
-class _StoreCollector(Collector):
-    def __init__(self, store: JobStore, workers: Callable[[str], Sequence[WorkerRecord]]) -> None:
-        self._store, self._workers = store, workers
+def shown_jobs(store: JobStore) -> list[JobRecord]:
+    """The jobs with series: the in-flight ones (the ``MAX_JOBS`` newest), and the ``RECENT`` newest that
+    ended in the last ``EXPIRE_SECONDS``."""
+    since = time.time() - EXPIRE_SECONDS
+    recs = {r.id: r for r in store.list(limit=RECENT) if (r.finished or r.updated) >= since}
+    recs.update((r.id, r) for r in store.list(IN_FLIGHT, limit=MAX_JOBS))
+    return list(recs.values())
+
+
+class _JobGauges(Collector):
+    """The store's gauges for one scrape: job counts by state, and each shown job's series."""
+
+    def __init__(self, store: JobStore, recs: Sequence[JobRecord]) -> None:
+        self._store, self._recs = store, recs
 
     def collect(self) -> Iterator[Metric]:
         jobs = GaugeMetricFamily("sbpflow_jobs", "Jobs in each lifecycle state", labels=["state"])
@@ -64,16 +82,10 @@ class _StoreCollector(Collector):
         attempt = GaugeMetricFamily(
             "sbpflow_job_attempt", "Attempt number of a job, 1-based; grows on each restart", labels=labels
         )
-        up = GaugeMetricFamily(
-            "sbpflow_worker_up", "1 while a worker starts or runs", labels=["job_id", "rank"]
-        )
         held_out = GaugeMetricFamily(
             "sbpflow_job_eval_loss", "Held-out loss of a job's latest evaluation", labels=labels
         )
-        since = time.time() - EXPIRE_SECONDS
-        recs = {r.id: r for r in self._store.list(limit=RECENT) if (r.finished or r.updated) >= since}
-        recs.update((r.id, r) for r in self._store.list(IN_FLIGHT, limit=MAX_JOBS))
-        for r in recs.values():
+        for r in self._recs:
             key = [r.id, r.name[:MAX_NAME]]
             step.add_metric(key, r.step)
             if r.loss is not None:
@@ -82,10 +94,41 @@ class _StoreCollector(Collector):
             attempt.add_metric(key, r.attempt)
             if r.eval_step > 0 and r.eval_loss is not None:
                 held_out.add_metric(key, r.eval_loss)
-            if r.state in IN_FLIGHT:
-                for w in self._workers(r.id):
-                    up.add_metric([r.id, str(w.rank)], 1.0 if w.state in _UP else 0.0)
-        yield from (step, loss, sps, attempt, up, held_out)
+        yield from (step, loss, sps, attempt, held_out)
+
+
+UP_NAME, UP_HELP = "sbpflow_worker_up", "1 while a worker starts or runs"
+_UP_VALUE = {True: b" 1.0\n", False: b" 0.0\n"}
+
+
+def _label(value: str) -> str:
+    """A label value as the Prometheus text format escapes it (prometheus-client's ``_escape``)."""
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+class WorkerUpLines:
+    """``sbpflow_worker_up``'s text for the in-flight jobs: label text kept per job, values per scrape."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # two scrapes at once share the kept label text
+        self._kept: dict[str, tuple[tuple[int, ...], list[bytes]]] = {}  # job id -> (ranks, line starts)
+
+    def render(self, jobs: Iterable[tuple[str, Sequence[WorkerRecord]]]) -> bytes:
+        """The family's text (its HELP and TYPE lines, then a sample per worker of each job, in order)."""
+        out = [f"# HELP {UP_NAME} {UP_HELP}\n# TYPE {UP_NAME} gauge\n".encode()]
+        kept: dict[str, tuple[tuple[int, ...], list[bytes]]] = {}
+        for job_id, rows in jobs:
+            ranks = tuple(w.rank for w in rows)
+            with self._lock:
+                known = self._kept.get(job_id)
+            if known is None or known[0] != ranks:
+                job = _label(job_id)
+                known = (ranks, [f'{UP_NAME}{{job_id="{job}",rank="{r}"}}'.encode() for r in ranks])
+            kept[job_id] = known
+            out += [start + _UP_VALUE[w.state in _UP] for start, w in zip(known[1], rows, strict=True)]
+        with self._lock:
+            self._kept = kept  # only the jobs shown now: an ended job's text goes
+        return b"".join(out)
 
 
 class Metrics:
@@ -107,10 +150,18 @@ class Metrics:
         self._finished = Counter(
             "sbpflow_jobs_finished", "Jobs that ended, by terminal state", ["state"], registry=self.registry
         )
-        self.registry.register(_StoreCollector(store, workers))
+        self._store, self._workers = store, workers
+        self._up = WorkerUpLines()
 
     def finished(self, state: JobState) -> None:
         self._finished.labels(state.name).inc()
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        """The scrape's text: the histograms and the counter, the store's gauges, then the workers'."""
+        recs = shown_jobs(self._store)
+        live = [(r.id, self._workers(r.id)) for r in recs if r.state in IN_FLIGHT]
+        return (
+            generate_latest(self.registry)
+            + generate_latest(_JobGauges(self._store, recs))
+            + self._up.render(live)
+        )

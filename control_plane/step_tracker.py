@@ -4,8 +4,9 @@ loss, turned into ``StepMetrics``.
 The loss is a global tensor like any other: its ranks each hold a shard (a scalar loss is ``B`` or ``P``
 over them), so a step is complete when every rank of its placement has reported it, and its value is
 assembled the way :func:`sbpflow.sharding.assemble` assembles any tensor (partials summed, copies
-checked equal). Both backends feed the same tracker: the in-process one from its SINK fetch acts, the
-Ray one from the workers' ``StepReport``s.
+checked equal), one share at a time as they come (:mod:`.share_assembly`: the same adds in the same
+order, so no report pays for a whole 1,024-rank step at once). Both backends feed the same tracker:
+the in-process one from its SINK fetch acts, the Ray one from the workers' ``StepReport``s.
 
 A non-finite loss (NaN, an infinity) is checked here, where each step's loss is assembled, so both
 backends share the check: the step is still reported (the store keeps its NaN), later steps are not, and
@@ -25,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from sbpflow.control_plane.share_assembly import ShareAssembly, ShareLayout
 from sbpflow.graph import TensorDecl
 from sbpflow.numerics import NonFiniteLoss, finite
 from sbpflow.run_state import JobState
-from sbpflow.sharding import assemble_value
 from sbpflow.v1 import service_pb2 as sp
 
 WINDOW = 8  # samples/s is measured over the last WINDOW steps: reports arrive in bursts, steps do not
@@ -62,15 +63,15 @@ class StepTracker:
         stop: Callable[[], None] = lambda: None,
     ) -> None:
         self._decl = loss
+        self._layout = _layout(loss)
         self._job, self._first_step = job, first_step  # the run's step s is the job's first_step + s
         self._policy, self._stop = on_non_finite, stop
         self.non_finite: NonFiniteLoss | None = None  # set when a non-finite loss stopped the run
         self.skipped = 0  # non-finite steps the policy skipped
-        self._ranks = tuple(loss.placement.ranks) if loss is not None and loss.placement else ()
         self._samples = samples_per_step
         self._on_step = on_step
         self._lock = threading.Lock()
-        self._pending: dict[int, dict[int, Any]] = {}
+        self._pending: dict[int, ShareAssembly] = {}  # per step not complete yet: its shares so far
         self._last = time.time()  # wall clock: a rank's report says when (by its clock) it ended a step
         self._at: dict[int, float] = {}  # per pending step: when its last share's rank ended it
         self._recent: deque[float] = deque(maxlen=WINDOW + 1)  # completion times of the recent steps
@@ -93,8 +94,7 @@ class StepTracker:
     def relayout(self, loss: TensorDecl | None) -> None:
         """The loss is ``loss`` from now on: an elastic restart placed it on other ranks (shares pending go)."""
         with self._lock:
-            self._decl = loss
-            self._ranks = tuple(loss.placement.ranks) if loss is not None and loss.placement else ()
+            self._decl, self._layout = loss, _layout(loss)
             self._pending.clear()
             self._at.clear()
 
@@ -109,21 +109,20 @@ class StepTracker:
         """Rank ``rank``'s share of the loss of (0-based) ``step``, which it ended at ``at`` (seconds since
         the epoch, from its report; None: now). Workers send their reports in batches, so the step's
         time is when its last rank ended it, not when the shares arrived."""
-        if self._decl is None or rank not in self._ranks:
-            return
         with self._lock:
-            if self.non_finite is not None:
+            layout = self._layout  # under the lock: a relayout drops the shares of the old one
+            if layout is None or rank not in layout.ranks or self.non_finite is not None:
                 return  # the run stops at the step that diverged: later ones are not reported
-            shares = self._pending.setdefault(step, {})
-            shares[rank] = np.asarray(value)
+            shares = self._pending.get(step)
+            if shares is None:
+                shares = self._pending[step] = ShareAssembly(layout)
+            shares.add(rank, np.asarray(value))
             self._at[step] = max(self._at.get(step, 0.0), time.time() if at is None else at)
             done = []
-            while self.non_finite is None and len(self._pending.get(len(self.losses), {})) == len(
-                self._ranks
-            ):
+            while self.non_finite is None and (nxt := self._pending.get(len(self.losses))) and nxt.complete:
                 ended = self._at.pop(len(self.losses))
-                shares = self._pending.pop(len(self.losses))
-                done.append(self._complete(float(assemble_value(self._decl, shares)), ended))
+                del self._pending[len(self.losses)]
+                done.append(self._complete(float(nxt.value()), ended))
         self._emit(done)
 
     def settle(self, losses: Sequence[float], start: int) -> None:
@@ -166,3 +165,8 @@ class StepTracker:
                 self._on_step(metrics)
             if stop:
                 self._stop()
+
+
+def _layout(loss: TensorDecl | None) -> ShareLayout | None:
+    """Where the loss's shares go (None: the run tracks no loss, or its loss has no placement)."""
+    return ShareLayout(loss) if loss is not None and loss.placement is not None else None
