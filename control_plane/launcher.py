@@ -41,7 +41,7 @@ from sbpflow.actor_workers.runtime import executor, threads
 from sbpflow.actor_workers.runtime.errors import RunCancelled, RuntimeFailure
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.checkpoint.read import CheckpointReader, CorruptCheckpoint, corrupt_note, resolve
-from sbpflow.control_plane.compiler import pipeline
+from sbpflow.control_plane.compiler import loss_scaling, pipeline
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.evaluation import EvalListener, evaluating
 from sbpflow.control_plane.reports import ReportHub
@@ -50,6 +50,7 @@ from sbpflow.control_plane.run_context import (
     LaunchContext,
     RunResult,
     assemble_outputs,
+    loss_scaling_fields,
     output_names,
 )
 from sbpflow.control_plane.scheduler import run_on_ray
@@ -312,6 +313,7 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
     parameters = None
     if ctx.run.return_parameters:
         parameters = executor.variables(program, [p.tensor for p in job.parameters])
+    scaling = executor.variables(program, [n for n in loss_scaling.VARIABLES if n in program.tensors])
     events = None
     if ctx.run.trace:
         events = sorted((e for r in results.values() for e in r.trace), key=lambda e: e.start)
@@ -326,9 +328,10 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
     # store; free a finished run's memory now rather than whenever the cycle collector next runs.
     del program, results, world
     gc.collect()
-    return RunResult(
+    result = RunResult(
         losses, parameters, events, seconds, first_step=first, non_finite=tuple(sorted(bad)), outputs=outputs
     )
+    return dataclasses.replace(result, **loss_scaling_fields(scaling))
 
 
 def _whole_plan(compiled: Compiled) -> pp.Plan:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sbpflow.actor_workers.reporting import report
+from sbpflow.control_plane.compiler.loss_scaling import SCALE, SKIPPED
 from sbpflow.control_plane.reports import ReportHub
 from sbpflow.control_plane.step_tracker import ReportListener, StateListener
 from sbpflow.graph import TensorDecl
@@ -40,6 +41,10 @@ class RunResult:
     # fetch -> one value per step (a fetch inside a micro-batched step: a tuple, one per micro-batch)
     outputs: dict[str, list[Any]] = field(default_factory=dict)
     evals: tuple[tuple[int, float], ...] = ()  # (step, held-out loss) of each evaluation (config.eval_every)
+    # dynamic loss scaling (fp16, loss_scale 0): the scale after the run, and the steps skipped in all
+    # (a resumed run's count includes the steps before its checkpoint); None / 0 without it
+    loss_scale: float | None = None
+    skipped_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,14 @@ class LaunchContext:
 
 # (tensor, micro-batch) -> step -> this rank's value: what a rank's SINK fetch tasks recorded
 RankFetches = Mapping[tuple[str, int], Mapping[int, Any]]
+
+
+def loss_scaling_fields(values: Mapping[str, Any]) -> dict[str, Any]:
+    """RunResult's ``loss_scale`` and ``skipped_steps`` from the final values of the loss-scaling
+    variables (:data:`~sbpflow.control_plane.compiler.loss_scaling.VARIABLES`; none there: ``{}``)."""
+    if SCALE not in values:
+        return {}
+    return {"loss_scale": float(values[SCALE][0]), "skipped_steps": int(values[SKIPPED][0])}
 
 
 def output_names(loss: str, fetches: Iterable[str]) -> list[str]:

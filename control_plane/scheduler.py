@@ -35,11 +35,18 @@ from typing import Any
 import numpy as np
 
 from sbpflow.actor_workers.runtime.errors import RuntimeAborted, RuntimeFailure, RuntimeTimeout
+from sbpflow.control_plane.compiler import loss_scaling
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.elastic import Regrow, attempt_note, replan, restart_point
 from sbpflow.control_plane.ray_groups import BUNDLES, DEVICE_TYPES, reserve, room_for
 from sbpflow.control_plane.reports import ReportHub
-from sbpflow.control_plane.run_context import LaunchContext, RunResult, assemble_outputs, output_names
+from sbpflow.control_plane.run_context import (
+    LaunchContext,
+    RunResult,
+    assemble_outputs,
+    loss_scaling_fields,
+    output_names,
+)
 from sbpflow.control_plane.step_tracker import StepTracker
 from sbpflow.control_plane.worker_failures import WorkerError, WorkerLost, echoes, failure_of, primary
 from sbpflow.control_plane.worker_pool import WarmGroup, destroy, installed, resources_of
@@ -447,6 +454,10 @@ def _result(
         trace = sorted((e for o in outcomes.values() for e in o.trace), key=lambda e: e.start)
     seconds = max((o.seconds for o in outcomes.values()), default=0.0)
     bad = tuple(sorted({n for o in outcomes.values() for n in o.non_finite}))
+    scaling = [n for n in loss_scaling.VARIABLES if n in graph.tensors]  # replicated scalars: one rank's
+    held = attempt.gather(scaling) if scaling else {}
+    first_rank = graph.tensors[scaling[0]].placement.ranks[0] if scaling else 0  # type: ignore[union-attr]
+    scaled = {n: held[first_rank][n] for n in scaling}
     outputs = assemble_outputs(
         graph.tensors,
         output_names(job.loss, job.fetches),
@@ -454,5 +465,12 @@ def _result(
         range(options.first_step, options.first_step + options.steps),
     )
     return RunResult(
-        losses, parameters, trace, seconds, first_step=options.first_step, non_finite=bad, outputs=outputs
+        losses,
+        parameters,
+        trace,
+        seconds,
+        first_step=options.first_step,
+        non_finite=bad,
+        outputs=outputs,
+        **loss_scaling_fields(scaled),
     )

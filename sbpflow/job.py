@@ -112,6 +112,40 @@ class OptimizerSpec:
         return values
 
 
+@dataclass(frozen=True)
+class LossScaling:
+    """Dynamic loss scaling of an fp16 job (``JobConfig.loss_scale = 0``), torch.cuda.amp.GradScaler's
+    rule: the loss gradient is seeded with the scale, a step whose gradients hold an inf or NaN is skipped
+    and the scale multiplied by ``backoff_factor``; after ``growth_interval`` good steps in a row it is
+    multiplied by ``growth_factor`` (control_plane/compiler/loss_scaling.py)."""
+
+    init: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        checks = [
+            (0 < self.init < 2.0**127, f"init={self.init}: give a positive initial scale, e.g. 2**16"),
+            (
+                1 < self.growth_factor < 2.0**64,
+                f"growth_factor={self.growth_factor}: give a factor > 1, e.g. 2",
+            ),
+            (
+                0 < self.backoff_factor < 1,
+                f"backoff_factor={self.backoff_factor}: give a factor in (0, 1), e.g. 0.5",
+            ),
+            (
+                isinstance(self.growth_interval, int) and 1 <= self.growth_interval <= 2**24,
+                f"growth_interval={self.growth_interval}: give the good steps (1 to 2**24) between two growths, "
+                "e.g. 2000",
+            ),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise SbpflowError(f"loss scaling: {msg}")
+
+
 GRAD_BUCKET_BYTES = 25 * 2**20  # JobConfig.grad_bucket_bytes's default, and a message's without the field
 ELASTIC_GRACE = 30.0  # JobConfig.elastic_grace's default, and a message's without the field
 
@@ -125,7 +159,7 @@ class JobConfig:
     zero_stage: int = 0
     activation_checkpointing: bool = False
     precision: Precision = Precision.fp32
-    loss_scale: float = 0.0  # 0 = none (fp32/fp64) or dynamic (fp16)
+    loss_scale: float = 0.0  # 0 = none (fp32/fp64/bf16) or dynamic (fp16: loss_scaling)
     seed: int = 0
     checkpoint_every: int = 0
     # gradient all-reduces packed into buckets of about this many bytes, in backward order (DDP's 25 MiB);
@@ -140,6 +174,13 @@ class JobConfig:
     # when a lost worker's capacity is not back within ``elastic_grace`` seconds; () = the same ranks only
     elastic: tuple[int, ...] = ()
     elastic_grace: float = ELASTIC_GRACE
+    # how an fp16 job with loss_scale 0 scales dynamically (ignored otherwise)
+    loss_scaling: LossScaling = LossScaling()
+
+    @property
+    def dynamic_loss_scaling(self) -> bool:
+        """Whether the job scales its loss dynamically: fp16 without a static ``loss_scale``."""
+        return self.precision == Precision.fp16 and self.loss_scale == 0
 
     def __post_init__(self) -> None:
         checks = [

@@ -31,6 +31,7 @@ from sbpflow.ops.eager import EagerBuilder
 from sbpflow.precision import compute_dtype, low_dtype
 from sbpflow.random import RandomKey
 from sbpflow.reference_autodiff import Arrays, Tape, backward
+from sbpflow.reference_scaling import Scaler
 from sbpflow.tensor_meta import TensorMeta
 
 
@@ -102,6 +103,7 @@ class TrainResult:
     losses: list[float]
     parameters: dict[str, Any]
     optimizer_state: dict[str, Any] = field(default_factory=dict)
+    scaler: Scaler | None = None  # dynamic loss scaling's scale per step, skipped steps and state
 
 
 def micro_batches(job: Job) -> int:
@@ -122,6 +124,7 @@ def train(
     steps: int | None = None,
     parameters: Mapping[str, Any] | None = None,
     xp: ModuleType = np,
+    scaler: Scaler | None = None,
 ) -> TrainResult:
     """Train ``job`` on one device for ``steps`` (default ``config.steps``): the oracle every parallel
     configuration is compared against.
@@ -132,23 +135,29 @@ def train(
     its own mean, so the average is the gradient of the whole batch's mean loss: one big-batch step), and
     updates every parameter once from the average (:mod:`sbpflow.reference_optim`). Recomputation
     (activation checkpointing), pipeline stages, ZeRO and SBP change where and when values are computed,
-    not which: the oracle ignores them. ``parameters`` overrides initial values.
+    not which: the oracle ignores them. ``parameters`` overrides initial values. An fp16 job with
+    ``loss_scale = 0`` scales dynamically (:mod:`sbpflow.reference_scaling`; ``scaler``: go on from one).
     """
     plan = _plan(job)
     values = _initial_values(job, parameters, xp)
     losses: list[float] = []
+    scaler = Scaler.of(job) if scaler is None else scaler
     for step in range(job.config.steps if steps is None else steps):
         carried: Arrays = {}
-        loss, grads = _step_gradients(plan, values, step, xp, carried)
-        if job.optimizer is not None:
+        loss, grads = _step_gradients(plan, values, step, xp, carried, scaler)
+        skipped = scaler.skipped_steps if scaler is not None else 0
+        if scaler is not None and scaler.step(grads):
+            pass  # a non-finite gradient: no parameter or optimizer state moves
+        elif job.optimizer is not None:
             builder = EagerBuilder(xp, seed=job.config.seed, step=step)
-            values.update(reference_optim.update(job.optimizer, values, grads, builder))
+            values.update(reference_optim.update(job.optimizer, values, grads, builder, step - skipped))
         values.update(carried)  # running statistics: their next values, from this step's forward
         losses.append(loss)
     return TrainResult(
         losses,
         {p.tensor: values[p.tensor] for p in job.parameters},
         {name: values[name] for name in reference_optim.state_names(job.optimizer)},
+        scaler,
     )
 
 
@@ -210,7 +219,12 @@ def _initial_values(job: Job, parameters: Mapping[str, Any] | None, xp: ModuleTy
 
 
 def _step_gradients(
-    plan: _Plan, values: Arrays, step: int, xp: ModuleType, carried: Arrays | None = None
+    plan: _Plan,
+    values: Arrays,
+    step: int,
+    xp: ModuleType,
+    carried: Arrays | None = None,
+    scaler: Scaler | None = None,
 ) -> tuple[float, Arrays]:
     """The step's mean loss over its micro-batches, and each trainable parameter's gradient averaged
     over them (summed in micro-batch order, ``((g0 + g1) + g2) + g3``, then divided). ``carried`` gets
@@ -229,9 +243,12 @@ def _step_gradients(
             carried.update({o.inputs[0]: tape.values[o.outputs[0]] for o in plan.running})
         if not plan.trainable:
             continue
-        grads = backward(tape, job.loss, plan.trainable, seed=plan.scale)
+        seed = plan.scale if scaler is None else float(scaler.scale)
+        grads = backward(tape, job.loss, plan.trainable, seed=seed)
         for p, g in grads.items():
-            if plan.scale != 1.0:
+            if scaler is not None:
+                g = scaler.unscale(g)
+            elif plan.scale != 1.0:
                 g = g * g.dtype.type(1.0 / plan.scale)
             total[p] = g if k == 0 else total[p] + g
     return loss / plan.n, {p: g / xp.asarray(plan.n, dtype=g.dtype) for p, g in total.items()}

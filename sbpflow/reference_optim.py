@@ -60,9 +60,12 @@ def learning_rate(spec: OptimizerSpec, step: int) -> float:
     return spec.algorithm.lr * schedule_factor(spec, step)
 
 
-def update(spec: OptimizerSpec, values: Arrays, grads: Arrays, builder: EagerBuilder) -> Arrays:
+def update(
+    spec: OptimizerSpec, values: Arrays, grads: Arrays, builder: EagerBuilder, taken: int | None = None
+) -> Arrays:
     """The next value of every parameter and state variable of ``spec`` after one step at
-    ``builder.step`` (``grads``: by parameter name, as the optimizer receives them)."""
+    ``builder.step`` (``grads``: by parameter name, as the optimizer receives them); ``taken``: the
+    steps taken before it where steps were skipped (AdamW's bias correction counts those only)."""
     grads = {p: grads[p] for p in spec.parameters}
     if spec.clip_grad_norm > 0:
         grads = clip(grads, spec.clip_grad_norm, builder)
@@ -74,7 +77,8 @@ def update(spec: OptimizerSpec, values: Arrays, grads: Arrays, builder: EagerBui
         hyper = spec.hyper(p)
         attrs = {**hyper, "lr": float(hyper["lr"]) * factor, "schedule": "constant"}
         variables = (p, *(f"{p}/{s}" for s in algorithm.state))
-        outs = builder.call(
+        kernel = builder if taken is None else EagerBuilder(builder.xp, builder.seed, taken)
+        outs = kernel.call(
             algorithm.kernel, values[p], grads[p], *(values[v] for v in variables[1:]), **attrs
         )
         new.update(zip(variables, outs, strict=True))

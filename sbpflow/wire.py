@@ -42,6 +42,7 @@ from sbpflow.sbp import B, NdSbp, P, Sbp, Split
 from sbpflow.tensor_meta import TensorMeta
 from sbpflow.v1 import job_pb2 as pb
 from sbpflow.v1 import service_pb2 as sp
+from sbpflow.wire_scaling import loss_scaling_from_proto, loss_scaling_to_proto
 
 
 class WireError(SbpflowError, ValueError):
@@ -54,10 +55,7 @@ _DTYPE = {d: getattr(pb, f"DTYPE_{d.name.upper()}") for d in DType}
 _DEVICE = {"cpu": pb.DEVICE_TYPE_CPU, "cuda": pb.DEVICE_TYPE_CUDA}
 _KIND = {k: getattr(pb, f"TENSOR_KIND_{k.name.upper()}") for k in TensorKind}
 _PRECISION = {p: getattr(pb, f"PRECISION_{p.name.upper()}") for p in Precision}
-_SCHEDULE = {
-    PipelineSchedule.one_f_one_b: pb.PIPELINE_SCHEDULE_ONE_F_ONE_B,
-    PipelineSchedule.gpipe: pb.PIPELINE_SCHEDULE_GPIPE,
-}
+_SCHEDULE = {s: getattr(pb, f"PIPELINE_SCHEDULE_{s.name.upper()}") for s in PipelineSchedule}
 
 
 def _inverse(table: Mapping[Any, int], what: str) -> Any:
@@ -407,6 +405,7 @@ def config_to_proto(c: JobConfig) -> pb.JobConfig:
         eval_batches=c.eval_batches,
         elastic=c.elastic,
         elastic_grace=c.elastic_grace,
+        loss_scaling=loss_scaling_to_proto(c.loss_scaling),
     )
 
 
@@ -428,6 +427,7 @@ def config_from_proto(m: pb.JobConfig) -> JobConfig:
         m.eval_batches or 1,
         tuple(m.elastic),
         m.elastic_grace if m.HasField("elastic_grace") else ELASTIC_GRACE,
+        loss_scaling_from_proto(m),
     )
 
 

@@ -14,7 +14,9 @@ parameter. Decisions:
 * A trainable parameter that the loss does not depend on (differentiably) is an error naming it: a
   silent zero gradient would still move it under weight decay and would hide a wiring mistake.
 * A loss-scaled job (``config.loss_scale > 0``) seeds ``d loss = scale`` and unscales each parameter's
-  gradient (``mul_scalar 1/scale``) before the optimizer sees it.
+  gradient (``mul_scalar 1/scale``) before the optimizer sees it; a dynamically scaled one (fp16 with
+  ``loss_scale = 0``) reads the scale from its variable and multiplies by ``1 / scale``
+  (:mod:`~sbpflow.control_plane.compiler.loss_scaling`).
 * ``checkpoint=True`` on a forward op is left to the recompute pass. Backward ops keep ``checkpoint=False``
   (the flag means "recompute my outputs", which has no sense for a backward op); they are recognised by
   their names, ``grad/<forward op>/...`` (:func:`is_backward`), and carry the forward op's scope.
@@ -25,6 +27,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from sbpflow.control_plane.compiler import loss_scaling
 from sbpflow.control_plane.compiler.builder import GraphBuilder
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.errors import GraphError
@@ -69,16 +72,25 @@ def run(state: CompileState) -> None:
     seed_at = acc.builder.at(
         GRAD + producer.name, stage=producer.stage, placement=producer.placement, scope=producer.scope
     )
-    (seed,) = seed_at.call("full", shape=loss.meta.shape, dtype=loss.meta.dtype, value=scale)
+    dynamic = loss_scaling.enabled(state)
+    if dynamic:
+        seed = loss_scaling.seed(state, seed_at, trainable[0], job.loss)
+    else:
+        (seed,) = seed_at.call("full", shape=loss.meta.shape, dtype=loss.meta.dtype, value=scale)
     acc.add(seed_at, job.loss, seed)
     for node in reversed(forward):
         if any(o in wanted for o in node.outputs):
             _backward_of(node, g, acc, wanted)
     stage_of = _first_use_stage(forward, trainable)
+    first = trainable[0]
+    inv = None
+    if dynamic:
+        at = acc.builder.at(loss_scaling.PREFIX, stage=stage_of[first], placement=g.tensors[first].placement)
+        inv = loss_scaling.inverse(state, at)
     for p in trainable:
         decl = g.tensors[p]
         at = acc.builder.at(GRAD + p, stage=stage_of[p], placement=decl.placement)
-        state.grads[p] = _parameter_grad(at, acc, p, scale)
+        state.grads[p] = _parameter_grad(at, acc, p, scale, inv)
     _eliminate_dead(g, acc.builder, set(state.grads.values()))
 
 
@@ -180,7 +192,9 @@ def _first_use_stage(ops: list[OpNode], params: list[str]) -> dict[str, int]:
     return {p: stage.get(p, 0) for p in params}
 
 
-def _parameter_grad(at: GraphBuilder, acc: _Accumulator, param: str, scale: float) -> str:
+def _parameter_grad(at: GraphBuilder, acc: _Accumulator, param: str, scale: float, inv: str | None) -> str:
+    if inv is not None:  # dynamic loss scaling: times 1 / the scale variable
+        return loss_scaling.unscale(at, acc.total[param], inv, GRAD + param)
     if scale == 1.0:
         grad = acc.final(param, TensorKind.gradient)
         assert grad is not None  # every trainable parameter is on a path: checked before the walk

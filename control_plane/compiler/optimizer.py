@@ -12,7 +12,10 @@
   a split gradient is ``P``, and boxing before ``clip_coef`` (which takes no ``P``) makes it global;
 * emits ``sgd_update`` / ``adamw_update`` per parameter with the schedule in its attrs, on the
   parameter's placement and in the stage of its gradient, and fills ``state.updates`` with the next
-  value of every parameter and every state variable.
+  value of every parameter and every state variable;
+* under dynamic loss scaling (fp16, ``loss_scale = 0``) counts the non-finite gradient elements, emits the
+  gated form of each update (a skipped step changes nothing) and the scale's update
+  (:mod:`~sbpflow.control_plane.compiler.loss_scaling`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sbpflow.control_plane.compiler import loss_scaling
 from sbpflow.control_plane.compiler.builder import GraphBuilder
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.errors import GraphError
@@ -76,15 +80,21 @@ def run(state: CompileState) -> None:
         return base.at(PREFIX + param, stage=stage[param], placement=g.tensors[param].placement)
 
     grads = {p: state.grads[p] for p in spec.parameters}
+    rule = RULES[type(spec.algorithm)]
+    op, gate = rule.op, ()
+    if scaling := loss_scaling.enabled(state):  # checks the unscaled gradients, before clipping
+        found = loss_scaling.found(grads, at, spec.parameters[0])
+        op, gate = loss_scaling.gated(rule.op, found)
     if spec.clip_grad_norm > 0:
         grads = _clip(g, spec, grads, at)
-    rule = RULES[type(spec.algorithm)]
     for p in spec.parameters:
         slots = [_declare_state(g, p, suffix) for suffix in rule.state]
         state.state_vars += slots
         attrs = {**spec.hyper(p), **schedule_attrs(spec.schedule)}  # its group's lr and weight decay
-        outs = at(p).emit(rule.op, (p, grads[p], *slots), attrs, name=PREFIX + p)
+        outs = at(p).emit(op, (p, grads[p], *slots, *gate), attrs, name=PREFIX + p)
         state.updates.update(zip((p, *slots), outs, strict=True))
+    if scaling:
+        loss_scaling.update(state, at(spec.parameters[0]), found)
 
 
 def _declare_state(g: Graph, param: str, suffix: str) -> str:

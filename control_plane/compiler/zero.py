@@ -45,10 +45,11 @@ from sbpflow.control_plane.compiler.boxing_pass import boxing_node, slug
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.errors import GraphError
 from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind
+from sbpflow.ops.loss_scaling import GATED
 from sbpflow.placement import Placement
 from sbpflow.sbp import B, NdSbp, Split, format_nd
 
-UPDATE_OPS = frozenset({"sgd_update", "adamw_update"})
+UPDATE_OPS = frozenset({"sgd_update", "adamw_update", *GATED.values()})
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def run(state: CompileState) -> None:
         if lay.shard is None:
             continue
         _annotate(g, p, lay, lay.whole if stage < 3 else lay.shard)
-        for slot in node.inputs[2:]:
+        for slot in node.inputs[2 : 1 + len(node.outputs)]:  # its state (not a gated update's scalars)
             _annotate(g, slot, lay, lay.shard)
         _annotate(g, state.grads[p], lay, lay.whole if stage == 1 else lay.shard)
         if stage < 3:

@@ -7,6 +7,7 @@ from sbpflow.ops import (  # noqa: F401  (each registers its ops)
     fused,
     indexing,
     linalg,
+    loss_scaling,
     masking,
     nn,
     norm_stats,

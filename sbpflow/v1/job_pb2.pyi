@@ -1260,6 +1260,7 @@ class JobConfig(_message.Message):
     EVAL_BATCHES_FIELD_NUMBER: _builtins.int
     ELASTIC_FIELD_NUMBER: _builtins.int
     ELASTIC_GRACE_FIELD_NUMBER: _builtins.int
+    LOSS_SCALING_FIELD_NUMBER: _builtins.int
     steps: _builtins.int
     """Optimizer steps to run."""
     gradient_accumulation_steps: _builtins.int
@@ -1300,6 +1301,10 @@ class JobConfig(_message.Message):
         is not back within elastic_grace seconds (control_plane/elastic.py); empty = the same ranks only.
         """
 
+    @_builtins.property
+    def loss_scaling(self) -> Global___LossScaling:
+        """Dynamic loss scaling of an FP16 job with loss_scale 0; absent = torch's GradScaler defaults."""
+
     def __init__(
         self,
         *,
@@ -1319,10 +1324,11 @@ class JobConfig(_message.Message):
         eval_batches: _builtins.int = ...,
         elastic: _abc.Iterable[_builtins.int] | None = ...,
         elastic_grace: _builtins.float | None = ...,
+        loss_scaling: Global___LossScaling | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_elastic_grace", b"_elastic_grace", "_grad_bucket_bytes", b"_grad_bucket_bytes", "elastic_grace", b"elastic_grace", "grad_bucket_bytes", b"grad_bucket_bytes"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_elastic_grace", b"_elastic_grace", "_grad_bucket_bytes", b"_grad_bucket_bytes", "elastic_grace", b"elastic_grace", "grad_bucket_bytes", b"grad_bucket_bytes", "loss_scaling", b"loss_scaling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_elastic_grace", b"_elastic_grace", "_grad_bucket_bytes", b"_grad_bucket_bytes", "activation_checkpointing", b"activation_checkpointing", "checkpoint_every", b"checkpoint_every", "elastic", b"elastic", "elastic_grace", b"elastic_grace", "eval_batches", b"eval_batches", "eval_every", b"eval_every", "fusion", b"fusion", "grad_bucket_bytes", b"grad_bucket_bytes", "gradient_accumulation_steps", b"gradient_accumulation_steps", "loss_scale", b"loss_scale", "micro_batches", b"micro_batches", "pipeline_schedule", b"pipeline_schedule", "precision", b"precision", "seed", b"seed", "steps", b"steps", "zero_stage", b"zero_stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_elastic_grace", b"_elastic_grace", "_grad_bucket_bytes", b"_grad_bucket_bytes", "activation_checkpointing", b"activation_checkpointing", "checkpoint_every", b"checkpoint_every", "elastic", b"elastic", "elastic_grace", b"elastic_grace", "eval_batches", b"eval_batches", "eval_every", b"eval_every", "fusion", b"fusion", "grad_bucket_bytes", b"grad_bucket_bytes", "gradient_accumulation_steps", b"gradient_accumulation_steps", "loss_scale", b"loss_scale", "loss_scaling", b"loss_scaling", "micro_batches", b"micro_batches", "pipeline_schedule", b"pipeline_schedule", "precision", b"precision", "seed", b"seed", "steps", b"steps", "zero_stage", b"zero_stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__elastic_grace: _TypeAlias = _typing.Literal["elastic_grace"]  # noqa: Y015
     _WhichOneofArgType__elastic_grace: _TypeAlias = _typing.Literal["_elastic_grace", b"_elastic_grace"]  # noqa: Y015
@@ -1334,6 +1340,40 @@ class JobConfig(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__grad_bucket_bytes) -> _WhichOneofReturnType__grad_bucket_bytes | None: ...
 
 Global___JobConfig: _TypeAlias = JobConfig  # noqa: Y015
+
+@_typing.final
+class LossScaling(_message.Message):
+    """Dynamic loss scaling (torch.cuda.amp.GradScaler's rule)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INIT_FIELD_NUMBER: _builtins.int
+    GROWTH_FACTOR_FIELD_NUMBER: _builtins.int
+    BACKOFF_FACTOR_FIELD_NUMBER: _builtins.int
+    GROWTH_INTERVAL_FIELD_NUMBER: _builtins.int
+    init: _builtins.float
+    """Initial scale (2**16)."""
+    growth_factor: _builtins.float
+    """Factor on the scale after growth_interval clean steps in a row (> 1; 2)."""
+    backoff_factor: _builtins.float
+    """Factor on the scale after a step with an inf or NaN gradient, which is skipped ((0, 1); 0.5)."""
+    growth_interval: _builtins.int
+    """Clean steps in a row between two growths (2000)."""
+    def __init__(
+        self,
+        *,
+        init: _builtins.float = ...,
+        growth_factor: _builtins.float = ...,
+        backoff_factor: _builtins.float = ...,
+        growth_interval: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backoff_factor", b"backoff_factor", "growth_factor", b"growth_factor", "growth_interval", b"growth_interval", "init", b"init"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LossScaling: _TypeAlias = LossScaling  # noqa: Y015
 
 @_typing.final
 class Job(_message.Message):

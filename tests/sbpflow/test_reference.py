@@ -22,7 +22,7 @@ from sbpflow import reference
 from sbpflow.data import ArraySource, SyntheticSource
 from sbpflow.dtype import DType
 from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind
-from sbpflow.job import SGD, AdamW, Job, JobConfig, OptimizerSpec, ParameterSpec, WarmupCosine
+from sbpflow.job import SGD, AdamW, Job, JobConfig, LossScaling, OptimizerSpec, ParameterSpec, WarmupCosine
 from sbpflow.ops.base import get_op
 from sbpflow.precision import compute_dtype
 from sbpflow.random import Normal, RandomKey, kaiming_uniform, tensor_rng_id
@@ -447,8 +447,11 @@ def test_autocast_policy() -> None:
 def test_fp16_trains_close_to_fp32_with_fp32_master_weights_and_state() -> None:
     job = replace(one_batch_job(), optimizer=OptimizerSpec(AdamW(0.01), tuple(NAMES)))
     want = reference.train(job)
-    for scale in (0.0, 1024.0):
-        got = reference.train(replace(job, config=replace(job.config, precision="fp16", loss_scale=scale)))
+    for scale in (0.0, 1024.0):  # 0: dynamic, from 1024 (GradScaler's 2**16 skips this job's first steps)
+        config = replace(
+            job.config, precision="fp16", loss_scale=scale, loss_scaling=LossScaling(init=1024.0)
+        )
+        got = reference.train(replace(job, config=config))
         np.testing.assert_allclose(got.losses, want.losses, rtol=2e-2)
         assert got.losses != want.losses  # it did compute in fp16
         for name, value in (*got.parameters.items(), *got.optimizer_state.items()):

@@ -11,7 +11,7 @@ from sbpflow.control_plane.compiler import autodiff, mixed_precision, optimizer,
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.dtype import DType
 from sbpflow.graph import TensorKind
-from sbpflow.job import Job
+from sbpflow.job import Job, LossScaling
 from tests.client.test_examples import load
 from tests.control_plane.compiler.test_recompute import with_config
 
@@ -54,8 +54,8 @@ def test_fp16_compute_with_fp32_master_weights_and_updates(name: str) -> None:
 def test_fp16_mlp_trains_close_to_fp32() -> None:
     job = load("mlp").make_job(ranks=1, steps=5)
     want = reference.train(job)
-    for scale in (0.0, 1024.0):
-        fp16 = with_config(job, precision="fp16", loss_scale=scale)
+    for scale in (0.0, 1024.0):  # 0: dynamic, from 1024 (GradScaler's 2**16 skips this job's first steps)
+        fp16 = with_config(job, precision="fp16", loss_scale=scale, loss_scaling=LossScaling(init=1024.0))
         got = sf.run(fp16, backend="inprocess", return_parameters=True)  # the pass's graph, run
         assert got.parameters is not None
         assert got.losses == reference.train(fp16).losses  # the independent oracle's fp16, to the bit

@@ -1,0 +1,169 @@
+"""Dynamic loss scaling (fp16, loss_scale 0): the compiled plan against the numpy GradScaler of
+sbpflow/reference_scaling.py, step by step; skipped steps on every rank under DP and TP; resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import sbpflow as sf
+from sbpflow import reference, wire
+from sbpflow.checkpoint.format import step_dir
+from sbpflow.checkpoint.read import read_logical
+from sbpflow.control_plane.compiler import loss_scaling, pipeline
+from sbpflow.errors import SbpflowError
+from sbpflow.job import Job, JobConfig, LossScaling
+from sbpflow.reference_scaling import Scaler
+from tests.client.test_examples import load
+from tests.control_plane.compiler.test_recompute import with_config
+
+# 2**20 overflows the MLP's fp16 backward for its first steps, then the scale backs off until it fits,
+# and grows every 3 clean steps until it overflows again: skips, backoffs and growths within 12 steps
+SCALING = LossScaling(init=2.0**20, growth_interval=3)
+
+
+def fp16(job: Job, scaling: LossScaling = SCALING, **config: object) -> Job:
+    return with_config(job, precision="fp16", loss_scaling=scaling, **config)
+
+
+def test_scale_sequence_skips_and_parameters_match_the_numpy_scaler() -> None:
+    job = fp16(load("mlp").make_job(ranks=1, steps=12))
+    got = sf.run(job, backend="inprocess", return_parameters=True)
+    want = reference.train(job)
+    assert want.scaler is not None
+    skipped = want.scaler.skipped
+    assert any(skipped) and not all(skipped), skipped  # the case covers both
+    assert max(want.scaler.history) > min(want.scaler.history[3:])  # it grew after backing off
+    assert got.losses == want.losses  # to the bit: same seeds, same skips
+    assert got.parameters is not None
+    for name, value in want.parameters.items():
+        np.testing.assert_array_equal(got.parameters[name], value, err_msg=name)
+    assert got.loss_scale == float(want.scaler.scale)
+    assert got.skipped_steps == want.scaler.skipped_steps == sum(skipped)
+
+
+def test_adamw_counts_only_the_steps_taken() -> None:
+    """GPT with AdamW and a warm-up schedule: bias correction over the steps taken, the schedule over
+    the iterations, as torch's AdamW under GradScaler; the compiled plan gives the oracle's bits."""
+    job = fp16(load("gpt").make_job(ranks=1, steps=8), LossScaling(init=2.0**20, growth_interval=2))
+    got = sf.run(job, backend="inprocess", return_parameters=True)
+    want = reference.train(job)
+    assert want.scaler is not None and 0 < want.scaler.skipped_steps < 8, want.scaler.skipped
+    assert got.losses == want.losses
+    assert got.parameters is not None
+    for name, value in want.parameters.items():
+        np.testing.assert_array_equal(got.parameters[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "layout", [{"ranks": 2}, {"ranks": 2, "tp": True}, {"ranks": 4, "tp": True, "layers": 2}]
+)
+def test_an_overflowing_step_is_skipped_on_every_rank(layout: dict[str, object]) -> None:
+    """A scale of 2**100 overflows fp16 on every rank's part: every parameter (and, checked by the next
+    run, the momentum) stays bit-identical to its start, under DP and TP alike."""
+    job = fp16(load("mlp").make_job(steps=2, **layout), LossScaling(init=2.0**100))
+    got = sf.run(job, backend="inprocess", return_parameters=True)
+    assert got.parameters is not None and got.skipped_steps == 2
+    start = reference.init_parameters(job)
+    for name, value in start.items():
+        np.testing.assert_array_equal(got.parameters[name], value, err_msg=name)
+    assert got.loss_scale == np.float32(2.0**98)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{"ranks": 2}, {"ranks": 2, "tp": True}, {"ranks": 2, "pp": 2, "layers": 2, "micro_batches": 2}],
+)
+def test_parallel_layouts_follow_the_oracle(layout: dict[str, object]) -> None:
+    """The same skips and scales as one device, and the same parameters to fp16's rounding (each rank's
+    part of a gradient is computed and summed in another order)."""
+    job = fp16(load("mlp").make_job(steps=8, **layout))
+    got = sf.run(job, backend="inprocess", return_parameters=True)
+    want = reference.train(job)
+    assert want.scaler is not None and any(want.scaler.skipped)
+    assert got.skipped_steps == want.scaler.skipped_steps
+    assert got.loss_scale == float(want.scaler.scale)
+    np.testing.assert_allclose(got.losses, want.losses, rtol=1e-3)
+    assert got.parameters is not None
+    for name, value in want.parameters.items():
+        np.testing.assert_allclose(got.parameters[name], value, rtol=1e-3, atol=2e-4, err_msg=name)
+
+
+def test_growth_after_growth_interval_clean_steps() -> None:
+    job = fp16(load("mlp").make_job(ranks=1, steps=7), LossScaling(init=1.0, growth_interval=3))
+    got = sf.run(job, backend="inprocess")
+    want = reference.train(job)
+    assert want.scaler is not None and not any(want.scaler.skipped)
+    assert want.scaler.history == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 4.0]
+    assert got.loss_scale == 4.0 and got.skipped_steps == 0
+    assert got.losses == want.losses
+
+
+def test_a_resume_goes_on_with_the_checkpointed_scale(tmp_path: Path) -> None:
+    job = fp16(load("mlp").make_job(ranks=2, steps=10), checkpoint_every=5)
+    whole = sf.run(job, backend="inprocess", return_parameters=True)
+    first = sf.run(with_config(job, steps=5), backend="inprocess", checkpoint_dir=str(tmp_path))
+    at = step_dir(tmp_path, 5)
+    saved = read_logical(at, kinds=("optimizer_state",))  # what the optimizer state keeps of the scaler
+    assert float(saved[loss_scaling.SCALE][0]) == first.loss_scale
+    assert float(saved[loss_scaling.SKIPPED][0]) == first.skipped_steps > 0
+    rest = sf.run(job, backend="inprocess", return_parameters=True, resume_from=str(at))
+    assert rest.loss_scale == whole.loss_scale and rest.skipped_steps == whole.skipped_steps
+    np.testing.assert_array_equal(first.losses + rest.losses, whole.losses)
+    assert rest.parameters is not None and whole.parameters is not None
+    for name, value in whole.parameters.items():
+        np.testing.assert_array_equal(rest.parameters[name], value, err_msg=name)
+
+
+def test_fp32_bf16_and_static_plans_have_no_scaler() -> None:
+    base = load("mlp").make_job(ranks=2)
+    for job in (
+        base,
+        with_config(base, precision="bf16"),
+        with_config(base, precision="fp16", loss_scale=8.0),
+    ):
+        ops = {o.op_type for o in pipeline.compile(job).state.graph.ops}
+        assert not {"loss_scale_update", "nonfinite_count", "gated_sgd_update"} & ops
+    ops = {o.op_type for o in pipeline.compile(fp16(base)).state.graph.ops}
+    assert {"loss_scale_update", "nonfinite_count", "gated_sgd_update", "loss_scale_read"} <= ops
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"init": 0.0}, "init=0.0: give a positive"),
+        ({"growth_factor": 1.0}, "growth_factor=1.0: give a factor > 1"),
+        ({"backoff_factor": 1.5}, r"backoff_factor=1.5: give a factor in \(0, 1\)"),
+        ({"growth_interval": 0}, "growth_interval=0: give the good steps"),
+    ],
+)
+def test_bad_loss_scaling_is_refused(kwargs: dict[str, float], match: str) -> None:
+    with pytest.raises(SbpflowError, match=match):
+        LossScaling(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_scaler_matches_torch_update_scale() -> None:
+    """torch's own CPU update rule (``torch._amp_update_scale_``) against the numpy scaler's, step by step."""
+    torch = pytest.importorskip("torch")
+    config = LossScaling(init=2.0**10, growth_factor=2.0, backoff_factor=0.25, growth_interval=3)
+    ours = Scaler(config)
+    scale = torch.full((), config.init, dtype=torch.float32)
+    tracker = torch.zeros((), dtype=torch.int32)
+    bad = {"g": np.array([np.inf], dtype=np.float32)}
+    fine = {"g": np.array([1.0], dtype=np.float32)}
+    pattern = [0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+    for found in pattern:
+        ours.step(bad if found else fine)
+        torch._amp_update_scale_(
+            scale, tracker, torch.full((), float(found)), config.growth_factor, config.backoff_factor,
+            config.growth_interval,
+        )  # fmt: skip
+        assert np.float32(scale.item()) == ours.scale and int(tracker.item()) == ours.good_steps
+
+
+def test_loss_scaling_survives_the_wire() -> None:
+    job = fp16(load("mlp").make_job(ranks=1))
+    assert wire.job_from_proto(wire.job_to_proto(job)).config.loss_scaling == SCALING
+    assert not wire.config_to_proto(JobConfig()).HasField("loss_scaling")  # the default: as before
