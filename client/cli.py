@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sbpflow.client.cli_auto import add_auto_flags, auto_job
 from sbpflow.client.cli_exit import UsageError, run_command
 from sbpflow.client.cli_jobs import JOB_COMMANDS, RUN_DEFAULTS, RUN_EXCLUDED, _client_flags, cmd_run
 from sbpflow.client.run_flags import add_run_flags
@@ -85,7 +86,7 @@ def _job_from_args(args: argparse.Namespace) -> Any:
         from sbpflow.device import array_module  # it runs on this machine: refuse before any work
 
         array_module("cuda")  # DeviceUnavailable: cupy or a GPU is missing, and how to fix it
-    return _with_config(make_job(**kw), args)
+    return auto_job(_with_config(make_job(**kw), args), args)
 
 
 # --flag -> the JobConfig field it overrides after tracing (for examples whose make_job does not take it)
@@ -216,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
                 type=int,
                 help="checkpoint every N steps (to the server's --checkpoint-root; default: the job's own)",
             )
+        if name in ("plan", "run"):
+            add_auto_flags(p)
         if name == "run":
             p.add_argument("--steps", type=int, help="train this many steps (default: the job's own)")
             p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every act (Perfetto)")

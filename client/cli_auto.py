@@ -9,8 +9,6 @@ import sys
 
 from sbpflow.client.byte_sizes import parse_bytes
 from sbpflow.client.cli_exit import UsageError
-from sbpflow.control_plane.compiler import auto_plan
-from sbpflow.control_plane.compiler.auto_layouts import relayout
 from sbpflow.job import Job
 
 
@@ -37,6 +35,11 @@ def auto_job(job: Job, args: argparse.Namespace) -> Job:
         if budget is not None:
             raise UsageError("--memory-per-device is the budget of --auto's search: add --auto")
         return job
+    if getattr(args, "tp", False) or getattr(args, "dp", None):
+        raise UsageError("--auto chooses the layout itself: drop --tp and --dp (give --ranks)")
+    from sbpflow.control_plane.compiler import auto_plan  # the compiler loads only for --auto
+    from sbpflow.control_plane.compiler.auto_layouts import relayout
+
     profile = getattr(args, "profile", None) or "cpu"
     found = auto_plan.search(job, budget, profile=profile)
     out = sys.stderr if getattr(args, "json", False) else sys.stdout

@@ -29,26 +29,16 @@ import itertools
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from sbpflow.control_plane.compiler import pipeline
+from sbpflow.control_plane.compiler import cost_model, pipeline
 from sbpflow.control_plane.compiler.auto_layouts import Layout, block_of, relayout, tables, tp_pairs
+from sbpflow.control_plane.compiler.cost_model import DeviceProfile, StepEstimate
 from sbpflow.control_plane.compiler.micro_batching import layout as slots
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
 
-
-class Estimate(Protocol):
-    """What the search reads of ``cost_model.StepEstimate``."""
-
-    compute_s: float
-    comm_s: float
-    exposed_comm_s: float
-    step_s: float
-    peak_memory_bytes: int
-
-
-Price = Callable[[pipeline.Compiled], Estimate]
+Price = Callable[[pipeline.Compiled], StepEstimate]
 
 
 class NoPlanFits(SbpflowError):
@@ -73,7 +63,7 @@ class Traffic:
 @dataclass(frozen=True)
 class Candidate:
     layout: Layout
-    estimate: Estimate | None = None  # None: the compiler refused the layout (``error``)
+    estimate: StepEstimate | None = None  # None: the compiler refused the layout (``error``)
     traffic: Traffic = Traffic()
     error: str = ""
 
@@ -143,7 +133,7 @@ def search(
     job: Job,
     memory_per_device: int | None = None,
     ranks: int | None = None,
-    profile: Any = "cpu",
+    profile: DeviceProfile | str = "cpu",
     price: Price | None = None,
     powers_of_two: bool = False,
     only: Sequence[Layout] = (),
@@ -155,7 +145,7 @@ def search(
     those layouts."""
     if price is None or memory_per_device is None:
         prof = load(profile)
-        price = price or (lambda compiled: _estimate(compiled, prof))
+        price = price or (lambda compiled: cost_model.estimate(compiled, prof))
         if memory_per_device is None and not prof.memory_bytes:
             raise SbpflowError(
                 f"the {prof.name!r} profile does not say how much memory a device has: give the budget "
@@ -181,7 +171,7 @@ def search(
     return Search(memory_per_device, tuple(out), best[0], best[1], notes)
 
 
-def choose(job: Job, memory_per_device: int | None = None, profile: Any = "cpu") -> Job:
+def choose(job: Job, memory_per_device: int | None = None, profile: DeviceProfile | str = "cpu") -> Job:
     """``job`` laid out as the search's winner on the ranks it is placed on (``GraphConfig.auto_parallel``,
     ``sbpflow run --auto``)."""
     return relayout(job, search(job, memory_per_device, profile=profile).winner.layout)
@@ -201,17 +191,9 @@ def _world_size(job: Job) -> int:
     return len({r for pl in pls if pl is not None for r in pl.ranks}) or 1
 
 
-def load(profile: Any) -> Any:
-    """A ``cost_model.DeviceProfile``: ``profile`` itself, or the one its name or file gives."""
-    from sbpflow.control_plane.compiler import cost_model
-
-    return profile if isinstance(profile, cost_model.DeviceProfile) else cost_model.load_profile(profile)
-
-
-def _estimate(compiled: pipeline.Compiled, profile: Any) -> Estimate:
-    from sbpflow.control_plane.compiler import cost_model
-
-    return cost_model.estimate(compiled, profile)
+def load(profile: DeviceProfile | str) -> DeviceProfile:
+    """``profile`` itself, or the profile its name or file gives (``cost_model.load_profile``)."""
+    return profile if isinstance(profile, DeviceProfile) else cost_model.load_profile(profile)
 
 
 def _nothing_fits(out: Sequence[Candidate], budget: int) -> str:
@@ -338,6 +320,6 @@ def summary(found: Search) -> dict[str, Any]:
     }
 
 
-def _estimate_dict(e: Estimate) -> dict[str, float | int]:
+def _estimate_dict(e: StepEstimate) -> dict[str, float | int]:
     keys = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "peak_memory_bytes")
     return {k: getattr(e, k) for k in keys}
