@@ -1,33 +1,49 @@
-"""Plan quality: what GPT's compiled plans move and how fast they step, the hand figures beside them.
+"""Plan quality: what GPT's compiled plans move and how fast they step, the hand figures beside them, and
+how well the cost model's step times rank the measured ones.
 
-    python bench/plan_quality.py            # the issue's GPT (heads 4, width 128, 2 layers, batch 4, seq 16)
-    python bench/plan_quality.py --steps 4  # fewer measured steps
+    python bench/plan_quality.py             # the issue's GPT (heads 4, width 128, 2 layers, batch 4, seq 16)
+    python bench/plan_quality.py --steps 12  # fewer measured steps
+    python bench/plan_quality.py --only model  # the second table alone
 
-For each layout on 4 ranks: the bytes per step of the hand-derived plan (Megatron's, or DDP's for data
-parallelism; derived in tests/control_plane/compiler/test_plan_bytes.py), of the plan SBP inference's
-one-op walk picks alone (``sbp_ilp.ENABLED = False``, the peer), and of the plan the whole-graph program
-picks (the default where it applies: some weight annotated split); the compile time of each; and the
-measured step time of both plans, trained side by side in-process (``sf.run(backend="inprocess")``):
-per run the median gap between step reports after 2 warm-up steps, the two plans run alternately
-``--repeat`` times and the fastest run of each kept (the least disturbed on a shared machine). The
-target (issue 15): the program's bytes at most 1.0x the hand figure with annotations. Benchmark, not a
-test: the step times on this shared 2-core machine are noisy, the bytes are exact.
+**Bytes.** For each layout on 4 ranks: the bytes per step of the hand-derived plan (Megatron's, or DDP's
+for data parallelism; derived in tests/control_plane/compiler/test_plan_bytes.py), of the plan SBP
+inference's one-op walk picks alone (``sbp_ilp.ENABLED = False``, the peer), and of the plan the
+whole-graph program picks (the default where it applies: some weight annotated split); the compile time
+of each; the measured step time of both plans, trained side by side in-process; and the cost model's
+step time of the program's plan (``cost_model.estimate`` on the ``cpu`` profile, this machine measured
+at start-up, over the ``inprocess`` link), as modelled seconds over measured seconds.
+
+**Modelled against measured.** The MLP example and GPT tiny (the examples' defaults) under DP1, DP2 and
+TP2, in-process: the modelled step, the measured one, their ratio and what bounds the modelled step. The
+Spearman rank correlation of modelled and measured step times is printed for this table, for the first
+table's program plans, and for all rows together: the point of a cost model is to rank plans as they
+run (issue 15's target for the search: >= 0.8).
+
+**Measuring on a shared machine.** Every run is in-process with one BLAS thread a rank (the profile is
+measured with the same), and its step time is the fastest window of ``WINDOW`` consecutive steps after
+``WARM`` warm-up steps (the runtime runs a step ahead, so single step gaps come in pairs; a window's mean
+is not fooled by that, and its fastest is the least disturbed). Plans compared run alternately
+``--repeat`` times, each first in turn, and the fastest run of each is kept. Benchmark, not a test: the
+step times on this shared 2-core machine are noisy, the bytes are exact.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sbpflow as sf  # noqa: E402
 from bench._shared import load_example  # noqa: E402
 from sbpflow.control_plane.compiler import pipeline, sbp_ilp  # noqa: E402
+from sbpflow.control_plane.compiler.cost_model import DeviceProfile, StepEstimate, estimate  # noqa: E402
+from sbpflow.control_plane.compiler.cpu_profile import measure_cpu_profile  # noqa: E402
 from tests.control_plane.compiler.test_plan_bytes import (  # noqa: E402
     MEGATRON_TP4,
     MEGATRON_TP4_VOCAB,
@@ -43,6 +59,17 @@ LAYOUTS: dict[str, tuple[dict[str, Any], int, str]] = {
     "DP2 x TP2": ({"tp": True, "dp": 2}, 4_007_968, "Megatron"),
     "PP2 x DP2": ({"pp": 2, "micro_batches": 2}, 3_387_996, "Megatron"),
 }
+# the second table: example, make_job arguments
+MODELLED: dict[str, tuple[str, dict[str, Any]]] = {
+    "MLP DP1": ("mlp", {"ranks": 1}),
+    "MLP DP2": ("mlp", {"ranks": 2}),
+    "MLP TP2": ("mlp", {"ranks": 2, "tp": True}),
+    "GPT DP1": ("gpt", {"ranks": 1}),
+    "GPT DP2": ("gpt", {"ranks": 2}),
+    "GPT TP2": ("gpt", {"ranks": 2, "tp": True}),
+}
+WARM, WINDOW, THREADS = 3, 4, 1
+LINK = "inprocess"
 
 
 def compiled(kwargs: dict[str, Any], whole_graph: bool, steps: int) -> tuple[pipeline.Compiled, float]:
@@ -55,41 +82,109 @@ def compiled(kwargs: dict[str, Any], whole_graph: bool, steps: int) -> tuple[pip
         sbp_ilp.ENABLED = True
 
 
-def step_ms(c: pipeline.Compiled, steps: int) -> float:
+def step_s(c: pipeline.Compiled, steps: int) -> float:
+    """The fastest window's mean step (module docstring), in seconds."""
     marks: list[float] = []
     sf.run(
-        c, steps=steps, backend="inprocess", timeout=600, on_step=lambda *_: marks.append(time.perf_counter())
+        c,
+        steps=steps,
+        backend="inprocess",
+        threads=THREADS,
+        timeout=600,
+        on_step=lambda *_: marks.append(time.perf_counter()),
     )
-    gaps = [b - a for a, b in zip(marks[2:], marks[3:], strict=False)]
-    return 1e3 * statistics.median(gaps) if gaps else float("nan")
+    m = marks[WARM:]
+    windows = [(m[i + WINDOW] - m[i]) / WINDOW for i in range(len(m) - WINDOW)]
+    return min(windows) if windows else float("nan")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
+def fastest(plans: dict[str, pipeline.Compiled], steps: int, repeat: int) -> dict[str, float]:
+    """Each plan's fastest run of ``repeat``, run alternately, each first in turn."""
+    runs: dict[str, list[float]] = {k: [] for k in plans}
+    names = list(plans)
+    for r in range(repeat):
+        for k in names if r % 2 == 0 else names[::-1]:
+            runs[k].append(step_s(plans[k], steps))
+    return {k: min(v) for k, v in runs.items()}
+
+
+def bytes_table(args: argparse.Namespace, cpu: DeviceProfile) -> list[tuple[float, float]]:
+    """The first table; returns (modelled, measured) seconds of each program plan."""
     print(
-        f"GPT {SHAPE}, float32, in-process; bytes per step, compile s, step ms (median of {args.steps - 3} "
-        f"gaps, fastest of {args.repeat} alternating runs)"
+        f"GPT {SHAPE}, float32, in-process, {THREADS} BLAS thread a rank; bytes per step, compile s, step ms "
+        f"(fastest {WINDOW}-step window after {WARM}, fastest of {args.repeat} alternating runs); model: "
+        f"cost_model on the measured cpu profile, link {LINK}"
     )
     head = f"{'layout':20s} {'hand':>11s} {'walk':>11s} {'program':>11s} {'prog/hand':>9s}"
-    print(head + f" {'compile w/p s':>14s} {'step walk':>10s} {'step prog':>10s} {'prog/walk':>9s}")
+    head += f" {'compile w/p s':>14s} {'step walk':>10s} {'step prog':>10s} {'prog/walk':>9s}"
+    print(head + f" {'model prog':>10s} {'model/meas':>10s}")
+    pairs = []
     for name, (kwargs, hand, whose) in LAYOUTS.items():
         walk, tw = compiled(kwargs, False, args.steps)
         prog, tp = compiled(kwargs, True, args.steps)
         bw, bp = step_bytes(walk.state), step_bytes(prog.state)
-        runs: dict[str, list[float]] = {"walk": [], "prog": []}
-        for r in range(args.repeat):  # alternately, each first in turn, so that load hits both alike
-            for kind in ("walk", "prog") if r % 2 == 0 else ("prog", "walk"):
-                runs[kind].append(step_ms(walk if kind == "walk" else prog, args.steps))
-        sw, sp = min(runs["walk"]), min(runs["prog"])
+        got = fastest({"walk": walk, "prog": prog}, args.steps, args.repeat)
+        sw, sp = got["walk"], got["prog"]
+        model = estimate(prog, cpu, LINK).step_s
+        pairs.append((model, sp))
         print(
             f"{name:20s} {hand:>11,d} {bw:>11,d} {bp:>11,d} {bp / hand:>8.2f}x {tw:>6.1f}/{tp:<7.1f}"
-            f" {sw:>10.1f} {sp:>10.1f} {sp / sw:>8.2f}x   ({whose})"
+            f" {sw * 1e3:>10.1f} {sp * 1e3:>10.1f} {sp / sw:>8.2f}x {model * 1e3:>10.2f} {model / sp:>9.2f}x"
+            f"   ({whose})"
         )
     print("target: prog/hand <= 1.00 with annotations (TP layouts); the walk is the peer for step times")
     print("where walk and program bytes are equal the plans are the same: their step ratio is the noise")
+    return pairs
+
+
+def model_table(args: argparse.Namespace, cpu: DeviceProfile) -> list[tuple[float, float]]:
+    """The second table; returns its (modelled, measured) seconds."""
+    print(f"\nmodelled against measured, in-process on this CPU ({cpu.source}):")
+    plans = {
+        k: pipeline.compile(load_example(ex).make_job(**kw, steps=args.steps))
+        for k, (ex, kw) in MODELLED.items()
+    }
+    measured = fastest(plans, args.steps, args.repeat)
+    print(
+        f"{'plan':10s} {'measured ms':>12s} {'modelled ms':>12s} {'model/meas':>10s}  {'modelled step bound by'}"
+    )
+    pairs = []
+    for k, c in plans.items():
+        e: StepEstimate = estimate(c, cpu, LINK)
+        pairs.append((e.step_s, measured[k]))
+        print(
+            f"{k:10s} {measured[k] * 1e3:>12.2f} {e.step_s * 1e3:>12.2f} {e.step_s / measured[k]:>9.2f}x  {e.bound}"
+            f" (compute {e.compute_s * 1e3:.2f}, exposed comm {e.exposed_comm_s * 1e3:.2f}, data {e.data_s * 1e3:.2f} ms)"
+        )
+    return pairs
+
+
+def spearman(pairs: list[tuple[float, float]]) -> float:
+    return (
+        float(spearmanr([m for m, _ in pairs], [s for _, s in pairs]).statistic)
+        if len(pairs) > 2
+        else float("nan")
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--only", choices=("bytes", "model"), help="print one table only")
+    args = ap.parse_args()
+    if args.steps < WARM + WINDOW + 1:
+        ap.error(
+            f"--steps must be at least {WARM + WINDOW + 1} ({WARM} warm-up steps and a {WINDOW}-step window)"
+        )
+    cpu = measure_cpu_profile(threads=THREADS)
+    first = bytes_table(args, cpu) if args.only != "model" else []
+    second = model_table(args, cpu) if args.only != "bytes" else []
+    print(
+        f"\nSpearman rank correlation, modelled vs measured step: GPT layouts {spearman(first):.2f} "
+        f"({len(first)} plans), MLP/GPT DP1/DP2/TP2 {spearman(second):.2f} ({len(second)}), "
+        f"all {spearman(first + second):.2f} ({len(first) + len(second)}); target >= 0.8"
+    )
 
 
 if __name__ == "__main__":

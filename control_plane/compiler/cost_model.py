@@ -21,14 +21,15 @@ with the bytes one rank sends (the boxing table's bytes, all ranks together, ove
 ``2(p-1)/p |T|``, an all-gather or reduce-scatter ``(p-1)/p |T|``) and the ring's hops (``2(p-1)``,
 ``p-1``); point to point, the most any rank receives and one hop. Local slices and zero fills are copies.
 
-**Overlap.** The step is simulated as the runtime runs it: per pipeline stage, a compute stream and a
-communication stream, each in the plan's order (the runtime's communication stream is ordered), every op
-starting once its stream is free and its inputs are made. Ops that read only parameters run once
-(``pre``), those that depend on the data once per micro-batch in the schedule's order
-(``micro_batching.layout``; the schedule's timeline), then the update (``step``). So a gradient's
-all-reduce overlaps the backward still to run, a tensor-parallel all-reduce in the forward does not, and
-pipeline stages overlap as the schedule lets them. ``exposed_comm_s`` is ``step_s`` less the same
-simulation with every collective free: what communication adds to the step.
+**The step** (``step_sim.py``) is simulated as the runtime runs it: per pipeline stage a compute and an
+ordered communication stream, every op starting once its stream is free and its inputs are made, in
+lowering's order (``pre``, the schedule's micro-batches, the update). So a gradient's all-reduce overlaps
+the backward still to run, a tensor-parallel all-reduce in the forward does not, and pipeline stages
+overlap as the schedule lets them. A CPU profile adds what a host shares: its ranks' work over its cores,
+one interpreter for ranks that are threads of one process (the ``inprocess`` link), and data loading
+(``data_row_s``: a source's seconds per sample row), which runs ahead and so bounds the step; the step is
+the largest bound, and ``StepEstimate.bound`` names it. ``exposed_comm_s`` is ``step_s`` less the same
+step with every collective free: what communication adds to the step.
 
 **Memory** is the plan's estimate (``memory.py``, ``Compiled.memory``): the largest device total. A bare
 ``CompileState`` (compiled with ``lower="none"``) has none; its figure is then the sum of each stage's
@@ -37,8 +38,8 @@ the micro-batches in flight (an upper bound: no register reuse).
 
 Names as issue 15's interface gives them: :class:`DeviceProfile`, :class:`LinkProfile`,
 :func:`load_profile`, :class:`StepEstimate`, :func:`estimate` (``plan`` is a ``pipeline.Compiled`` or a
-``CompileState``). :func:`measure_cpu_profile` lives in ``cpu_profile.py``; ``load_profile("cpu")`` calls
-it.
+``CompileState``; ``ranks_per_host`` places a CPU profile's ranks). :func:`measure_cpu_profile` lives in
+``cpu_profile.py`` (``load_profile("cpu")`` calls it), and :class:`~.step_sim.OpCost` in ``step_sim.py``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from sbpflow.control_plane.compiler.lowering.tasks import shard_shape
 from sbpflow.control_plane.compiler.memory import DeviceMemory
 from sbpflow.control_plane.compiler.micro_batching import Layout
 from sbpflow.control_plane.compiler.state import CompileState
+from sbpflow.control_plane.compiler.step_sim import Load, OpCost, host_bounds, order, simulate
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import BOXING, OpNode, TensorDecl, TensorKind
 from sbpflow.ops.base import get_op
@@ -111,6 +113,9 @@ class DeviceProfile:
     memory_bytes: int = 0  # the device's memory; 0 where unknown
     default_link: str = "shm"
     source: str = ""  # where the figures come from
+    host_cores: int = 0  # a CPU rank's host: its cores, which the ranks on it share; 0: a device of its own
+    threads: int = 0  # the BLAS threads one rank's rates were measured with (0: every core of the host)
+    data_row_s: Mapping[str, float] = field(default_factory=dict)  # a data source's seconds a sample row
 
     def __post_init__(self) -> None:
         if not self.flops_per_s or min(self.flops_per_s.values()) <= 0 or self.mem_bytes_per_s <= 0:
@@ -140,10 +145,8 @@ class DeviceProfile:
 
     def to_json(self) -> str:
         body = asdict(self)
-        body["flops_per_s"], body["links"] = (
-            dict(self.flops_per_s),
-            {k: asdict(v) for k, v in self.links.items()},
-        )
+        body["flops_per_s"], body["data_row_s"] = dict(self.flops_per_s), dict(self.data_row_s)
+        body["links"] = {k: asdict(v) for k, v in self.links.items()}
         return json.dumps(body, indent=2, sort_keys=True) + "\n"
 
     @classmethod
@@ -163,6 +166,9 @@ class DeviceProfile:
                 memory_bytes=int(body.get("memory_bytes", 0)),
                 default_link=str(body.get("default_link", "shm")),
                 source=str(body.get("source", "")),
+                host_cores=int(body.get("host_cores", 0)),
+                threads=int(body.get("threads", 0)),
+                data_row_s={k: float(v) for k, v in body.get("data_row_s", {}).items()},
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ProfileError(
@@ -209,25 +215,13 @@ def load_profile(path_or_name: str) -> DeviceProfile:
 
 
 @dataclass(frozen=True)
-class OpCost:
-    """One op's modelled seconds per step (all its micro-batches), on its stage's busiest rank."""
-
-    name: str
-    op_type: str
-    stage: int
-    comm: bool  # on the communication stream (a boxing node's messages)
-    seconds: float
-    flops: int = 0  # per step, one rank
-    bytes: int = 0  # per step, one rank: moved in memory (compute) or sent (communication)
-
-
-@dataclass(frozen=True)
 class StepEstimate:
-    """The modelled step: busy seconds of the busiest rank, and the simulated step (module docstring).
+    """The modelled step (module docstring).
 
-    ``compute_s``: the busiest stage's compute per step; ``comm_s``: its communication, summed over the
-    pipeline's stages (one rank of each), so ``0 <= exposed_comm_s <= comm_s`` always;
-    ``exposed_comm_s``: what communication adds to the simulated step; ``step_s``: the simulated step.
+    ``compute_s``: the busiest stage's compute per step, one rank; ``comm_s``: communication, summed over
+    the pipeline's stages (one rank of each), so ``0 <= exposed_comm_s <= comm_s`` always;
+    ``exposed_comm_s``: what communication adds to the step; ``step_s``: the step, the largest of the
+    bounds of ``step_sim`` (``bound`` names it); ``data_s``: the slowest rank's data loading.
     """
 
     compute_s: float
@@ -239,6 +233,8 @@ class StepEstimate:
     profile: str = ""
     link: str = ""
     memory_from_plan: bool = True  # False: the upper bound of a plan without a memory estimate
+    data_s: float = 0.0
+    bound: str = "the critical path"
 
     @property
     def overlapped_comm_s(self) -> float:
@@ -252,11 +248,14 @@ class StepEstimate:
 
     def lines(self) -> list[str]:
         mem = "" if self.memory_from_plan else " (upper bound: no memory estimate in the plan)"
+        idle = self.step_s - self.compute_s - self.exposed_comm_s
         out = [
             f"modelled step on {self.profile} (link {self.link}): {self.step_s * 1e3:.3f} ms = compute "
-            f"{self.compute_s * 1e3:.3f} ms + exposed comm {self.exposed_comm_s * 1e3:.3f} ms" + _rest(self),
+            f"{self.compute_s * 1e3:.3f} ms + exposed comm {self.exposed_comm_s * 1e3:.3f} ms"
+            + (f" + waits {idle * 1e3:.3f} ms" if idle > 1e-12 else "")
+            + f"; bound by {self.bound}",
             f"  communication {self.comm_s * 1e3:.3f} ms, of it overlapped with compute "
-            f"{self.overlapped_comm_s * 1e3:.3f} ms",
+            f"{self.overlapped_comm_s * 1e3:.3f} ms; data loading {self.data_s * 1e3:.3f} ms (prefetched)",
             f"  peak memory per device {self.peak_memory_bytes:,d} B{mem}",
             "  most expensive ops (ms per step):",
         ]
@@ -267,71 +266,131 @@ class StepEstimate:
         return out
 
 
-def _rest(e: StepEstimate) -> str:
-    idle = e.step_s - e.compute_s - e.exposed_comm_s
-    return f" + idle {idle * 1e3:.3f} ms (pipeline bubble, waits)" if idle > 1e-12 else ""
-
-
-Order = list[tuple[str, int | None]]  # (op, micro-batch; None: once per step)
-
-
-def estimate(plan: Compiled | CompileState, profile: DeviceProfile, link: str | None = None) -> StepEstimate:
+def estimate(
+    plan: Compiled | CompileState,
+    profile: DeviceProfile,
+    link: str | None = None,
+    ranks_per_host: int = 0,
+) -> StepEstimate:
     """The modelled step of ``plan`` on ``profile``'s devices over links of kind ``link`` (default: the
-    profile's ``default_link``)."""
+    profile's ``default_link``). A CPU profile's ranks sit ``ranks_per_host`` to a host (0: all on one,
+    this machine); ranks over the ``inprocess`` link share one interpreter (``step_sim.host_bounds``)."""
     state = plan if isinstance(plan, CompileState) else plan.state
     memory = {} if isinstance(plan, CompileState) else plan.memory
     kind = link or profile.default_link
     costs = {o.name: _op_cost(state, o, profile, profile.link(kind)) for o in state.graph.ops}
     lay = micro_batching.layout(state)
-    order: Order = [(n, None) for n in lay.pre]
-    for stage, action in lay.schedule.timeline():
-        order += [(n, action.micro_batch) for n in lay.slots.get((stage, action.phase), ())]
-    order += [(n, None) for n in lay.step]
+    steps = order(lay)
     ops = {o.name: o for o in state.graph.ops}
-    step_s = _simulate(order, ops, costs, with_comm=True)
-    alone = _simulate(order, ops, costs, with_comm=False)
-    busy: dict[tuple[int, bool], float] = {}
     calls: dict[str, int] = {}
-    for name, _ in order:
-        c = costs[name]
-        busy[(c.stage, c.comm)] = busy.get((c.stage, c.comm), 0.0) + c.seconds
+    for name, _ in steps:
         calls[name] = calls.get(name, 0) + 1
+    by_op = tuple(_times(costs[n], k) for n, k in calls.items())
+    loads = _loads(state, lay, by_op, profile)
+    bounds = [
+        host_bounds(
+            simulate(steps, ops, costs, with_comm),
+            loads,
+            _ranks_of(state),
+            profile.host_cores,
+            profile.threads,
+            ranks_per_host,
+            kind == "inprocess",
+        )
+        for with_comm in (True, False)
+    ]
     peak, exact = _peak_memory(state, memory, lay)
     return StepEstimate(
-        compute_s=max((v for (_, comm), v in busy.items() if not comm), default=0.0),
-        comm_s=sum(v for (_, comm), v in busy.items() if comm),
-        exposed_comm_s=max(0.0, step_s - alone),
-        step_s=step_s,
+        compute_s=max((x.compute_s for x in loads.values()), default=0.0),
+        comm_s=sum(c.seconds for c in by_op if c.comm),
+        exposed_comm_s=max(0.0, bounds[0].step_s - bounds[1].step_s),
+        step_s=bounds[0].step_s,
         peak_memory_bytes=peak,
-        by_op=tuple(_times(costs[n], k) for n, k in calls.items()),
+        by_op=by_op,
         profile=profile.name,
         link=kind,
         memory_from_plan=exact,
+        data_s=bounds[0].data_s,
+        bound=bounds[0].name,
     )
 
 
 def _times(c: OpCost, k: int) -> OpCost:
-    return OpCost(c.name, c.op_type, c.stage, c.comm, c.seconds * k, c.flops * k, c.bytes * k)
+    return OpCost(c.name, c.op_type, c.stage, c.comm, c.seconds * k, c.flops * k, c.bytes * k, c.python_s * k)
 
 
-def _simulate(order: Order, ops: Mapping[str, OpNode], costs: Mapping[str, OpCost], with_comm: bool) -> float:
-    """The simulated step: each (op, micro-batch) in ``order`` starts when its stream (stage, compute or
-    communication) is free and its inputs are made; ``with_comm=False`` makes every message free."""
-    free: dict[tuple[int, bool], float] = {}
-    ready: dict[tuple[str, int | None], float] = {}  # (tensor, micro-batch); None: once, or the last one
-    end = 0.0
-    for name, k in order:
-        o, c = ops[name], costs[name]
-        t_in = max((ready.get((i, k), ready.get((i, None), 0.0)) for i in o.inputs), default=0.0)
-        stream = (c.stage, c.comm)
-        done = max(free.get(stream, 0.0), t_in) + (c.seconds if with_comm or not c.comm else 0.0)
-        free[stream] = done
-        for out in o.outputs:
-            ready[(out, k)] = done
-            if k is not None:
-                ready[(out, None)] = max(ready.get((out, None), 0.0), done)
-        end = max(end, done)
-    return end
+def _loads(
+    state: CompileState, lay: Layout, by_op: tuple[OpCost, ...], profile: DeviceProfile
+) -> dict[int, Load]:
+    """Each stage's :class:`~.step_sim.Load` on one rank: its compute, and its data loading (each
+    micro-batch's local rows at the source's cost a row, and their bytes at memory bandwidth)."""
+    g = state.graph
+    row_s = profile.data_row_s.get(source_key(state.job.data), 0.0)
+    rows: dict[int, int] = {}
+    nbytes: dict[int, int] = {}
+    for t in g.of_kind(TensorKind.input):
+        stage = min((o.stage for o in g.consumers(t.name)), default=0)
+        local = _local(t)
+        rows[stage] = max(rows.get(stage, 0), local.shape[0] if local.shape else 1)
+        nbytes[stage] = nbytes.get(stage, 0) + local.nbytes
+    tail = _plan_acts(state, lay)
+    out = {}
+    for stage in sorted({c.stage for c in by_op} | set(rows)):
+        mine = [c for c in by_op if c.stage == stage]
+        data = lay.micro_batches * (
+            rows.get(stage, 0) * row_s + nbytes.get(stage, 0) / profile.mem_bytes_per_s
+        )
+        extra = tail.get(stage, 0) * profile.op_overhead_s
+        out[stage] = Load(
+            compute_s=sum(c.seconds for c in mine if not c.comm) + extra,
+            python_s=sum(c.python_s for c in mine) + data + extra,
+            data_s=data,
+            tail_s=extra,
+        )
+    return out
+
+
+def _plan_acts(state: CompileState, lay: Layout) -> dict[int, int]:
+    """Per stage, the acts of a step that run no op of the graph: each variable's write-back, each input's
+    load and each accumulation per micro-batch (when there are several), the fetches."""
+    g = state.graph
+    producer = {t: o for o in g.ops for t in o.outputs}
+    out: dict[int, int] = {}
+
+    def add(tensor: str, n: int) -> None:
+        op = producer.get(tensor)
+        readers = g.consumers(tensor) if op is None else [op]
+        stage = min((o.stage for o in readers), default=0)
+        out[stage] = out.get(stage, 0) + n
+
+    m = lay.micro_batches
+    for new in state.updates.values():
+        add(new, 1)
+    for t in g.of_kind(TensorKind.input):
+        add(t.name, m)
+    for t in lay.accumulate if m > 1 else ():
+        add(t, m)
+    for t in (state.job.loss, *state.job.fetches):
+        if t:
+            add(t, 1)
+    return out
+
+
+def source_key(source: object) -> str:
+    """A data source's key in ``DeviceProfile.data_row_s``: its class, and a synthetic source's kind."""
+    kind = getattr(source, "kind", None)
+    return type(source).__name__ + (f":{kind}" if isinstance(kind, str) else "")
+
+
+def _ranks_of(state: CompileState) -> dict[int, tuple[int, ...]]:
+    """Each pipeline stage's ranks: those of its ops' placements."""
+    out: dict[int, set[int]] = {}
+    g = state.graph
+    for o in g.ops:
+        pl = o.placement or next((g.tensors[t].placement for t in o.outputs), None)
+        if pl is not None:
+            out.setdefault(o.stage, set()).update(pl.ranks)
+    return {s: tuple(sorted(r)) for s, r in out.items()}
 
 
 def _op_cost(state: CompileState, o: OpNode, profile: DeviceProfile, link: LinkProfile) -> OpCost:
@@ -341,15 +400,14 @@ def _op_cost(state: CompileState, o: OpNode, profile: DeviceProfile, link: LinkP
         comm = any(s.collective not in LOCAL for s in plan.steps)
         secs = sum(step_seconds(s, plan, link, profile.mem_bytes_per_s) for s in plan.steps)
         sent = int(sum(per_rank_bytes(s, plan) for s in plan.steps))
-        return OpCost(
-            o.name, o.op_type, o.stage, comm, secs + profile.op_overhead_s * len(plan.steps), 0, sent
-        )
+        python = profile.op_overhead_s * len(plan.steps)
+        return OpCost(o.name, o.op_type, o.stage, comm, secs + python, 0, sent, python)
     ins = tuple(_local(g.tensors[i]) for i in o.inputs)
     outs = tuple(_local(g.tensors[i]) for i in o.outputs)
     w = work(o.op_type, ins, outs, get_op(o.op_type).normalize_attrs(o.attrs))
     dtype = (outs or ins)[0].dtype.value
     secs = max(w.flops / profile.peak(dtype), w.bytes / profile.mem_bytes_per_s) + profile.op_overhead_s
-    return OpCost(o.name, o.op_type, o.stage, False, secs, w.flops, w.bytes)
+    return OpCost(o.name, o.op_type, o.stage, False, secs, w.flops, w.bytes, profile.op_overhead_s)
 
 
 def _local(t: TensorDecl) -> TensorMeta:
@@ -374,13 +432,14 @@ def _peak_memory(state: CompileState, memory: Mapping[int, DeviceMemory], lay: L
         if o.op_type == BOXING and o.name not in per_mb:
             continue
         for out in o.outputs:
-            t = g.tensors[out]
             many = lay.schedule.in_flight(o.stage) if o.name in per_mb else 1
-            held[o.stage] = held.get(o.stage, 0) + _local(t).nbytes * many
+            held[o.stage] = held.get(o.stage, 0) + _local(g.tensors[out]).nbytes * many
     for t in g.tensors.values():
+        stage = min((o.stage for o in g.consumers(t.name)), default=0)
         if t.kind in (TensorKind.parameter, TensorKind.optimizer_state):
-            stage = min((o.stage for o in g.consumers(t.name)), default=0)
             held[stage] = held.get(stage, 0) + _local(t).nbytes
+        elif t.kind == TensorKind.input:  # the loader's buffer and its prefetch copy
+            held[stage] = held.get(stage, 0) + 2 * _local(t).nbytes * lay.micro_batches
     return int(max(held.values(), default=0)), False
 
 

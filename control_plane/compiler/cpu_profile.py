@@ -1,15 +1,20 @@
-"""This CPU as a cost-model profile, measured: ``measure_cpu_profile(seconds)`` (``load_profile("cpu")``).
+"""This CPU as a cost-model profile, measured: ``measure_cpu_profile(seconds, threads)`` (``load_profile("cpu")``).
 
-What it times, each for a share of ``seconds`` and keeping the best rate (the least disturbed run on a
+A profile is one CPU *rank*: its rates with ``threads`` BLAS threads (1, as a Ray worker runs a CPU
+rank), on a host of ``host_cores`` cores that its ranks share (``step_sim.host_bounds``). What it times,
+in three rounds of a share of ``seconds`` each, keeping each figure's best (the least disturbed on a
 shared machine):
 
 * **GEMM** float32 and float64, numpy's BLAS on square matrices: the peak FLOP/s per dtype (bfloat16 and
   float16 run at the float32 rate: numpy has no faster path for them);
 * **elementwise**: ``np.add`` into a preallocated output on arrays far larger than the caches, the three
   arrays' bytes over the time: the memory bandwidth of the roofline;
-* **per-op overhead**: a small kernel's time through the runtime's own act path is what a CPU op costs
-  beyond its roofline; measured here as one tiny ``np.add`` plus the bookkeeping of one act (a dict
-  lookup, a queue round trip between threads), the floor of what the executor adds;
+* **per-act overhead**: what the runtime spends on an act beyond its kernel (register hand-offs, the
+  engine's bookkeeping), from a real in-process run of chains of tiny kernels of two lengths: the
+  difference over the acts it adds (:func:`act_overhead`);
+* **data loading**: a batch of each synthetic source kind the examples read (``SyntheticSource``
+  ``regression`` and ``tokens``), per sample row: its per-row generator is Python, and costs far more
+  than the bytes it makes;
 * **links**: a two-rank all-reduce of a small and of a large array on each transport this machine runs,
   fitted to ``hops * latency + bytes / bandwidth`` (``cost_model.LinkProfile``): ``inprocess`` (ranks as
   threads: ``sf.run(backend="inprocess")``), ``shm`` and ``tcp`` (``CpuTransport`` with shared memory, and
@@ -19,18 +24,26 @@ shared machine):
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 
+from sbpflow.actor_workers.runtime.threads import limited
 from sbpflow.actor_workers.transport.cpu.transport import CpuTransport
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.boxing import Collective
-from sbpflow.control_plane.compiler.cost_model import HOPS, DeviceProfile, LinkProfile
+from sbpflow.control_plane.compiler.cost_model import HOPS, DeviceProfile, LinkProfile, source_key
+from sbpflow.data import SyntheticSource
+from sbpflow.dtype import DType
+from sbpflow.graph import Graph, OpNode, TensorDecl
+from sbpflow.job import Job, JobConfig
+from sbpflow.placement import placement
+from sbpflow.sbp import B
+from sbpflow.tensor_meta import TensorMeta
 
 SMALL, LARGE = 16, 1 << 20  # float32 elements of the latency and the bandwidth all-reduces
 
@@ -58,28 +71,32 @@ def elementwise_bandwidth(budget: float, n: int = 1 << 23) -> float:
     return 3 * a.nbytes / _best(lambda: np.add(a, b, out=out), budget)
 
 
-def op_overhead(budget: float) -> float:
-    """A tiny kernel plus one cross-thread hand-off, as an act's floor (module docstring)."""
-    a = np.ones(8, np.float32)
-    box: queue.SimpleQueue[object] = queue.SimpleQueue()
-    back: queue.SimpleQueue[object] = queue.SimpleQueue()
+def act_overhead(threads: int, short: int = 10, long: int = 110, steps: int = 20) -> float:
+    """The runtime's seconds an act: one rank in-process running chains of ``short`` and ``long`` tiny
+    ``add_scalar`` kernels (8 floats) for ``steps`` steps, the difference over the acts it adds; each
+    chain runs twice after a warm-up run and its faster run counts."""
+    from sbpflow.control_plane.compiler.pipeline import compile as compile_job
+    from sbpflow.control_plane.launcher import run
 
-    def peer() -> None:
-        while (item := box.get()) is not None:
-            back.put(item)
+    def seconds(n: int) -> float:
+        compiled = compile_job(_chain(n, steps))
+        return min(run(compiled, backend="inprocess", threads=threads, timeout=60).seconds for _ in range(2))
 
-    th = threading.Thread(target=peer, daemon=True)
-    th.start()
+    seconds(short)  # warm: the first run in a process starts what later ones reuse
+    return max((seconds(long) - seconds(short)) / ((long - short) * steps), 1e-7)
 
-    def act() -> None:
-        box.put(np.add(a, a))
-        back.get()
 
-    try:
-        return _best(act, budget, least=20)
-    finally:
-        box.put(None)
-        th.join(timeout=5)
+def _chain(n: int, steps: int) -> Job:
+    pl, meta = placement("cpu", [0]), TensorMeta((8,), DType.float32)
+    g = Graph()
+    g.add_tensor(TensorDecl("x0", meta, placement=pl, sbp=(B,)))
+    g.add_op(OpNode("fill", "full", (), ("x0",), {"shape": (8,), "dtype": DType.float32}, pl))
+    for i in range(n):
+        g.add_tensor(TensorDecl(f"x{i + 1}", meta, placement=pl, sbp=(B,)))
+        g.add_op(OpNode(f"step{i}", "add_scalar", (f"x{i}",), (f"x{i + 1}",), {"value": 1.0}, pl))
+    g.add_tensor(TensorDecl("loss", TensorMeta((), DType.float32), placement=pl, sbp=(B,)))
+    g.add_op(OpNode("total", "sum", (f"x{n}",), ("loss",), {}, pl))
+    return Job("act-overhead", g, loss="loss", config=JobConfig(steps=steps))
 
 
 def fit_link(time_of: Callable[[int], float], p: int = 2) -> LinkProfile:
@@ -170,25 +187,74 @@ def _connecting(t: CpuTransport, endpoints: Sequence[Any]) -> Callable[[], float
     return run
 
 
-def measure_cpu_profile(seconds: float = 1.0) -> DeviceProfile:
-    """This CPU's profile, measured in about ``seconds`` (module docstring)."""
-    share = max(seconds, 0.1) / 8
-    f32, f64 = gemm_flops(np.float32, share), gemm_flops(np.float64, share)
-    links = {
-        "inprocess": _inprocess_link(share),
-        "shm": _cpu_link(share, shared_memory=True),
-        "tcp": _cpu_link(share, shared_memory=False),
+def data_row_seconds(budget: float) -> dict[str, float]:
+    """Seconds per sample row of each synthetic source kind the examples read, from a small batch."""
+    kinds = {
+        "regression": {"in": 16, "out": 4},
+        "tokens": {"seq_len": 16, "vocab": 64},
     }
+    out = {}
+    for kind, params in kinds.items():
+        src = SyntheticSource(batch_size=ROWS, kind=kind, params=params, seed=0)
+        out[source_key(src)] = _best(partial(src.read, ROWS), budget / len(kinds)) / ROWS
+    return out
+
+
+def measure_cpu_profile(seconds: float = 1.0, threads: int = 1) -> DeviceProfile:
+    """This CPU's profile, measured in about ``seconds`` with ``threads`` BLAS threads a rank (1: a Ray
+    CPU rank's; 0: the process's setting), in rounds that keep each figure's best (module docstring)."""
+    share = max(seconds, 0.1) / 8 / ROUNDS
+    best: dict[str, float] = {}
+    links: dict[str, LinkProfile] = {}
+    rows: dict[str, float] = {}
+    with limited(threads):
+        for _ in range(ROUNDS):
+            for name, fn in _RATES.items():
+                best[name] = max(best.get(name, 0.0), fn(share))
+            for kind, link in (("inprocess", _inprocess_link(share)), *_cpu_links(share)):
+                was = links.get(kind)
+                links[kind] = link if was is None else _better(was, link)
+            for key, s in data_row_seconds(share).items():
+                rows[key] = min(rows.get(key, float("inf")), s)
+    f32 = best["float32"]
     return DeviceProfile(
         name="cpu",
-        flops_per_s={"float32": f32, "float64": f64, "bfloat16": f32, "float16": f32},
-        mem_bytes_per_s=elementwise_bandwidth(share),
+        flops_per_s={"float32": f32, "float64": best["float64"], "bfloat16": f32, "float16": f32},
+        mem_bytes_per_s=best["memory"],
         links=links,
-        op_overhead_s=op_overhead(share),
+        op_overhead_s=act_overhead(threads),
         memory_bytes=_memory_bytes(),
         default_link="shm",
-        source=f"measured on this machine ({os.cpu_count()} CPUs) by cpu_profile.measure_cpu_profile",
+        source=f"measured on this machine ({_cores()} cores, {threads or 'all'} BLAS thread(s) a rank) by "
+        "cpu_profile.measure_cpu_profile",
+        host_cores=_cores(),
+        threads=threads,
+        data_row_s=rows,
     )
+
+
+ROUNDS = 3
+ROWS = 16
+_RATES: dict[str, Callable[[float], float]] = {
+    "float32": lambda budget: gemm_flops(np.float32, budget),
+    "float64": lambda budget: gemm_flops(np.float64, budget),
+    "memory": elementwise_bandwidth,
+}
+
+
+def _better(a: LinkProfile, b: LinkProfile) -> LinkProfile:
+    return LinkProfile(min(a.latency_s, b.latency_s), max(a.bytes_per_s, b.bytes_per_s))
+
+
+def _cpu_links(budget: float) -> list[tuple[str, LinkProfile]]:
+    return [("shm", _cpu_link(budget, shared_memory=True)), ("tcp", _cpu_link(budget, shared_memory=False))]
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _memory_bytes() -> int:

@@ -42,6 +42,15 @@ FIXED = DeviceProfile(
     links={"shm": LinkProfile(latency_s=1e-5, bytes_per_s=1e9), "slow": LinkProfile(1e-5, 1e8)},
     op_overhead_s=0.0,
 )
+# a CPU host of 2 cores, one BLAS thread a rank, whose regression data costs 0.1 ms a sample row
+HOST = replace(
+    FIXED,
+    name="host",
+    links={**FIXED.links, "inprocess": LinkProfile(1e-5, 1e9)},
+    host_cores=2,
+    threads=1,
+    data_row_s={"SyntheticSource:regression": 1e-4},
+)
 F32 = DType.float32
 
 
@@ -91,7 +100,7 @@ def test_attention_flops_are_exact_in_a_compiled_gpt() -> None:
 
 
 def test_profile_json_round_trips(tmp_path: Path) -> None:
-    for p in (FIXED, load_profile("h200")):
+    for p in (FIXED, HOST, load_profile("h200")):
         assert DeviceProfile.from_json(p.to_json()) == p
         file = tmp_path / f"{p.name}.json"
         file.write_text(p.to_json())
@@ -221,6 +230,41 @@ def test_pipeline_stages_overlap() -> None:
     per_stage = [sum(c.seconds for c in e.by_op if c.stage == s and not c.comm) for s in (0, 1)]
     assert max(per_stage) == pytest.approx(e.compute_s)
     assert e.compute_s < e.step_s < sum(per_stage) + e.comm_s
+
+
+# ---- what a host shares ---------------------------------------------------------------------------
+
+
+def test_data_loading_costs_its_rows_and_bounds_the_step() -> None:
+    """x [32, 16] and y [32, 4] float32 a step: 32 rows at 0.1 ms and their bytes at memory bandwidth;
+    the loader runs ahead, so a step that computes for less is as long as its loading."""
+    e = estimate(compiled("mlp", ranks=1, batch_size=32), HOST)
+    assert e.data_s == pytest.approx(32 * 1e-4 + 32 * (16 + 4) * 4 / 1e11)
+    assert e.compute_s < e.data_s and e.step_s == pytest.approx(e.data_s)
+    assert e.bound == "data loading"
+    assert estimate(compiled("mlp", ranks=1, batch_size=64), HOST).data_s > e.data_s
+
+
+def test_ranks_in_one_interpreter_take_turns() -> None:
+    """Tensor parallel: both ranks load every row; as threads of one process (inprocess) one at a time,
+    as processes (shm) side by side."""
+    c = compiled("mlp", ranks=2, tp=True)
+    apart, together = estimate(c, HOST, "shm"), estimate(c, HOST, "inprocess")
+    assert together.bound == "one interpreter (the GIL)" and together.step_s >= 2 * together.data_s
+    assert apart.step_s < together.step_s and apart.step_s == pytest.approx(apart.data_s, rel=1e-3)
+
+
+def test_a_hosts_cores_are_shared_by_its_ranks() -> None:
+    """One core for two ranks: they compute one at a time; on a host each, side by side. A device of its
+    own (host_cores 0, a GPU) shares nothing."""
+    slow = replace(HOST, data_row_s={}, flops_per_s={"float32": 1e9}, mem_bytes_per_s=1e9, host_cores=1)
+    c = compiled("gpt", ranks=2)
+    shared, own = estimate(c, slow, "shm"), estimate(c, slow, "shm", ranks_per_host=1)
+    assert shared.bound == "the host's cores"
+    assert shared.step_s == pytest.approx(2 * (shared.compute_s + shared.data_s))
+    assert own.bound == "the critical path" and own.step_s < shared.step_s
+    gpu = estimate(c, replace(slow, host_cores=0))
+    assert gpu.bound == "the critical path" and gpu.step_s == pytest.approx(own.step_s)
 
 
 # ---- memory --------------------------------------------------------------------------------------------
