@@ -90,15 +90,18 @@ LOCAL = frozenset({Collective.local_slice, Collective.zero_fill})  # copies on t
 
 @dataclass(frozen=True)
 class LinkProfile:
-    """One link kind: a latency per message (s) and what one rank sends per second in one direction."""
+    """One link kind: a latency per message (s) and what one rank sends per second in one direction;
+    ``collectives``: (latency, bandwidth) of the collectives measured apart, by ``Collective`` value."""
 
     latency_s: float
     bytes_per_s: float
+    collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     def seconds(self, collective: Collective, p: int, bytes_per_rank: float) -> float:
         if p <= 1 and collective is not Collective.p2p:
             return 0.0
-        return HOPS[collective](p) * self.latency_s + bytes_per_rank / self.bytes_per_s
+        latency, bandwidth = self.collectives.get(collective.value, (self.latency_s, self.bytes_per_s))
+        return HOPS[collective](p) * latency + bytes_per_rank / bandwidth
 
 
 @dataclass(frozen=True)
@@ -153,10 +156,7 @@ class DeviceProfile:
     def from_json(cls, text: str, where: str = "profile") -> DeviceProfile:
         try:
             body = json.loads(text)
-            links = {
-                k: LinkProfile(float(v["latency_s"]), float(v["bytes_per_s"]))
-                for k, v in body["links"].items()
-            }
+            links = {k: _link(v) for k, v in body["links"].items()}
             return cls(
                 name=str(body["name"]),
                 flops_per_s={k: float(v) for k, v in body["flops_per_s"].items()},
@@ -176,6 +176,11 @@ class DeviceProfile:
                 "{dtype: FLOP/s}, mem_bytes_per_s and links {kind: {latency_s, bytes_per_s}} "
                 "(see sbpflow/profiles/h200.json)"
             ) from None
+
+
+def _link(body: Mapping[str, Any]) -> LinkProfile:
+    by = {str(k): (float(v[0]), float(v[1])) for k, v in body.get("collectives", {}).items()}
+    return LinkProfile(float(body["latency_s"]), float(body["bytes_per_s"]), by)
 
 
 # ---- profiles by name --------------------------------------------------------------------------------
@@ -324,19 +329,22 @@ def _loads(
 ) -> dict[int, Load]:
     """Each stage's :class:`~.step_sim.Load` on one rank: its compute, and its data loading (each
     micro-batch's local rows at the source's cost a row, and their bytes at memory bandwidth)."""
-    g = state.graph
+    g, first = state.graph, _first_reader_stage(state)
     row_s = profile.data_row_s.get(source_key(state.job.data), 0.0)
     rows: dict[int, int] = {}
     nbytes: dict[int, int] = {}
     for t in g.of_kind(TensorKind.input):
-        stage = min((o.stage for o in g.consumers(t.name)), default=0)
+        stage = first.get(t.name, 0)
         local = _local(t)
         rows[stage] = max(rows.get(stage, 0), local.shape[0] if local.shape else 1)
         nbytes[stage] = nbytes.get(stage, 0) + local.nbytes
-    tail = _plan_acts(state, lay)
+    tail = _plan_acts(state, lay, first)
+    per_stage: dict[int, list[OpCost]] = {}
+    for c in by_op:
+        per_stage.setdefault(c.stage, []).append(c)
     out = {}
-    for stage in sorted({c.stage for c in by_op} | set(rows)):
-        mine = [c for c in by_op if c.stage == stage]
+    for stage in sorted(set(per_stage) | set(rows)):
+        mine = per_stage.get(stage, [])
         data = lay.micro_batches * (
             rows.get(stage, 0) * row_s + nbytes.get(stage, 0) / profile.mem_bytes_per_s
         )
@@ -350,7 +358,7 @@ def _loads(
     return out
 
 
-def _plan_acts(state: CompileState, lay: Layout) -> dict[int, int]:
+def _plan_acts(state: CompileState, lay: Layout, first: Mapping[str, int]) -> dict[int, int]:
     """Per stage, the acts of a step that run no op of the graph: each variable's write-back, each input's
     load and each accumulation per micro-batch (when there are several), the fetches."""
     g = state.graph
@@ -359,8 +367,7 @@ def _plan_acts(state: CompileState, lay: Layout) -> dict[int, int]:
 
     def add(tensor: str, n: int) -> None:
         op = producer.get(tensor)
-        readers = g.consumers(tensor) if op is None else [op]
-        stage = min((o.stage for o in readers), default=0)
+        stage = first.get(tensor, 0) if op is None else op.stage
         out[stage] = out.get(stage, 0) + n
 
     m = lay.micro_batches
@@ -373,6 +380,15 @@ def _plan_acts(state: CompileState, lay: Layout) -> dict[int, int]:
     for t in (state.job.loss, *state.job.fetches):
         if t:
             add(t, 1)
+    return out
+
+
+def _first_reader_stage(state: CompileState) -> dict[str, int]:
+    """Each tensor read by an op -> the earliest stage that reads it (one pass: big graphs)."""
+    out: dict[str, int] = {}
+    for o in state.graph.ops:
+        for t in o.inputs:
+            out[t] = min(out.get(t, o.stage), o.stage)
     return out
 
 
@@ -434,8 +450,9 @@ def _peak_memory(state: CompileState, memory: Mapping[int, DeviceMemory], lay: L
         for out in o.outputs:
             many = lay.schedule.in_flight(o.stage) if o.name in per_mb else 1
             held[o.stage] = held.get(o.stage, 0) + _local(g.tensors[out]).nbytes * many
+    first = _first_reader_stage(state)
     for t in g.tensors.values():
-        stage = min((o.stage for o in g.consumers(t.name)), default=0)
+        stage = first.get(t.name, 0)
         if t.kind in (TensorKind.parameter, TensorKind.optimizer_state):
             held[stage] = held.get(stage, 0) + _local(t).nbytes
         elif t.kind == TensorKind.input:  # the loader's buffer and its prefetch copy

@@ -15,28 +15,24 @@ shared machine):
 * **data loading**: a batch of each synthetic source kind the examples read (``SyntheticSource``
   ``regression`` and ``tokens``), per sample row: its per-row generator is Python, and costs far more
   than the bytes it makes;
-* **links**: a two-rank all-reduce of a small and of a large array on each transport this machine runs,
-  fitted to ``hops * latency + bytes / bandwidth`` (``cost_model.LinkProfile``): ``inprocess`` (ranks as
-  threads: ``sf.run(backend="inprocess")``), ``shm`` and ``tcp`` (``CpuTransport`` with shared memory, and
-  over loopback TCP, both ranks as threads of this process: the GIL makes them a little pessimistic).
+* **links**: each collective of the boxing table on each CPU transport, two ranks, a small and a large
+  array fitted to ``hops * latency + bytes / bandwidth`` (``cpu_links.py``: ``inprocess``, ``shm``,
+  ``tcp``), once.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import numpy as np
 
 from sbpflow.actor_workers.runtime.threads import limited
-from sbpflow.actor_workers.transport.cpu.transport import CpuTransport
-from sbpflow.actor_workers.transport.inprocess import InProcessWorld
-from sbpflow.boxing import Collective
-from sbpflow.control_plane.compiler.cost_model import HOPS, DeviceProfile, LinkProfile, source_key
+from sbpflow.control_plane.compiler.cost_model import DeviceProfile, source_key
+from sbpflow.control_plane.compiler.cpu_links import measure_links
 from sbpflow.data import SyntheticSource
 from sbpflow.dtype import DType
 from sbpflow.graph import Graph, OpNode, TensorDecl
@@ -44,8 +40,6 @@ from sbpflow.job import Job, JobConfig
 from sbpflow.placement import placement
 from sbpflow.sbp import B
 from sbpflow.tensor_meta import TensorMeta
-
-SMALL, LARGE = 16, 1 << 20  # float32 elements of the latency and the bandwidth all-reduces
 
 
 def _best(fn: Callable[[], object], budget: float, least: int = 3) -> float:
@@ -99,94 +93,6 @@ def _chain(n: int, steps: int) -> Job:
     return Job("act-overhead", g, loss="loss", config=JobConfig(steps=steps))
 
 
-def fit_link(time_of: Callable[[int], float], p: int = 2) -> LinkProfile:
-    """``LinkProfile`` from the times of an all-reduce of SMALL and LARGE float32 elements over ``p`` ranks."""
-    hops = HOPS[Collective.all_reduce](p)
-    small, large = time_of(SMALL), time_of(LARGE)
-    per_rank = 2 * (p - 1) / p * LARGE * 4  # what one rank sends in a ring all-reduce
-    bw = per_rank / max(large - small, 1e-9)
-    return LinkProfile(latency_s=max(small, 1e-9) / hops, bytes_per_s=bw)
-
-
-def _spmd(fns: Sequence[Callable[[], float]]) -> list[float]:
-    out: list[float] = [0.0] * len(fns)
-    errors: list[BaseException] = []
-
-    def body(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as e:  # noqa: BLE001  (re-raised below, in the caller's thread)
-            errors.append(e)
-
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    if errors:
-        raise errors[0]
-    return out
-
-
-def _all_reduce_time(transports: Mapping[int, Any], numel: int, budget: float) -> float:
-    group = tuple(sorted(transports))
-    arrays = {r: np.ones(numel, np.float32) for r in group}
-    calls = {r: 0 for r in group}
-
-    def rank(r: int) -> Callable[[], float]:
-        def run() -> float:
-            def once() -> None:
-                calls[r] += 1
-                transports[r].all_reduce(arrays[r], group, f"profile-{numel}-{calls[r]}")
-
-            # every rank makes the same calls: a fixed count, not a time budget each rank reads alone
-            return min(_timed(once) for _ in range(_count(numel, budget)))
-
-        return run
-
-    return max(_spmd([rank(r) for r in group]))
-
-
-def _count(numel: int, budget: float) -> int:
-    return max(3, min(50, int(budget / 0.002))) if numel <= SMALL else max(3, min(10, int(budget / 0.02)))
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def _inprocess_link(budget: float) -> LinkProfile:
-    with InProcessWorld([0, 1], timeout=30) as w:
-        ts = {r: w.transport(r) for r in (0, 1)}
-        return fit_link(lambda n: _all_reduce_time(ts, n, budget / 2))
-
-
-def _cpu_link(budget: float, shared_memory: bool) -> LinkProfile:
-    ts = {
-        r: CpuTransport(
-            r, timeout=30, shared_memory=shared_memory, host_id=None if shared_memory else f"h{r}"
-        )
-        for r in (0, 1)
-    }
-    try:
-        endpoints = [t.endpoint for t in ts.values()]
-        _spmd([_connecting(t, endpoints) for t in ts.values()])
-        return fit_link(lambda n: _all_reduce_time(ts, n, budget / 2))
-    finally:
-        for t in ts.values():
-            t.close()
-
-
-def _connecting(t: CpuTransport, endpoints: Sequence[Any]) -> Callable[[], float]:
-    def run() -> float:
-        t.connect(endpoints, timeout=30)
-        return 0.0
-
-    return run
-
-
 def data_row_seconds(budget: float) -> dict[str, float]:
     """Seconds per sample row of each synthetic source kind the examples read, from a small batch."""
     kinds = {
@@ -205,15 +111,11 @@ def measure_cpu_profile(seconds: float = 1.0, threads: int = 1) -> DeviceProfile
     CPU rank's; 0: the process's setting), in rounds that keep each figure's best (module docstring)."""
     share = max(seconds, 0.1) / 8 / ROUNDS
     best: dict[str, float] = {}
-    links: dict[str, LinkProfile] = {}
     rows: dict[str, float] = {}
     with limited(threads):
         for _ in range(ROUNDS):
             for name, fn in _RATES.items():
                 best[name] = max(best.get(name, 0.0), fn(share))
-            for kind, link in (("inprocess", _inprocess_link(share)), *_cpu_links(share)):
-                was = links.get(kind)
-                links[kind] = link if was is None else _better(was, link)
             for key, s in data_row_seconds(share).items():
                 rows[key] = min(rows.get(key, float("inf")), s)
     f32 = best["float32"]
@@ -221,7 +123,7 @@ def measure_cpu_profile(seconds: float = 1.0, threads: int = 1) -> DeviceProfile
         name="cpu",
         flops_per_s={"float32": f32, "float64": best["float64"], "bfloat16": f32, "float16": f32},
         mem_bytes_per_s=best["memory"],
-        links=links,
+        links=measure_links(share * ROUNDS),
         op_overhead_s=act_overhead(threads),
         memory_bytes=_memory_bytes(),
         default_link="shm",
@@ -240,14 +142,6 @@ _RATES: dict[str, Callable[[float], float]] = {
     "float64": lambda budget: gemm_flops(np.float64, budget),
     "memory": elementwise_bandwidth,
 }
-
-
-def _better(a: LinkProfile, b: LinkProfile) -> LinkProfile:
-    return LinkProfile(min(a.latency_s, b.latency_s), max(a.bytes_per_s, b.bytes_per_s))
-
-
-def _cpu_links(budget: float) -> list[tuple[str, LinkProfile]]:
-    return [("shm", _cpu_link(budget, shared_memory=True)), ("tcp", _cpu_link(budget, shared_memory=False))]
 
 
 def _cores() -> int:

@@ -46,7 +46,7 @@ FIXED = DeviceProfile(
 HOST = replace(
     FIXED,
     name="host",
-    links={**FIXED.links, "inprocess": LinkProfile(1e-5, 1e9)},
+    links={**FIXED.links, "inprocess": LinkProfile(1e-5, 1e9, {"all-gather": (2e-5, 4e9)})},
     host_cores=2,
     threads=1,
     data_row_s={"SyntheticSource:regression": 1e-4},
@@ -132,6 +132,9 @@ def test_the_measured_cpu_profile_is_positive_everywhere() -> None:
     assert min(p.flops_per_s.values()) > 0 and p.mem_bytes_per_s > 0 and p.op_overhead_s > 0
     assert set(p.links) == {"inprocess", "shm", "tcp"}
     assert all(x.latency_s > 0 and x.bytes_per_s > 0 for x in p.links.values())
+    for link in p.links.values():  # each collective of the boxing table measured apart
+        assert set(link.collectives) == {"all-gather", "reduce-scatter", "all-to-all", "point-to-point"}
+        assert all(lat > 0 and bw > 0 for lat, bw in link.collectives.values())
 
 
 # ---- communication -------------------------------------------------------------------------------------
@@ -149,6 +152,13 @@ def test_collective_time_is_latency_plus_bytes_with_the_ring_factor() -> None:
     )
     ag = plan_boxing(t, pl, (S(0),), pl, (B,))
     assert step_seconds(ag.steps[0], ag, link, 1e11) == pytest.approx(3 * 1e-5 + 3 / 4 * t.nbytes / 1e9)
+
+
+def test_a_collective_measured_apart_uses_its_own_figures() -> None:
+    link = HOST.link("inprocess")
+    assert link.seconds(Collective.all_gather, 4, 4e6) == pytest.approx(3 * 2e-5 + 4e6 / 4e9)
+    assert link.seconds(Collective.reduce_scatter, 4, 4e6) == pytest.approx(3 * 1e-5 + 4e6 / 1e9)
+    assert link.seconds(Collective.all_reduce, 1, 4e6) == 0.0  # a group of one sends nothing
 
 
 def test_modelled_time_is_monotonic_in_bytes() -> None:

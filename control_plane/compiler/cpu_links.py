@@ -1,0 +1,152 @@
+"""This machine's CPU transports measured for the cost model: a latency and a bandwidth per collective.
+
+``measure_links(budget)`` opens two ranks, as threads of this process, on each transport a CPU job
+runs over, and times each collective of the boxing table on a small and on a large float32 array:
+
+* ``inprocess``: ranks as threads (``InProcessWorld``: ``sf.run(backend="inprocess")``);
+* ``shm``: ``CpuTransport`` with shared memory, as Ray workers on one host;
+* ``tcp``: ``CpuTransport`` over loopback TCP, as workers on different hosts (each rank its own host id).
+
+Each (collective, size) runs a fixed count of calls (every rank makes the same calls) and keeps the
+fastest, and the two sizes are fitted to ``hops * latency + bytes / bandwidth`` with the ring's hops and
+the bytes one rank sends (``cost_model.HOPS``, ``cost_model.per_rank_bytes``): the all-reduce gives the
+link's own figures, the others ``LinkProfile.collectives``. Both ranks share this process's interpreter,
+which makes the ``shm`` and ``tcp`` figures a little pessimistic against two processes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from sbpflow.actor_workers.transport.cpu.transport import CpuTransport
+from sbpflow.actor_workers.transport.inprocess import InProcessWorld
+from sbpflow.boxing import Collective
+from sbpflow.control_plane.compiler.cost_model import HOPS, LinkProfile
+
+SMALL, LARGE = 16, 1 << 20  # float32 elements of the latency and the bandwidth calls
+GROUP = (0, 1)
+P = len(GROUP)
+
+# collective -> (one rank's call on an array of n elements, the bytes one rank sends for n elements)
+Call = Callable[[Any, np.ndarray, str], object]
+CALLS: dict[Collective, tuple[Call, Callable[[int], float]]] = {
+    Collective.all_reduce: (lambda t, a, tag: t.all_reduce(a, GROUP, tag), lambda n: 2 * (P - 1) / P * n * 4),
+    Collective.all_gather: (lambda t, a, tag: t.all_gather(a, GROUP, 0, tag), lambda n: (P - 1) * n * 4),
+    Collective.reduce_scatter: (
+        lambda t, a, tag: t.reduce_scatter(a, GROUP, 0, tag),
+        lambda n: (P - 1) / P * n * 4,
+    ),
+    Collective.all_to_all: (
+        lambda t, a, tag: t.all_to_all(a, GROUP, 0, 0, tag),
+        lambda n: (P - 1) / P * n * 4,
+    ),
+    Collective.p2p: (lambda t, a, tag: _p2p(t, a, tag), lambda n: n * 4),
+}
+
+
+def _p2p(t: Any, a: np.ndarray, tag: str) -> object:
+    return t.send(a, 1, tag) if t.rank == 0 else t.recv(0, tag)
+
+
+def measure_links(budget: float, collectives: bool = True) -> dict[str, LinkProfile]:
+    """Every CPU transport's :class:`LinkProfile`, each in about ``budget / 3`` seconds; ``collectives``
+    False times the all-reduce alone (the link's own figures, no per-collective ones)."""
+    kinds = (Collective.all_reduce, *(k for k in CALLS if k is not Collective.all_reduce and collectives))
+    out = {}
+    for name, opener in OPENERS.items():
+        with opener() as ts:
+            fits = {k: _fit(ts, k, budget / len(OPENERS) / len(kinds)) for k in kinds}
+        lat, bw = fits.pop(Collective.all_reduce)
+        out[name] = LinkProfile(lat, bw, {k.value: v for k, v in fits.items()})
+    return out
+
+
+def _fit(ts: Mapping[int, Any], kind: Collective, budget: float) -> tuple[float, float]:
+    call, sent = CALLS[kind]
+    small, large = (_time(ts, call, n, budget / 2) for n in (SMALL, LARGE))
+    bw = (sent(LARGE) - sent(SMALL)) / max(large - small, 1e-9)
+    return max(small - sent(SMALL) / bw, 1e-9) / max(HOPS[kind](P), 1), bw
+
+
+def _time(ts: Mapping[int, Any], call: Call, numel: int, budget: float) -> float:
+    """The slower rank's fastest of a fixed count of calls on ``numel`` float32 elements."""
+    count = max(3, min(50, int(budget / 0.002))) if numel <= SMALL else max(3, min(10, int(budget / 0.02)))
+    seq = {r: 0 for r in ts}
+
+    def rank(r: int) -> Callable[[], float]:
+        array = np.ones(numel, np.float32)
+
+        def once() -> float:
+            seq[r] += 1
+            t = time.perf_counter()
+            call(ts[r], array, f"profile-{numel}-{seq[r]}")
+            return time.perf_counter() - t
+
+        return lambda: min(once() for _ in range(count))
+
+    return max(spmd([rank(r) for r in sorted(ts)]))
+
+
+def spmd(fns: Sequence[Callable[[], float]]) -> list[float]:
+    """Each of ``fns`` on a thread of its own, at once; their results, or the first error raised."""
+    out: list[float] = [0.0] * len(fns)
+    errors: list[BaseException] = []
+
+    def body(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as e:  # noqa: BLE001  (re-raised below, in the caller's thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+@contextmanager
+def _inprocess() -> Iterator[Mapping[int, Any]]:
+    with InProcessWorld(list(GROUP), timeout=30) as w:
+        yield {r: w.transport(r) for r in GROUP}
+
+
+@contextmanager
+def _cpu(shared_memory: bool) -> Iterator[Mapping[int, Any]]:
+    ts = {
+        r: CpuTransport(
+            r, timeout=30, shared_memory=shared_memory, host_id=None if shared_memory else f"h{r}"
+        )
+        for r in GROUP
+    }
+    try:
+        endpoints = [t.endpoint for t in ts.values()]
+        spmd([_connecting(t, endpoints) for t in ts.values()])
+        yield ts
+    finally:
+        for t in ts.values():
+            t.close()
+
+
+def _connecting(t: CpuTransport, endpoints: Sequence[Any]) -> Callable[[], float]:
+    def run() -> float:
+        t.connect(endpoints, timeout=30)
+        return 0.0
+
+    return run
+
+
+OPENERS: dict[str, Callable[[], Any]] = {
+    "inprocess": _inprocess,
+    "shm": lambda: _cpu(shared_memory=True),
+    "tcp": lambda: _cpu(shared_memory=False),
+}
