@@ -27,8 +27,10 @@ from sbpflow.control_plane.compiler.cost_model import (
 )
 from sbpflow.control_plane.compiler.cpu_profile import measure_cpu_profile
 from sbpflow.dtype import DType
+from sbpflow.job import Precision
 from sbpflow.ops.base import OPS
-from sbpflow.ops.flops import FLOPS, work
+from sbpflow.ops.flops import FLOPS, PER_ELEMENT, work
+from sbpflow.ops.fused import FUSABLE
 from sbpflow.placement import placement
 from sbpflow.sbp import B, P, S
 from sbpflow.tensor_meta import TensorMeta
@@ -78,6 +80,14 @@ def test_matmul_flops_are_two_per_multiply_add(transpose_a: bool) -> None:
     assert w.bytes == (4 * 16 * 128 + 128 * 384 + 4 * 16 * 384) * 4
 
 
+def test_every_fusable_op_counts_per_element() -> None:
+    """A fused chain's flops are its steps' per-element counts (flops.py's _fused)."""
+    assert FUSABLE <= set(PER_ELEMENT)
+    chain = '[["mul", {}, ["in0", "in1"]], ["gelu", {}, ["s0"]]]'
+    w = work("fused_elementwise", (meta(4, 8), meta(4, 8)), (meta(4, 8),), {"chain": chain})
+    assert w.flops == (1 + 8) * 32 and w.bytes == 3 * 32 * 4
+
+
 def test_views_move_nothing_and_unknown_ops_are_refused() -> None:
     assert work("reshape", (meta(4, 8),), (meta(32),), {"shape": (32,)}).bytes == 0
     with pytest.raises(KeyError, match="no flop count; add a row for it to sbpflow/ops/flops.py"):
@@ -111,6 +121,19 @@ def test_the_h200_profile_holds_the_published_figures() -> None:
     h = load_profile("h200")
     assert h.peak("bfloat16") == h.peak("float16") == 989.5e12  # 1,979 TFLOPS with sparsity, halved
     assert h.peak("float64") == 67e12 and h.mem_bytes_per_s == 4.8e12 and h.link().bytes_per_s == 450e9
+
+
+def test_a_matmul_runs_at_its_dtypes_peak() -> None:
+    """bf16 compute on the H200: each matmul at 989.5 TFLOP/s (or HBM bandwidth, if slower), plus the
+    launch; the same job in fp32 at 67 TFLOP/s."""
+    h = load_profile("h200")
+    for precision, peak in ((Precision.bf16, 989.5e12), (Precision.fp32, 67e12)):
+        job = load("gpt").make_job(ranks=1, width=128)
+        job.config = replace(job.config, precision=precision)
+        mm = [c for c in estimate(pipeline.compile(job), h).by_op if c.op_type == "matmul"]
+        assert mm and all(
+            c.seconds == pytest.approx(max(c.flops / peak, c.bytes / 4.8e12) + 1e-5) for c in mm
+        )
 
 
 def test_unknown_profile_names_the_known_ones() -> None:
