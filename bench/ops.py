@@ -405,11 +405,18 @@ def torch_call(case: Case, arrays: list[np.ndarray]) -> Callable[[], Any]:
 # ---- timing --------------------------------------------------------------------------------------------
 
 
+# wall time, or this thread's CPU time (--clock cpu: what a loaded machine's preemption leaves alone; both
+# sides run on this thread, torch with 1 intra-op thread)
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
+CLOCK = [time.perf_counter]
+
+
 def _per_call(fn: Callable[[], Any], n: int) -> float:
-    t0 = time.perf_counter()
+    clock = CLOCK[0]
+    t0 = clock()
     for _ in range(n):
         fn()
-    return (time.perf_counter() - t0) / n
+    return (clock() - t0) / n
 
 
 def calls_for(fn: Callable[[], Any], block_s: float) -> int:
@@ -436,8 +443,10 @@ def main() -> None:
     ap.add_argument("--block-ms", type=float, default=None, help="ms per timed block (default 2; 1 quick)")
     ap.add_argument("--only", action="append", help="op names (default: every op)")
     ap.add_argument("--cases", action="store_true", help="print every case, not only one row per op")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="cpu: this thread's CPU time")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
+    CLOCK[0] = CLOCKS[args.clock]
     import torch
 
     torch.set_num_threads(1)
@@ -451,7 +460,7 @@ def main() -> None:
     if args.only:
         cases = [c for c in cases if c.op in args.only]
     print(
-        f"{len(cases)} cases of {len({c.op for c in cases})} ops; float32, 1 thread; {repeat} interleaved "
+        f"{len(cases)} cases of {len({c.op for c in cases})} ops; float32, 1 thread; {args.clock} time; {repeat} interleaved "
         f"repetitions of ~{block_s * 1e3:.0f} ms blocks, medians; OPENBLAS_CORETYPE="
         f"{os.environ.get('OPENBLAS_CORETYPE', '(unset)')} ({blas_kernel()}); load {os.getloadavg()[0]:.1f}"
     )

@@ -8,7 +8,6 @@ incoming gradient, so they also take ``P`` there while the saved forward values 
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from sbpflow.dtype import DType
@@ -75,15 +74,20 @@ def _rows(a: Any) -> Any:
     return a.reshape(-1, a.shape[-1])
 
 
+def _jit_out(xp: Any, out: Any, like: Any) -> Any:
+    """``out`` (the runtime's dead buffer, or None) where it has ``like``'s shape, else a new array of it:
+    rows_jit writes without bounds checks, so its output must match its input row for row."""
+    return out if out is not None and out.shape == like.shape else xp.empty(like.shape, dtype=like.dtype)
+
+
 def _softmax_kernel(ctx: KernelContext, x: Any) -> Any:
     # e / sum(e), e = exp(x - max x)
     xp = ctx.xp
     axis = _axis("softmax", ctx.in_metas[0], ctx.attrs)
     out = ctx.out_array(0)
     if axis == x.ndim - 1 and (jit := jit_rows(xp, x)) is not None:
-        e = xp.empty(x.shape, dtype=x.dtype) if out is None else out
-        jit.shift_rows(_rows(x), _rows(e), xp.empty(x.size // x.shape[-1], dtype=x.dtype))
-        jit.normalize_rows(_rows(xp.exp(e, out=e)))
+        e = _jit_out(xp, out, x)
+        jit.softmax_rows(_rows(x), _rows(e))
         return e
     e = _shifted(xp, x, axis, out)
     e = xp.exp(e, out=e)
@@ -105,7 +109,7 @@ def _softmax_grad_kernel(ctx: KernelContext, y: Any, dy: Any) -> Any:
     axis = _axis("softmax_grad", ctx.in_metas[0], ctx.attrs)
     out = ctx.out_array(0)
     if axis == y.ndim - 1 and y.shape == dy.shape and (jit := jit_rows(xp, y, dy)) is not None:
-        out = xp.empty(y.shape, dtype=y.dtype) if out is None else out
+        out = _jit_out(xp, out, y)
         jit.softmax_grad_rows(_rows(y), _rows(dy), _rows(out))
         return out
     p = xp.subtract(dy, _dot(xp, dy, y, axis), out=out)
@@ -227,7 +231,7 @@ def _layer_norm_kernel(ctx: KernelContext, x: Any, w: Any, b: Any) -> Any:
     xp = ctx.xp
     out = ctx.out_array(0)
     if _params_fit(x, w, b) and (jit := jit_rows(xp, x, w, b)) is not None:
-        out = xp.empty(x.shape, dtype=x.dtype) if out is None else out
+        out = _jit_out(xp, out, x)
         jit.layer_norm_rows(_rows(x), w, b, float(ctx.attrs["eps"]), _rows(out))
         return out
     y, _ = _normalize(xp, x, float(ctx.attrs["eps"]), out)  # xhat, then xhat * w + b in place
@@ -274,8 +278,7 @@ def _layer_norm_grad_kernel(ctx: KernelContext, dy: Any, x: Any, w: Any) -> tupl
     gx); dweight = sum(dy xhat) and dbias = sum(dy) over the rows."""
     xp = ctx.xp
     if dy.shape == x.shape and _params_fit(x, w) and (jit := jit_rows(xp, dy, x, w)) is not None:
-        dx = ctx.out_array(0)
-        dx = xp.empty(x.shape, dtype=x.dtype) if dx is None else dx
+        dx = _jit_out(xp, ctx.out_array(0), x)
         dw, db = xp.empty_like(w), xp.empty_like(w)
         jit.layer_norm_grad_rows(_rows(dy), _rows(x), w, float(ctx.attrs["eps"]), _rows(dx), dw, db)
         return dx, dw, db
@@ -356,23 +359,13 @@ def _labels_fit(logits: Any, labels: Any) -> bool:
     return getattr(labels, "shape", None) == logits.shape[:-1]
 
 
-def _exp_shifted(jit: ModuleType, xp: Any, logits: Any) -> tuple[Any, Any]:
-    """exp(logits - max) along the last axis as ``[rows, classes]``, by rows_jit and numpy's exp, and
-    the row maxima."""
-    rows = logits.size // logits.shape[-1]
-    e, maxima = xp.empty((rows, logits.shape[-1]), dtype=logits.dtype), xp.empty(rows, dtype=logits.dtype)
-    jit.shift_rows(_rows(logits), e, maxima)
-    return xp.exp(e, out=e), maxima
-
-
 def _ce_kernel(ctx: KernelContext, logits: Any, labels: Any) -> Any:
     # where(kept, max + log(sum(exp(logits - max))) - logits[label], 0)
     xp = ctx.xp
     if _labels_fit(logits, labels) and (jit := jit_rows(xp, logits)) is not None:
         loss = xp.empty(logits.size // logits.shape[-1], dtype=logits.dtype)
         ignore = int(ctx.attrs["ignore_index"])
-        e, maxima = _exp_shifted(jit, xp, logits)
-        if jit.cross_entropy_rows(_rows(logits), e, maxima, _flat(xp, labels), ignore, loss):
+        if jit.cross_entropy_rows(_rows(logits), _flat(xp, labels), ignore, loss):
             return loss.reshape(labels.shape)
         # a label out of range: the numpy kernel below raises numpy's error for it
     kept, safe = _kept(ctx, labels)
@@ -422,10 +415,10 @@ def _ce_grad_kernel(ctx: KernelContext, logits: Any, labels: Any, dy: Any) -> An
     xp = ctx.xp
     fit = _labels_fit(logits, labels) and getattr(dy, "shape", None) == labels.shape
     if fit and (jit := jit_rows(xp, logits)) is not None:
-        e, _ = _exp_shifted(jit, xp, logits)
+        out = _jit_out(xp, ctx.out_array(0), logits)
         ignore = int(ctx.attrs["ignore_index"])
-        jit.cross_entropy_grad_rows(e, _flat(xp, labels), _flat(xp, dy), ignore)
-        return e.reshape(logits.shape)
+        jit.cross_entropy_grad_rows(_rows(logits), _flat(xp, labels), _flat(xp, dy), ignore, _rows(out))
+        return out
     kept, safe = _kept(ctx, labels)
     n_classes = logits.shape[-1]
     e = _shifted(xp, logits, logits.ndim - 1)  # C-contiguous, so that rows below is a view of it

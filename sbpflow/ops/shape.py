@@ -16,6 +16,7 @@ import numpy as np
 from sbpflow.errors import ShapeError
 from sbpflow.ops import rows
 from sbpflow.ops.base import REQUIRED, Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop
+from sbpflow.ops.rowwise import jit_rows
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import Shape, TensorMeta
 
@@ -365,6 +366,11 @@ def _scatter_add(xp: Any, out: Any, index: Any, values: Any) -> None:
 def _embedding_grad_kernel(ctx: KernelContext, dy: Any, ids: Any) -> Any:
     xp = ctx.xp
     out = xp.zeros(ctx.out_shape(0), dtype=dy.dtype)
+    rows_dy = dy.reshape(-1, dy.shape[-1]) if dy.ndim else dy.reshape(1, 1)
+    fits = ids.size == len(rows_dy) and out.shape[1:] == rows_dy.shape[1:]  # rows_jit does not bounds-check
+    if fits and (jit := jit_rows(xp, rows_dy, out)) is not None:
+        jit.add_rows_at(out, xp.ascontiguousarray(ids).reshape(-1), ctx.out_index[0][0].start, rows_dy)
+        return out
     # under dy B -> S(0) each rank adds only the rows of its vocabulary range
     local, hit = _in_range(xp, ids.reshape(-1), ctx.out_index[0][0])
     _scatter_add(xp, out, local[hit], dy.reshape(-1, dy.shape[-1])[hit])

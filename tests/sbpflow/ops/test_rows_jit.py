@@ -19,6 +19,16 @@ import sbpflow.ops  # noqa: F401  (registers every op family)
 from sbpflow.ops.eager import EagerBuilder
 from sbpflow.ops.rowwise import jit_rows
 
+numba = pytest.importorskip("numba")
+from sbpflow.ops.jit_math import vexp  # noqa: E402  (needs numba)
+
+
+@numba.njit
+def _vexp_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
+    for i in range(x.size):
+        out[i] = vexp(x[i])
+
+
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 TOL = {np.float64: (1e-12, 1e-13), np.float32: (2e-5, 2e-6)}
 IGNORE = -100
@@ -116,6 +126,34 @@ def test_cross_entropy_and_its_gradient(dtype: Any, label_dtype: Any, data: st.D
     same(got, want, dtype, f"cross_entropy_grad {logits.shape}")
 
 
+@pytest.mark.parametrize(
+    ("dtype", "lo", "hi", "rtol"), [(np.float64, -708.0, 709.0, 1e-14), (np.float32, -87.0, 88.0, 3e-7)]
+)
+def test_vexp_is_within_a_few_ulp_of_exp(dtype: Any, lo: float, hi: float, rtol: float) -> None:
+    x = np.concatenate([np.linspace(lo, hi, 200_001), np.random.default_rng(4).uniform(-1, 1, 10_000)])
+    x = x.astype(dtype)
+    got = np.empty_like(x)
+    _vexp_all(x, got)
+    want = np.exp(x.astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=0)
+    special = np.array([-np.inf, np.inf, np.nan, 0.0, -1e4, 1e4, lo - 30], dtype)
+    out = np.empty_like(special)
+    _vexp_all(special, out)
+    np.testing.assert_array_equal(out[:6], np.array([0.0, np.inf, np.nan, 1.0, 0.0, np.inf], dtype))
+    assert 0 <= out[6] <= np.finfo(dtype).tiny  # below the normal range: 0 (numpy: a denormal)
+
+
+def test_cross_entropy_of_a_row_with_nan_is_nan() -> None:
+    logits = np.zeros((3, 4))
+    logits[1, 2] = np.nan
+    labels = np.array([0, 1, 2])
+    (loss,), (ref,) = both("cross_entropy", logits, labels, ignore_index=IGNORE)
+    np.testing.assert_array_equal(np.isnan(loss), [False, True, False])
+    np.testing.assert_array_equal(np.isnan(ref), [False, True, False])
+    (g,), _ = both("cross_entropy_grad", logits, labels, np.ones(3), ignore_index=IGNORE)
+    assert np.isnan(g[1]).all() and not np.isnan(g[[0, 2]]).any()
+
+
 def test_cross_entropy_label_out_of_range_raises_numpys_error() -> None:
     logits = np.zeros((2, 4))
     with pytest.raises(IndexError):
@@ -136,3 +174,18 @@ def test_cross_entropy_label_out_of_range_raises_numpys_error() -> None:
 )
 def test_jit_rows_refuses_what_the_loops_do_not_take(arrays: list[Any]) -> None:
     assert jit_rows(np, *arrays) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rows_at_sums_each_ids_rows_in_its_range(dtype: Any) -> None:
+    from sbpflow.ops import rows_jit
+
+    rng = np.random.default_rng(5)
+    ids = rng.integers(-3, 40, 500)  # some below, some above this shard's rows 10..29
+    values = rng.standard_normal((500, 7)).astype(dtype)
+    out = np.zeros((20, 7), dtype)
+    rows_jit.add_rows_at(out, ids, 10, values)
+    want = np.zeros((20, 7), dtype)
+    hit = (ids >= 10) & (ids < 30)
+    np.add.at(want, ids[hit] - 10, values[hit])  # in row order too: the same sums
+    np.testing.assert_array_equal(out, want)
