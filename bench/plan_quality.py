@@ -11,10 +11,12 @@ inference's one-op walk picks alone (``sbp_ilp.ENABLED = False``, the peer), and
 whole-graph program picks (the default where it applies: some weight annotated split); the compile time
 of each; the measured step time of both plans, trained side by side in-process; and the cost model's
 step time of the program's plan (``cost_model.estimate`` on the ``cpu`` profile, this machine measured
-at start-up, over the ``inprocess`` link), as modelled seconds over measured seconds.
+at start-up, over the ``inprocess`` link), as modelled seconds over measured seconds: by the roofline
+alone, and with the plan's kernels timed on this machine (``kernel_probe.measure_kernels``).
 
 **Modelled against measured.** The MLP example and GPT tiny (the examples' defaults) under DP1, DP2 and
-TP2, in-process: the modelled step, the measured one, their ratio and what bounds the modelled step. The
+TP2 (and GPT as two pipeline stages), in-process: the measured step, the modelled one (roofline; kernels timed) and their ratios, and
+what bounds the modelled step. The
 Spearman rank correlation of modelled and measured step times is printed for this table, for the first
 table's program plans, and for all rows together: the point of a cost model is to rank plans as they
 run (issue 15's target for the search: >= 0.8).
@@ -44,6 +46,7 @@ from bench._shared import load_example  # noqa: E402
 from sbpflow.control_plane.compiler import pipeline, sbp_ilp  # noqa: E402
 from sbpflow.control_plane.compiler.cost_model import DeviceProfile, StepEstimate, estimate  # noqa: E402
 from sbpflow.control_plane.compiler.cpu_profile import measure_cpu_profile  # noqa: E402
+from sbpflow.control_plane.compiler.kernel_probe import measure_kernels  # noqa: E402
 from tests.control_plane.compiler.test_plan_bytes import (  # noqa: E402
     MEGATRON_TP4,
     MEGATRON_TP4_VOCAB,
@@ -67,6 +70,7 @@ MODELLED: dict[str, tuple[str, dict[str, Any]]] = {
     "GPT DP1": ("gpt", {"ranks": 1}),
     "GPT DP2": ("gpt", {"ranks": 2}),
     "GPT TP2": ("gpt", {"ranks": 2, "tp": True}),
+    "GPT PP2": ("gpt", {"ranks": 2, "pp": 2, "micro_batches": 2}),
 }
 WARM, WINDOW, THREADS = 3, 4, 1
 LINK = "inprocess"
@@ -98,6 +102,12 @@ def step_s(c: pipeline.Compiled, steps: int) -> float:
     return min(windows) if windows else float("nan")
 
 
+def modelled(c: pipeline.Compiled, cpu: DeviceProfile) -> tuple[StepEstimate, StepEstimate]:
+    """The plan's modelled step by the roofline alone, and with its kernels timed on this machine."""
+    kernels = measure_kernels(c.state, THREADS)
+    return estimate(c, cpu, LINK), estimate(c, cpu, LINK, kernels=kernels)
+
+
 def fastest(plans: dict[str, pipeline.Compiled], steps: int, repeat: int) -> dict[str, float]:
     """Each plan's fastest run of ``repeat``, run alternately, each first in turn."""
     runs: dict[str, list[float]] = {k: [] for k in plans}
@@ -108,8 +118,11 @@ def fastest(plans: dict[str, pipeline.Compiled], steps: int, repeat: int) -> dic
     return {k: min(v) for k, v in runs.items()}
 
 
-def bytes_table(args: argparse.Namespace, cpu: DeviceProfile) -> list[tuple[float, float]]:
-    """The first table; returns (modelled, measured) seconds of each program plan."""
+Row = tuple[float, float, float]  # modelled (roofline), modelled (kernels timed), measured seconds
+
+
+def bytes_table(args: argparse.Namespace, cpu: DeviceProfile) -> list[Row]:
+    """The first table; returns each program plan's :data:`Row`."""
     print(
         f"GPT {SHAPE}, float32, in-process, {THREADS} BLAS thread a rank; bytes per step, compile s, step ms "
         f"(fastest {WINDOW}-step window after {WARM}, fastest of {args.repeat} alternating runs); model: "
@@ -117,28 +130,28 @@ def bytes_table(args: argparse.Namespace, cpu: DeviceProfile) -> list[tuple[floa
     )
     head = f"{'layout':20s} {'hand':>11s} {'walk':>11s} {'program':>11s} {'prog/hand':>9s}"
     head += f" {'compile w/p s':>14s} {'step walk':>10s} {'step prog':>10s} {'prog/walk':>9s}"
-    print(head + f" {'model prog':>10s} {'model/meas':>10s}")
-    pairs = []
+    print(head + f" {'model prog':>10s} {'model/meas':>10s} {'+kernels':>9s}")
+    pairs: list[tuple[float, float, float]] = []
     for name, (kwargs, hand, whose) in LAYOUTS.items():
         walk, tw = compiled(kwargs, False, args.steps)
         prog, tp = compiled(kwargs, True, args.steps)
         bw, bp = step_bytes(walk.state), step_bytes(prog.state)
         got = fastest({"walk": walk, "prog": prog}, args.steps, args.repeat)
         sw, sp = got["walk"], got["prog"]
-        model = estimate(prog, cpu, LINK).step_s
-        pairs.append((model, sp))
+        roof, kern = (e.step_s for e in modelled(prog, cpu))
+        pairs.append((roof, kern, sp))
         print(
             f"{name:20s} {hand:>11,d} {bw:>11,d} {bp:>11,d} {bp / hand:>8.2f}x {tw:>6.1f}/{tp:<7.1f}"
-            f" {sw * 1e3:>10.1f} {sp * 1e3:>10.1f} {sp / sw:>8.2f}x {model * 1e3:>10.2f} {model / sp:>9.2f}x"
-            f"   ({whose})"
+            f" {sw * 1e3:>10.1f} {sp * 1e3:>10.1f} {sp / sw:>8.2f}x {roof * 1e3:>10.2f} {roof / sp:>9.2f}x"
+            f" {kern / sp:>8.2f}x   ({whose})"
         )
     print("target: prog/hand <= 1.00 with annotations (TP layouts); the walk is the peer for step times")
     print("where walk and program bytes are equal the plans are the same: their step ratio is the noise")
     return pairs
 
 
-def model_table(args: argparse.Namespace, cpu: DeviceProfile) -> list[tuple[float, float]]:
-    """The second table; returns its (modelled, measured) seconds."""
+def model_table(args: argparse.Namespace, cpu: DeviceProfile) -> list[Row]:
+    """The second table; returns its :data:`Row` s."""
     print(f"\nmodelled against measured, in-process on this CPU ({cpu.source}):")
     plans = {
         k: pipeline.compile(load_example(ex).make_job(**kw, steps=args.steps))
@@ -146,25 +159,26 @@ def model_table(args: argparse.Namespace, cpu: DeviceProfile) -> list[tuple[floa
     }
     measured = fastest(plans, args.steps, args.repeat)
     print(
-        f"{'plan':10s} {'measured ms':>12s} {'modelled ms':>12s} {'model/meas':>10s}  {'modelled step bound by'}"
+        f"{'plan':10s} {'measured ms':>12s} {'roofline ms':>12s} {'model/meas':>10s} {'+kernels ms':>12s}"
+        f" {'model/meas':>10s}  modelled step (with kernels) bound by"
     )
     pairs = []
     for k, c in plans.items():
-        e: StepEstimate = estimate(c, cpu, LINK)
-        pairs.append((e.step_s, measured[k]))
+        roof, kern = modelled(c, cpu)
+        m = measured[k]
+        pairs.append((roof.step_s, kern.step_s, m))
         print(
-            f"{k:10s} {measured[k] * 1e3:>12.2f} {e.step_s * 1e3:>12.2f} {e.step_s / measured[k]:>9.2f}x  {e.bound}"
-            f" (compute {e.compute_s * 1e3:.2f}, exposed comm {e.exposed_comm_s * 1e3:.2f}, data {e.data_s * 1e3:.2f} ms)"
+            f"{k:10s} {m * 1e3:>12.2f} {roof.step_s * 1e3:>12.2f} {roof.step_s / m:>9.2f}x"
+            f" {kern.step_s * 1e3:>12.2f} {kern.step_s / m:>9.2f}x  {kern.bound} (compute"
+            f" {kern.compute_s * 1e3:.2f}, exposed comm {kern.exposed_comm_s * 1e3:.2f}, data {kern.data_s * 1e3:.2f} ms)"
         )
     return pairs
 
 
-def spearman(pairs: list[tuple[float, float]]) -> float:
-    return (
-        float(spearmanr([m for m, _ in pairs], [s for _, s in pairs]).statistic)
-        if len(pairs) > 2
-        else float("nan")
-    )
+def spearman(rows: list[Row], which: int) -> float:
+    if len(rows) < 3:
+        return float("nan")
+    return float(spearmanr([r[which] for r in rows], [r[2] for r in rows]).statistic)
 
 
 def main() -> None:
@@ -180,11 +194,10 @@ def main() -> None:
     cpu = measure_cpu_profile(threads=THREADS)
     first = bytes_table(args, cpu) if args.only != "model" else []
     second = model_table(args, cpu) if args.only != "bytes" else []
-    print(
-        f"\nSpearman rank correlation, modelled vs measured step: GPT layouts {spearman(first):.2f} "
-        f"({len(first)} plans), MLP/GPT DP1/DP2/TP2 {spearman(second):.2f} ({len(second)}), "
-        f"all {spearman(first + second):.2f} ({len(first) + len(second)}); target >= 0.8"
-    )
+    print("\nSpearman rank correlation of modelled and measured steps (roofline / with kernels timed):")
+    for name, rows in (("GPT layouts", first), ("MLP/GPT DP1/DP2/TP2", second), ("all", first + second)):
+        print(f"  {name:20s} {spearman(rows, 0):5.2f} / {spearman(rows, 1):5.2f}  ({len(rows)} plans)")
+    print("target: >= 0.8")
 
 
 if __name__ == "__main__":

@@ -118,8 +118,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     say = (lambda text: print(text, file=sys.stderr)) if args.json else print  # stdout holds the JSON
     if args.profile:
         from sbpflow.control_plane.compiler.cost_model import estimate, load_profile
+        from sbpflow.control_plane.compiler.kernel_probe import measure_kernels
 
-        say(str(estimate(compiled, load_profile(args.profile), args.link)))
+        profile = load_profile(args.profile)
+        kernels = measure_kernels(compiled.state, profile.threads) if args.profile == "cpu" else None
+        say(str(estimate(compiled, profile, args.link, kernels=kernels)))
     if args.out:
         if compiled.plan is None:
             raise SbpflowError(f"no plan to write to {args.out}: {'; '.join(compiled.notes)}")
@@ -230,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--profile",
                 metavar="cpu|h200|FILE",
-                help="print the modelled step time on this device profile (cpu: this machine, measured)",
+                help="print the modelled step time on this device profile (cpu: this machine, measured, "
+                "with the plan's kernels timed on it)",
             )
             p.add_argument("--link", help="the profile's link kind to model (default: the profile's own)")
             p.add_argument(

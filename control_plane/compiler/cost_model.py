@@ -47,25 +47,19 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sbpflow.boxing import BoxingPlan, BoxingStep, Collective
-from sbpflow.control_plane.compiler import micro_batching
+from sbpflow.control_plane.compiler import micro_batching, stage_load
 from sbpflow.control_plane.compiler.lowering.boxing import plan_of
-from sbpflow.control_plane.compiler.lowering.tasks import shard_shape
-from sbpflow.control_plane.compiler.memory import DeviceMemory
-from sbpflow.control_plane.compiler.micro_batching import Layout
 from sbpflow.control_plane.compiler.state import CompileState
-from sbpflow.control_plane.compiler.step_sim import Load, OpCost, host_bounds, order, simulate
+from sbpflow.control_plane.compiler.step_sim import OpCost, host_bounds, order, simulate
 from sbpflow.errors import SbpflowError
-from sbpflow.graph import BOXING, OpNode, TensorDecl, TensorKind
+from sbpflow.graph import BOXING, OpNode
 from sbpflow.ops.base import get_op
 from sbpflow.ops.flops import work
-from sbpflow.sbp import NdSbp
-from sbpflow.tensor_meta import TensorMeta
 
 if TYPE_CHECKING:
     from sbpflow.control_plane.compiler.pipeline import Compiled
@@ -276,14 +270,17 @@ def estimate(
     profile: DeviceProfile,
     link: str | None = None,
     ranks_per_host: int = 0,
+    kernels: Mapping[stage_load.CallKey, float] | None = None,
 ) -> StepEstimate:
     """The modelled step of ``plan`` on ``profile``'s devices over links of kind ``link`` (default: the
     profile's ``default_link``). A CPU profile's ranks sit ``ranks_per_host`` to a host (0: all on one,
-    this machine); ranks over the ``inprocess`` link share one interpreter (``step_sim.host_bounds``)."""
+    this machine); ranks over the ``inprocess`` link share one interpreter (``step_sim.host_bounds``).
+    ``kernels``: measured seconds of kernel calls (``kernel_probe.measure_kernels``), which replace their
+    rooflines."""
     state = plan if isinstance(plan, CompileState) else plan.state
     memory = {} if isinstance(plan, CompileState) else plan.memory
     kind = link or profile.default_link
-    costs = {o.name: _op_cost(state, o, profile, profile.link(kind)) for o in state.graph.ops}
+    costs = {o.name: _op_cost(state, o, profile, profile.link(kind), kernels or {}) for o in state.graph.ops}
     lay = micro_batching.layout(state)
     steps = order(lay)
     ops = {o.name: o for o in state.graph.ops}
@@ -291,12 +288,14 @@ def estimate(
     for name, _ in steps:
         calls[name] = calls.get(name, 0) + 1
     by_op = tuple(_times(costs[n], k) for n, k in calls.items())
-    loads = _loads(state, lay, by_op, profile)
+    loads = stage_load.loads(
+        state, lay, by_op, profile.data_row_s, profile.mem_bytes_per_s, profile.op_overhead_s
+    )
     bounds = [
         host_bounds(
             simulate(steps, ops, costs, with_comm),
             loads,
-            _ranks_of(state),
+            stage_load.ranks_of(state),
             profile.host_cores,
             profile.threads,
             ranks_per_host,
@@ -304,7 +303,7 @@ def estimate(
         )
         for with_comm in (True, False)
     ]
-    peak, exact = _peak_memory(state, memory, lay)
+    peak, exact = stage_load.peak_memory(state, memory, lay)
     return StepEstimate(
         compute_s=max((x.compute_s for x in loads.values()), default=0.0),
         comm_s=sum(c.seconds for c in by_op if c.comm),
@@ -324,92 +323,13 @@ def _times(c: OpCost, k: int) -> OpCost:
     return OpCost(c.name, c.op_type, c.stage, c.comm, c.seconds * k, c.flops * k, c.bytes * k, c.python_s * k)
 
 
-def _loads(
-    state: CompileState, lay: Layout, by_op: tuple[OpCost, ...], profile: DeviceProfile
-) -> dict[int, Load]:
-    """Each stage's :class:`~.step_sim.Load` on one rank: its compute, and its data loading (each
-    micro-batch's local rows at the source's cost a row, and their bytes at memory bandwidth)."""
-    g, first = state.graph, _first_reader_stage(state)
-    row_s = profile.data_row_s.get(source_key(state.job.data), 0.0)
-    rows: dict[int, int] = {}
-    nbytes: dict[int, int] = {}
-    for t in g.of_kind(TensorKind.input):
-        stage = first.get(t.name, 0)
-        local = _local(t)
-        rows[stage] = max(rows.get(stage, 0), local.shape[0] if local.shape else 1)
-        nbytes[stage] = nbytes.get(stage, 0) + local.nbytes
-    tail = _plan_acts(state, lay, first)
-    per_stage: dict[int, list[OpCost]] = {}
-    for c in by_op:
-        per_stage.setdefault(c.stage, []).append(c)
-    out = {}
-    for stage in sorted(set(per_stage) | set(rows)):
-        mine = per_stage.get(stage, [])
-        data = lay.micro_batches * (
-            rows.get(stage, 0) * row_s + nbytes.get(stage, 0) / profile.mem_bytes_per_s
-        )
-        extra = tail.get(stage, 0) * profile.op_overhead_s
-        out[stage] = Load(
-            compute_s=sum(c.seconds for c in mine if not c.comm) + extra,
-            python_s=sum(c.python_s for c in mine) + data + extra,
-            data_s=data,
-            tail_s=extra,
-        )
-    return out
-
-
-def _plan_acts(state: CompileState, lay: Layout, first: Mapping[str, int]) -> dict[int, int]:
-    """Per stage, the acts of a step that run no op of the graph: each variable's write-back, each input's
-    load and each accumulation per micro-batch (when there are several), the fetches."""
-    g = state.graph
-    producer = {t: o for o in g.ops for t in o.outputs}
-    out: dict[int, int] = {}
-
-    def add(tensor: str, n: int) -> None:
-        op = producer.get(tensor)
-        stage = first.get(tensor, 0) if op is None else op.stage
-        out[stage] = out.get(stage, 0) + n
-
-    m = lay.micro_batches
-    for new in state.updates.values():
-        add(new, 1)
-    for t in g.of_kind(TensorKind.input):
-        add(t.name, m)
-    for t in lay.accumulate if m > 1 else ():
-        add(t, m)
-    for t in (state.job.loss, *state.job.fetches):
-        if t:
-            add(t, 1)
-    return out
-
-
-def _first_reader_stage(state: CompileState) -> dict[str, int]:
-    """Each tensor read by an op -> the earliest stage that reads it (one pass: big graphs)."""
-    out: dict[str, int] = {}
-    for o in state.graph.ops:
-        for t in o.inputs:
-            out[t] = min(out.get(t, o.stage), o.stage)
-    return out
-
-
-def source_key(source: object) -> str:
-    """A data source's key in ``DeviceProfile.data_row_s``: its class, and a synthetic source's kind."""
-    kind = getattr(source, "kind", None)
-    return type(source).__name__ + (f":{kind}" if isinstance(kind, str) else "")
-
-
-def _ranks_of(state: CompileState) -> dict[int, tuple[int, ...]]:
-    """Each pipeline stage's ranks: those of its ops' placements."""
-    out: dict[int, set[int]] = {}
-    g = state.graph
-    for o in g.ops:
-        pl = o.placement or next((g.tensors[t].placement for t in o.outputs), None)
-        if pl is not None:
-            out.setdefault(o.stage, set()).update(pl.ranks)
-    return {s: tuple(sorted(r)) for s, r in out.items()}
-
-
-def _op_cost(state: CompileState, o: OpNode, profile: DeviceProfile, link: LinkProfile) -> OpCost:
+def _op_cost(
+    state: CompileState,
+    o: OpNode,
+    profile: DeviceProfile,
+    link: LinkProfile,
+    kernels: Mapping[stage_load.CallKey, float],
+) -> OpCost:
     g = state.graph
     if o.op_type == BOXING:
         plan = state.boxings.get(o.name) or plan_of(g, o)
@@ -418,46 +338,14 @@ def _op_cost(state: CompileState, o: OpNode, profile: DeviceProfile, link: LinkP
         sent = int(sum(per_rank_bytes(s, plan) for s in plan.steps))
         python = profile.op_overhead_s * len(plan.steps)
         return OpCost(o.name, o.op_type, o.stage, comm, secs + python, 0, sent, python)
-    ins = tuple(_local(g.tensors[i]) for i in o.inputs)
-    outs = tuple(_local(g.tensors[i]) for i in o.outputs)
+    ins = tuple(stage_load.local_meta(g.tensors[i]) for i in o.inputs)
+    outs = tuple(stage_load.local_meta(g.tensors[i]) for i in o.outputs)
     w = work(o.op_type, ins, outs, get_op(o.op_type).normalize_attrs(o.attrs))
     dtype = (outs or ins)[0].dtype.value
-    secs = max(w.flops / profile.peak(dtype), w.bytes / profile.mem_bytes_per_s) + profile.op_overhead_s
-    return OpCost(o.name, o.op_type, o.stage, False, secs, w.flops, w.bytes, profile.op_overhead_s)
-
-
-def _local(t: TensorDecl) -> TensorMeta:
-    """``t``'s shard at mesh coordinate 0: the largest of an uneven split (a partial one is whole)."""
-    assert t.placement is not None and t.sbp is not None, f"tensor {t.name!r} has no layout"
-    return _shard(t.meta, t.placement.shape, t.sbp)
-
-
-@lru_cache(maxsize=1 << 16)
-def _shard(meta: TensorMeta, mesh: tuple[int, ...], sbp: NdSbp) -> TensorMeta:
-    return TensorMeta(shard_shape(meta.shape, mesh, sbp, (0,) * len(mesh)), meta.dtype)
-
-
-def _peak_memory(state: CompileState, memory: Mapping[int, DeviceMemory], lay: Layout) -> tuple[int, bool]:
-    """The plan's largest device total, or (none in the plan) the upper bound of the module docstring."""
-    if memory:
-        return max(m.total for m in memory.values()), True
-    g = state.graph
-    per_mb = {o for names in lay.slots.values() for o in names}
-    held: dict[int, float] = {}
-    for o in g.ops:
-        if o.op_type == BOXING and o.name not in per_mb:
-            continue
-        for out in o.outputs:
-            many = lay.schedule.in_flight(o.stage) if o.name in per_mb else 1
-            held[o.stage] = held.get(o.stage, 0) + _local(g.tensors[out]).nbytes * many
-    first = _first_reader_stage(state)
-    for t in g.tensors.values():
-        stage = first.get(t.name, 0)
-        if t.kind in (TensorKind.parameter, TensorKind.optimizer_state):
-            held[stage] = held.get(stage, 0) + _local(t).nbytes
-        elif t.kind == TensorKind.input:  # the loader's buffer and its prefetch copy
-            held[stage] = held.get(stage, 0) + 2 * _local(t).nbytes * lay.micro_batches
-    return int(max(held.values(), default=0)), False
+    roofline = max(w.flops / profile.peak(dtype), w.bytes / profile.mem_bytes_per_s)
+    kernel = kernels.get(stage_load.call_key(state, o), roofline) if kernels else roofline
+    python = profile.op_overhead_s + max(0.0, kernel - roofline)  # dispatch the roofline does not explain
+    return OpCost(o.name, o.op_type, o.stage, False, kernel + profile.op_overhead_s, w.flops, w.bytes, python)
 
 
 def step_seconds(step: BoxingStep, plan: BoxingPlan, link: LinkProfile, mem_bytes_per_s: float) -> float:

@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from sbpflow.actor_workers.runtime.threads import limited
-from sbpflow.control_plane.compiler.cost_model import DeviceProfile, source_key
+from sbpflow.control_plane.compiler.cost_model import DeviceProfile
 from sbpflow.control_plane.compiler.cpu_links import measure_links
+from sbpflow.control_plane.compiler.stage_load import source_key
 from sbpflow.data import SyntheticSource
 from sbpflow.dtype import DType
 from sbpflow.graph import Graph, OpNode, TensorDecl

@@ -26,6 +26,8 @@ from sbpflow.control_plane.compiler.cost_model import (
     step_seconds,
 )
 from sbpflow.control_plane.compiler.cpu_profile import measure_cpu_profile
+from sbpflow.control_plane.compiler.kernel_probe import measure_kernels
+from sbpflow.control_plane.compiler.stage_load import call_key
 from sbpflow.dtype import DType
 from sbpflow.job import Precision
 from sbpflow.ops.base import OPS
@@ -298,6 +300,37 @@ def test_a_hosts_cores_are_shared_by_its_ranks() -> None:
     assert own.bound == "the critical path" and own.step_s < shared.step_s
     gpu = estimate(c, replace(slow, host_cores=0))
     assert gpu.bound == "the critical path" and gpu.step_s == pytest.approx(own.step_s)
+
+
+# ---- kernels timed on this machine ------------------------------------------------------------------
+
+
+def test_every_kernel_of_a_plan_runs_on_probe_inputs() -> None:
+    c = compiled("gpt", ranks=2, tp=True)
+    kernels = measure_kernels(c.state)
+    calls = {call_key(c.state, o) for o in c.state.graph.ops if o.op_type != "boxing"}
+    assert set(kernels) == calls and all(t > 0 for t in kernels.values())
+    assert measure_kernels(c.state) == kernels  # timed once a process: a search's candidates share them
+
+
+def test_a_timed_kernel_replaces_its_roofline() -> None:
+    """Each op then costs its kernel plus the act, and what the roofline does not explain of the kernel
+    is the interpreter's; where a kernel is timed faster than its roofline the interpreter gets nothing."""
+    c = compiled("mlp", ranks=2)
+    ops = {o.name: o for o in c.state.graph.ops}
+    timed = {call_key(c.state, o): 1e-3 for o in ops.values() if o.op_type != "boxing"}
+    plain, probed = estimate(c, FIXED), estimate(c, FIXED, kernels=timed)
+    for a, b in zip(plain.by_op, probed.by_op, strict=True):
+        if a.comm or a.op_type == "boxing":
+            assert a == b
+            continue
+        calls = round(b.seconds / 1e-3)  # once per step here: no micro-batches
+        assert b.seconds == pytest.approx(calls * 1e-3) and b.python_s == pytest.approx(
+            calls * 1e-3 - a.seconds
+        )
+    assert probed.step_s > plain.step_s
+    fast = estimate(c, FIXED, kernels=dict.fromkeys(timed, 1e-15))
+    assert all(x.python_s == 0 for x in fast.by_op if not x.comm and x.bytes > 0)  # views: a roofline of 0
 
 
 # ---- memory --------------------------------------------------------------------------------------------

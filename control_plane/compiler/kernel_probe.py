@@ -1,0 +1,86 @@
+"""A plan's kernels timed on this machine, for the cost model: ``estimate(plan, profile, kernels=...)``.
+
+The roofline of ``cost_model`` prices an op by its FLOPs and bytes; on a CPU with the small shards of a
+small model most of a kernel's time is neither, but the fixed cost of its several numpy calls, which no
+table of FLOPs sees. ``measure_kernels(plan)`` runs every distinct kernel call of the plan once as the
+runtime would on rank 0 (coordinate 0 of its placement: the logical metas, that rank's shard indices,
+arrays of its local shapes: floats drawn from N(0, 1), integers zero so that every index is valid) and
+keeps the fastest of ``repeat`` calls. The estimate then takes a measured call's time in place of its
+roofline, and counts what the roofline does not explain as the interpreter's (a small kernel's Python and
+numpy dispatch hold the GIL). What cannot run on such inputs is left to the roofline. Calls are keyed by
+``stage_load.call_key`` (op, attributes, local shapes and dtypes) and cached per process, so the
+candidates of a plan search share their repeated layers' timings.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+
+from sbpflow.actor_workers.runtime.threads import limited
+from sbpflow.control_plane.compiler.stage_load import CallKey, call_key, local_meta
+from sbpflow.control_plane.compiler.state import CompileState
+from sbpflow.graph import BOXING, OpNode, TensorDecl
+from sbpflow.ops.base import KernelContext, get_op
+from sbpflow.sharding import Index, shard_index
+from sbpflow.tensor_meta import TensorMeta
+
+_TIMED: dict[tuple[int, CallKey], float | None] = {}  # (threads, call); None: cannot run on probe inputs
+
+
+def measure_kernels(state: CompileState, threads: int = 1, repeat: int = 7) -> dict[CallKey, float]:
+    """Seconds of each distinct kernel call of ``state``'s graph on this machine with ``threads`` BLAS
+    threads (a CPU profile's: 1, as Ray runs a CPU rank; 0: the process's setting; module docstring)."""
+    out: dict[CallKey, float] = {}
+    rng = np.random.default_rng(0)
+    with limited(threads):
+        for o in state.graph.ops:
+            if o.op_type == BOXING:
+                continue
+            key = call_key(state, o)
+            if (threads, key) not in _TIMED:
+                _TIMED[(threads, key)] = _time(state, o, rng, repeat)
+            seconds = _TIMED[(threads, key)]
+            if seconds is not None:
+                out[key] = seconds
+    return out
+
+
+def _time(state: CompileState, o: OpNode, rng: np.random.Generator, repeat: int) -> float | None:
+    g = state.graph
+    op = get_op(o.op_type)
+    ins, outs = [g.tensors[t] for t in o.inputs], [g.tensors[t] for t in o.outputs]
+    ctx = KernelContext(
+        np,
+        op.normalize_attrs(o.attrs),
+        tuple(t.meta for t in ins),
+        tuple(t.meta for t in outs),
+        tuple(_index(t) for t in ins),
+        tuple(_index(t) for t in outs),
+    )
+    arrays = [_array(local_meta(t), rng) for t in ins]
+    best = float("inf")
+    try:
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                op.run_kernel(ctx, arrays)
+                best = min(best, time.perf_counter() - t0)
+    except Exception:  # noqa: BLE001  (a kernel that needs real data: the roofline prices it)
+        return None
+    return best
+
+
+def _index(t: TensorDecl) -> Index:
+    assert t.placement is not None and t.sbp is not None, f"tensor {t.name!r} has no layout"
+    return shard_index(t.meta.shape, t.placement.shape, t.sbp, (0,) * t.placement.ndim)
+
+
+def _array(meta: TensorMeta, rng: np.random.Generator) -> np.ndarray:
+    dtype = meta.dtype.to_numpy()
+    if meta.dtype.is_floating:
+        return rng.standard_normal(meta.shape).astype(dtype)
+    return np.zeros(meta.shape, dtype)

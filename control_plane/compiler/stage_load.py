@@ -1,0 +1,154 @@
+"""What one rank of each pipeline stage holds and does beyond its ops' kernels and messages, for the cost
+model (``cost_model.py``): its shards (``local_meta``, at mesh coordinate 0, the largest of an uneven
+split), its data loading and the acts of its plan that are no op of the graph (``loads``), the ranks of
+each stage (``ranks_of``), a kernel call's key (``call_key``) and the memory figure when the plan has no
+estimate (``peak_memory``: an upper bound).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+
+from sbpflow.control_plane.compiler.lowering.tasks import shard_shape
+from sbpflow.control_plane.compiler.memory import DeviceMemory
+from sbpflow.control_plane.compiler.micro_batching import Layout
+from sbpflow.control_plane.compiler.sbp_cost import attrs_key
+from sbpflow.control_plane.compiler.state import CompileState
+from sbpflow.control_plane.compiler.step_sim import Load, OpCost
+from sbpflow.graph import BOXING, OpNode, TensorDecl, TensorKind
+from sbpflow.ops.base import Attrs, get_op
+from sbpflow.sbp import NdSbp
+from sbpflow.tensor_meta import TensorMeta
+
+
+def loads(
+    state: CompileState,
+    lay: Layout,
+    by_op: Sequence[OpCost],
+    data_row_s: Mapping[str, float],
+    mem_bytes_per_s: float,
+    act_s: float,
+) -> dict[int, Load]:
+    """Each stage's :class:`~.step_sim.Load` on one rank: its ops' compute (``by_op``, a step's), the
+    acts outside the graph at ``act_s`` each, and its data loading (each micro-batch's local rows at the
+    source's cost a row, ``data_row_s[source_key]``, and their bytes at memory bandwidth)."""
+    g, first = state.graph, _first_reader_stage(state)
+    row_s = data_row_s.get(source_key(state.job.data), 0.0)
+    rows: dict[int, int] = {}
+    nbytes: dict[int, int] = {}
+    for t in g.of_kind(TensorKind.input):
+        stage = first.get(t.name, 0)
+        local = local_meta(t)
+        rows[stage] = max(rows.get(stage, 0), local.shape[0] if local.shape else 1)
+        nbytes[stage] = nbytes.get(stage, 0) + local.nbytes
+    tail = _plan_acts(state, lay, first)
+    per_stage: dict[int, list[OpCost]] = {}
+    for c in by_op:
+        per_stage.setdefault(c.stage, []).append(c)
+    out = {}
+    for stage in sorted(set(per_stage) | set(rows)):
+        mine = per_stage.get(stage, [])
+        data = lay.micro_batches * (rows.get(stage, 0) * row_s + nbytes.get(stage, 0) / mem_bytes_per_s)
+        extra = tail.get(stage, 0) * act_s
+        out[stage] = Load(
+            compute_s=sum(c.seconds for c in mine if not c.comm) + extra,
+            python_s=sum(c.python_s for c in mine) + data + extra,
+            data_s=data,
+            tail_s=extra,
+        )
+    return out
+
+
+def _plan_acts(state: CompileState, lay: Layout, first: Mapping[str, int]) -> dict[int, int]:
+    """Per stage, the acts of a step that run no op of the graph: each variable's write-back, each input's
+    load and each accumulation per micro-batch (when there are several), the fetches."""
+    g = state.graph
+    producer = {t: o for o in g.ops for t in o.outputs}
+    out: dict[int, int] = {}
+
+    def add(tensor: str, n: int) -> None:
+        op = producer.get(tensor)
+        stage = first.get(tensor, 0) if op is None else op.stage
+        out[stage] = out.get(stage, 0) + n
+
+    m = lay.micro_batches
+    for new in state.updates.values():
+        add(new, 1)
+    for t in g.of_kind(TensorKind.input):
+        add(t.name, m)
+    for t in lay.accumulate if m > 1 else ():
+        add(t, m)
+    for t in (state.job.loss, *state.job.fetches):
+        if t:
+            add(t, 1)
+    return out
+
+
+def _first_reader_stage(state: CompileState) -> dict[str, int]:
+    """Each tensor read by an op -> the earliest stage that reads it (one pass: big graphs)."""
+    out: dict[str, int] = {}
+    for o in state.graph.ops:
+        for t in o.inputs:
+            out[t] = min(out.get(t, o.stage), o.stage)
+    return out
+
+
+def source_key(source: object) -> str:
+    """A data source's key in ``DeviceProfile.data_row_s``: its class, and a synthetic source's kind."""
+    kind = getattr(source, "kind", None)
+    return type(source).__name__ + (f":{kind}" if isinstance(kind, str) else "")
+
+
+def ranks_of(state: CompileState) -> dict[int, tuple[int, ...]]:
+    """Each pipeline stage's ranks: those of its ops' placements."""
+    out: dict[int, set[int]] = {}
+    g = state.graph
+    for o in g.ops:
+        pl = o.placement or next((g.tensors[t].placement for t in o.outputs), None)
+        if pl is not None:
+            out.setdefault(o.stage, set()).update(pl.ranks)
+    return {s: tuple(sorted(r)) for s, r in out.items()}
+
+
+CallKey = tuple[str, Attrs, tuple[TensorMeta, ...]]  # (op, attributes, local inputs): one kernel call
+
+
+def call_key(state: CompileState, o: OpNode) -> CallKey:
+    """What a kernel's time depends on: its op, attributes and one rank's local inputs."""
+    ins = tuple(local_meta(state.graph.tensors[t]) for t in o.inputs)
+    return o.op_type, attrs_key(get_op(o.op_type).normalize_attrs(o.attrs)), ins
+
+
+def local_meta(t: TensorDecl) -> TensorMeta:
+    """``t``'s shard at mesh coordinate 0: the largest of an uneven split (a partial one is whole)."""
+    assert t.placement is not None and t.sbp is not None, f"tensor {t.name!r} has no layout"
+    return _shard(t.meta, t.placement.shape, t.sbp)
+
+
+@lru_cache(maxsize=1 << 16)
+def _shard(meta: TensorMeta, mesh: tuple[int, ...], sbp: NdSbp) -> TensorMeta:
+    return TensorMeta(shard_shape(meta.shape, mesh, sbp, (0,) * len(mesh)), meta.dtype)
+
+
+def peak_memory(state: CompileState, memory: Mapping[int, DeviceMemory], lay: Layout) -> tuple[int, bool]:
+    """The plan's largest device total, or (none in the plan) the upper bound of the module docstring."""
+    if memory:
+        return max(m.total for m in memory.values()), True
+    g = state.graph
+    per_mb = {o for names in lay.slots.values() for o in names}
+    held: dict[int, float] = {}
+    for o in g.ops:
+        if o.op_type == BOXING and o.name not in per_mb:
+            continue
+        for out in o.outputs:
+            many = lay.schedule.in_flight(o.stage) if o.name in per_mb else 1
+            held[o.stage] = held.get(o.stage, 0) + local_meta(g.tensors[out]).nbytes * many
+    first = _first_reader_stage(state)
+    for t in g.tensors.values():
+        stage = first.get(t.name, 0)
+        if t.kind in (TensorKind.parameter, TensorKind.optimizer_state):
+            held[stage] = held.get(stage, 0) + local_meta(t).nbytes
+        elif t.kind == TensorKind.input:  # the loader's buffer and its prefetch copy
+            held[stage] = held.get(stage, 0) + 2 * local_meta(t).nbytes * lay.micro_batches
+    return int(max(held.values(), default=0)), False
