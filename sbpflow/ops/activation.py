@@ -15,6 +15,7 @@ from sbpflow.ops import rows
 from sbpflow.ops.base import Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop
 from sbpflow.ops.elementwise import check_kind, owned, same_dtype
 from sbpflow.ops.erf import erf
+from sbpflow.ops.rowwise import jit_rows
 from sbpflow.sbp import P, Split
 from sbpflow.tensor_meta import TensorMeta
 
@@ -36,6 +37,10 @@ def _float_unary(op: str) -> Any:
 def sigmoid(xp: Any, x: Any) -> Any:
     """1 / (1 + exp(-x)) without overflow: with e = exp(-|x|) in (0, 1], 1 / (1 + e) where x >= 0 and
     e / (1 + e) where x < 0 (exp(-x) of a large negative x would overflow to inf)."""
+    if getattr(x, "ndim", 0) and (jit := jit_rows(xp, x)) is not None:  # one pass (rows_jit.py)
+        out = xp.empty(x.shape, dtype=x.dtype)
+        jit.sigmoid_all(x.reshape(-1), out.reshape(-1))
+        return out
     e = xp.abs(x)
     e = xp.exp(xp.negative(e, out=e), out=e)
     den = xp.add(e, x.dtype.type(1), out=owned(xp, x))

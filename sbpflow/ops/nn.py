@@ -98,6 +98,10 @@ def _log_softmax_kernel(ctx: KernelContext, x: Any) -> Any:
     # s - log(sum(exp(s))), s = x - max x
     xp = ctx.xp
     axis = _axis("log_softmax", ctx.in_metas[0], ctx.attrs)
+    if axis == x.ndim - 1 and (jit := jit_rows(xp, x)) is not None:
+        out = xp.empty(x.shape, dtype=x.dtype)
+        jit.log_softmax_rows(_rows(x), _rows(out))
+        return out
     shifted = _shifted(xp, x, axis)
     lse = _sum(xp, xp.exp(shifted), axis)
     return xp.subtract(shifted, xp.log(lse, out=lse), out=shifted)
@@ -120,6 +124,10 @@ def _log_softmax_grad_kernel(ctx: KernelContext, y: Any, dy: Any) -> Any:
     # dy - exp(y) sum(dy)
     xp = ctx.xp
     axis = _axis("log_softmax_grad", ctx.in_metas[0], ctx.attrs)
+    if axis == y.ndim - 1 and y.shape == dy.shape and (jit := jit_rows(xp, y, dy)) is not None:
+        out = xp.empty(y.shape, dtype=y.dtype)
+        jit.log_softmax_grad_rows(_rows(y), _rows(dy), _rows(out))
+        return out
     e = xp.exp(y)
     e = xp.multiply(e, _sum(xp, dy, axis), out=e)
     return xp.subtract(dy, e, out=e)

@@ -13,7 +13,8 @@ row alone, so a shard's rows match the whole tensor's) but keep nan and inf sema
 is -inf. Compiled on first use and cached beside this file (``cache=True``).
 
 Each takes 2-d C-contiguous arrays ``[rows, n]`` of one float dtype and writes its outputs in place.
-``add_rows_at`` is embedding_grad's scatter-add of rows (shape.py), ~10x numpy's sort and reduceat.
+``add_rows_at`` is embedding_grad's scatter-add of rows (shape.py), ~10x numpy's sort and reduceat;
+``sigmoid_all`` is activation.py's sigmoid, elementwise on flat arrays.
 """
 
 from __future__ import annotations
@@ -41,20 +42,59 @@ def _row_maxima(x: Any) -> Any:  # pragma: no cover - compiled
     return maxima
 
 
+@njit(cache=True, fastmath=_FLAGS, inline="always")
+def _sum_exp(x: Any, i: int, m: Any) -> Any:  # pragma: no cover - compiled
+    """sum(exp(x[i] - m))."""
+    t = x.dtype.type(0)
+    for j in range(x.shape[1]):
+        t += vexp(x[i, j] - m)
+    return t
+
+
+@njit(cache=True, fastmath=_FLAGS, inline="always")
+def _store_exp(x: Any, i: int, m: Any, out: Any) -> Any:  # pragma: no cover - compiled
+    """out[i] = exp(x[i] - m), and its sum."""
+    t = x.dtype.type(0)
+    for j in range(x.shape[1]):
+        e = vexp(x[i, j] - m)
+        out[i, j] = e
+        t += e
+    return t
+
+
 @njit(cache=True, fastmath=_FLAGS)
 def softmax_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out = e / sum(e), e = exp(x - max x), along each row."""
     rows, n = x.shape
     maxima = _row_maxima(x)
     for i in range(rows):
-        m = maxima[i]
-        s = x.dtype.type(0)
-        for j in range(n):
-            e = vexp(x[i, j] - m)
-            out[i, j] = e
-            s += e
+        s = _store_exp(x, i, maxima[i], out)
         for j in range(n):
             out[i, j] = out[i, j] / s
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def log_softmax_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out = s - log(sum(exp(s))), s = x - max x, along each row."""
+    rows, n = x.shape
+    maxima = _row_maxima(x)
+    for i in range(rows):
+        m = maxima[i]
+        lse = np.log(_sum_exp(x, i, m))
+        for j in range(n):
+            out[i, j] = (x[i, j] - m) - lse
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def log_softmax_grad_rows(y: Any, dy: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out = dy - exp(y) sum(dy) along each row."""
+    rows, n = y.shape
+    for i in range(rows):
+        s = y.dtype.type(0)
+        for j in range(n):
+            s += dy[i, j]
+        for j in range(n):
+            out[i, j] = dy[i, j] - vexp(y[i, j]) * s
 
 
 @njit(cache=True, fastmath=_FLAGS)
@@ -139,11 +179,7 @@ def cross_entropy_rows(x: Any, labels: Any, ignore: int, loss: Any) -> bool:  # 
             lab += n  # numpy's take_along_axis counts a negative label from the end
         if not 0 <= lab < n:
             return False
-        m = maxima[i]
-        s = x.dtype.type(0)
-        for j in range(n):
-            s += vexp(x[i, j] - m)
-        loss[i] = m + np.log(s) - x[i, lab]
+        loss[i] = maxima[i] + np.log(_sum_exp(x, i, maxima[i])) - x[i, lab]
     return True
 
 
@@ -158,13 +194,7 @@ def cross_entropy_grad_rows(
     for i in range(rows):
         lab = labels[i]
         d = x.dtype.type(0) if lab == ignore else dy[i]
-        m = maxima[i]
-        s = x.dtype.type(0)
-        for j in range(n):
-            e = vexp(x[i, j] - m)
-            out[i, j] = e
-            s += e
-        scale = d / s
+        scale = d / _store_exp(x, i, maxima[i], out)
         for j in range(n):
             out[i, j] = out[i, j] * scale
         if 0 <= lab < n and lab != ignore:
@@ -182,3 +212,14 @@ def add_rows_at(out: Any, ids: Any, start: int, values: Any) -> None:  # pragma:
         if 0 <= k < size:
             for j in range(n):
                 out[k, j] += values[r, j]
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def sigmoid_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out = 1 / (1 + e) where x >= 0, e / (1 + e) where not, e = exp(-|x|), on flat arrays (activation.py's
+    sigmoid: its form that overflows for no x, in one pass)."""
+    one = x.dtype.type(1)
+    for i in range(x.size):
+        v = x[i]
+        e = vexp(-abs(v))
+        out[i] = (one if v >= 0 else e) / (one + e)

@@ -82,6 +82,10 @@ def test_softmax_and_its_gradient(dtype: Any, data: st.DataObject) -> None:
     dy = np.random.default_rng(1).standard_normal(x.shape).astype(dtype)
     got, want = both("softmax_grad", y_ref, dy, axis=-1)
     same(got, want, dtype, f"softmax_grad {x.shape}")
+    (ly,), (ly_ref,) = both("log_softmax", x, axis=-1)
+    same((ly,), (ly_ref,), dtype, f"log_softmax {x.shape}")
+    if np.isfinite(ly_ref).all():  # a masked score's log-probability is -inf: its gradient is nan
+        same(*both("log_softmax_grad", ly_ref, dy, axis=-1), dtype, f"log_softmax_grad {x.shape}")
 
 
 def test_softmax_rows_of_minus_inf_and_nan_stay_nan() -> None:
@@ -189,3 +193,12 @@ def test_add_rows_at_sums_each_ids_rows_in_its_range(dtype: Any) -> None:
     hit = (ids >= 10) & (ids < 30)
     np.add.at(want, ids[hit] - 10, values[hit])  # in row order too: the same sums
     np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_in_one_pass_matches_numpys(dtype: Any) -> None:
+    x = np.random.default_rng(6).standard_normal((9, 33)).astype(dtype) * 20
+    x[0, :4] = [-np.inf, np.inf, np.nan, 0.0]
+    (y,), (y_ref,) = both("sigmoid", x)
+    same((y,), (y_ref,), dtype, "sigmoid")
+    np.testing.assert_array_equal(y[0, :4], np.array([0.0, 1.0, np.nan, 0.5], dtype))
