@@ -14,6 +14,7 @@ from typing import Any
 
 from sbpflow import wire
 from sbpflow.device import asnumpy
+from sbpflow.ops.loss_scaling import SCALE, SKIPPED
 from sbpflow.v1 import plan_pb2 as pp
 from sbpflow.v1 import service_pb2 as sp
 
@@ -32,25 +33,30 @@ def report(
 STREAMS = ("compute", "comm", "data")  # the engine's streams, each a key of a step's timings
 
 
-def watch_steps(
-    rc: Any,
-    device: pp.DevicePlan,
-    loss: str | None,
-    done: Callable[[int, float | None, Mapping[str, float]], None],
-) -> None:
-    """Call ``done(step, loss, timings)`` once per step the rank of ``rc`` completes: a rank that holds
-    the loss when it fetches it (``loss`` its share), any other when the last variable it assigns has
-    come in (``loss`` None: a pipeline stage without the loss, say). ``timings``: seconds since the last
-    one (``"step"``), and how long each stream spent in acts in that time (``"compute"``, ``"comm"``,
-    ``"data"``: ``rc.busy``, which the engine adds to)."""
+Scaling = tuple[float, int]  # dynamic loss scaling after a step: (the scale, the steps skipped so far)
+StepDone = Callable[[int, "float | None", Mapping[str, float], "Scaling | None"], None]
+
+
+def watch_steps(rc: Any, device: pp.DevicePlan, loss: str | None, done: StepDone) -> None:
+    """Call ``done(step, loss, timings, scaling)`` once per step the rank of ``rc`` completes: a rank
+    that holds the loss when it fetches it (``loss`` its share), any other when the last variable it
+    assigns has come in (``loss`` None: a pipeline stage without the loss, say). ``timings``: seconds
+    since the last one (``"step"``), and how long each stream spent in acts in that time (``"compute"``,
+    ``"comm"``, ``"data"``: ``rc.busy``, which the engine adds to). A rank that holds the dynamic loss
+    scale (beside the loss: ``sbpflow.ops.loss_scaling``) reports once both the loss and the scale's new
+    value are in, with ``scaling`` (the scale, the steps skipped so far); None elsewhere."""
     sinks = [t for t in device.tasks if t.kind == pp.TASK_KIND_SINK]
     holds_loss = any(
         "fetch" in t.attrs and str(wire.attr_from_proto(t.attrs["fetch"])) == loss for t in sinks
     )
-    assigns = sum("assign" in t.attrs for t in sinks)
+    assigned_vars = {str(wire.attr_from_proto(t.attrs["assign"])) for t in sinks if "assign" in t.attrs}
+    holds_scale = {SCALE, SKIPPED} <= assigned_vars
+    assigns = len([t for t in sinks if "assign" in t.attrs])
     last = [time.monotonic()]
     busy_then: dict[str, float] = {}
     assigned: dict[int, int] = {}
+    losses: dict[int, float] = {}  # a loss fetched before its step's scale came in
+    scales: dict[int, dict[str, float]] = {}  # step -> the scaling variables assigned so far
 
     def step_done(step: int, value: float | None) -> None:
         now = time.monotonic()
@@ -59,13 +65,21 @@ def watch_steps(
         for stream in STREAMS:
             spent = rc.busy.get(stream, 0.0)
             timings[stream], busy_then[stream] = spent - busy_then.get(stream, 0.0), spent
-        done(step, value, timings)
+        got = scales.pop(step, None)
+        done(step, value, timings, None if got is None else (got[SCALE], int(got[SKIPPED])))
 
     def fetched(name: str, micro_batch: int, step: int, value: Any) -> None:
         if name == loss and micro_batch < 0:
+            if holds_scale and len(scales.get(step, ())) < 2:
+                losses[step] = float(asnumpy(value))  # reported when the scale is in
+                return
             step_done(step, float(asnumpy(value)))
 
     def on_assign(name: str, step: int) -> None:
+        if holds_scale and name in (SCALE, SKIPPED):
+            scales.setdefault(step, {})[name] = float(asnumpy(rc.store[name]).reshape(-1)[0])
+            if len(scales[step]) == 2 and step in losses:
+                step_done(step, losses.pop(step))
         assigned[step] = assigned.get(step, 0) + 1
         if assigned[step] == assigns:
             del assigned[step]
@@ -76,9 +90,14 @@ def watch_steps(
     rc.assign_hooks.append(on_assign)
 
 
-def step_report(step: int, loss: float | None, timings: Mapping[str, float] | float) -> sp.StepReport:
-    """The StepReport of (0-based) ``step``: with the rank's loss share where it holds the loss, and
-    ``watch_steps``'s timings (a number: the step's seconds alone)."""
+def step_report(
+    step: int, loss: float | None, timings: Mapping[str, float] | float, scaling: Scaling | None = None
+) -> sp.StepReport:
+    """The StepReport of (0-based) ``step``: with the rank's loss share where it holds the loss,
+    ``watch_steps``'s timings (a number: the step's seconds alone), and the loss scale where it holds it."""
     losses = [] if loss is None else [loss]
     seconds = {"step": float(timings)} if isinstance(timings, (int, float)) else timings
-    return sp.StepReport(step=step + 1, losses=losses, loss=loss or 0.0, timings_seconds=seconds)
+    m = sp.StepReport(step=step + 1, losses=losses, loss=loss or 0.0, timings_seconds=seconds)
+    if scaling is not None:
+        m.loss_scale, m.skipped_steps = scaling
+    return m

@@ -190,7 +190,9 @@ class Worker:
             rp.context,
             _device(plan, self.rank),
             loss,
-            lambda step, value, seconds: self.reporter.send(step=progress.step_report(step, value, seconds)),
+            lambda step, value, seconds, scaling: self.reporter.send(
+                step=progress.step_report(step, value, seconds, scaling)
+            ),
         )
         self._writers = checkpointing.attach_all(
             start.checkpoint, self._program, plan, range(start.first_step, start.first_step + steps)

@@ -36,7 +36,15 @@ from sbpflow.client.tracing import Tracer
 from sbpflow.data import DataSource
 from sbpflow.dtype import DType
 from sbpflow.graph import TensorKind
-from sbpflow.job import GRAD_BUCKET_BYTES, Job, JobConfig, ParameterSpec, PipelineSchedule, Precision
+from sbpflow.job import (
+    GRAD_BUCKET_BYTES,
+    Job,
+    JobConfig,
+    LossScaling,
+    ParameterSpec,
+    PipelineSchedule,
+    Precision,
+)
 from sbpflow.placement import Placement
 from sbpflow.placement import placement as make_placement
 from sbpflow.sbp import NdSbp, as_nd, check_axes
@@ -54,7 +62,8 @@ class GraphConfig:
     zero_stage: int = 0
     activation_checkpointing: bool = False
     precision: str = "fp32"  # fp32, fp64, fp16, bf16
-    loss_scale: float = 0.0
+    loss_scale: float = 0.0  # 0 with fp16: dynamic, as loss_scaling says (torch's GradScaler defaults)
+    loss_scaling: LossScaling = LossScaling()
     seed: int = 0
     checkpoint_every: int = 0
     grad_bucket_bytes: int = GRAD_BUCKET_BYTES  # gradient all-reduce buckets, in backward order; 0 = off
@@ -77,6 +86,7 @@ class GraphConfig:
         if values["eval_every"] and not values["checkpoint_every"]:  # an evaluation reads its checkpoint
             values["checkpoint_every"] = values["eval_every"]
         values["pipeline_schedule"] = PipelineSchedule(values["pipeline_schedule"])
+        values["loss_scaling"] = self.loss_scaling  # a value of its own, not asdict's dict
         return JobConfig(**values)
 
 

@@ -36,12 +36,12 @@ from contextlib import nullcontext
 from typing import Any
 
 from sbpflow.actor_workers import snapshots as checkpointing
-from sbpflow.actor_workers.reporting import step_report, watch_steps
+from sbpflow.actor_workers.reporting import Scaling, StepDone, step_report, watch_steps
 from sbpflow.actor_workers.runtime import executor, threads
 from sbpflow.actor_workers.runtime.errors import RunCancelled, RuntimeFailure
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.checkpoint.read import CheckpointReader, CorruptCheckpoint, corrupt_note, resolve
-from sbpflow.control_plane.compiler import loss_scaling, pipeline
+from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.evaluation import EvalListener, evaluating
 from sbpflow.control_plane.reports import ReportHub
@@ -55,12 +55,20 @@ from sbpflow.control_plane.run_context import (
 )
 from sbpflow.control_plane.scheduler import run_on_ray
 from sbpflow.control_plane.start_values import start_file
-from sbpflow.control_plane.step_tracker import ReportListener, StateListener, StepListener, StepTracker
+from sbpflow.control_plane.step_tracker import (
+    ReportListener,
+    StateListener,
+    StepListener,
+    StepTracker,
+    fail_on_non_finite,
+    skip_overflow,
+)
 from sbpflow.control_plane.tensorboard_scalars import open_board
 from sbpflow.device import array_module
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
 from sbpflow.numerics import NonFiniteParameters, non_finite_parameters
+from sbpflow.ops.loss_scaling import VARIABLES
 from sbpflow.run_options import FIELD_NAMES, RunOptions
 from sbpflow.run_state import JobState
 from sbpflow.v1 import job_pb2 as jp
@@ -173,7 +181,10 @@ def _run(
     graph = compiled.state.graph
     loss = graph.tensors[job.loss] if job.loss else None
     samples = job.data.batch_size if job.data is not None else 0
-    tracker = StepTracker(loss, samples, on_step, job=job.name, first_step=first_step, stop=stop.set)
+    policy = skip_overflow if job.config.dynamic_loss_scaling else fail_on_non_finite
+    tracker = StepTracker(
+        loss, samples, on_step, job=job.name, first_step=first_step, stop=stop.set, on_non_finite=policy
+    )
     try:
         result = runner(compiled, context, tracker)
     except RuntimeFailure as failure:
@@ -257,11 +268,11 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
     job, plan = compiled.state.job, compiled.plan or _whole_plan(compiled)
     loss = job.loss
 
-    def on_step(rank: int) -> Callable[[int, float | None, Mapping[str, float]], None]:
-        def done(step: int, value: float | None, timings: Mapping[str, float]) -> None:
+    def on_step(rank: int) -> StepDone:
+        def done(step: int, value: float | None, times: Mapping[str, float], scale: Scaling | None) -> None:
             if value is not None:
-                tracker.add(rank, step - ctx.first_step, value)
-            ctx.report(rank, step=step_report(step, value, timings))
+                tracker.add(rank, step - ctx.first_step, value, scaling=scale)
+            ctx.report(rank, step=step_report(step, value, times, scale))
 
         return done
 
@@ -313,7 +324,7 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
     parameters = None
     if ctx.run.return_parameters:
         parameters = executor.variables(program, [p.tensor for p in job.parameters])
-    scaling = executor.variables(program, [n for n in loss_scaling.VARIABLES if n in program.tensors])
+    scaling = executor.variables(program, [n for n in VARIABLES if n in program.tensors])
     events = None
     if ctx.run.trace:
         events = sorted((e for r in results.values() for e in r.trace), key=lambda e: e.start)

@@ -12,6 +12,8 @@ manager's live worker rows) at scrape time, so they are never stale:
 | ``sbpflow_job_samples_per_second`` | job_id, name | throughput of the last step |
 | ``sbpflow_job_eval_loss`` | job_id, name | held-out loss of the latest evaluation (``eval_every``) |
 | ``sbpflow_job_attempt`` | job_id, name | attempt number, 1-based (grows on each restart) |
+| ``sbpflow_job_skipped_steps_total`` | job_id, name | steps dynamic loss scaling skipped (an inf/NaN gradient) |
+| ``sbpflow_job_loss_scale`` | job_id, name | dynamic loss scaling's scale after the last step |
 | ``sbpflow_worker_up`` | job_id, rank | 1 while the worker is starting or running, else 0 |
 | ``sbpflow_compile_seconds`` | | time from COMPILING to STARTING |
 | ``sbpflow_step_seconds`` | | wall time of each step |
@@ -36,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from sbpflow.control_plane.store.job_store import JobStore
@@ -85,8 +87,15 @@ class _JobGauges(Collector):
         held_out = GaugeMetricFamily(
             "sbpflow_job_eval_loss", "Held-out loss of a job's latest evaluation", labels=labels
         )
+        skipped = CounterMetricFamily(
+            "sbpflow_job_skipped_steps", "Steps a job's dynamic loss scaling skipped", labels=labels
+        )
+        scale = GaugeMetricFamily("sbpflow_job_loss_scale", "A job's dynamic loss scale", labels=labels)
         for r in self._recs:
             key = [r.id, r.name[:MAX_NAME]]
+            if r.loss_scale is not None:  # only a dynamically loss-scaled job has these series
+                skipped.add_metric(key, r.skipped_steps)
+                scale.add_metric(key, r.loss_scale)
             step.add_metric(key, r.step)
             if r.loss is not None:
                 loss.add_metric(key, r.loss)
@@ -94,7 +103,7 @@ class _JobGauges(Collector):
             attempt.add_metric(key, r.attempt)
             if r.eval_step > 0 and r.eval_loss is not None:
                 held_out.add_metric(key, r.eval_loss)
-        yield from (step, loss, sps, attempt, held_out)
+        yield from (step, loss, sps, attempt, held_out, skipped, scale)
 
 
 UP_NAME, UP_HELP = "sbpflow_worker_up", "1 while a worker starts or runs"

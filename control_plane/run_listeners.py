@@ -72,7 +72,10 @@ class RunListeners:
 
     def on_step(self, s: sp.StepMetrics) -> None:
         step = self.first_step + s.step  # the run numbers its steps from its start
-        self.write(self.m.store.record_step, self.job_id, step, s.loss, s.samples_per_second, s.step_seconds)
+        scaling = (s.loss_scale, int(s.skipped_steps)) if s.HasField("loss_scale") else None
+        self.write(
+            self.m.store.record_step, self.job_id, step, s.loss, s.samples_per_second, s.step_seconds, scaling
+        )
         if self.m.metrics is not None:
             self.m.metrics.step_seconds.observe(s.step_seconds)
         self.m._notify(self.job_id)

@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 
 from sbpflow.actor_workers.runtime.errors import RuntimeAborted, RuntimeFailure, RuntimeTimeout
-from sbpflow.control_plane.compiler import loss_scaling
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.elastic import Regrow, attempt_note, replan, restart_point
 from sbpflow.control_plane.ray_groups import BUNDLES, DEVICE_TYPES, reserve, room_for
@@ -51,6 +50,7 @@ from sbpflow.control_plane.step_tracker import StepTracker
 from sbpflow.control_plane.worker_failures import WorkerError, WorkerLost, echoes, failure_of, primary
 from sbpflow.control_plane.worker_pool import WarmGroup, destroy, installed, resources_of
 from sbpflow.errors import SbpflowError
+from sbpflow.ops.loss_scaling import VARIABLES
 from sbpflow.run_state import JobState
 from sbpflow.sharding import assemble_value
 from sbpflow.v1 import job_pb2 as jp
@@ -104,7 +104,10 @@ def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker)
     def on_report(r: sp.WorkerReport) -> None:
         if r.WhichOneof("payload") == "step" and r.step.losses:
             at = r.time.ToNanoseconds() / 1e9 if r.HasField("time") else None  # when the rank ended it
-            tracker.add(int(r.rank), int(r.step.step) - 1 - options.first_step, r.step.loss, at)
+            scaling = (
+                (r.step.loss_scale, int(r.step.skipped_steps)) if r.step.HasField("loss_scale") else None
+            )
+            tracker.add(int(r.rank), int(r.step.step) - 1 - options.first_step, r.step.loss, at, scaling)
         if options.on_report is not None:
             options.on_report(r)
 
@@ -454,7 +457,7 @@ def _result(
         trace = sorted((e for o in outcomes.values() for e in o.trace), key=lambda e: e.start)
     seconds = max((o.seconds for o in outcomes.values()), default=0.0)
     bad = tuple(sorted({n for o in outcomes.values() for n in o.non_finite}))
-    scaling = [n for n in loss_scaling.VARIABLES if n in graph.tensors]  # replicated scalars: one rank's
+    scaling = [n for n in VARIABLES if n in graph.tensors]  # replicated scalars: one rank's
     held = attempt.gather(scaling) if scaling else {}
     first_rank = graph.tensors[scaling[0]].placement.ranks[0] if scaling else 0  # type: ignore[union-attr]
     scaled = {n: held[first_rank][n] for n in scaling}

@@ -61,6 +61,8 @@ def job_status(rec: JobRecord, workers: Sequence[WorkerRecord] = ()) -> sp.JobSt
         m.loss = rec.loss
     if rec.eval_step > 0 and rec.eval_loss is not None:
         m.eval_step, m.eval_loss = rec.eval_step, rec.eval_loss
+    if rec.loss_scale is not None:
+        m.loss_scale, m.skipped_steps = rec.loss_scale, rec.skipped_steps
     return m
 
 
@@ -97,6 +99,9 @@ def job_events(
             out.step.CopyFrom(
                 sp.StepMetrics(step=step, loss=loss, samples_per_second=sps, step_seconds=seconds)
             )
+            if "loss_scale" in e.data:  # dynamic loss scaling
+                out.step.loss_scale = float(e.data["loss_scale"])  # type: ignore[arg-type]
+                out.step.skipped_steps = int(e.data["skipped_steps"])  # type: ignore[call-overload]
         else:
             previous = str(e.data.get("from", "JOB_STATE_UNSPECIFIED"))
             out.state_change.CopyFrom(

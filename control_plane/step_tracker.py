@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from sbpflow.actor_workers.reporting import Scaling
 from sbpflow.control_plane.share_assembly import ShareAssembly, ShareLayout
 from sbpflow.graph import TensorDecl
 from sbpflow.numerics import NonFiniteLoss, finite
@@ -42,6 +43,12 @@ NonFinitePolicy = Callable[[int, float], bool]  # (job step, loss) -> True: skip
 def fail_on_non_finite(step: int, value: float) -> bool:
     """The policy without loss scaling: a non-finite loss stops the run (it is never skipped)."""
     return False
+
+
+def skip_overflow(step: int, value: float) -> bool:
+    """The policy under dynamic loss scaling: an fp16 forward that overflowed makes the step's gradients
+    non-finite too, and the plan skips the step's update and backs the scale off; the run goes on."""
+    return True
 
 
 class StepTracker:
@@ -76,6 +83,7 @@ class StepTracker:
         self._at: dict[int, float] = {}  # per pending step: when its last share's rank ended it
         self._recent: deque[float] = deque(maxlen=WINDOW + 1)  # completion times of the recent steps
         self.losses: list[float] = []
+        self._scaling: dict[int, Scaling] = {}  # per pending step: its loss scale and skipped count
 
     def restart_clock(self) -> None:
         """Time the first step from now (the run starts after compile and set-up)."""
@@ -104,11 +112,16 @@ class StepTracker:
             del self.losses[steps:]
             self._pending.clear()
             self._at.clear()
+            self._scaling.clear()
 
-    def add(self, rank: int, step: int, value: Any, at: float | None = None) -> None:
+    def add(
+        self, rank: int, step: int, value: Any, at: float | None = None, scaling: Scaling | None = None
+    ) -> None:
         """Rank ``rank``'s share of the loss of (0-based) ``step``, which it ended at ``at`` (seconds since
         the epoch, from its report; None: now). Workers send their reports in batches, so the step's
-        time is when its last rank ended it, not when the shares arrived."""
+        time is when its last rank ended it, not when the shares arrived. ``scaling``: the dynamic loss
+        scale and the steps skipped so far after the step, from a rank that holds the scale (every rank
+        of the loss holds it, replicated)."""
         with self._lock:
             layout = self._layout  # under the lock: a relayout drops the shares of the old one
             if layout is None or rank not in layout.ranks or self.non_finite is not None:
@@ -117,6 +130,8 @@ class StepTracker:
             if shares is None:
                 shares = self._pending[step] = ShareAssembly(layout)
             shares.add(rank, np.asarray(value))
+            if scaling is not None:
+                self._scaling[step] = scaling
             self._at[step] = max(self._at.get(step, 0.0), time.time() if at is None else at)
             done = []
             while self.non_finite is None and (nxt := self._pending.get(len(self.losses))) and nxt.complete:
@@ -150,6 +165,9 @@ class StepTracker:
             samples_per_second=self._samples * (len(self._recent) - 1) / max(span, 1e-9),
             step_seconds=seconds,
         )
+        scaling = self._scaling.pop(len(self.losses) - 1, None)
+        if scaling is not None:
+            metrics.loss_scale, metrics.skipped_steps = scaling
         if finite(loss):
             return metrics, False
         step = self._first_step + len(self.losses)

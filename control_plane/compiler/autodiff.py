@@ -74,7 +74,7 @@ def run(state: CompileState) -> None:
     )
     dynamic = loss_scaling.enabled(state)
     if dynamic:
-        seed = loss_scaling.seed(state, seed_at, trainable[0], job.loss)
+        seed = loss_scaling.seed(state, seed_at, job.loss)
     else:
         (seed,) = seed_at.call("full", shape=loss.meta.shape, dtype=loss.meta.dtype, value=scale)
     acc.add(seed_at, job.loss, seed)
@@ -85,8 +85,7 @@ def run(state: CompileState) -> None:
     first = trainable[0]
     inv = None
     if dynamic:
-        at = acc.builder.at(loss_scaling.PREFIX, stage=stage_of[first], placement=g.tensors[first].placement)
-        inv = loss_scaling.inverse(state, at)
+        inv = loss_scaling.inverse(state, acc.builder, stage_of[first], g.tensors[first].placement)
     for p in trainable:
         decl = g.tensors[p]
         at = acc.builder.at(GRAD + p, stage=stage_of[p], placement=decl.placement)

@@ -2,8 +2,8 @@
 
 torch.cuda.amp.GradScaler's rule, written into the graph by autodiff and the optimizer pass:
 
-* **The scale is optimizer state**: three fp32 scalars, replicated (``B``) on the first trainable
-  parameter's placement, listed in ``state.state_vars`` and so checkpointed and restored with the rest
+* **The scale is optimizer state**: three fp32 scalars (shape ``(1,)``), replicated (``B``) on the
+  loss's placement (so the ranks that report a step's loss report its scale too), listed in ``state.state_vars`` and so checkpointed and restored with the rest
   of the optimizer state (a resume goes on with the same scale): :data:`SCALE` (``0``, its starting
   value as all optimizer state, reads as ``init``), :data:`GOOD_STEPS` (clean steps in a row) and
   :data:`SKIPPED` (steps skipped so far; AdamW's bias correction counts ``step - skipped``).
@@ -28,22 +28,20 @@ from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.dtype import DType
 from sbpflow.graph import TensorDecl, TensorKind
 from sbpflow.ops.base import get_op
-from sbpflow.ops.loss_scaling import GATED, SCALAR
+from sbpflow.ops.loss_scaling import GATED, PREFIX, SCALAR, SCALE, SKIPPED, VARIABLES
+from sbpflow.placement import Placement
 from sbpflow.sbp import B
-
-PREFIX = "loss_scale/"
-SCALE, GOOD_STEPS, SKIPPED = PREFIX + "scale", PREFIX + "good_steps", PREFIX + "skipped_steps"
-VARIABLES = (SCALE, GOOD_STEPS, SKIPPED)
 
 
 def enabled(state: CompileState) -> bool:
     return state.job.config.dynamic_loss_scaling
 
 
-def variables(state: CompileState, param: str) -> tuple[str, ...]:
-    """The loss-scaling variables, declared beside ``param`` (the first trainable one) on first use."""
+def variables(state: CompileState) -> tuple[str, ...]:
+    """The loss-scaling variables, declared on first use beside the loss (the ranks that report the loss
+    then report the scale with it)."""
     g = state.graph
-    pl = g.tensors[param].placement
+    pl = g.tensors[state.job.loss].placement
     for name in VARIABLES:
         if name not in g.tensors:
             sbp = None if pl is None else (B,) * pl.ndim
@@ -52,10 +50,10 @@ def variables(state: CompileState, param: str) -> tuple[str, ...]:
     return VARIABLES
 
 
-def seed(state: CompileState, at: GraphBuilder, first: str, loss: str) -> str:
+def seed(state: CompileState, at: GraphBuilder, loss: str) -> str:
     """``d loss``: the scale, in the loss's shape and dtype."""
     meta = state.graph.tensors[loss].meta
-    variables(state, first)
+    variables(state)
     (out,) = at.call("loss_scale_read", SCALE, init=state.job.config.loss_scaling.init)
     if meta.dtype != DType.float32:
         (out,) = at.call("cast", out, dtype=meta.dtype)
@@ -64,8 +62,9 @@ def seed(state: CompileState, at: GraphBuilder, first: str, loss: str) -> str:
     return out
 
 
-def inverse(state: CompileState, at: GraphBuilder) -> str:
-    """``1 / scale`` (fp32), by which each gradient is unscaled."""
+def inverse(state: CompileState, base: GraphBuilder, stage: int, placement: Placement | None) -> str:
+    """``1 / scale`` (fp32), by which each gradient is unscaled, on ``placement`` in ``stage``."""
+    at = base.at(PREFIX + "inverse", stage=stage, placement=placement)
     init = state.job.config.loss_scaling.init
     (out,) = at.emit("loss_scale_read", (SCALE,), {"init": init, "inverse": True}, name=PREFIX + "inverse")
     return out
@@ -101,8 +100,11 @@ def gated(op_type: str, found_count: str) -> tuple[str, tuple[str, ...]]:
     return gate, tuple(names[e] for e in extra)
 
 
-def update(state: CompileState, at: GraphBuilder, found_count: str) -> None:
-    """The scale's next value (GradScaler's update), and its counters'."""
+def update(state: CompileState, base: GraphBuilder, found_count: str) -> None:
+    """The scale's next value (GradScaler's update), and its counters', where the loss is computed."""
+    g, loss = state.graph, state.job.loss
+    producer = next(o for o in g.ops if loss in o.outputs)
+    at = base.at(PREFIX + "update", stage=producer.stage, placement=g.tensors[loss].placement)
     c = state.job.config.loss_scaling
     attrs = {
         "init": c.init,

@@ -1,4 +1,4 @@
-"""Mixed precision: the forward and backward in fp16 or bf16, fp32 master weights, static loss scaling.
+"""Mixed precision: the forward and backward in fp16 or bf16, fp32 master weights, loss scaling.
 
 ``run(state)`` (``JobConfig.precision`` fp16 or bf16) rewrites the forward op by op, as autocast does:
 each op computes in the dtype its policy gives (the table below), a floating input of another dtype is
@@ -22,10 +22,13 @@ and ``optimizer`` again on the new forward. Decisions:
   (token ids, masks) are never cast.
 * **Casts carry their reader's** stage, placement, scope and checkpoint flag: the fp16 copy of a weight in
   a checkpointed block is recomputed with the block rather than kept.
-* **Loss scaling** is autodiff's: with ``loss_scale > 0`` the loss gradient is seeded with the scale and
-  each parameter's fp32 gradient is unscaled before clipping and the update. Dynamic loss scaling
-  (``loss_scale = 0`` with fp16: skip a step on inf/nan, grow and shrink the scale) is NOT implemented:
-  such a job trains unscaled, and small fp16 gradients may underflow — set a static ``loss_scale``.
+* **Loss scaling** is autodiff's and the optimizer pass's, which this pass runs again: with
+  ``loss_scale > 0`` the loss gradient is seeded with the scale and each parameter's fp32 gradient is
+  unscaled before clipping and the update. An fp16 job with ``loss_scale = 0`` scales dynamically, as
+  torch.cuda.amp.GradScaler does (``JobConfig.loss_scaling``; :mod:`.loss_scaling`): the scale is
+  replicated optimizer state, a step whose gradients hold an inf or NaN is skipped on every rank (no
+  parameter or state moves) and backs the scale off, and clean steps grow it. bf16 has fp32's range and
+  is not scaled.
 * **Where the dtype exists.** bf16 runs on numpy with ml_dtypes' bfloat16 (``DType.to_numpy``), and on
   cupy where cupy has it (the same dtype); NCCL moves it as ``ncclBfloat16``.
 """

@@ -94,7 +94,7 @@ def run(state: CompileState) -> None:
         outs = at(p).emit(op, (p, grads[p], *slots, *gate), attrs, name=PREFIX + p)
         state.updates.update(zip((p, *slots), outs, strict=True))
     if scaling:
-        loss_scaling.update(state, at(spec.parameters[0]), found)
+        loss_scaling.update(state, base, found)
 
 
 def _declare_state(g: Graph, param: str, suffix: str) -> str:

@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Self
 
 from sbpflow.control_plane.store.schema import COLUMNS as _COLUMNS
-from sbpflow.control_plane.store.schema import MIGRATIONS, SCHEMA, SCHEMA_VERSION, JobRecord, record_from_row
+from sbpflow.control_plane.store.schema import (
+    JOBS,
+    MIGRATIONS,
+    SCHEMA,
+    SCHEMA_VERSION,
+    JobRecord,
+    record_from_row,
+)
 from sbpflow.errors import SbpflowError
 from sbpflow.run_state import JobState
 
@@ -107,7 +114,7 @@ class StoreDb:
         return seq
 
     def _get(self, job_id: str) -> JobRecord:
-        row = self._db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        row = self._db.execute(f"SELECT {_COLUMNS} FROM {JOBS} WHERE id = ?", (job_id,)).fetchone()
         if row is None:
             raise UnknownJobError(f"no job with id {job_id!r}; `sbpflow status` lists the jobs")
         return record_from_row(row)

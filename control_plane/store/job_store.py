@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from sbpflow.control_plane.store.db import StoreError
 from sbpflow.control_plane.store.schema import COLUMNS as _COLUMNS
 from sbpflow.control_plane.store.schema import (
+    JOBS,
     JobEvent,
     JobRecord,
     LossPoint,
@@ -83,7 +84,7 @@ class JobStore(JobSideTables):
         with self._tx():
             if idempotency_key:
                 row = self._db.execute(
-                    f"SELECT {_COLUMNS} FROM jobs WHERE client_id = ? AND idempotency_key = ?",
+                    f"SELECT {_COLUMNS} FROM {JOBS} WHERE client_id = ? AND idempotency_key = ?",
                     (client_id, idempotency_key),
                 ).fetchone()
                 if row is not None:
@@ -133,7 +134,7 @@ class JobStore(JobSideTables):
                 return []
             where = f"WHERE state IN ({', '.join('?' * len(names))})"
             args = list(names)
-        sql = f"SELECT {_COLUMNS} FROM jobs {where} ORDER BY created DESC, rowid DESC LIMIT ? OFFSET ?"
+        sql = f"SELECT {_COLUMNS} FROM {JOBS} {where} ORDER BY created DESC, jobs.rowid DESC LIMIT ? OFFSET ?"
         with self._lock:
             rows = self._db.execute(sql, (*args, limit, offset)).fetchall()
         return [record_from_row(r) for r in rows]
@@ -209,10 +210,17 @@ class JobStore(JobSideTables):
             )
 
     def record_step(
-        self, job_id: str, step: int, loss: float, samples_per_second: float, step_seconds: float = 0.0
+        self,
+        job_id: str,
+        step: int,
+        loss: float,
+        samples_per_second: float,
+        step_seconds: float = 0.0,
+        scaling: tuple[float, int] | None = None,
     ) -> None:
         """Record a completed step: the job's step/loss/throughput, the loss history and a "step" event.
-        A NaN or infinite loss is kept as it is (see ``schema``: NaN is NULL plus a flag in SQLite)."""
+        A NaN or infinite loss is kept as it is (see ``schema``: NaN is NULL plus a flag in SQLite).
+        ``scaling``: dynamic loss scaling's scale after the step and its steps skipped so far."""
         now = time.time()
         value, nan = loss_column(loss), math.isnan(loss)
         with self._tx():
@@ -235,6 +243,12 @@ class JobStore(JobSideTables):
                 "samples_per_second": float(samples_per_second),
                 "step_seconds": float(step_seconds),
             }
+            if scaling is not None:
+                data["loss_scale"], data["skipped_steps"] = float(scaling[0]), int(scaling[1])
+                self._db.execute(
+                    "INSERT OR REPLACE INTO loss_scaling (job_id, loss_scale, skipped_steps) VALUES (?, ?, ?)",
+                    (job_id, float(scaling[0]), int(scaling[1])),
+                )
             self._append_event(job_id, "step", rec.state, data=data, now=now)
 
     def losses(self, job_id: str) -> builtins.list[LossPoint]:

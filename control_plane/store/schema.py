@@ -13,7 +13,9 @@ held-out split (``eval_step``, 0 before the first, and ``eval_loss``; NaN as NUL
 set). Version 6 keeps the run options a client set for its job at Submit (``options``, a serialized
 ``sbpflow.v1.RunOptions``; empty: the server's), so a job re-queued after a restart runs under them
 again. A file of an older version is migrated in place on open by ``MIGRATIONS[v]`` for each version
-``v`` it is behind.
+``v`` it is behind. The table ``loss_scaling`` (a dynamically loss-scaled job's scale after its last
+step and its steps skipped so far) is created on open in a file of any version that lacks it, and read
+through a LEFT JOIN, so an older file needs no migration and an older sbpflow ignores it.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class JobRecord:
     eval_step: int = 0  # the step of the latest evaluation on the held-out split (0: none yet)
     eval_loss: float | None = None  # its loss
     options: bytes = b""  # the sbpflow.v1.RunOptions the client set at Submit (b"": the server's)
+    loss_scale: float | None = None  # dynamic loss scaling: the scale after the last step (None: none)
+    skipped_steps: int = 0  # its steps skipped so far (a gradient held an inf or NaN)
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,11 @@ CREATE TABLE IF NOT EXISTS results (
     job_id TEXT PRIMARY KEY REFERENCES jobs(id),
     data BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS loss_scaling (
+    job_id TEXT PRIMARY KEY REFERENCES jobs(id),
+    loss_scale REAL NOT NULL,
+    skipped_steps INTEGER NOT NULL
+);
 """
 
 SCHEMA = _JOBS + _V2
@@ -216,8 +225,9 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
 COLUMNS = (
     "id, name, state, reason, message, attempt, step, loss, samples_per_second, created, updated, "
     "started, finished, job_proto, client_id, total_steps, slots, resumed_from, resume_checkpoint, loss_nan, "
-    "eval_step, eval_loss, options"
+    "eval_step, eval_loss, options, loss_scaling.loss_scale, loss_scaling.skipped_steps"
 )
+JOBS = "jobs LEFT JOIN loss_scaling ON loss_scaling.job_id = jobs.id"  # what COLUMNS are selected from
 
 
 def _opt(x: Any) -> float | None:
@@ -235,10 +245,10 @@ def loss_from_column(x: Any, nan: bool = True) -> float | None:
 
 
 def record_from_row(row: Sequence[Any]) -> JobRecord:
-    """A ``JobRecord`` from a row of ``SELECT {COLUMNS} FROM jobs``."""
+    """A ``JobRecord`` from a row of ``SELECT {COLUMNS} FROM {JOBS}``."""
     (id_, name, state, reason, message, attempt, step, loss, sps, created, updated, started, finished,
      blob, client_id, total_steps, slots, resumed_from, resume_checkpoint, loss_nan, eval_step,
-     eval_loss, options) = row  # fmt: skip
+     eval_loss, options, loss_scale, skipped_steps) = row  # fmt: skip
     return JobRecord(
         id=str(id_),
         name=str(name),
@@ -262,4 +272,6 @@ def record_from_row(row: Sequence[Any]) -> JobRecord:
         eval_step=int(eval_step),
         eval_loss=loss_from_column(eval_loss, int(eval_step) > 0),
         options=bytes(options),
+        loss_scale=_opt(loss_scale),
+        skipped_steps=int(skipped_steps or 0),
     )

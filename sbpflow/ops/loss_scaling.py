@@ -28,6 +28,12 @@ from sbpflow.ops.rows import all_broadcast, elementwise
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import TensorMeta
 
+# the loss-scaling variables the compiler declares (control_plane/compiler/loss_scaling.py), named here
+# where every layer can read them: the workers report their values with each step
+PREFIX = "loss_scale/"
+SCALE, GOOD_STEPS, SKIPPED = PREFIX + "scale", PREFIX + "good_steps", PREFIX + "skipped_steps"
+VARIABLES = (SCALE, GOOD_STEPS, SKIPPED)
+
 # every loss-scaling variable and the step's non-finite count: one float32 each, shaped (1,) as a
 # checkpoint and a transport hold them everywhere
 SCALAR = TensorMeta((1,), DType.float32)

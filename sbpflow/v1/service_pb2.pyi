@@ -174,6 +174,8 @@ class JobStatus(_message.Message):
     OPTIONS_FIELD_NUMBER: _builtins.int
     EVAL_STEP_FIELD_NUMBER: _builtins.int
     EVAL_LOSS_FIELD_NUMBER: _builtins.int
+    LOSS_SCALE_FIELD_NUMBER: _builtins.int
+    SKIPPED_STEPS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Id assigned at Submit."""
     name: _builtins.str
@@ -206,6 +208,10 @@ class JobStatus(_message.Message):
     """Step of the latest evaluation on the held-out split (JobConfig.eval_every); 0 before the first."""
     eval_loss: _builtins.float
     """Its loss (the mean over JobConfig.eval_batches batches); absent before the first."""
+    loss_scale: _builtins.float
+    """Dynamic loss scaling (FP16, JobConfig.loss_scale 0): the scale after the last step; absent without it."""
+    skipped_steps: _builtins.int
+    """Steps skipped so far because a gradient held an inf or NaN (their updates were not applied)."""
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerStatus]:
         """One entry per rank, sorted by rank; empty before STARTING."""
@@ -249,19 +255,25 @@ class JobStatus(_message.Message):
         options: Global___RunOptions | None = ...,
         eval_step: _builtins.int = ...,
         eval_loss: _builtins.float | None = ...,
+        loss_scale: _builtins.float | None = ...,
+        skipped_steps: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_loss", b"_eval_loss", "_loss", b"_loss", "created", b"created", "eval_loss", b"eval_loss", "finished", b"finished", "loss", b"loss", "options", b"options", "started", b"started"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_loss", b"_eval_loss", "_loss", b"_loss", "_loss_scale", b"_loss_scale", "created", b"created", "eval_loss", b"eval_loss", "finished", b"finished", "loss", b"loss", "loss_scale", b"loss_scale", "options", b"options", "started", b"started"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_loss", b"_eval_loss", "_loss", b"_loss", "attempt", b"attempt", "created", b"created", "eval_loss", b"eval_loss", "eval_step", b"eval_step", "finished", b"finished", "job_id", b"job_id", "last_checkpoint", b"last_checkpoint", "loss", b"loss", "message", b"message", "name", b"name", "options", b"options", "reason", b"reason", "resume_checkpoint", b"resume_checkpoint", "resumed_from", b"resumed_from", "samples_per_second", b"samples_per_second", "started", b"started", "state", b"state", "step", b"step", "total_steps", b"total_steps", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_loss", b"_eval_loss", "_loss", b"_loss", "_loss_scale", b"_loss_scale", "attempt", b"attempt", "created", b"created", "eval_loss", b"eval_loss", "eval_step", b"eval_step", "finished", b"finished", "job_id", b"job_id", "last_checkpoint", b"last_checkpoint", "loss", b"loss", "loss_scale", b"loss_scale", "message", b"message", "name", b"name", "options", b"options", "reason", b"reason", "resume_checkpoint", b"resume_checkpoint", "resumed_from", b"resumed_from", "samples_per_second", b"samples_per_second", "skipped_steps", b"skipped_steps", "started", b"started", "state", b"state", "step", b"step", "total_steps", b"total_steps", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eval_loss: _TypeAlias = _typing.Literal["eval_loss"]  # noqa: Y015
     _WhichOneofArgType__eval_loss: _TypeAlias = _typing.Literal["_eval_loss", b"_eval_loss"]  # noqa: Y015
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
+    _WhichOneofReturnType__loss_scale: _TypeAlias = _typing.Literal["loss_scale"]  # noqa: Y015
+    _WhichOneofArgType__loss_scale: _TypeAlias = _typing.Literal["_loss_scale", b"_loss_scale"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__eval_loss) -> _WhichOneofReturnType__eval_loss | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__loss) -> _WhichOneofReturnType__loss | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__loss_scale) -> _WhichOneofReturnType__loss_scale | None: ...
 
 Global___JobStatus: _TypeAlias = JobStatus  # noqa: Y015
 
@@ -380,6 +392,8 @@ class StepMetrics(_message.Message):
     LOSS_FIELD_NUMBER: _builtins.int
     SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
     STEP_SECONDS_FIELD_NUMBER: _builtins.int
+    LOSS_SCALE_FIELD_NUMBER: _builtins.int
+    SKIPPED_STEPS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Step number, 1-based."""
     loss: _builtins.float
@@ -388,6 +402,10 @@ class StepMetrics(_message.Message):
     """Throughput of this step."""
     step_seconds: _builtins.float
     """Wall time of the step, seconds."""
+    loss_scale: _builtins.float
+    """Dynamic loss scaling: the scale after the step; absent without it."""
+    skipped_steps: _builtins.int
+    """Dynamic loss scaling: steps skipped so far, this one included if it was (a non-finite gradient)."""
     def __init__(
         self,
         *,
@@ -395,12 +413,16 @@ class StepMetrics(_message.Message):
         loss: _builtins.float = ...,
         samples_per_second: _builtins.float = ...,
         step_seconds: _builtins.float = ...,
+        loss_scale: _builtins.float | None = ...,
+        skipped_steps: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_loss_scale", b"_loss_scale", "loss_scale", b"loss_scale"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["loss", b"loss", "samples_per_second", b"samples_per_second", "step", b"step", "step_seconds", b"step_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss_scale", b"_loss_scale", "loss", b"loss", "loss_scale", b"loss_scale", "samples_per_second", b"samples_per_second", "skipped_steps", b"skipped_steps", "step", b"step", "step_seconds", b"step_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__loss_scale: _TypeAlias = _typing.Literal["loss_scale"]  # noqa: Y015
+    _WhichOneofArgType__loss_scale: _TypeAlias = _typing.Literal["_loss_scale", b"_loss_scale"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__loss_scale) -> _WhichOneofReturnType__loss_scale | None: ...
 
 Global___StepMetrics: _TypeAlias = StepMetrics  # noqa: Y015
 
@@ -963,12 +985,18 @@ class StepReport(_message.Message):
     LOSS_FIELD_NUMBER: _builtins.int
     TIMINGS_SECONDS_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
+    LOSS_SCALE_FIELD_NUMBER: _builtins.int
+    SKIPPED_STEPS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Step number, 1-based."""
     loss: _builtins.float
     """Mean of losses."""
     samples: _builtins.int
     """Samples this worker processed in the step."""
+    loss_scale: _builtins.float
+    """Dynamic loss scaling, from a rank holding the scale: the scale after the step; absent elsewhere."""
+    skipped_steps: _builtins.int
+    """With loss_scale: the steps skipped so far (a non-finite gradient), this one included if it was."""
     @_builtins.property
     def losses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Loss of each micro-batch (empty on ranks that do not hold the loss)."""
@@ -985,12 +1013,16 @@ class StepReport(_message.Message):
         loss: _builtins.float = ...,
         timings_seconds: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         samples: _builtins.int = ...,
+        loss_scale: _builtins.float | None = ...,
+        skipped_steps: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_loss_scale", b"_loss_scale", "loss_scale", b"loss_scale"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["loss", b"loss", "losses", b"losses", "samples", b"samples", "step", b"step", "timings_seconds", b"timings_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss_scale", b"_loss_scale", "loss", b"loss", "loss_scale", b"loss_scale", "losses", b"losses", "samples", b"samples", "skipped_steps", b"skipped_steps", "step", b"step", "timings_seconds", b"timings_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__loss_scale: _TypeAlias = _typing.Literal["loss_scale"]  # noqa: Y015
+    _WhichOneofArgType__loss_scale: _TypeAlias = _typing.Literal["_loss_scale", b"_loss_scale"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__loss_scale) -> _WhichOneofReturnType__loss_scale | None: ...
 
 Global___StepReport: _TypeAlias = StepReport  # noqa: Y015
 

@@ -3,6 +3,7 @@ sbpflow/reference_scaling.py, step by step; skipped steps on every rank under DP
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,9 +13,12 @@ import sbpflow as sf
 from sbpflow import reference, wire
 from sbpflow.checkpoint.format import step_dir
 from sbpflow.checkpoint.read import read_logical
-from sbpflow.control_plane.compiler import loss_scaling, pipeline
+from sbpflow.control_plane.compiler import pipeline
+from sbpflow.data import ArraySource, SyntheticSource
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job, JobConfig, LossScaling
+from sbpflow.numerics import NonFiniteLoss
+from sbpflow.ops.loss_scaling import SCALE, SKIPPED
 from sbpflow.reference_scaling import Scaler
 from tests.client.test_examples import load
 from tests.control_plane.compiler.test_recompute import with_config
@@ -107,8 +111,8 @@ def test_a_resume_goes_on_with_the_checkpointed_scale(tmp_path: Path) -> None:
     first = sf.run(with_config(job, steps=5), backend="inprocess", checkpoint_dir=str(tmp_path))
     at = step_dir(tmp_path, 5)
     saved = read_logical(at, kinds=("optimizer_state",))  # what the optimizer state keeps of the scaler
-    assert float(saved[loss_scaling.SCALE][0]) == first.loss_scale
-    assert float(saved[loss_scaling.SKIPPED][0]) == first.skipped_steps > 0
+    assert float(saved[SCALE][0]) == first.loss_scale
+    assert float(saved[SKIPPED][0]) == first.skipped_steps > 0
     rest = sf.run(job, backend="inprocess", return_parameters=True, resume_from=str(at))
     assert rest.loss_scale == whole.loss_scale and rest.skipped_steps == whole.skipped_steps
     np.testing.assert_array_equal(first.losses + rest.losses, whole.losses)
@@ -167,3 +171,36 @@ def test_loss_scaling_survives_the_wire() -> None:
     job = fp16(load("mlp").make_job(ranks=1))
     assert wire.job_from_proto(wire.job_to_proto(job)).config.loss_scaling == SCALING
     assert not wire.config_to_proto(JobConfig()).HasField("loss_scaling")  # the default: as before
+
+
+def test_an_overflowing_forward_is_a_skipped_step_not_a_failure() -> None:
+    """Batch 2 holds an input of 1e6, whose fp16 matmul overflows: its loss is not finite, which without
+    loss scaling fails the job (NON_FINITE_LOSS); under dynamic scaling the step is skipped like any
+    other overflow, and the run goes on to the oracle's parameters."""
+    base = load("mlp").make_job(ranks=2, steps=4)
+    assert base.data is not None
+    batches = [base.data.read(k) for k in range(4)]
+    arrays = {f: np.concatenate([b[f] for b in batches]) for f in batches[0]}
+    arrays["x"][2 * base.data.batch_size] = 1e6  # the first sample of batch 2
+    data = ArraySource(batch_size=base.data.batch_size, arrays=arrays)
+    job = fp16(replace(base, data=data), LossScaling(init=1.0))
+    with pytest.raises(NonFiniteLoss):
+        sf.run(with_config(job, loss_scale=1.0), backend="inprocess")  # static scaling: no skipping
+    got = sf.run(job, backend="inprocess", return_parameters=True)
+    want = reference.train(job)
+    assert want.scaler is not None and want.scaler.skipped == [False, False, True, False]
+    assert not np.isfinite(got.losses[2]) and got.skipped_steps == 1
+    assert got.parameters is not None
+    for name, value in want.parameters.items():
+        np.testing.assert_allclose(got.parameters[name], value, rtol=1e-3, atol=2e-4, err_msg=name)
+
+
+def test_a_graph_sets_loss_scaling_in_its_config() -> None:
+    mlp = load("mlp")
+    graph = mlp.TrainMLP(mlp.MLPRegression(4, 8, 2, 1), 0.05, 2)
+    graph.config.precision = "fp16"
+    graph.config.loss_scaling = LossScaling(init=8.0, growth_interval=5)
+    data = SyntheticSource(batch_size=4, kind="regression", params={"in": 4, "out": 2})
+    job = graph.trace(data)
+    assert job.config.loss_scaling == LossScaling(init=8.0, growth_interval=5)
+    assert job.config.dynamic_loss_scaling
