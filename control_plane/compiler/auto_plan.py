@@ -84,7 +84,7 @@ class Search:
     budget: int
     candidates: tuple[Candidate, ...]
     winner: Candidate
-    compiled: pipeline.Compiled = field(compare=False, repr=False)
+    compiled: pipeline.Compiled | None = field(compare=False, repr=False)  # None: priced by blocks
     notes: tuple[str, ...] = ()
 
     def table(self) -> str:
@@ -241,7 +241,8 @@ def _size(n: float) -> str:
 
 
 def _ms(s: float) -> str:
-    return f"{s * 1e3:.3g}"
+    ms = s * 1e3
+    return f"{ms:,.0f}" if ms >= 1000 else f"{ms:.3g}"
 
 
 def table(cands: Sequence[Candidate], budget: int, winner: Candidate, notes: Sequence[str] = ()) -> str:
@@ -272,8 +273,8 @@ def why(cands: Sequence[Candidate], budget: int, winner: Candidate) -> str:
     w = winner.estimate
     lines = [
         f"{winner.layout} wins: {_ms(w.step_s)} ms a step modelled (compute {_ms(w.compute_s)} ms, comm "
-        f"{_ms(w.comm_s)} ms of which {_ms(w.exposed_comm_s)} ms exposed), {_size(winner.peak)} per device; "
-        f"it moves {winner.traffic}."
+        f"{_ms(w.comm_s)} ms of which {_ms(w.exposed_comm_s)} ms exposed), {_size(winner.peak)} per device"
+        + _moves(winner)
     ]
     fitting = sorted((c for c in cands if c.fits(budget) and c is not winner), key=Candidate.key)
     other = next((c for c in fitting if c.layout.mesh != winner.layout.mesh), None) or next(
@@ -297,9 +298,14 @@ def _against(other: Candidate, winner: Candidate) -> str:
     ratio = o.step_s / w.step_s if w.step_s > 0 else float("inf")
     parts = [f"compute {_ms(o.compute_s)} ms", f"exposed comm {_ms(o.exposed_comm_s)} ms"]
     return (
-        f"The next, {other.layout}, {_ms(o.step_s)} ms, is {ratio:.2f}x slower ({', '.join(parts)}): it moves "
-        f"{other.traffic}."
+        f"The next, {other.layout}, {_ms(o.step_s)} ms, is {ratio:.2f}x slower ({', '.join(parts)})"
+        + _moves(other)
     )
+
+
+def _moves(c: Candidate) -> str:
+    """``: it moves ...`` where the candidate's plan was compiled whole (a block-priced one has no traffic)."""
+    return f"; it moves {c.traffic}." if c.traffic.collectives else "."
 
 
 def summary(found: Search) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import pytest
 
 from sbpflow import data as sf_data
 from sbpflow.client.cli import main
-from sbpflow.control_plane.compiler import auto_plan, cost_model, pipeline
+from sbpflow.control_plane.compiler import auto_blocks, auto_plan, cost_model, pipeline
 from sbpflow.control_plane.compiler.auto_layouts import Layout, relayout, stage_of, tp_pairs
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import TensorKind
@@ -223,3 +223,31 @@ def test_sbpflow_plan_auto_prints_the_candidates_and_the_winner(tmp_path: Any, c
     assert "--memory-per-device is the budget of --auto's search: add --auto" in capsys.readouterr().err
     assert main([*args, "--auto", "--tp"]) == 2
     assert "--auto chooses the layout itself" in capsys.readouterr().err
+
+
+def gpt_blocks(blocks: int, batch: int) -> Job:
+    return load("gpt").make_job(
+        ranks=1, layers=blocks, batch_size=batch, heads=4, width=32, vocab=32, seq_len=8
+    )
+
+
+@pytest.mark.parametrize("lay", [Layout(tp=2, dp=2), Layout(dp=4), Layout(dp=4, zero=3)])
+def test_one_block_priced_and_multiplied_is_the_whole_model(lay: Layout) -> None:
+    """Without a pipeline, the block-priced figure (probes of 1 and 2 blocks) is the 4-block job's own:
+    its modelled step within 5%, its variables and kept activations within 5%."""
+    priced = auto_blocks.BlockSearch(gpt_blocks, 4, 8, PROFILE).price(lay)
+    state = pipeline.compile(relayout(gpt_blocks(4, 8), lay), lower="none").state
+    assert priced.estimate is not None
+    assert priced.estimate.step_s == pytest.approx(cost_model.estimate(state, PROFILE).step_s, rel=0.05)
+    assert priced.peak == pytest.approx(sum(auto_blocks.memory(state)), rel=0.05)
+
+
+def test_the_block_priced_search_weighs_power_of_two_meshes() -> None:
+    found = auto_blocks.search(gpt_blocks, 4, 8, 4, 10**9, PROFILE, max_tp=2)
+    lays = [c.layout for c in found.candidates]
+    assert all(n & (n - 1) == 0 for lay in lays for n in (lay.pp, lay.tp, lay.dp)), lays
+    assert all(lay.ranks == 4 and lay.tp <= 2 for lay in lays)
+    assert {(lay.pp, lay.tp) for lay in lays} == {(1, 1), (1, 2), (2, 1), (2, 2), (4, 1)}
+    assert found.winner.key() == min(c.key() for c in found.candidates if c.fits(found.budget))
+    with pytest.raises(auto_plan.NoPlanFits, match="no layout fits 1e-06 GB per device: the smallest"):
+        auto_blocks.search(gpt_blocks, 4, 8, 2, 1000, PROFILE, max_tp=1)

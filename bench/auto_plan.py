@@ -1,0 +1,157 @@
+"""The automatic plan search against the hand layouts, modelled and measured (issue 15, deliverable 3).
+
+    python bench/auto_plan.py                          # GPT, the MLP and Wide & Deep on 4 ranks
+    python bench/auto_plan.py --models gpt --steps 8 --repeat 3
+    python bench/auto_plan.py --profile h200 --no-measure   # modelled only, on published H200 figures
+    python bench/auto_plan.py --scale                  # the GPT-175B-shaped search over 1,024 devices
+
+Per model (each traced data parallel, then re-laid out by the search): the search's table on the
+``--profile`` (``cpu``: this machine, measured at start-up), its winner's modelled step time against the
+best of the hand layouts {DP, TP, DP x TP, PP x DP, ZeRO-1/2/3} (and the example's own, Wide & Deep's
+tables split by rows), the target being at most 1.0x; then the measured step time of the winner, the
+hand layouts and the next fastest candidates, trained in process (``sf.run(backend="inprocess")``, the
+median step's wall time after 2 warm-up steps and the process's CPU time a step, the layouts run in
+turn ``--repeat`` times, each first in turn, the best run of each kept), and Spearman's rank correlation of modelled against measured (target
+>= 0.8). Benchmark, not a test: this shared 2-core machine's step times are noisy.
+
+``--scale`` times the search itself on a GPT-175B-shaped job (96 layers, width 12,288, 96 heads, sequence
+2,048, batch 128) over 1,024 devices: see :mod:`bench._auto_scale`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scipy.stats import spearmanr  # noqa: E402
+
+import sbpflow as sf  # noqa: E402
+from bench._shared import load_example  # noqa: E402
+from sbpflow.control_plane.compiler import auto_plan, pipeline  # noqa: E402
+from sbpflow.control_plane.compiler.auto_layouts import Layout, relayout  # noqa: E402
+
+RANKS = 4
+# model -> (example, make_job arguments, its own hand layout where the example has one beside the flags')
+MODELS: dict[str, tuple[str, dict[str, Any], Layout | None]] = {
+    "gpt": ("gpt", {"heads": 4, "width": 128, "layers": 2, "batch_size": 4, "seq_len": 16}, None),
+    "mlp": ("mlp", {"n_in": 64, "hidden": 256, "n_out": 16, "layers": 2, "batch_size": 256}, None),
+    "wide_deep": ("wide_deep", {"vocab": 4096, "dim": 32, "batch_size": 64}, Layout(dp=4, tables=True)),
+}
+HAND: dict[str, list[Layout]] = {
+    "DP": [Layout(dp=4)],
+    "TP": [Layout(tp=4)],
+    "DPxTP": [Layout(tp=2, dp=2)],
+    "PPxDP": [Layout(pp=2, dp=2, micro_batches=m) for m in (2, 4)],
+    **{f"ZeRO-{k}": [Layout(dp=4, zero=k)] for k in (1, 2, 3)},
+}
+
+
+def hand_rows(found: auto_plan.Search, own: Layout | None) -> dict[str, auto_plan.Candidate]:
+    """The best priced candidate of each hand layout (a PP x DP layout at its better micro-batch count)."""
+    by = {c.layout: c for c in found.candidates if c.estimate is not None}
+    groups = {**HAND, **({"example's own": [own]} if own else {})}
+    out = {}
+    for name, lays in groups.items():
+        have = [by[lay] for lay in lays if lay in by]
+        if have:
+            out[name] = min(have, key=auto_plan.Candidate.key)
+    return out
+
+
+@dataclass(frozen=True)
+class Measured:
+    wall_ms: float  # the median step's wall time (StepMetrics.step_seconds) after 2 warm-up steps
+    cpu_ms: float  # this process's CPU time a step: (a run of ``steps`` less a run of 2) / (steps - 2)
+
+
+def run_once(plan: pipeline.Compiled, steps: int) -> tuple[list[float], float]:
+    secs: list[float] = []
+    cpu = time.process_time()
+    sf.run(plan, steps=steps, backend="inprocess", timeout=600, on_step=lambda m: secs.append(m.step_seconds))
+    return secs, time.process_time() - cpu
+
+
+def measure(job: Any, lays: list[Layout], steps: int, repeat: int) -> dict[Layout, Measured]:
+    """Each layout trained in process ``repeat`` times, the layouts in turn and each first in turn; the
+    fastest wall and the least CPU time a step of each. The in-process ranks are threads of this process,
+    so its CPU time is every rank's work, which the machine's other load disturbs less than wall time."""
+    plans = {lay: pipeline.compile(relayout(job, lay)) for lay in lays}
+    walls: dict[Layout, list[float]] = {lay: [] for lay in lays}
+    cpus: dict[Layout, list[float]] = {lay: [] for lay in lays}
+    for r in range(repeat):
+        for lay in lays[r % len(lays) :] + lays[: r % len(lays)]:
+            secs, cpu = run_once(plans[lay], steps)
+            _, cpu2 = run_once(plans[lay], 2)
+            walls[lay].append(1e3 * statistics.median(secs[2:]))
+            cpus[lay].append(1e3 * (cpu - cpu2) / (steps - 2))
+    return {lay: Measured(min(walls[lay]), min(cpus[lay])) for lay in lays}
+
+
+def one_model(name: str, args: argparse.Namespace) -> None:
+    example, kwargs, own = MODELS[name]
+    job = load_example(example).make_job(ranks=RANKS, steps=args.steps, **kwargs)
+    t = time.perf_counter()
+    found = auto_plan.search(job, args.memory, profile=args.profile)
+    took = time.perf_counter() - t
+    print(
+        f"\n== {name} ({kwargs}) on {RANKS} ranks, {args.profile} profile: {len(found.candidates)} layouts "
+        f"weighed in {took:.1f} s"
+    )
+    print(found.table())
+    print(found.why())
+    hand = hand_rows(found, own)
+    best_name, best = min(hand.items(), key=lambda kv: kv[1].key())
+    w = found.winner
+    assert w.estimate is not None and best.estimate is not None
+    print(
+        f"target: winner {w.layout} {w.estimate.step_s * 1e3:.3g} ms modelled / best hand layout "
+        f"({best_name}: {best.layout}) {best.estimate.step_s * 1e3:.3g} ms = "
+        f"{w.estimate.step_s / best.estimate.step_s:.2f}x (<= 1.00)"
+    )
+    if args.no_measure:
+        return
+    fitting = sorted((c for c in found.candidates if c.fits(found.budget)), key=auto_plan.Candidate.key)
+    chosen = list(
+        dict.fromkeys([w.layout, *(c.layout for c in hand.values()), *(c.layout for c in fitting[:3])])
+    )
+    modelled = {c.layout: c.estimate.step_s * 1e3 for c in fitting if c.estimate is not None}
+    got = measure(job, chosen, args.steps, args.repeat)
+    print(f"{'layout':30s} {'modelled ms':>12s} {'wall ms':>10s} {'CPU ms':>10s}")
+    for lay in sorted(chosen, key=lambda x: modelled[x]):
+        print(f"{str(lay):30s} {modelled[lay]:>12.3g} {got[lay].wall_ms:>10.3g} {got[lay].cpu_ms:>10.3g}")
+    for what in ("wall_ms", "cpu_ms"):
+        rho = spearmanr([modelled[x] for x in chosen], [getattr(got[x], what) for x in chosen]).statistic
+        print(f"target: Spearman(modelled, measured {what}) over {len(chosen)} layouts = {rho:.2f} (>= 0.8)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS), help=f"some of {','.join(MODELS)}")
+    ap.add_argument("--profile", default="cpu", help="the cost model's device profile: cpu, h200 or a file")
+    ap.add_argument("--memory", type=int, default=80 * 10**9, help="the budget per device, bytes")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-measure", action="store_true", help="modelled figures only")
+    ap.add_argument("--scale", action="store_true", help="time the 1,024-device GPT-175B search instead")
+    args = ap.parse_args()
+    if args.scale:
+        from bench._auto_scale import main as scale
+
+        scale(args.profile if args.profile != "cpu" else "h200")
+        return
+    for name in args.models.split(","):
+        one_model(name, args)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"\npeak RSS {rss:.2f} GB")
+
+
+if __name__ == "__main__":
+    main()
