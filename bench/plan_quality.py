@@ -41,11 +41,10 @@ from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import sbpflow as sf  # noqa: E402
 from bench._shared import load_example  # noqa: E402
 from sbpflow.control_plane.compiler import pipeline, sbp_ilp  # noqa: E402
 from sbpflow.control_plane.compiler.cost_model import DeviceProfile, StepEstimate, estimate  # noqa: E402
-from sbpflow.control_plane.compiler.cpu_profile import measure_cpu_profile  # noqa: E402
+from sbpflow.control_plane.compiler.cpu_profile import WARM, WINDOW, measure_cpu_profile, step_time  # noqa: E402
 from sbpflow.control_plane.compiler.kernel_probe import measure_kernels  # noqa: E402
 from tests.control_plane.compiler.test_plan_bytes import (  # noqa: E402
     MEGATRON_TP4,
@@ -72,7 +71,7 @@ MODELLED: dict[str, tuple[str, dict[str, Any]]] = {
     "GPT TP2": ("gpt", {"ranks": 2, "tp": True}),
     "GPT PP2": ("gpt", {"ranks": 2, "pp": 2, "micro_batches": 2}),
 }
-WARM, WINDOW, THREADS = 3, 4, 1
+THREADS = 1
 LINK = "inprocess"
 
 
@@ -88,18 +87,8 @@ def compiled(kwargs: dict[str, Any], whole_graph: bool, steps: int) -> tuple[pip
 
 def step_s(c: pipeline.Compiled, steps: int) -> float:
     """The fastest window's mean step (module docstring), in seconds."""
-    marks: list[float] = []
-    sf.run(
-        c,
-        steps=steps,
-        backend="inprocess",
-        threads=THREADS,
-        timeout=600,
-        on_step=lambda *_: marks.append(time.perf_counter()),
-    )
-    m = marks[WARM:]
-    windows = [(m[i + WINDOW] - m[i]) / WINDOW for i in range(len(m) - WINDOW)]
-    return min(windows) if windows else float("nan")
+    assert c.state.job.config.steps == steps, "the plans are compiled for --steps"
+    return step_time(c, THREADS)
 
 
 def modelled(c: pipeline.Compiled, cpu: DeviceProfile) -> tuple[StepEstimate, StepEstimate]:

@@ -66,19 +66,45 @@ def elementwise_bandwidth(budget: float, n: int = 1 << 23) -> float:
     return 3 * a.nbytes / _best(lambda: np.add(a, b, out=out), budget)
 
 
-def act_overhead(threads: int, short: int = 10, long: int = 110, steps: int = 20) -> float:
+def act_overhead(threads: int, short: int = 10, long: int = 210, steps: int = 10, runs: int = 5) -> float:
     """The runtime's seconds an act: one rank in-process running chains of ``short`` and ``long`` tiny
-    ``add_scalar`` kernels (8 floats) for ``steps`` steps, the difference over the acts it adds; each
-    chain runs twice after a warm-up run and its faster run counts."""
+    ``add_scalar`` kernels (8 floats) for ``steps`` steps, the difference of their run times over the acts
+    the long chain adds; the median of ``runs`` rounds of one run each, back to back (so a change of the
+    machine's load between rounds cancels), after a warm-up run. Whole runs: steps this short report in
+    bursts, so their windows (``step_time``) would read nothing."""
     from sbpflow.control_plane.compiler.pipeline import compile as compile_job
     from sbpflow.control_plane.launcher import run
 
-    def seconds(n: int) -> float:
-        compiled = compile_job(_chain(n, steps))
-        return min(run(compiled, backend="inprocess", threads=threads, timeout=60).seconds for _ in range(2))
+    plans = {n: compile_job(_chain(n, steps)) for n in (short, long)}
 
-    seconds(short)  # warm: the first run in a process starts what later ones reuse
-    return max((seconds(long) - seconds(short)) / ((long - short) * steps), 1e-7)
+    def seconds(n: int) -> float:
+        return run(plans[n], backend="inprocess", threads=threads, timeout=60).seconds
+
+    seconds(short)  # warm: later runs reuse what the first one starts
+    rounds = sorted(seconds(long) - seconds(short) for _ in range(runs))
+    return max(rounds[len(rounds) // 2] / ((long - short) * steps), 1e-7)
+
+
+WARM, WINDOW = 3, 4  # step_time's warm-up steps, and its window
+
+
+def step_time(compiled: Any, threads: int) -> float:
+    """One in-process run of ``compiled`` (a ``pipeline.Compiled``): its fastest ``WINDOW``-step window's
+    mean step after ``WARM`` steps. The runtime runs a step ahead, so single step gaps come in pairs; a
+    window's mean is not fooled by that, and its fastest is the least disturbed on a shared machine."""
+    from sbpflow.control_plane.launcher import run
+
+    marks: list[float] = []
+    run(
+        compiled,
+        backend="inprocess",
+        threads=threads,
+        timeout=600,
+        on_step=lambda *_: marks.append(time.perf_counter()),
+    )
+    m = marks[WARM:]
+    windows = [(m[i + WINDOW] - m[i]) / WINDOW for i in range(len(m) - WINDOW)]
+    return min(windows) if windows else float("nan")
 
 
 def _chain(n: int, steps: int) -> Job:
