@@ -20,8 +20,11 @@ hands it to that attempt's workers (never the client token), and they send it as
 :meth:`ReportHub.cancel` makes every later answer to a job's workers ``cancel=True``: that is how a
 Cancel reaches workers even when the driver cannot call them.
 
-The hub is added to the control plane's gRPC server (``hub.add_to(server)``), or serves on its own
-loopback port (``hub.serve()``) for the embedded ``sf.run``.
+The hub serves on a gRPC server of its own (``hub.serve(host, port)``): the control plane's beside its
+JobService port (``ServerConfig.worker_port``), the embedded ``sf.run``'s on loopback. A 1,024-rank job
+makes ~1,000 report calls a second, and a gRPC server handles every call's events on one thread: on
+the JobService's server, a Get waited behind each second's burst of reports (p99 60-75 ms against
+20-25 ms apart, ``bench/control_plane_scale.py``). ``hub.add_to(server)`` still adds it to another.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class ReportHub(sg.WorkerServiceServicer):
         # calls delivering at once; the others wait off the GIL, so a Get competes with few threads
         self._ingesting = threading.BoundedSemaphore(INGESTING)
         self.address = ""  # host:port once serving (own server) or set by the server it is added to
+        self.port = 0  # the port of its own server, once serving
 
     # ---- for the driver ------------------------------------------------------------------------------
     def credential(self, job_id: str, attempt: int) -> str:
@@ -204,7 +208,7 @@ class ReportHub(sg.WorkerServiceServicer):
                 f"WorkerService could not bind {host}:{port}; pick another port or 0 for any free one"
             )
         server.start()
-        self._server, self.address = server, f"{host}:{bound}"
+        self._server, self.address, self.port = server, f"{host}:{bound}", bound
         return self.address
 
     def stop(self, grace: float = 1.0) -> None:

@@ -1,5 +1,6 @@
 """The control-plane server: JobService over gRPC, the standard health service, server reflection, the
-WorkerService for Ray workers, and the HTTP status endpoint, all over one job store and job manager.
+WorkerService for Ray workers (on a port of its own, ``reports.py``), and the HTTP status endpoint, all
+over one job store and job manager.
 
     inprocess = MANAGER_DEFAULTS.replace(backend="inprocess")  # sbpflow.run_options: the manager's defaults
     plane = ControlPlane(ServerConfig(port=0, http_port=0, store="jobs.db", run=inprocess, slots=4))
@@ -93,6 +94,7 @@ class ServerConfig:
     warm_workers: int = 0  # backend ray: idle worker actors kept for the next job of a shape (worker_pool.py)
     warm_idle_seconds: float = 300.0  # an idle warm worker is killed after this
     worker_service: bool | None = None  # serve WorkerService; None: for the Ray backend (without TLS)
+    worker_port: int = 0  # WorkerService's own port (0: any free one), so Get never queues behind reports
 
 
 class JobServicer:
@@ -319,9 +321,7 @@ class ControlPlane:
         )
         server.add_generic_rpc_handlers([_job_service_handler(JobServicer(self.manager))])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        if self.hub is not None:
-            self.hub.add_to(server)
-        names = (SERVICE, "sbpflow.v1.WorkerService", health.SERVICE_NAME, reflection.SERVICE_NAME)
+        names = (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
         where = f"{cfg.host}:{cfg.port}"
         if cfg.tls_cert or cfg.tls_key:
@@ -331,8 +331,9 @@ class ControlPlane:
             self.port = server.add_insecure_port(where)
         if self.port == 0:
             raise SbpflowError(f"cannot bind gRPC to {where}; pick another --port (0 = any free port)")
-        if self.hub is not None:
-            self.hub.address = f"{_advertised(cfg.host)}:{self.port}"
+        if self.hub is not None:  # its own server: its thousand calls a second have their own event thread
+            self.hub.serve(cfg.host, cfg.worker_port)
+            self.hub.address = f"{_advertised(cfg.host)}:{self.hub.port}"
         self.manager.start()
         if cfg.run.backend == "ray" and cfg.warm_workers > 0:  # after manager.start, which brings Ray up
             self.pool = WorkerPool(PoolConfig(cfg.warm_workers, cfg.warm_idle_seconds))
@@ -383,6 +384,8 @@ class ControlPlane:
             self._http.stop()
         if self._grpc is not None:
             self._grpc.stop(grace).wait()
+        if self.hub is not None:
+            self.hub.stop(grace)
         # a stream's handler notices its cancelled call within a poll; the store closes after it returns
         self.manager.feed.notify()
         self.streams.wait_closed(2 * POLL_SECONDS)
@@ -403,9 +406,9 @@ def _advertised(host: str) -> str:
 
 
 def _report_hub(cfg: ServerConfig) -> Any:
-    """The WorkerService for Ray workers, on this server (workers send their attempt's credential with
-    their reports, see reports.py); None (the run serves its own, on loopback) for the in-process
-    backend, or when TLS guards the port (workers do not carry the CA yet)."""
+    """The WorkerService for Ray workers, beside this server on ``worker_port`` (workers send their
+    attempt's credential with their reports, see reports.py); None (the run serves its own, on loopback)
+    for the in-process backend, or when TLS guards the port (workers do not carry the CA yet)."""
     wanted = cfg.run.backend == "ray" if cfg.worker_service is None else cfg.worker_service
     if not wanted or cfg.tls_cert:
         return None

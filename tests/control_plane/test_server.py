@@ -325,7 +325,8 @@ def test_a_job_on_ray_workers_reports_through_the_servers_own_worker_service_wit
     (sent with their attempt's credential) to this server's WorkerService -> per-worker states and losses."""
     plane = start(tmp_path, run=MANAGER_DEFAULTS, auth_token="s3cret", slots=2)
     try:
-        assert plane.hub is not None and plane.hub.address.endswith(f":{plane.port}")
+        assert plane.hub is not None and plane.hub.address.endswith(f":{plane.hub.port}")  # its own port
+        assert plane.hub.port != plane.port
         with Client(plane.address, token="s3cret") as c:
             h = c.submit(mlp.make_job(steps=3, ranks=2))
             final = h.wait(timeout=120)

@@ -84,7 +84,7 @@ def test_ray_workers_report_with_their_credential_and_forged_reports_are_refused
     plane = start(tmp_path, run=MANAGER_DEFAULTS, auth_token="s3cret", slots=2)
     try:
         assert plane.hub is not None
-        with Client(plane.address, token="s3cret") as c, grpc.insecure_channel(plane.address) as ch:
+        with Client(plane.address, token="s3cret") as c, grpc.insecure_channel(plane.hub.address) as ch:
             h = c.submit(mlp.make_job(steps=LONG, ranks=2))
             until(lambda: h.status().step >= 2, "the workers' step reports", timeout=120)
             stub, job = sg.WorkerServiceStub(ch), h.job_id
