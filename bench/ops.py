@@ -4,6 +4,7 @@
     python bench/ops.py --cases        # and one row per (op, shapes, attrs) case
     python bench/ops.py --only gelu --only gelu_grad --repeat 11
     python bench/ops.py --quick        # 3 repetitions of ~1 ms blocks: a smoke run
+    python bench/ops.py --clock cpu    # this thread's CPU time, not wall: what a loaded machine leaves alone
 
 The cases are the op calls of the compiled graphs (``pipeline.compile``, autodiff and optimizer passes
 included, so the backward ops the gradient rules emit and the updates are there) of the README's main

@@ -10,7 +10,9 @@ the reference and the kernel for cupy and for arrays these do not take (see ``ro
 ``tests/sbpflow/ops/test_rows_jit.py`` checks each against it. The flags let LLVM reassociate the row
 sums (so it vectorises them: a sum's last bits differ from numpy's, and a row's result depends on that
 row alone, so a shard's rows match the whole tensor's) but keep nan and inf semantics: a masked score
-is -inf. Compiled on first use and cached beside this file (``cache=True``).
+is -inf. ``error_model="numpy"``: a division by zero gives inf or nan, as numpy's, not a check an element
+that keeps a loop from vectorising (it made sigmoid 30x slower). Compiled on first use and cached beside
+this file (``cache=True``).
 
 Each takes 2-d C-contiguous arrays ``[rows, n]`` of one float dtype and writes its outputs in place.
 ``add_rows_at`` is embedding_grad's scatter-add of rows (shape.py), ~10x numpy's sort and reduceat;
@@ -28,7 +30,7 @@ from sbpflow.ops.jit_math import FLAGS as _FLAGS
 from sbpflow.ops.jit_math import vexp, vmax
 
 
-@njit(cache=True, fastmath=_FLAGS, inline="always")
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, inline="always")
 def _row_maxima(x: Any) -> Any:  # pragma: no cover - compiled
     """Every row's maximum, in a loop of its own: fused into the loop of a row's exponentials LLVM
     vectorises the two less well (45 against 30 us on [1024, 128] float32)."""
@@ -42,7 +44,7 @@ def _row_maxima(x: Any) -> Any:  # pragma: no cover - compiled
     return maxima
 
 
-@njit(cache=True, fastmath=_FLAGS, inline="always")
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, inline="always")
 def _sum_exp(x: Any, i: int, m: Any) -> Any:  # pragma: no cover - compiled
     """sum(exp(x[i] - m))."""
     t = x.dtype.type(0)
@@ -51,7 +53,7 @@ def _sum_exp(x: Any, i: int, m: Any) -> Any:  # pragma: no cover - compiled
     return t
 
 
-@njit(cache=True, fastmath=_FLAGS, inline="always")
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, inline="always")
 def _store_exp(x: Any, i: int, m: Any, out: Any) -> Any:  # pragma: no cover - compiled
     """out[i] = exp(x[i] - m), and its sum."""
     t = x.dtype.type(0)
@@ -62,7 +64,7 @@ def _store_exp(x: Any, i: int, m: Any, out: Any) -> Any:  # pragma: no cover - c
     return t
 
 
-@njit(cache=True, fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
 def softmax_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out = e / sum(e), e = exp(x - max x), along each row."""
     rows, n = x.shape
@@ -73,7 +75,7 @@ def softmax_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
             out[i, j] = out[i, j] / s
 
 
-@njit(cache=True, fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
 def log_softmax_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out = s - log(sum(exp(s))), s = x - max x, along each row."""
     rows, n = x.shape
@@ -85,7 +87,7 @@ def log_softmax_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
             out[i, j] = (x[i, j] - m) - lse
 
 
-@njit(cache=True, fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
 def log_softmax_grad_rows(y: Any, dy: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out = dy - exp(y) sum(dy) along each row."""
     rows, n = y.shape
@@ -97,7 +99,7 @@ def log_softmax_grad_rows(y: Any, dy: Any, out: Any) -> None:  # pragma: no cove
             out[i, j] = dy[i, j] - vexp(y[i, j]) * s
 
 
-@njit(cache=True, fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
 def softmax_grad_rows(y: Any, dy: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out = y (dy - sum(dy y)) along each row."""
     rows, n = y.shape
@@ -109,7 +111,7 @@ def softmax_grad_rows(y: Any, dy: Any, out: Any) -> None:  # pragma: no cover - 
             out[i, j] = (dy[i, j] - s) * y[i, j]
 
 
-@njit(cache=True, fastmath=_FLAGS, inline="always")
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, inline="always")
 def _row_stats(x: Any, i: int, eps: Any) -> tuple[Any, Any]:  # pragma: no cover - compiled
     """Row ``i``'s mean and 1 / sqrt(biased variance + eps), the variance from the centred values."""
     n = x.shape[1]
@@ -124,7 +126,7 @@ def _row_stats(x: Any, i: int, eps: Any) -> tuple[Any, Any]:  # pragma: no cover
     return mean, 1 / np.sqrt(v / n + eps)
 
 
-@njit(cache=True, fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
 def layer_norm_rows(x: Any, w: Any, b: Any, eps: float, out: Any) -> None:  # pragma: no cover - compiled
     """out = (x - mean) rstd w + b along each row."""
     rows, n = x.shape
@@ -135,7 +137,7 @@ def layer_norm_rows(x: Any, w: Any, b: Any, eps: float, out: Any) -> None:  # pr
             out[i, j] = (x[i, j] - mean) * rstd * w[j] + b[j]
 
 
-@njit(cache=True, fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
 def layer_norm_grad_rows(
     dy: Any, x: Any, w: Any, eps: float, dx: Any, dw: Any, db: Any
 ) -> None:  # pragma: no cover - compiled
@@ -163,7 +165,7 @@ def layer_norm_grad_rows(
             dx[i, j] = (dy[i, j] * w[j] - sg - xhat * sgx) * rstd
 
 
-@njit(cache=True, fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
 def cross_entropy_rows(x: Any, labels: Any, ignore: int, loss: Any) -> bool:  # pragma: no cover
     """loss = max x + log(sum(exp(x - max x))) - x[label] per row, 0 where label == ignore. False, at the
     first label neither ``ignore`` nor in -n..n-1 (the caller runs the numpy kernel, which raises numpy's
@@ -183,7 +185,7 @@ def cross_entropy_rows(x: Any, labels: Any, ignore: int, loss: Any) -> bool:  # 
     return True
 
 
-@njit(cache=True, fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
 def cross_entropy_grad_rows(
     x: Any, labels: Any, dy: Any, ignore: int, out: Any
 ) -> None:  # pragma: no cover - compiled
@@ -201,7 +203,7 @@ def cross_entropy_grad_rows(
             out[i, lab] = out[i, lab] - d
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def add_rows_at(out: Any, ids: Any, start: int, values: Any) -> None:  # pragma: no cover - compiled
     """out[ids[r] - start] += values[r] for every row r whose id falls in out's rows (embedding_grad:
     each id's rows summed in row order, as the numpy kernel's stable sort and reduceat sum them)."""
@@ -214,7 +216,7 @@ def add_rows_at(out: Any, ids: Any, start: int, values: Any) -> None:  # pragma:
                 out[k, j] += values[r, j]
 
 
-@njit(cache=True, fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
 def sigmoid_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out = 1 / (1 + e) where x >= 0, e / (1 + e) where not, e = exp(-|x|), on flat arrays (activation.py's
     sigmoid: its form that overflows for no x, in one pass)."""
