@@ -69,9 +69,9 @@ def elementwise_bandwidth(budget: float, n: int = 1 << 23) -> float:
 def act_overhead(threads: int, short: int = 10, long: int = 210, steps: int = 10, runs: int = 5) -> float:
     """The runtime's seconds an act: one rank in-process running chains of ``short`` and ``long`` tiny
     ``add_scalar`` kernels (8 floats) for ``steps`` steps, the difference of their run times over the acts
-    the long chain adds; the median of ``runs`` rounds of one run each, back to back (so a change of the
-    machine's load between rounds cancels), after a warm-up run. Whole runs: steps this short report in
-    bursts, so their windows (``step_time``) would read nothing."""
+    the long chain adds; each chain's fastest of ``runs`` runs, taken in turns after a warm-up run (the
+    least disturbed, as every figure of the profile). Whole runs: steps this short report in bursts, so
+    their windows (``step_time``) would read nothing."""
     from sbpflow.control_plane.compiler.pipeline import compile as compile_job
     from sbpflow.control_plane.launcher import run
 
@@ -81,8 +81,11 @@ def act_overhead(threads: int, short: int = 10, long: int = 210, steps: int = 10
         return run(plans[n], backend="inprocess", threads=threads, timeout=60).seconds
 
     seconds(short)  # warm: later runs reuse what the first one starts
-    rounds = sorted(seconds(long) - seconds(short) for _ in range(runs))
-    return max(rounds[len(rounds) // 2] / ((long - short) * steps), 1e-7)
+    best = {short: float("inf"), long: float("inf")}
+    for _ in range(runs):
+        for n in best:
+            best[n] = min(best[n], seconds(n))
+    return max((best[long] - best[short]) / ((long - short) * steps), 1e-7)
 
 
 WARM, WINDOW = 3, 4  # step_time's warm-up steps, and its window
