@@ -251,3 +251,12 @@ def test_the_block_priced_search_weighs_power_of_two_meshes() -> None:
     assert found.winner.key() == min(c.key() for c in found.candidates if c.fits(found.budget))
     with pytest.raises(auto_plan.NoPlanFits, match="no layout fits 1e-06 GB per device: the smallest"):
         auto_blocks.search(gpt_blocks, 4, 8, 2, 1000, PROFILE, max_tp=1)
+
+
+def test_the_gpt_pick_trains_like_one_device() -> None:
+    """GPT (the equivalence suite's shape): the layout the search picks trains as one device does."""
+    job = load("gpt").make_job(
+        ranks=4, layers=2, heads=4, width=16, vocab=32, seq_len=8, batch_size=8, steps=5
+    )
+    pick = search(job, 10**9).winner.layout
+    assert_trains_like_one_device(as_float64(relayout(job, pick), batches=5), tol=1e-9)
