@@ -260,3 +260,11 @@ def test_the_gpt_pick_trains_like_one_device() -> None:
     )
     pick = search(job, 10**9).winner.layout
     assert_trains_like_one_device(as_float64(relayout(job, pick), batches=5), tol=1e-9)
+
+
+def test_sbpflow_run_auto_trains_the_winner(capsys: Any) -> None:
+    """``sbpflow run --auto``: whatever this machine's measured profile picks is trained (in process)."""
+    args = ["run", str(EXAMPLES / "mlp.py"), "--ranks", "2", "--auto", "--memory-per-device", "1GB"]
+    assert main([*args, "--backend", "inprocess", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "--auto on the cpu profile: " in out and " wins: " in out and "SUCCEEDED (3 steps" in out
