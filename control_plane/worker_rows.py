@@ -47,7 +47,8 @@ class WorkerRows:
             m.MergeFromString(kept[2])
             return
         rows = self._workers(rec.id)
-        built = sp.JobStatus(workers=[status.worker_status(w) for w in rows])
+        built = sp.JobStatus()
+        status.add_workers(built, rows)
         m.MergeFrom(built)
         if len(rows) < CACHE_FROM:
             return
