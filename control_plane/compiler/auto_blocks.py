@@ -3,7 +3,8 @@
 Compiling every layout of a 96-layer model whole is minutes each. Here a layout's pipeline stage is
 priced from two *probes*, the job cut to one and to two blocks (``make(blocks, batch)``), each laid out on
 one stage's ``dp x tp`` mesh with one micro-batch's sequences (``batch / M``), compiled through the graph
-passes (``pipeline.compile(lower="none")``: no lowering) and priced by the cost model. The difference of
+passes (``pipeline.compile(lower="none")``: no lowering, and no verifier: a probe is priced, never
+run) and priced by the cost model. The difference of
 the two is one block; what is left of the first, the ends (embeddings, head, loss, update). Then, with
 ``n = blocks / pp`` blocks a stage and ``M`` micro-batches under 1F1B:
 
@@ -90,7 +91,7 @@ class BlockSearch:
                     self.make(k, self.batch // stage.micro_batches),
                     dataclasses.replace(stage, micro_batches=1),
                 )
-                state = pipeline.compile(job, lower="none").state
+                state = pipeline.compile(job, verify=False, lower="none").state  # priced, not run
                 self.probes[key] = Probe(cost_model.estimate(state, self.profile), *memory(state))
             except SbpflowError as e:
                 self.probes[key] = f"{type(e).__name__}: {e}"

@@ -29,7 +29,6 @@ import itertools
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from sbpflow.control_plane.compiler import cost_model, pipeline
 from sbpflow.control_plane.compiler.auto_layouts import Layout, block_of, relayout, tables, tp_pairs
@@ -306,26 +305,3 @@ def _against(other: Candidate, winner: Candidate) -> str:
 def _moves(c: Candidate) -> str:
     """``: it moves ...`` where the candidate's plan was compiled whole (a block-priced one has no traffic)."""
     return f"; it moves {c.traffic}." if c.traffic.collectives else "."
-
-
-def summary(found: Search) -> dict[str, Any]:
-    """The search as plain data (``sbpflow plan --auto --json``)."""
-    return {
-        "budget_bytes": found.budget,
-        "winner": str(found.winner.layout),
-        "candidates": [
-            {
-                "layout": str(c.layout),
-                "error": c.error,
-                "fits": c.fits(found.budget),
-                **({} if c.estimate is None else _estimate_dict(c.estimate)),
-                "bytes_per_step": c.traffic.bytes,
-            }
-            for c in found.candidates
-        ],
-    }
-
-
-def _estimate_dict(e: StepEstimate) -> dict[str, float | int]:
-    keys = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "peak_memory_bytes")
-    return {k: getattr(e, k) for k in keys}
