@@ -333,6 +333,23 @@ def test_a_timed_kernel_replaces_its_roofline() -> None:
     assert all(x.python_s == 0 for x in fast.by_op if not x.comm and x.bytes > 0)  # views: a roofline of 0
 
 
+def test_zero_stages_and_recompute_are_priced() -> None:
+    """ZeRO-3 gathers every weight before its use (more communication than DDP's all-reduce alone, less
+    memory a device); recomputing activations runs the forward again (more compute)."""
+    out = {}
+    for name, change in {
+        "ddp": {},
+        "zero3": {"zero_stage": 3},
+        "recompute": {"activation_checkpointing": True},
+    }.items():
+        job = load("gpt").make_job(ranks=2, layers=2)
+        job.config = replace(job.config, **change)
+        out[name] = estimate(pipeline.compile(job), FIXED)
+    assert out["zero3"].comm_s > out["ddp"].comm_s
+    assert out["zero3"].peak_memory_bytes < out["ddp"].peak_memory_bytes
+    assert out["recompute"].compute_s > out["ddp"].compute_s
+
+
 # ---- memory --------------------------------------------------------------------------------------------
 
 
