@@ -16,6 +16,7 @@ from sbpflow.control_plane.compiler.micro_batching import Layout
 from sbpflow.control_plane.compiler.sbp_cost import attrs_key
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.control_plane.compiler.step_sim import Load, OpCost
+from sbpflow.errors import SbpflowError
 from sbpflow.graph import BOXING, OpNode, TensorDecl, TensorKind
 from sbpflow.ops.base import Attrs, get_op
 from sbpflow.sbp import NdSbp
@@ -122,7 +123,11 @@ def call_key(state: CompileState, o: OpNode) -> CallKey:
 
 def local_meta(t: TensorDecl) -> TensorMeta:
     """``t``'s shard at mesh coordinate 0: the largest of an uneven split (a partial one is whole)."""
-    assert t.placement is not None and t.sbp is not None, f"tensor {t.name!r} has no layout"
+    if t.placement is None or t.sbp is None:
+        raise SbpflowError(
+            f"tensor {t.name!r} has no placement or SBP, so no shard to price: the cost model prices a plan "
+            "after SBP inference (pipeline.compile), not a traced job"
+        )
     return _shard(t.meta, t.placement.shape, t.sbp)
 
 

@@ -28,7 +28,9 @@ from sbpflow.control_plane.compiler.cost_model import (
 from sbpflow.control_plane.compiler.cpu_profile import measure_cpu_profile
 from sbpflow.control_plane.compiler.kernel_probe import measure_kernels
 from sbpflow.control_plane.compiler.stage_load import call_key
+from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.dtype import DType
+from sbpflow.errors import SbpflowError
 from sbpflow.job import Precision
 from sbpflow.ops.base import OPS
 from sbpflow.ops.flops import FLOPS, PER_ELEMENT, work
@@ -360,6 +362,11 @@ def test_memory_is_the_plans_estimate_or_an_upper_bound_without_one() -> None:
         assert e.memory_from_plan and e.peak_memory_bytes == max(m.total for m in c.memory.values())
         bare = estimate(c.state, FIXED)
         assert not bare.memory_from_plan and bare.peak_memory_bytes >= e.peak_memory_bytes
+
+
+def test_a_job_not_yet_laid_out_is_refused_with_the_fix() -> None:
+    with pytest.raises(SbpflowError, match="no placement or SBP.*after SBP inference"):
+        estimate(CompileState.start(load("mlp").make_job(ranks=2)), FIXED)
 
 
 def test_estimate_prints_its_breakdown() -> None:
