@@ -76,12 +76,21 @@ def _phi_cdf(xp: Any, x: Any) -> Any:
 
 def _gelu_erf_kernel(ctx: KernelContext, x: Any) -> Any:
     xp = ctx.xp
+    if getattr(x, "ndim", 0) and (jit := jit_rows(xp, x)) is not None:  # one pass (rows_jit.py)
+        out = xp.empty(x.shape, dtype=x.dtype)
+        jit.gelu_erf_all(x.reshape(-1), out.reshape(-1))
+        return out
     return xp.multiply(_phi_cdf(xp, x), x, out=owned(xp, x))
 
 
 def _gelu_erf_grad_kernel(ctx: KernelContext, dy: Any, x: Any) -> Any:
     """dy (Phi(x) + x phi(x)), phi(x) = exp(-x^2 / 2) / sqrt(2 pi)."""
     xp = ctx.xp
+    fits = getattr(x, "ndim", 0) and getattr(dy, "shape", None) == x.shape
+    if fits and (jit := jit_rows(xp, dy, x)) is not None:  # one pass (rows_jit.py)
+        out = xp.empty(x.shape, dtype=x.dtype)
+        jit.gelu_erf_grad_all(dy.reshape(-1), x.reshape(-1), out.reshape(-1))
+        return out
     d = xp.multiply(x, x, out=owned(xp, x))
     d = xp.exp(xp.multiply(d, x.dtype.type(-0.5), out=d), out=d)
     d = xp.multiply(d, x.dtype.type(_INV_SQRT_2PI), out=d)

@@ -1,5 +1,5 @@
-"""Scalar maths that LLVM vectorises inside numba loops (rows_jit.py's softmax and cross entropy):
-``vexp`` and ``vmax``.
+"""Scalar maths that LLVM vectorises inside numba loops (rows_jit.py's softmax, cross entropy and exact
+GELU): ``vexp``, ``vmax`` and ``erf64``.
 
 numba's ``np.exp`` on a scalar calls libm once an element, which no loop around it can vectorise (the
 wheels have no SVML), so a fused softmax row would run its exponentials one by one, slower than
@@ -21,6 +21,8 @@ vector lanes (a compare-and-select loop, numba's ``max`` and ``np.max`` all run 
 a nan it returns some operand, not nan: a row maximum over a row with a nan is some value of the row,
 and whatever is computed from ``x - max`` still meets the nan element, so a softmax row or a loss with a
 nan is nan, as numpy's (tested).
+
+``erf64`` is erf.py's W. J. Cody approximation with ``vexp``, branch-free so that it vectorises.
 """
 
 from __future__ import annotations
@@ -29,13 +31,17 @@ from typing import Any
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic, overload
 
+from sbpflow.ops.erf import _A, _A4, _B, _BIG, _C, _C8, _D, _FOUR, _P, _P4, _P5, _Q, _Q4, _SQRT_1_PI, _THRESH
+
 FLAGS = {"reassoc", "contract", "arcp", "nsz"}  # not nnan/ninf: -inf scores (a mask) are data
+# vexp and erf64 themselves: no reassociation, which would undo the two-part ln 2 of the reduction
+EXACT = {"contract", "nsz"}
 
 # float64 Taylor coefficients 1/13! ... 1/2!, 1, 1 (Horner from the highest)
-_TAYLOR = tuple(1.0 / float(np.prod(np.arange(1, k + 1))) for k in range(13, -1, -1))
+_T = tuple(1.0 / float(np.prod(np.arange(1, k + 1))) for k in range(13, -1, -1))
 
 
 @intrinsic
@@ -91,15 +97,43 @@ def _vexp64(x: Any) -> Any:  # pragma: no cover - compiled
     k = np.floor(c * 1.4426950408889634 + 0.5)
     r = c - k * 6.93147180369123816490e-01 - k * 1.90821492927058770002e-10  # fdlibm's ln 2, hi + lo
     p = 0.0
-    for a in _TAYLOR:
+    for a in _T:  # Horner, from 1/13!
         p = p * r + a
     y = p * _as_float((np.int64(k) + 1023) << 52)  # type: ignore[call-arg]
     y = 0.0 if x < lo else y
     return np.inf if x > hi else y
 
 
-@overload(vexp, inline="always", jit_options={"fastmath": FLAGS})
+@overload(vexp, jit_options={"fastmath": EXACT, "error_model": "numpy"})
 def _vexp_overload(x: Any) -> Any:
     if isinstance(x, types.Float):
         return _vexp32 if x.bitwidth == 32 else _vexp64
     return None
+
+
+@njit(cache=True, error_model="numpy", fastmath=EXACT)
+def erf64(x: Any) -> Any:  # pragma: no cover - compiled
+    """erf.py's Cody erf of one float64, its three rational approximations all evaluated and the one for
+    |x|'s interval selected (a branch an element would keep the loop scalar); exp by vexp."""
+    y = abs(x)
+    ysq = y * y
+    num, den = _A4 * ysq, ysq
+    for k in range(3):
+        num, den = (num + _A[k]) * ysq, (den + _B[k]) * ysq
+    small = x * (num + _A[3]) / (den + _B[3])
+    r = np.trunc(y * 16.0) / 16.0
+    g = vexp(-r * r) * vexp(-(y - r) * (y + r))  # exp(-y^2), the square's rounding not magnified
+    num, den = _C8 * y, y
+    for k in range(7):
+        num, den = (num + _C[k]) * y, (den + _D[k]) * y
+    mid = g * (num + _C[7]) / (den + _D[7])
+    z = 1.0 / ysq
+    num, den = _P5 * z, z
+    for k in range(4):
+        num, den = (num + _P[k]) * z, (den + _Q[k]) * z
+    large = g * ((_SQRT_1_PI - z * (num + _P4) / (den + _Q4)) / y)
+    erfc = mid if y <= _FOUR else large
+    big = 1.0 if y >= _BIG else (0.5 - erfc) + 0.5
+    whole = big if x >= 0 else -big
+    out = small if y <= _THRESH else whole
+    return x if x != x else out  # nan stays nan

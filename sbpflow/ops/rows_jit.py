@@ -16,7 +16,8 @@ this file (``cache=True``).
 
 Each takes 2-d C-contiguous arrays ``[rows, n]`` of one float dtype and writes its outputs in place.
 ``add_rows_at`` is embedding_grad's scatter-add of rows (shape.py), ~10x numpy's sort and reduceat;
-``sigmoid_all`` is activation.py's sigmoid, elementwise on flat arrays.
+``sigmoid_all``, ``gelu_erf_all`` and ``gelu_erf_grad_all`` are activation.py's sigmoid and exact GELU,
+elementwise on flat arrays.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 from numba import njit
 
 from sbpflow.ops.jit_math import FLAGS as _FLAGS
-from sbpflow.ops.jit_math import vexp, vmax
+from sbpflow.ops.jit_math import erf64, vexp, vmax
 
 
 @njit(cache=True, error_model="numpy", fastmath=_FLAGS, inline="always")
@@ -225,3 +226,23 @@ def sigmoid_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
         v = x[i]
         e = vexp(-abs(v))
         out[i] = (one if v >= 0 else e) / (one + e)
+
+
+_SQRT_HALF, _INV_SQRT_2PI = 0.7071067811865476, 0.3989422804014327
+
+
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
+def gelu_erf_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out = x Phi(x), Phi(x) = 0.5 (1 + erf(x / sqrt 2)), on flat arrays, erf in float64 as erf.py's."""
+    for i in range(x.size):
+        v = np.float64(x[i])
+        out[i] = v * (0.5 * (1.0 + erf64(v * _SQRT_HALF)))
+
+
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
+def gelu_erf_grad_all(dy: Any, x: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out = dy (Phi(x) + x phi(x)), phi(x) = exp(-x^2 / 2) / sqrt(2 pi), on flat arrays."""
+    for i in range(x.size):
+        v = np.float64(x[i])
+        phi = vexp(-0.5 * v * v) * _INV_SQRT_2PI
+        out[i] = dy[i] * (v * phi + 0.5 * (1.0 + erf64(v * _SQRT_HALF)))

@@ -20,10 +20,10 @@ from sbpflow.ops.eager import EagerBuilder
 from sbpflow.ops.rowwise import jit_rows
 
 numba = pytest.importorskip("numba")
-from sbpflow.ops.jit_math import vexp  # noqa: E402  (needs numba)
+from sbpflow.ops.jit_math import FLAGS, vexp  # noqa: E402  (needs numba)
 
 
-@numba.njit
+@numba.njit(fastmath=FLAGS)  # as the kernels that call it are compiled
 def _vexp_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
     for i in range(x.size):
         out[i] = vexp(x[i])
@@ -202,3 +202,17 @@ def test_sigmoid_in_one_pass_matches_numpys(dtype: Any) -> None:
     (y,), (y_ref,) = both("sigmoid", x)
     same((y,), (y_ref,), dtype, "sigmoid")
     np.testing.assert_array_equal(y[0, :4], np.array([0.0, 1.0, np.nan, 0.5], dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exact_gelu_and_its_gradient_match_numpys(dtype: Any) -> None:
+    x = np.concatenate([np.linspace(-9, 9, 4002), [0.46875, -0.46875, 4.0, -4.0, 6.0, -6.0, 0.0]])
+    x = np.concatenate([x, [np.inf, -np.inf, np.nan]]).astype(dtype).reshape(4, -1)
+    (y,), (y_ref,) = both("gelu_erf", x)
+    rtol, atol = TOL[dtype]
+    # 1 + erf(x) cancels for negative x (in both): compare to the scale of x, not of the tiny result
+    np.testing.assert_allclose(y, y_ref, rtol=rtol, atol=max(atol, 1e-15))
+    dy = np.random.default_rng(7).standard_normal(x.shape).astype(dtype)
+    (g,), (g_ref,) = both("gelu_erf_grad", dy, x)
+    finite = np.isfinite(x)
+    np.testing.assert_allclose(g[finite], g_ref[finite], rtol=rtol, atol=max(atol, 1e-15))
