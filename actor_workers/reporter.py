@@ -10,7 +10,9 @@ Rules:
   never held back); reports that come faster wait and go together: at most one batch per
   ``BATCH_SECONDS`` per worker, and a report waits at most that long;
 - ``done``, ``error`` and ``log`` reports flush the queue at once and do not count as a batch (a job's
-  end is never delayed, nor its first step by the "running" line before it);
+  end is never delayed, nor its first step by the "running" line before it); so does a report sent
+  with ``flush=True``: a checkpoint step's, so the control plane holds every loss up to a checkpoint
+  by the time it can be complete (a restart after a lost worker then resumes the latest one);
 - one report is a unary ``Report``; several are one ``ReportBatch`` (at most :data:`MAX_BATCH`);
 - with nothing to say for :data:`HEARTBEAT_SECONDS`, a heartbeat;
 - a batch the control plane did not answer (UNAVAILABLE, DEADLINE_EXCEEDED: it may be restarting or
@@ -36,6 +38,7 @@ BATCH_SECONDS = 1.0  # at most one batch per this many seconds while reports com
 MAX_BATCH = 256
 CALL_SECONDS = 5.0
 _URGENT = frozenset({"done", "error", "log"})  # kinds that flush at once
+_FLUSH = sp.WorkerReport()  # queued after a report sent with flush=True: what is queued goes at once
 _AGAIN = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})  # codes (names) on which a batch goes again
 
 
@@ -74,8 +77,10 @@ class Reporter:
         self._thread = threading.Thread(target=self._loop, name=f"sbpflow-reporter-r{rank}", daemon=True)
         self._thread.start()
 
-    def send(self, **payload: Any) -> None:
+    def send(self, flush: bool = False, **payload: Any) -> None:
         self._queue.put(report(*self._ids, **payload))
+        if flush:
+            self._queue.put(_FLUSH)
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued (up to ``timeout``), then stop (again: nothing)."""
@@ -94,29 +99,36 @@ class Reporter:
                 first = self._queue.get(timeout=HEARTBEAT_SECONDS)
             except queue.Empty:
                 first = report(*self._ids, heartbeat=sp.Heartbeat())
-            batch, end = self._gather(first, last + BATCH_SECONDS)
+            batch, end, urgent = self._gather(first, last + BATCH_SECONDS)
             if batch and self._stub is not None:
-                if batch[-1].WhichOneof("payload") not in _URGENT:
+                if not urgent:
                     last = time.monotonic()
                 self._call(batch)
             if end:
                 return
 
-    def _gather(self, first: sp.WorkerReport | None, until: float) -> tuple[list[sp.WorkerReport], bool]:
-        """``first`` and what else comes by ``until`` (sooner on an urgent report); True: closing."""
+    def _gather(
+        self, first: sp.WorkerReport | None, until: float
+    ) -> tuple[list[sp.WorkerReport], bool, bool]:
+        """``first`` and what else comes by ``until``, sooner on an urgent report or a flush; then
+        whether the reporter is closing, and whether the batch went early (it does not count as one)."""
         batch: list[sp.WorkerReport] = []
         msg = first
         while True:
             if msg is None:
-                return batch, True
+                return batch, True, False
+            if msg is _FLUSH:
+                return batch, False, True
             batch.append(msg)
-            if msg.WhichOneof("payload") in _URGENT or len(batch) >= MAX_BATCH:
-                return batch, False
+            if msg.WhichOneof("payload") in _URGENT:
+                return batch, False, True
+            if len(batch) >= MAX_BATCH:
+                return batch, False, False
             wait = until - time.monotonic()
             try:
                 msg = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
             except queue.Empty:
-                return batch, False
+                return batch, False, False
 
     def _call(self, batch: list[sp.WorkerReport]) -> None:
         import grpc

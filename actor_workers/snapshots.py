@@ -52,6 +52,10 @@ class CheckpointOptions:
     job: str = ""
     seed: int = 0
 
+    def due(self, step: int) -> bool:
+        """Whether (0-based) ``step`` ends with a checkpoint."""
+        return (step + 1) % self.every == 0
+
 
 @dataclass(frozen=True)
 class Start:
@@ -96,7 +100,7 @@ class RankCheckpointer:
         self._thread.start()
 
     def due(self, step: int) -> bool:
-        return (step + 1) % self.options.every == 0
+        return self.options.due(step)
 
     def on_assign(self, name: str, step: int) -> None:
         """Called in the assign act: copy the value now (later acts may overwrite its buffer)."""

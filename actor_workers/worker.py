@@ -191,7 +191,9 @@ class Worker:
             _device(plan, self.rank),
             loss,
             lambda step, value, seconds, scaling: self.reporter.send(
-                step=progress.step_report(step, value, seconds, scaling)
+                # a checkpoint step's report goes at once (reporter.py): restarts reach the latest one
+                start.checkpoint is not None and start.checkpoint.due(step),
+                step=progress.step_report(step, value, seconds, scaling),
             ),
         )
         self._writers = checkpointing.attach_all(

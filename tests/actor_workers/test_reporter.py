@@ -1,6 +1,6 @@
 """The worker's Reporter against a real WorkerService (a ReportHub on loopback): reports that come faster
 than one batch per BATCH_SECONDS go together in one ReportBatch call, in order, and all arrive; the
-first goes at once, and ``done`` flushes at once; a batch is checked like single reports (credential,
+first goes at once, and ``done`` or a flushed report sends the queue at once; a batch is checked like single reports (credential,
 attempt); a cancel in the ack reaches ``on_cancel``."""
 
 from __future__ import annotations
@@ -60,6 +60,26 @@ def test_fast_reports_are_batched_in_order_and_the_first_and_done_go_at_once(hub
         assert arrived[-1] - t1 < reporting.BATCH_SECONDS and got[-1].WhichOneof("payload") == "done"
         rep.close()
     assert rep.sent == 301
+
+
+def test_a_flushed_report_goes_at_once_with_everything_queued_before_it(
+    hub: ReportHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reporting, "BATCH_SECONDS", 60.0)  # unflushed reports would wait a minute
+    got: list[int] = []
+    with hub.listen("j", 1, lambda r: got.append(r.step.step), [0]) as credential:
+        rep = Reporter(hub.address, "j", 1, 0, "w0", credential)
+        rep.send(step=step_report(0, 1.0, 0.01))  # the first goes at once
+        until(lambda: got == [1])
+        for s in range(1, 5):
+            rep.send(step=step_report(s, 1.0, 0.01))  # held for the batch
+        rep.send(True, step=step_report(5, 1.0, 0.01))  # a checkpoint step's: flushes the queue
+        until(lambda: got == [1, 2, 3, 4, 5, 6])
+        rep.send(step=step_report(6, 1.0, 0.01))
+        time.sleep(0.3)
+        assert got == [1, 2, 3, 4, 5, 6]  # held again: a flush is not a batch that opens the window
+        rep.close()
+    assert got == [1, 2, 3, 4, 5, 6, 7] and rep.calls == 3
 
 
 def test_a_batch_is_checked_like_single_reports_and_a_cancel_reaches_the_worker(hub: ReportHub) -> None:
