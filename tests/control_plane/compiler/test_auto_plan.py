@@ -129,7 +129,7 @@ def test_a_budget_below_data_parallel_peak_picks_a_layout_that_fits() -> None:
 
 def test_nothing_fits_names_the_smallest_peak_and_the_budget() -> None:
     with pytest.raises(auto_plan.NoPlanFits) as e:
-        search(mlp(), budget=1000)
+        search(mlp(), budget=1000, only=[Layout(dp=4), Layout(tp=4), Layout(dp=4, zero=3)])
     text = str(e.value)
     assert "no layout fits 1 kB per device: the smallest peak found is " in text
     assert "over; give more memory per device (--memory-per-device)" in text
@@ -254,11 +254,13 @@ def test_the_block_priced_search_weighs_power_of_two_meshes() -> None:
 
 
 def test_the_gpt_pick_trains_like_one_device() -> None:
-    """GPT (the equivalence suite's shape): the layout the search picks trains as one device does."""
+    """GPT (the equivalence suite's shape): the layout the search picks among the meshes, pipeline cuts and
+    embedding layouts trains as one device does (ZeRO stages left out here to keep the test short: the
+    equivalence suite trains each)."""
     job = load("gpt").make_job(
         ranks=4, layers=2, heads=4, width=16, vocab=32, seq_len=8, batch_size=8, steps=5
     )
-    pick = search(job, 10**9).winner.layout
+    pick = search(job, 10**9, only=[x for x in auto_plan.layouts(job, 4) if not x.zero]).winner.layout
     assert_trains_like_one_device(as_float64(relayout(job, pick), batches=5), tol=1e-9)
 
 
