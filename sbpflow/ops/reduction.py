@@ -19,6 +19,7 @@ from sbpflow.dtype import DType
 from sbpflow.errors import ShapeError
 from sbpflow.ops.base import REQUIRED, Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop, sig
 from sbpflow.ops.rows import all_broadcast
+from sbpflow.ops.rowwise import jit_rows
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import Shape, TensorMeta
 
@@ -280,6 +281,11 @@ def _sum_to_kernel(ctx: KernelContext, x: Any) -> Any:
     if lead and axes == tuple(range(lead)) and x.dtype.kind == "f":
         # a bias gradient: every leading axis summed, as rows; einsum makes one pass, ~half of xp.sum's time
         rows = x.reshape(-1, *x.shape[lead:])
+        flat = rows.reshape(rows.shape[0], -1)
+        if (jit := jit_rows(ctx.xp, flat)) is not None:  # one vectorised pass (rows_jit.py)
+            out = ctx.xp.empty(flat.shape[1], dtype=x.dtype)
+            jit.sum_rows(flat, out)
+            return out.reshape(ctx.out_shape())
         return ctx.xp.einsum("r...->...", rows).reshape(ctx.out_shape())
     y = ctx.xp.sum(x, axis=axes, keepdims=True).reshape(ctx.out_shape())
     return y.astype(ctx.out_dtype(), copy=False)

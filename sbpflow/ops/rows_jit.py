@@ -17,7 +17,7 @@ this file (``cache=True``).
 Each takes 2-d C-contiguous arrays ``[rows, n]`` of one float dtype and writes its outputs in place.
 ``add_rows_at`` is embedding_grad's scatter-add of rows (shape.py), ~10x numpy's sort and reduceat;
 ``sigmoid_all``, ``gelu_erf_all`` and ``gelu_erf_grad_all`` are activation.py's sigmoid and exact GELU,
-elementwise on flat arrays.
+elementwise on flat arrays; ``sum_rows`` is reduction.py's sum_to of a bias gradient.
 """
 
 from __future__ import annotations
@@ -246,3 +246,14 @@ def gelu_erf_grad_all(dy: Any, x: Any, out: Any) -> None:  # pragma: no cover - 
         v = np.float64(x[i])
         phi = vexp(-0.5 * v * v) * _INV_SQRT_2PI
         out[i] = dy[i] * (v * phi + 0.5 * (1.0 + erf64(v * _SQRT_HALF)))
+
+
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
+def sum_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out = the sum of x's rows, in row order (reduction.py's sum_to over leading axes: a bias gradient)."""
+    rows, n = x.shape
+    for j in range(n):
+        out[j] = x[0, j]
+    for i in range(1, rows):
+        for j in range(n):
+            out[j] += x[i, j]

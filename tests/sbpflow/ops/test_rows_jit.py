@@ -216,3 +216,12 @@ def test_exact_gelu_and_its_gradient_match_numpys(dtype: Any) -> None:
     (g,), (g_ref,) = both("gelu_erf_grad", dy, x)
     finite = np.isfinite(x)
     np.testing.assert_allclose(g[finite], g_ref[finite], rtol=rtol, atol=max(atol, 1e-15))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 5), (16, 64, 64), (7, 3, 2, 4)])
+def test_sum_to_of_leading_axes_matches_numpys(dtype: Any, shape: tuple[int, ...]) -> None:
+    x = np.random.default_rng(8).standard_normal(shape).astype(dtype)
+    (got,), (want,) = both("sum_to", x, shape=shape[1:])
+    same((got,), (want,), dtype, f"sum_to {shape}")
+    np.testing.assert_allclose(got, x.sum(axis=0), rtol=TOL[dtype][0] * 10, atol=TOL[dtype][1] * 10)
