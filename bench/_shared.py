@@ -1,7 +1,9 @@
-"""What several benchmarks share: loading an example file as a module, and naming numpy's BLAS core."""
+"""What several benchmarks share: loading an example file as a module, naming numpy's BLAS core, the
+arguments of a script that repeats a timed run."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 from types import ModuleType
@@ -32,3 +34,12 @@ def blas_kernel() -> str:
         for i in threadpool_info()
         if i.get("user_api") == "blas"
     )
+
+
+def repeat_args(doc: str, steps: int = 12, repeat: int = 3) -> argparse.Namespace:
+    """The arguments of a script that times ``--steps`` steps ``--repeat`` times, with a ``--quick`` smoke run."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--repeat", type=int, default=repeat)
+    return ap.parse_args()

@@ -13,7 +13,9 @@ The policy is torch.autocast's, with fp16 flowing:
 * the rest (glue on fp32 values, such as a loss's division by a token count, which would overflow fp16
   past 65504) runs in the widest dtype of its floating inputs.
 
-Integer and bool tensors (token ids, masks) are never cast.
+Integer and bool tensors (token ids, masks) are never cast. fp16's range is also why its loss is scaled
+(``JobConfig.loss_scale``, or dynamically by ``JobConfig.loss_scaling``: control_plane/compiler/
+loss_scaling.py); bf16 has fp32's range and is not.
 """
 
 from __future__ import annotations

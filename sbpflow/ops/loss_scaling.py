@@ -98,7 +98,7 @@ def _count_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
 
 def _count_kernel(ctx: KernelContext, x: Any) -> Any:
     xp = ctx.xp
-    return xp.full((1,), x.size - xp.count_nonzero(xp.isfinite(x)), dtype=xp.float32)
+    return xp.asarray(x.size - xp.count_nonzero(xp.isfinite(x)), dtype=xp.float32).reshape(1)
 
 
 defop(

@@ -62,18 +62,46 @@ def test_adamw_counts_only_the_steps_taken() -> None:
 
 
 @pytest.mark.parametrize(
-    "layout", [{"ranks": 2}, {"ranks": 2, "tp": True}, {"ranks": 4, "tp": True, "layers": 2}]
+    ("layout", "zero_stage"),
+    [
+        ({"ranks": 2}, 0),
+        ({"ranks": 2, "tp": True}, 0),
+        ({"ranks": 4, "tp": True, "layers": 2}, 0),
+        ({"ranks": 2}, 3),
+    ],
 )
-def test_an_overflowing_step_is_skipped_on_every_rank(layout: dict[str, object]) -> None:
-    """A scale of 2**100 overflows fp16 on every rank's part: every parameter (and, checked by the next
-    run, the momentum) stays bit-identical to its start, under DP and TP alike."""
-    job = fp16(load("mlp").make_job(steps=2, **layout), LossScaling(init=2.0**100))
-    got = sf.run(job, backend="inprocess", return_parameters=True)
+def test_an_overflowing_step_is_skipped_on_every_rank(
+    layout: dict[str, object], zero_stage: int, tmp_path: Path
+) -> None:
+    """A scale of 2**100 overflows fp16 on every rank's part: every parameter stays bit-identical to its
+    start and the momentum at zero (read back from the checkpoint), under DP, TP and ZeRO-3 alike."""
+    job = fp16(load("mlp").make_job(steps=2, **layout), LossScaling(init=2.0**100), zero_stage=zero_stage)
+    job = with_config(job, checkpoint_every=2)
+    got = sf.run(job, backend="inprocess", return_parameters=True, checkpoint_dir=str(tmp_path))
     assert got.parameters is not None and got.skipped_steps == 2
     start = reference.init_parameters(job)
     for name, value in start.items():
         np.testing.assert_array_equal(got.parameters[name], value, err_msg=name)
     assert got.loss_scale == np.float32(2.0**98)
+    state = read_logical(step_dir(tmp_path, 2), kinds=("optimizer_state",))
+    momenta = [n for n in state if n.endswith("/momentum")]
+    assert len(momenta) == len(start) and not any(state[n].any() for n in momenta)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_zero_stages_follow_the_oracle(zero_stage: int) -> None:
+    """GPT with AdamW on DP 2 under ZeRO: sharded state and gradients, the same skips and scale as one
+    device, parameters within AdamW's step of fp16 rounding (each update moves a weight by up to lr)."""
+    job = fp16(
+        load("gpt").make_job(ranks=2, steps=6), LossScaling(2.0**20, growth_interval=2), zero_stage=zero_stage
+    )
+    got = sf.run(job, backend="inprocess", return_parameters=True)
+    want = reference.train(job)
+    assert want.scaler is not None and 0 < want.scaler.skipped_steps < 6
+    assert got.skipped_steps == want.scaler.skipped_steps and got.loss_scale == float(want.scaler.scale)
+    assert got.parameters is not None
+    for name, value in want.parameters.items():
+        np.testing.assert_allclose(got.parameters[name], value, rtol=1e-3, atol=1e-3, err_msg=name)
 
 
 @pytest.mark.parametrize(
@@ -171,6 +199,10 @@ def test_loss_scaling_survives_the_wire() -> None:
     job = fp16(load("mlp").make_job(ranks=1))
     assert wire.job_from_proto(wire.job_to_proto(job)).config.loss_scaling == SCALING
     assert not wire.config_to_proto(JobConfig()).HasField("loss_scaling")  # the default: as before
+    m = wire.job_to_proto(job)
+    m.config.loss_scaling.backoff_factor = 2.0  # a client's bad value is refused, naming it
+    with pytest.raises(SbpflowError, match=r"backoff_factor=2.0: give a factor in \(0, 1\)"):
+        wire.job_from_proto(m)
 
 
 def test_an_overflowing_forward_is_a_skipped_step_not_a_failure() -> None:
