@@ -244,6 +244,7 @@ def _micro_calls(job: Job, m: int) -> dict[str, tuple[Attrs, tuple[TensorMeta, .
             tuple(g.tensors[t].meta for t in o.inputs),
         )
         for o in g.ops
+        if o.op_type != BOXING  # ZeRO's, placed before this pass: not chosen here (see run)
     }
 
 
