@@ -18,6 +18,8 @@ Rules:
   that no longer divides) is refused at Submit (:func:`check_fallbacks`); one that fails to compile or to
   be placed is passed over, and the failure names each one and why;
 - a job without fallbacks waits for its own ranks as before (``SETUP_SECONDS``);
+- the job manager counts the slots of the layout a job runs on (the run's ``on_resize``, told with each
+  new attempt): a job shrunk from 4 ranks to 2 frees 2 for a waiting job, and takes them back to grow;
 - while a job runs on a fallback, :class:`Regrow` looks whether the cluster has room for its own layout
   again; once it has, the first checkpoint completed after that (whose losses all reached the control
   plane) stops the attempt, and the next is re-planned from it as after a loss — its own ranks first —

@@ -447,6 +447,7 @@ class JobManager:
                 on_step=listeners.on_step,
                 on_report=listeners.on_report,
                 on_attempt=listeners.on_attempt,
+                on_resize=listeners.on_resize,
                 on_eval=listeners.on_eval,
                 cancel=r.cancel,
                 report_hub=self.report_hub,

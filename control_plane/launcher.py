@@ -17,7 +17,8 @@ Backends (:data:`BACKENDS`):
 Both call the same listeners as the run gets on: ``on_state(JobState.COMPILING | STARTING | RUNNING)``,
 ``on_step(StepMetrics)`` once per completed step, ``on_report(WorkerReport)`` for every worker report,
 and ``on_attempt(attempt, first_step, reason, message)`` when a restart begins attempt ``attempt`` from
-the checkpoint at ``first_step`` (then ``on_state`` says ``"STARTING"`` and ``"RUNNING"`` again).
+the checkpoint at ``first_step`` (then ``on_state`` says ``"STARTING"`` and ``"RUNNING"`` again), with
+``on_resize(slots)`` the device slots that attempt holds (fewer after an elastic re-plan).
 Setting ``cancel`` stops every rank promptly and raises :class:`RunCancelled`. A NaN or infinite loss
 stops every rank the same way and raises :class:`~sbpflow.numerics.NonFiniteLoss` naming the step (the
 step tracker checks each assembled loss); finite losses but non-finite final parameters (each rank checks
@@ -48,6 +49,7 @@ from sbpflow.control_plane.reports import ReportHub
 from sbpflow.control_plane.run_context import (
     AttemptListener,
     LaunchContext,
+    ResizeListener,
     RunResult,
     assemble_outputs,
     loss_scaling_fields,
@@ -90,6 +92,7 @@ def run(
     on_step: StepListener | None = None,
     on_report: ReportListener | None = None,
     on_attempt: AttemptListener | None = None,
+    on_resize: ResizeListener | None = None,
     cancel: threading.Event | None = None,
     report_hub: ReportHub | None = None,
     job_id: str = "",
@@ -125,8 +128,7 @@ def run(
     """
     how = _run_options(options, option_fields)
     job_ = job.state.job if isinstance(job, Compiled) else job
-    bound = job_.bound  # the modules want the trained values back
-    steps = job_.config.steps if steps is None else steps
+    bound, steps = job_.bound, job_.config.steps if steps is None else steps  # bound: wants trained values
     if steps < 1:
         raise SbpflowError(f"steps={steps}: a run trains for at least one step")
     resume_from, first_step = _resume_point(resume_from, steps)
@@ -143,6 +145,7 @@ def run(
                 on_state=on_state,
                 on_report=board.on_report,
                 on_attempt=on_attempt,
+                on_resize=on_resize,
                 cancel=_Stop(cancel),  # set by a cancel, or by the tracker at a non-finite loss
                 report_hub=report_hub,
                 job_id=job_id,

@@ -22,6 +22,7 @@ from sbpflow.run_state import JobState
 from sbpflow.sharding import assemble_value
 
 AttemptListener = Callable[[int, int, str, str], None]  # (attempt, first step, reason, message)
+ResizeListener = Callable[[int], None]  # the device slots the next attempt holds (an elastic re-plan)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class LaunchContext:
     on_state: StateListener | None = None
     on_report: ReportListener | None = None
     on_attempt: AttemptListener | None = None
+    on_resize: ResizeListener | None = None
     cancel: threading.Event | None = None
     report_hub: ReportHub | None = None
     job_id: str = ""
@@ -69,10 +71,13 @@ class LaunchContext:
         if self.on_state is not None:
             self.on_state(state)
 
-    def new_attempt(self, reason: str, message: str) -> None:
-        """Tell ``on_attempt`` that this attempt (``self.attempt`` from ``self.first_step``) begins."""
+    def new_attempt(self, reason: str, message: str, slots: int | None = None) -> None:
+        """Tell ``on_attempt`` that this attempt (``self.attempt`` from ``self.first_step``) begins, and
+        ``on_resize`` how many device slots it holds."""
         if self.on_attempt is not None:
             self.on_attempt(self.attempt, self.first_step, reason, message)
+        if slots is not None and self.on_resize is not None:
+            self.on_resize(slots)
 
     def report(self, rank: int, **payload: Any) -> None:
         if self.on_report is not None:

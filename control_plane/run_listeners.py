@@ -99,6 +99,13 @@ class RunListeners:
         )
         self.m._notify(self.job_id)
 
+    def on_resize(self, slots: int) -> None:
+        """The run holds ``slots`` device slots from its next attempt on: an elastic re-plan onto fewer ranks
+        gives the rest to queued jobs (``elastic.py``); growing back takes them again."""
+        with self.m._lock:
+            self.r.slots = slots
+        self.m._schedule()
+
     def write(self, fn: Callable[..., Any], *args: Any) -> None:
         """``fn(*args)`` on the store, in order behind every write still queued; never raises
         ``StoreUnavailable`` into the run (see the module's docstring)."""

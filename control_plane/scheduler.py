@@ -147,7 +147,8 @@ def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker)
                 room = partial(room_for, own, compiled)  # on a fallback: room for the job's own ranks?
                 shrunk = compiled is not own
                 regrow = Regrow(room, options.checkpoint_dir, tracker, options.first_step) if shrunk else None
-                current.new_attempt(*attempt_note(layout, not grow, failure, current, restarts, skipped))
+                note = attempt_note(layout, not grow, failure, current, restarts, skipped)
+                current.new_attempt(*note, slots=len(ranks))
                 continue
             done = current.first_step - options.first_step  # steps earlier attempts trained
             prefix = (tracker.losses[:done] + [float("nan")] * done)[:done]

@@ -229,6 +229,7 @@ def test_dp4_loses_a_worker_and_goes_on_dp2_from_its_checkpoint(
             )
             killer.start()
             until(lambda: store.get(rec.id).attempt == 2, "attempt 2", 180)
+            until(lambda: m.used_slots <= 2, "the DP 2 attempt's 2 slots, not 4", 60)  # 2 for other jobs
             metrics = m.metrics.exposition().decode()  # while the job is in flight
             until(lambda: store.get(rec.id).state.terminal, "the job's end", 300)
             killer.join()
