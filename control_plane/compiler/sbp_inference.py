@@ -105,11 +105,18 @@ class _Solver:
         if var is not None and var not in self.fixed and var in node.inputs:
             return node.inputs.index(var)
         if var is not None and var in self.fixed:
-            return self.fixed[var]
+            return self._laid_as(var, out)
         if out in self.targets:
             return self.targets[out]
         param = self.grad_of.get(out)
-        return self.fixed.get(param) if param is not None else None
+        return self._laid_as(param, out) if param is not None else None
+
+    def _laid_as(self, src: str, out: str) -> NdSbp | None:
+        """``src``'s SBP as the goal of ``out`` (a variable's new value, a parameter's gradient) when the
+        two lie on one placement; a variable placed apart (another mesh) leaves ``out`` to its readers."""
+        if src not in self.fixed or self.placed.get(src) != self.placed.get(out):
+            return None
+        return self.fixed[src]
 
     def _call(self, node: OpNode, pl: Placement, states: tuple[State, ...]) -> Call:
         metas = tuple(self.graph.tensors[t].meta for t in node.inputs)
