@@ -164,7 +164,8 @@ def goal_of(out: Out, s: NdSignature, call: Call) -> NdSbp | None:
     if isinstance(out.goal, int):  # the variable is stored as this very signature reads it
         home = call.states[out.goal]
         assert isinstance(home, Free)
-        return store(home.home, out.placed, s.ins[out.goal])[1]
+        placed, sbp = store(home.home, out.placed, s.ins[out.goal])
+        return sbp if placed == out.placed else (B,) * out.placed.ndim  # a variable on another mesh
     return out.goal
 
 

@@ -109,7 +109,11 @@ class _Solver:
         if out in self.targets:
             return self.targets[out]
         param = self.grad_of.get(out)
-        return self._laid_as(param, out) if param is not None else None
+        goal = self._laid_as(param, out) if param is not None else None
+        placed = self.placed.get(out)
+        if goal is None and placed is not None and node.placement is not None and placed != node.placement:
+            return (B,) * placed.ndim  # an output placed apart from its op: boxed there, whole
+        return goal
 
     def _laid_as(self, src: str, out: str) -> NdSbp | None:
         """``src``'s SBP as the goal of ``out`` (a variable's new value, a parameter's gradient) when the

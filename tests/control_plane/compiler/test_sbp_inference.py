@@ -123,7 +123,7 @@ def test_dump_reads_one_line_per_op() -> None:
     assert lines[-1].startswith("model.mean_0 (mean) on ranks [0, 1, 2, 3]: S(0) -> P  [24 B]")
 
 
-def test_a_variable_on_another_mesh_of_the_same_ranks_trains_as_on_its_readers_mesh() -> None:
+def test_tensors_on_another_mesh_of_the_same_ranks_train_as_on_their_ops_mesh() -> None:
     """A weight placed on a 2 x 1 mesh of the ranks its 1-d readers run on (a mutated Submit found this):
     its gradient and new value are not given the weight's 2-d SBP as goals on the readers' 1-d mesh (an
     internal error in the boxing cost); the job trains as with the weight on the readers' mesh."""
@@ -136,3 +136,7 @@ def test_a_variable_on_another_mesh_of_the_same_ranks_trains_as_on_its_readers_m
     want = sf.run(job, backend="inprocess", timeout=120).losses
     job.graph.set_tensor(replace(w, placement=Placement(w.placement.device_type, w.placement.ranks, (2, 1))))
     assert sf.run(job, backend="inprocess", timeout=120).losses == want
+    # an op's output placed on that other mesh too: boxed there whole, then read from there
+    h = job.graph.tensors["model.net.0.add_0"]
+    job.graph.set_tensor(replace(h, placement=Placement(w.placement.device_type, w.placement.ranks, (2, 1))))
+    assert sf.run(job, backend="inprocess", timeout=120).losses == pytest.approx(want, rel=1e-6)
