@@ -83,6 +83,11 @@ Backend = Callable[[Compiled, LaunchContext, StepTracker], RunResult]
 log = logging.getLogger(__name__)
 
 
+# the in-process transport's own timeout, past the run's: the run's timeout (and its stall report) ends a
+# run that outlives it, not a collective timing out first on a loaded machine (a race of the two)
+HANG_GRACE = 10.0
+
+
 def run(
     job: Job | Compiled,
     *,
@@ -283,7 +288,7 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
     ranks = list(devices)
     xp = _array_module(plan)
     ctx.state(JobState.STARTING)
-    with InProcessWorld(ranks, timeout=ctx.run.timeout) as world:
+    with InProcessWorld(ranks, timeout=ctx.run.timeout + HANG_GRACE) as world:
         program = executor.build(
             plan,
             ctx.steps,
