@@ -336,7 +336,7 @@ def test_a_ray_restart_passes_over_a_corrupt_latest_checkpoint(tmp_path: Path) -
     # a checkpoint the workers completed after the garbling (the kill lands a moment later) is intact, and
     # chosen only if every step before it has its loss here (reports in flight die with the worker); else
     # every garbled one is passed over for step 5, and the message says so. Either way no loss is missing.
-    assert first not in garbled and first in range(5, RAY_STEPS + 1, 5)
+    assert first not in garbled and first in range(5, RAY_STEPS + 1, 5), (first, garbled, message)
     if first == 5:
         assert "is corrupt (file rank-" in message and "resuming from step-00000005" in message
     np.testing.assert_allclose(got.losses, want.losses, rtol=1e-12, atol=0)
