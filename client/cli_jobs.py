@@ -80,6 +80,7 @@ def server_config(args: argparse.Namespace) -> Any:
         drain_grace=args.drain_grace,
         warm_workers=args.warm_workers,
         warm_idle_seconds=args.warm_idle_seconds,
+        worker_port=args.worker_port,
     )
 
 
@@ -252,6 +253,10 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port, printed)")
     p.add_argument("--http-port", type=int, default=8080, help="status endpoint port (0: any free; -1: none)")
+    p.add_argument(
+        "--worker-port", type=int, default=0,
+        help="port of the WorkerService Ray workers report to (backend ray; 0: any free port, printed)",
+    )  # fmt: skip
     p.add_argument("--store", default="sbpflow-jobs.db", help="SQLite job store file")
     p.add_argument("--slots", type=int, help="device slots (default: the Ray cluster's CPUs)")
     p.add_argument("--auth-token", help="require this bearer token (env SBPFLOW_TOKEN)")

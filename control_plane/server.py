@@ -424,6 +424,10 @@ def serve(config: ServerConfig, announce: Callable[[str], None] = print) -> None
     announce(f"sbpflow control plane: gRPC on {plane.address}" + (" (TLS)" if config.tls_cert else ""))
     if plane.http_address:
         announce(f"status endpoint: {plane.http_address}/  (/healthz /readyz /v1/jobs /metrics)")
+    if plane.hub is not None:
+        announce(
+            f"worker reports: {plane.hub.address} (WorkerService, --worker-port; Ray workers must reach it)"
+        )
     announce(f"store: {config.store}; backend: {config.run.backend}; {plane.manager.capacity} slot(s)")
     roots = ", ".join(config.data_roots) or "none (--data-root DIR): only synthetic or inline data"
     announce(f"data roots: {roots}")

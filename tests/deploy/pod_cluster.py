@@ -143,7 +143,7 @@ class PodCluster:
             f"ray start --address={self.ray_address} --node-ip-address={self.ip('control-plane')} --num-cpus=0 "
             f'--num-gpus=0 --object-store-memory={OBJECT_STORE // 2} --disable-usage-stats && exec "$0" "$@"'
         )
-        serve = ["sbpflow", "server", "--host", "0.0.0.0", "--ray-address", self.ray_address,
+        serve = ["sbpflow", "server", "--host", "0.0.0.0", "--worker-port", "50052", "--ray-address", self.ray_address,
                  "--store", "/var/lib/sbpflow/jobs.db", "--checkpoint-root", "/var/lib/sbpflow/checkpoints",
                  "--max-restarts", str(self.max_restarts)]  # fmt: skip
         flags = [

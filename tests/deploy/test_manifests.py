@@ -259,7 +259,8 @@ def test_ports_store_and_service_match_the_server_flags(name: str) -> None:
     c, pod = container(dep), dep["spec"]["template"]
     args, _ = server_args(c)
     assert args.host == "0.0.0.0"  # reachable from the Service and from Ray workers on other pods
-    assert ports(c) == {"grpc": args.port, "http": args.http_port}
+    assert ports(c) == {"grpc": args.port, "http": args.http_port, "worker-grpc": args.worker_port}
+    assert args.worker_port > 0  # a fixed port the workers dial on the pod's IP (a NetworkPolicy can name it)
     svc = one(objs, "Service", "sbpflow-control-plane")
     assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
@@ -398,9 +399,9 @@ def test_images_run_the_server_as_a_non_root_user(name: str) -> None:
     served = build_parser().parse_args(cmd)
     assert served.command == "server" and served.host == "0.0.0.0"
     c = container(one(rendered("cpu"), "Deployment", "sbpflow-control-plane"))
-    assert {served.port, served.http_port} == set(ports(c).values())
+    assert {served.port, served.http_port, served.worker_port} == set(ports(c).values())
     exposed = {int(p) for ins, rest in steps if ins == "EXPOSE" for p in rest.split()}
-    assert exposed == {served.port, served.http_port}
+    assert exposed == {served.port, served.http_port, served.worker_port}
     assert str(Path(served.store).parent) in " ".join(rest for ins, rest in steps if ins == "RUN")
 
 
