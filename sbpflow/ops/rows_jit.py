@@ -138,32 +138,75 @@ def layer_norm_rows(x: Any, w: Any, b: Any, eps: float, out: Any) -> None:  # pr
             out[i, j] = (x[i, j] - mean) * rstd * w[j] + b[j]
 
 
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, inline="always")
+def _grad_stats(dy: Any, x: Any, w: Any, i: int, e: Any) -> tuple[Any, Any, Any, Any]:  # pragma: no cover
+    """Row ``i``'s mean, rstd, mean(g) and rstd mean(g xhat), g = dy w, in one pass over the row. The
+    sums are of d = x - x[i, 0] (the shifted-data variance: no cancellation while the row's values lie
+    within a few deviations of its first one), so var = mean(d^2) - mean(d)^2 and sum(g (x - mean)) =
+    sum(g d) - mean(d) sum(g) come from four sums the loop vectorises side by side."""
+    n = x.shape[1]
+    k = x[i, 0]
+    zero = x.dtype.type(0)
+    sd, sdd, sg, sgd = zero, zero, zero, zero
+    for j in range(n):
+        d = x[i, j] - k
+        g = dy[i, j] * w[j]
+        sd += d
+        sdd += d * d
+        sg += g
+        sgd += g * d
+    md = sd / n
+    rstd = 1 / np.sqrt(max(sdd / n - md * md, zero) + e)  # rounding may take a constant row's below 0
+    a = sg / n
+    return k + md, rstd, a, rstd * rstd * (sgd / n - md * a)
+
+
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, inline="always")
+def _dx_row(dy: Any, x: Any, w: Any, i: int, st: Any, dx: Any) -> None:  # pragma: no cover - compiled
+    """dx[i] = (g - mean(g) - (x - mean) rstd mean(g xhat)) rstd, ``st[i]`` = _grad_stats' four values."""
+    mean, rstd, a, b = st[i, 0], st[i, 1], st[i, 2], st[i, 3]
+    for j in range(x.shape[1]):
+        dx[i, j] = (dy[i, j] * w[j] - a - (x[i, j] - mean) * b) * rstd
+
+
+_LN_BLOCK = 4  # rows whose dweight and dbias terms are added to the sums at once
+
+
 @njit(cache=True, error_model="numpy", fastmath=_FLAGS)
 def layer_norm_grad_rows(
     dy: Any, x: Any, w: Any, eps: float, dx: Any, dw: Any, db: Any
 ) -> None:  # pragma: no cover - compiled
     """dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy w; dw = sum(dy xhat), db = sum(dy) over
-    the rows (written, not added to)."""
+    the rows (written, not added to). Three passes, each a loop LLVM vectorises alone: every row's
+    statistics (``_grad_stats``), dw and db with a block of 4 rows' terms a load and store of theirs,
+    then dx. Row by row, with dw and db updated inside the row's loop, it ran 1.7x PyTorch's kernel on
+    the main job's [1024, 64]; this way ~0.75x."""
     rows, n = x.shape
     e = x.dtype.type(eps)
+    st = np.empty((rows, 4), x.dtype)  # every row's statistics, then the passes that read them
+    for i in range(rows):
+        st[i, 0], st[i, 1], st[i, 2], st[i, 3] = _grad_stats(dy, x, w, i, e)
     dw[:] = 0
     db[:] = 0
-    for i in range(rows):
-        mean, rstd = _row_stats(x, i, e)
-        sg = x.dtype.type(0)
-        sgx = x.dtype.type(0)
+    full = rows - rows % _LN_BLOCK
+    for i in range(0, full, _LN_BLOCK):
+        m0, m1, m2, m3 = st[i, 0], st[i + 1, 0], st[i + 2, 0], st[i + 3, 0]
+        r0, r1, r2, r3 = st[i, 1], st[i + 1, 1], st[i + 2, 1], st[i + 3, 1]
         for j in range(n):
-            xhat = (x[i, j] - mean) * rstd
-            g = dy[i, j] * w[j]
-            sg += g
-            sgx += g * xhat
-            dw[j] += dy[i, j] * xhat
+            d0, d1, d2, d3 = dy[i, j], dy[i + 1, j], dy[i + 2, j], dy[i + 3, j]
+            dw[j] += (
+                d0 * (x[i, j] - m0) * r0
+                + d1 * (x[i + 1, j] - m1) * r1
+                + d2 * (x[i + 2, j] - m2) * r2
+                + d3 * (x[i + 3, j] - m3) * r3
+            )
+            db[j] += d0 + d1 + d2 + d3
+    for i in range(full, rows):
+        for j in range(n):
+            dw[j] += dy[i, j] * (x[i, j] - st[i, 0]) * st[i, 1]
             db[j] += dy[i, j]
-        sg = sg / n
-        sgx = sgx / n
-        for j in range(n):
-            xhat = (x[i, j] - mean) * rstd
-            dx[i, j] = (dy[i, j] * w[j] - sg - xhat * sgx) * rstd
+    for i in range(rows):
+        _dx_row(dy, x, w, i, st, dx)
 
 
 @njit(cache=True, error_model="numpy", fastmath=_FLAGS)

@@ -113,6 +113,34 @@ def test_layer_norm_and_its_gradient(dtype: Any, data: st.DataObject) -> None:
     )
 
 
+def _layer_norm_grad_exact(dy: Any, x: Any, w: Any, eps: float) -> tuple[Any, Any, Any]:
+    """layer_norm_grad's formula in long double, centred: the reference both kernels are judged by."""
+    dy, x, w = (a.astype(np.longdouble) for a in (dy, x, w))
+    c = x - x.mean(-1, keepdims=True)
+    rstd = 1 / np.sqrt((c * c).mean(-1, keepdims=True) + np.longdouble(eps))
+    xhat, g = c * rstd, dy * w
+    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    return dx, (dy * xhat).sum(0), dy.sum(0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_grad_of_rows_far_from_zero_and_constant(dtype: Any) -> None:
+    """The backward loop takes the variance from sums shifted by each row's first value. On rows whose
+    mean is 1e4 deviations away (where the rounding of x itself is the error), and a constant row
+    (variance 0, eps alone), it must be no further from the exact gradient than the centred numpy
+    kernel is."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((7, 64)) + 1e4).astype(dtype)
+    x[2] = 5.0
+    w = rng.standard_normal(64).astype(dtype)
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    got = EagerBuilder().call("layer_norm_grad", dy, x, w, eps=1e-5)
+    ref = EagerBuilder().call("layer_norm_grad", dy, strided(x), w, eps=1e-5)
+    for i, (g, r, e) in enumerate(zip(got, ref, _layer_norm_grad_exact(dy, x, w, 1e-5), strict=True)):
+        err, ref_err = np.abs(g - e).max(), np.abs(r - e).max()
+        assert err <= 2 * ref_err + TOL[dtype][1] * np.abs(e).max(), f"output {i}: {err} vs numpy's {ref_err}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("label_dtype", [np.int64, np.int32])
 @SETTINGS
