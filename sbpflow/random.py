@@ -200,6 +200,44 @@ def bernoulli_mask(
     return w[0].astype(xp.uint64) < xp.uint64(round(keep_prob * 2**32))
 
 
+def _round_keys(key: tuple[int, int], rounds: int = 10) -> np.ndarray:
+    """philox4x32's key of each round, [rounds, 2] uint32: bumped between rounds, not before the first."""
+    k = np.arange(rounds, dtype=np.uint64)[:, None] * np.array(_PHILOX_W, dtype=np.uint64)
+    return ((k + np.array(key, dtype=np.uint64)) & np.uint64(_MASK32)).astype(np.uint32)
+
+
+def dropout_jit(
+    x: Array, key: RandomKey, logical_shape: Shape, index: Index | None, keep_prob: float
+) -> Array:
+    """``x * bernoulli_mask(...) / keep_prob`` for the shard ``x`` = full[index], in x's dtype, bit for bit,
+    by random_jit.py's one-pass loop; None where that loop does not take x (not a C-contiguous float32 or
+    float64 numpy array with an axis, or no numba), and the caller draws the mask with numpy."""
+    if not isinstance(x, np.ndarray) or x.ndim == 0 or x.dtype not in (np.float32, np.float64):
+        return None
+    if not x.flags.c_contiguous or not 0.0 < keep_prob <= 1.0:
+        return None
+    try:
+        from sbpflow import random_jit
+    except ImportError:  # an install without numba draws with numpy
+        return None
+    bounds = _normalize_index(logical_shape, index)
+    first = tuple(slice(a, b) for a, b in bounds[:-1]) + (slice(bounds[-1][0], bounds[-1][0] + 1),)
+    bases = shard_offsets(np, logical_shape, first).reshape(-1)
+    out = np.empty_like(x)
+    n = x.shape[-1]
+    random_jit.dropout_rows(
+        x.reshape(-1, n),
+        bases,
+        np.uint32(key.step),
+        np.uint32(key.tensor_id),
+        _round_keys(key.philox_key),
+        np.uint64(round(keep_prob * 2**32)),
+        x.dtype.type(1.0 / keep_prob),
+        out.reshape(-1, n),
+    )
+    return out
+
+
 # Acklam's rational approximation of the normal quantile (relative error < 1.2e-9): only log, sqrt and
 # arithmetic, so it runs unchanged on numpy and cupy, which lack a shared erfinv.
 # fmt: off

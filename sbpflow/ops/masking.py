@@ -24,7 +24,7 @@ from sbpflow.ops.elementwise import (
     scalar_of,
     unbroadcast,
 )
-from sbpflow.random import RandomKey, bernoulli_mask
+from sbpflow.random import RandomKey, bernoulli_mask, dropout_jit
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import TensorMeta
 
@@ -142,6 +142,8 @@ def _dropout_kernel(ctx: KernelContext, x: Any) -> Any:
     key = RandomKey(seed=ctx.seed, tensor_id=int(ctx.attrs["rng_id"]), step=ctx.step)  # type: ignore[arg-type]
     # keyed on the logical shape and this shard's place in it: the same mask whatever the layout, and the
     # same on every rank of a P or B tensor
+    if (y := dropout_jit(x, key, ctx.out_metas[0].shape, ctx.out_index[0], 1.0 - rate)) is not None:
+        return y  # the same bits, in one pass (random_jit.py)
     keep = bernoulli_mask(ctx.xp, key, ctx.out_metas[0].shape, ctx.out_index[0], keep_prob=1.0 - rate)
     return x * (keep.astype(x.dtype) * scalar_of(x.dtype, 1.0 / (1.0 - rate)))
 

@@ -22,6 +22,7 @@ from sbpflow.random import (
     Uniform,
     Zeros,
     bernoulli_mask,
+    dropout_jit,
     kaiming_uniform,
     make_initializer,
     normal,
@@ -318,3 +319,44 @@ def test_counter_layout_is_offset_step_tensor_id() -> None:
     counter = tuple(np.array([v], dtype=np.uint32) for v in (offset, 0, KEY.step, KEY.tensor_id))
     expected = philox4x32(np, counter, (KEY.seed & M32, KEY.seed >> 32))
     assert [int(w.ravel()[0]) for w in words] == [int(e[0]) for e in expected]
+
+
+# keys, shards of logical shapes, keep probabilities: the numba loop against the numpy generator
+JIT_CASES = [
+    (RandomKey(seed=0, tensor_id=0, step=0), (7,), None, 0.9),
+    (KEY, (16, 64, 33), None, 0.5),
+    (
+        RandomKey(seed=2**64 - 1, tensor_id=2**32 - 1, step=2**32 - 1),
+        (5, 7, 33),
+        (slice(1, 4), slice(2, 7), slice(3, 30)),
+        0.9,
+    ),
+    (RandomKey(seed=2**40 + 5, tensor_id=99, step=3), (2**32 + 9,), (slice(2**32 - 4, 2**32 + 9),), 0.3),
+    (KEY.at_step(8), (3, 1, 2**16 + 1), (slice(2, 3), slice(0, 1), slice(1, 2**16 + 1)), 1.0),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("key, shape, index, keep", JIT_CASES)
+def test_dropout_jit_is_the_numpy_generator_bit_for_bit(
+    dtype: Any, key: RandomKey, shape: tuple[int, ...], index: Any, keep: float
+) -> None:
+    """Offsets past 2**32 (the counter's high word), the largest seed, id and step, a shard of every axis."""
+    pytest.importorskip("numba")
+    sizes = tuple(
+        n if s is None else s.stop - s.start
+        for n, s in zip(shape, index or (None,) * len(shape), strict=True)
+    )
+    x = np.random.default_rng(1).standard_normal(sizes).astype(dtype)
+    x.reshape(-1)[:3] = [np.nan, -np.inf, -0.0]
+    with np.errstate(invalid="ignore"):  # -inf * 0, as the kernel's
+        want = x * (bernoulli_mask(np, key, shape, index, keep).astype(dtype) * dtype(1.0 / keep))
+    got = dropout_jit(x, key, shape, index, keep)
+    assert got is not None and got.dtype == x.dtype
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_dropout_jit_leaves_what_it_does_not_take_to_numpy() -> None:
+    x = np.ones((4, 6), np.float32)
+    for other in (x[:, ::2], x.astype(np.float16), np.float32(1.0), np.ones((), np.float32)):
+        assert dropout_jit(other, KEY, np.shape(other), None, 0.9) is None
