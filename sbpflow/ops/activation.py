@@ -13,7 +13,7 @@ from typing import Any
 from sbpflow.errors import ShapeError
 from sbpflow.ops import rows
 from sbpflow.ops.base import Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop
-from sbpflow.ops.elementwise import check_kind, owned, same_dtype
+from sbpflow.ops.elementwise import check_kind, jit_elementwise, owned, same_dtype
 from sbpflow.ops.erf import erf
 from sbpflow.ops.rowwise import jit_rows
 from sbpflow.sbp import P, Split
@@ -76,21 +76,16 @@ def _phi_cdf(xp: Any, x: Any) -> Any:
 
 def _gelu_erf_kernel(ctx: KernelContext, x: Any) -> Any:
     xp = ctx.xp
-    if getattr(x, "ndim", 0) and (jit := jit_rows(xp, x)) is not None:  # one pass (rows_jit.py)
-        out = xp.empty(x.shape, dtype=x.dtype)
-        jit.gelu_erf_all(x.reshape(-1), out.reshape(-1))
-        return out
+    if (y := jit_elementwise(ctx, "gelu_erf_all", x)) is not None:  # one pass (elementwise_jit.py)
+        return y
     return xp.multiply(_phi_cdf(xp, x), x, out=owned(xp, x))
 
 
 def _gelu_erf_grad_kernel(ctx: KernelContext, dy: Any, x: Any) -> Any:
     """dy (Phi(x) + x phi(x)), phi(x) = exp(-x^2 / 2) / sqrt(2 pi)."""
     xp = ctx.xp
-    fits = getattr(x, "ndim", 0) and getattr(dy, "shape", None) == x.shape
-    if fits and (jit := jit_rows(xp, dy, x)) is not None:  # one pass (rows_jit.py)
-        out = xp.empty(x.shape, dtype=x.dtype)
-        jit.gelu_erf_grad_all(dy.reshape(-1), x.reshape(-1), out.reshape(-1))
-        return out
+    if (g := jit_elementwise(ctx, "gelu_erf_grad_all", dy, x)) is not None:  # one pass
+        return g
     d = xp.multiply(x, x, out=owned(xp, x))
     d = xp.exp(xp.multiply(d, x.dtype.type(-0.5), out=d), out=d)
     d = xp.multiply(d, x.dtype.type(_INV_SQRT_2PI), out=d)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import cache
+from types import ModuleType
 from typing import Any, Literal
 
 from sbpflow.dtype import DType, as_dtype
@@ -25,6 +27,7 @@ from sbpflow.ops.base import (
     Signature,
     defop,
 )
+from sbpflow.ops.rowwise import jit_rows
 from sbpflow.tensor_meta import TensorMeta
 
 Grads = list[Any]
@@ -290,7 +293,34 @@ def _gelu_tanh(xp: Any, x: Any, out: Any = None) -> Any:
     return xp.tanh(t, out=t)
 
 
+@cache
+def _loops() -> ModuleType | None:
+    try:  # as rowwise._rows_jit: an install without numba keeps the numpy kernels
+        from sbpflow.ops import elementwise_jit
+    except ImportError:
+        return None
+    return elementwise_jit
+
+
+def jit_elementwise(ctx: KernelContext, loop: str, *inputs: Any) -> Any:
+    """Output 0 computed by elementwise_jit's one-pass ``loop`` on the flattened ``inputs``, into the
+    runtime's dead previous output where it fits; None where the loop does not take the inputs (numpy
+    arrays of one shape, C-contiguous, float32 or float64: rowwise.jit_rows), and the numpy kernel runs."""
+    shape = getattr(inputs[0], "shape", None)
+    if any(getattr(a, "shape", None) != shape for a in inputs) or jit_rows(ctx.xp, *inputs) is None:
+        return None
+    if (loops := _loops()) is None:
+        return None
+    out = ctx.out_array(0)
+    if out is None or jit_rows(ctx.xp, inputs[0], out) is None:
+        out = ctx.xp.empty(shape, dtype=inputs[0].dtype)
+    getattr(loops, loop)(*(a.reshape(-1) for a in inputs), out.reshape(-1))
+    return out
+
+
 def _gelu_kernel(ctx: KernelContext, x: Any) -> Any:
+    if (y := jit_elementwise(ctx, "gelu_tanh_all", x)) is not None:
+        return y
     # 0.5 x (1 + t) as ((1 + t) x) 0.5: the same bits (a product is commutative and halving is exact)
     xp = ctx.xp
     y = _gelu_tanh(xp, x, ctx.out_array(0))
@@ -302,6 +332,8 @@ def _gelu_kernel(ctx: KernelContext, x: Any) -> Any:
 def _gelu_grad_kernel(ctx: KernelContext, dy: Any, x: Any) -> Any:
     """dy (0.5 (1 + t) + 0.5 x (1 - t^2) C (1 + 3 * 0.044715 x x)), each term in the formula's order,
     in three arrays the kernel owns."""
+    if (g := jit_elementwise(ctx, "gelu_tanh_grad_all", dy, x)) is not None:
+        return g
     xp = ctx.xp
     t = _gelu_tanh(xp, x, ctx.out_array(0))
     poly = xp.multiply(x, 3 * 0.044715, out=owned(xp, x))  # (0.134145 x) x + 1
