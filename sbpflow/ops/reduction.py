@@ -12,8 +12,11 @@ ones and numpy broadcasting only adds leading axes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 from math import prod
 from typing import Any
+
+import numpy as np
 
 from sbpflow.dtype import DType
 from sbpflow.errors import ShapeError
@@ -87,23 +90,52 @@ def _reduce_infer(op: str) -> Callable[[Metas, Attrs], Metas]:
     return infer
 
 
-def _reduce_kernel(op: str) -> Callable[..., Any]:
-    def kernel(ctx: KernelContext, x: Any) -> Any:
-        axes = normalize_axes(op, x.ndim, ctx.attrs["axes"])
-        keep = bool(ctx.attrs["keepdims"])
-        xp = ctx.xp
-        if op == "max":
-            if xp.__name__ == "numpy" and len(axes) == 1 and x.shape[axes[0]] > 0:
-                # numpy's argmax is vectorised, its max along an axis is not: the same value, ~3x sooner
-                y = xp.take_along_axis(x, xp.argmax(x, axis=axes[0], keepdims=True), axis=axes[0])
-                return y if keep else y.squeeze(axes[0])
-            return xp.asarray(xp.max(x, axis=axes, keepdims=keep))  # a full reduction gives a scalar
-        y = xp.sum(x, axis=axes, keepdims=keep)
-        if op == "mean":  # the LOGICAL count, so that the partial means of S(reduced) -> P add up
-            y = y / prod(ctx.in_metas[0].shape[a] for a in axes)
-        return xp.asarray(y).astype(ctx.out_dtype(), copy=False)  # int sums widen in numpy
+@cache
+def _axes_cached(op: str, ndim: int, axes: Any) -> tuple[int, ...]:
+    return normalize_axes(op, ndim, axes)
 
-    return kernel
+
+def kernel_axes(op: str, ndim: int, axes: Any) -> tuple[int, ...]:
+    """normalize_axes, remembered for a kernel's (op, ndim, axes): its Python loop ran on every call, a
+    tenth of a small sum's time. Attrs arrive as tuples (normalize_attrs); a list is normalised afresh."""
+    try:
+        return _axes_cached(op, ndim, axes)
+    except TypeError:  # unhashable axes
+        return normalize_axes(op, ndim, axes)
+
+
+def _sum_kernel(ctx: KernelContext, x: Any) -> Any:
+    axes, keep = kernel_axes("sum", x.ndim, ctx.attrs["axes"]), bool(ctx.attrs["keepdims"])
+    if len(axes) == x.ndim and (jit := jit_rows(ctx.xp, x)) is not None:  # a whole array: one loop
+        y = np.empty((1,) * x.ndim if keep else (), dtype=x.dtype)
+        jit.sum_all(x, y)
+        return y
+    if ctx.xp is np and x.dtype.kind == "f":
+        # np.sum's Python wrapper around this ufunc reduction took half the time of a small sum
+        return np.asarray(np.add.reduce(x, axis=axes, keepdims=keep))  # type: ignore[call-overload]
+    y = ctx.xp.sum(x, axis=axes, keepdims=keep)
+    return ctx.xp.asarray(y).astype(ctx.out_dtype(), copy=False)  # int sums widen in numpy
+
+
+def _mean_kernel(ctx: KernelContext, x: Any) -> Any:
+    axes, keep = kernel_axes("mean", x.ndim, ctx.attrs["axes"]), bool(ctx.attrs["keepdims"])
+    y = ctx.xp.sum(x, axis=axes, keepdims=keep)
+    y = y / prod(ctx.in_metas[0].shape[a] for a in axes)  # the LOGICAL count: partial means add up
+    return ctx.xp.asarray(y).astype(ctx.out_dtype(), copy=False)
+
+
+def _max_kernel(ctx: KernelContext, x: Any) -> Any:
+    axes, keep = kernel_axes("max", x.ndim, ctx.attrs["axes"]), bool(ctx.attrs["keepdims"])
+    xp = ctx.xp
+    if axes == (x.ndim - 1,) and (jit := jit_rows(xp, x)) is not None:  # one vectorised pass a row
+        y = xp.empty(x.shape[:-1] + (1,) * keep, x.dtype)
+        jit.max_rows(x.reshape(-1, x.shape[-1]), y.reshape(-1))
+        return y
+    if xp.__name__ == "numpy" and len(axes) == 1 and x.shape[axes[0]] > 0:
+        # numpy's argmax is vectorised, its max along an axis is not: the same value, ~3x sooner
+        y = xp.take_along_axis(x, xp.argmax(x, axis=axes[0], keepdims=True), axis=axes[0])
+        return y if keep else y.squeeze(axes[0])
+    return xp.asarray(xp.max(x, axis=axes, keepdims=keep))  # a full reduction gives a scalar
 
 
 def _unreduce_grad(op: str) -> Callable[[GradContext], list[Any]]:
@@ -118,19 +150,27 @@ def _unreduce_grad(op: str) -> Callable[[GradContext], list[Any]]:
     return grad
 
 
-_REDUCTIONS = {  # op -> (linear, doc)
-    "sum": (True, "sum over axes (None = all); S on a reduced axis gives P"),
-    "mean": (True, "mean over axes (None = all); divides by the logical count, so S(reduced) gives P"),
-    "max": (False, "max over axes (None = all); no P: a max of partial sums is not the max of the sum"),
+_REDUCTIONS = {  # op -> (linear, kernel, doc)
+    "sum": (True, _sum_kernel, "sum over axes (None = all); S on a reduced axis gives P"),
+    "mean": (
+        True,
+        _mean_kernel,
+        "mean over axes (None = all); divides by the logical count, so S(reduced) gives P",
+    ),
+    "max": (
+        False,
+        _max_kernel,
+        "max over axes (None = all); no P: a max of partial sums is not the max of the sum",
+    ),
 }
 
-for _op, (_linear, _doc) in _REDUCTIONS.items():
+for _op, (_linear, _kernel_fn, _doc) in _REDUCTIONS.items():
     defop(
         _op,
         inputs=("x",),
         infer=_reduce_infer(_op),
         rows=_reduce_rows(_op, _linear),
-        kernel=_reduce_kernel(_op),
+        kernel=_kernel_fn,
         grad=_unreduce_grad(_op),
         attrs={"axes": None, "keepdims": False},
         doc=_doc,
@@ -165,20 +205,33 @@ def _unreduce_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
     return [*rows, sig([P], [P]), all_broadcast(1, 1)]
 
 
+def broadcast_into(ctx: KernelContext, x: Any, shape: Shape) -> Any:
+    """``x`` broadcast to this rank's output, in a fresh array or the runtime's dead one
+    (``KernelContext.out_array``): one copy, without broadcast_to's view and ``.copy()`` around it."""
+    out = ctx.out_array(0)
+    if out is None:
+        out = ctx.xp.empty(ctx.out_shape(), dtype=x.dtype)
+    ctx.xp.copyto(out, x.reshape(shape))
+    return out
+
+
+@cache
+def _with_ones(shape: Shape, axes: tuple[int, ...]) -> Shape:
+    return tuple(1 if i in axes else d for i, d in enumerate(shape))
+
+
 def _expand(ctx: KernelContext, dy: Any, axes: tuple[int, ...]) -> Any:
     """``dy`` with the reduced axes back as size 1 (local shapes), broadcast to this rank's output."""
-    out_shape = ctx.out_shape()
-    with_ones = tuple(1 if i in axes else d for i, d in enumerate(out_shape))
-    return ctx.xp.broadcast_to(dy.reshape(with_ones), out_shape).copy()
+    return broadcast_into(ctx, dy, _with_ones(ctx.out_shape(), axes))
 
 
 def _sum_grad_kernel(ctx: KernelContext, dy: Any) -> Any:
-    return _expand(ctx, dy, normalize_axes("sum_grad", len(ctx.out_metas[0].shape), ctx.attrs["axes"]))
+    return _expand(ctx, dy, kernel_axes("sum_grad", len(ctx.out_metas[0].shape), ctx.attrs["axes"]))
 
 
 def _mean_grad_kernel(ctx: KernelContext, dy: Any) -> Any:
     shape = ctx.out_metas[0].shape
-    axes = normalize_axes("mean_grad", len(shape), ctx.attrs["axes"])
+    axes = kernel_axes("mean_grad", len(shape), ctx.attrs["axes"])
     return _expand(ctx, dy / dy.dtype.type(prod(shape[a] for a in axes)), axes)
 
 
@@ -275,19 +328,29 @@ def _sum_to_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
     return [*kept, *(sig([Split(i)], [P]) for i in axes), sig([P], [P]), all_broadcast(1, 1)]
 
 
+@cache
+def _rows_of(x_shape: Shape, shape: Shape, local: Shape) -> tuple[int, int] | None:
+    """``(rows, n)`` where sum_to of a local ``local`` sums every leading axis and nothing else (a bias
+    gradient: the sum of the rows of ``[rows, n]``), else None. Depends on shapes alone, so it is worked
+    out once per shape, not on every call."""
+    lead = len(local) - len(shape)
+    if not lead or _sum_to_axes(x_shape, shape) != tuple(range(lead)):
+        return None
+    return prod(local[:lead]), prod(local[lead:])
+
+
 def _sum_to_kernel(ctx: KernelContext, x: Any) -> Any:
-    axes = _sum_to_axes(ctx.in_metas[0].shape, tuple(ctx.attrs["shape"]))
-    lead = x.ndim - len(ctx.out_shape())
-    if lead and axes == tuple(range(lead)) and x.dtype.kind == "f":
-        # a bias gradient: every leading axis summed, as rows; einsum makes one pass, ~half of xp.sum's time
-        rows = x.reshape(-1, *x.shape[lead:])
-        flat = rows.reshape(rows.shape[0], -1)
-        if (jit := jit_rows(ctx.xp, flat)) is not None:  # one vectorised pass (rows_jit.py)
-            out = ctx.xp.empty(flat.shape[1], dtype=x.dtype)
+    xp, out_shape = ctx.xp, ctx.out_shape()
+    rows = _rows_of(ctx.in_metas[0].shape, tuple(ctx.attrs["shape"]), x.shape)
+    if rows is not None and x.dtype.kind == "f":
+        flat = x.reshape(rows)
+        if (jit := jit_rows(xp, flat)) is not None:  # one vectorised pass (rows_jit.py)
+            out = xp.empty(rows[1], dtype=x.dtype)
             jit.sum_rows(flat, out)
-            return out.reshape(ctx.out_shape())
-        return ctx.xp.einsum("r...->...", rows).reshape(ctx.out_shape())
-    y = ctx.xp.sum(x, axis=axes, keepdims=True).reshape(ctx.out_shape())
+            return out.reshape(out_shape)
+        return xp.einsum("r...->...", flat).reshape(out_shape)  # one pass, ~half of xp.sum's time
+    axes = _sum_to_axes(ctx.in_metas[0].shape, tuple(ctx.attrs["shape"]))
+    y = xp.sum(x, axis=axes, keepdims=True).reshape(out_shape)
     return y.astype(ctx.out_dtype(), copy=False)
 
 
@@ -329,7 +392,7 @@ defop(
     inputs=("x",),
     infer=_broadcast_to_infer,
     rows=_broadcast_to_rows,
-    kernel=lambda ctx, x: ctx.xp.broadcast_to(x, ctx.out_shape()).copy(),
+    kernel=lambda ctx, x: broadcast_into(ctx, x, x.shape),
     grad=lambda g: [g.call("sum_to", g.dy, shape=g.in_metas[0].shape)],
     attrs={"shape": REQUIRED},
     doc="numpy broadcast of x to `shape`; the result is a fresh array, not a view",

@@ -17,7 +17,8 @@ this file (``cache=True``).
 Each takes 2-d C-contiguous arrays ``[rows, n]`` of one float dtype and writes its outputs in place.
 ``add_rows_at`` is embedding_grad's scatter-add of rows (shape.py), ~10x numpy's sort and reduceat;
 ``sigmoid_all``, ``gelu_erf_all`` and ``gelu_erf_grad_all`` are activation.py's sigmoid and exact GELU,
-elementwise on flat arrays; ``sum_rows`` is reduction.py's sum_to of a bias gradient.
+elementwise on flat arrays; ``sum_rows``, ``sum_all`` and ``max_rows`` are reduction.py's sum_to of a bias
+gradient, its sum of a whole array and its max along the last axis; ``concat_rows`` is shape.py's concat.
 """
 
 from __future__ import annotations
@@ -293,10 +294,61 @@ def gelu_erf_grad_all(dy: Any, x: Any, out: Any) -> None:  # pragma: no cover - 
 
 @njit(cache=True, error_model="numpy", fastmath=_FLAGS)
 def sum_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
-    """out = the sum of x's rows, in row order (reduction.py's sum_to over leading axes: a bias gradient)."""
+    """out = the sum of x's rows (reduction.py's sum_to over leading axes: a bias gradient), four rows'
+    sum added at a time: a row at a time, the load and store of ``out`` a row were half the loop (4.3
+    against 2.1 us on [1024, 64] float32)."""
     rows, n = x.shape
-    for j in range(n):
-        out[j] = x[0, j]
-    for i in range(1, rows):
+    out[:] = 0
+    full = rows - rows % 4
+    for i in range(0, full, 4):
+        for j in range(n):
+            out[j] += (x[i, j] + x[i + 1, j]) + (x[i + 2, j] + x[i + 3, j])
+    for i in range(full, rows):
         for j in range(n):
             out[j] += x[i, j]
+
+
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
+def sum_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out = the sum of x, any shape, into a one-element out of any shape (reduction.py's sum of a whole
+    array: the gradient norm's squares), in vector lanes: numpy's pairwise sum is not vectorised (3.0
+    against 0.8 us on 64 x 256 float32). Flattened here, not by the caller: two reshapes in Python cost
+    more than the sum of 64 values."""
+    flat = x.reshape(x.size)
+    s = x.dtype.type(0)
+    for i in range(flat.size):
+        s += flat[i]
+    out.reshape(1)[0] = s
+
+
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
+def max_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out[i] = max(x[i]), nan where the row has one (as numpy's max): ``vmax`` reduces in vector lanes
+    but passes a nan over, so the same loop counts the row's nans."""
+    rows, n = x.shape
+    for i in range(rows):
+        m = x[i, 0]
+        nans = 0
+        for j in range(n):
+            v = x[i, j]
+            m = vmax(m, v)  # type: ignore[call-arg]
+            nans += v != v
+        out[i] = m if nans == 0 else np.nan
+
+
+@njit(cache=True, error_model="numpy")
+def concat_rows(srcs: Any, dst: Any) -> None:  # pragma: no cover - compiled
+    """dst[i] = srcs[0][i], srcs[1][i], ... one after another (shape.py's concat along an inner axis, as
+    rows ``[outer, inner]``: the q, k and v gradients of attention into one, 16 values a piece). One pass
+    down dst, where numpy's concatenate copies each input through a strided loop of its own (51 against
+    15 us on the main job's [4096, 3 x 16] float32). The tuple is indexed, not iterated: numba's loop over
+    a tuple's items ran 3x slower."""
+    rows = dst.shape[0]
+    for i in range(rows):
+        s = 0
+        for q in range(len(srcs)):
+            a = srcs[q]
+            n = a.shape[1]
+            for j in range(n):
+                dst[i, s + j] = a[i, j]
+            s += n

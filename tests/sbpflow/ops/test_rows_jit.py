@@ -253,3 +253,50 @@ def test_sum_to_of_leading_axes_matches_numpys(dtype: Any, shape: tuple[int, ...
     (got,), (want,) = both("sum_to", x, shape=shape[1:])
     same((got,), (want,), dtype, f"sum_to {shape}")
     np.testing.assert_allclose(got, x.sum(axis=0), rtol=TOL[dtype][0] * 10, atol=TOL[dtype][1] * 10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2,), (64,), (64, 256), (3, 5, 7)])  # (1,): its strided view is contiguous
+@pytest.mark.parametrize("keepdims", [False, True])
+def test_sum_of_a_whole_array_matches_numpys(dtype: Any, shape: tuple[int, ...], keepdims: bool) -> None:
+    x = np.random.default_rng(9).standard_normal(shape).astype(dtype)
+    (got,), (want,) = both("sum", x, keepdims=keepdims)
+    same((got,), (want,), dtype, f"sum {shape}")
+    assert got.shape == ((1,) * len(shape) if keepdims else ())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("keepdims", [False, True])
+@SETTINGS
+@given(data=st.data())
+def test_max_along_the_last_axis_matches_numpys(dtype: Any, keepdims: bool, data: st.DataObject) -> None:
+    """rows_jit.max_rows counts a row's nans beside vmax, which passes them over: a row with a nan is
+    nan, a row of -inf is -inf, as numpy's max."""
+    x = data.draw(rows(dtype))
+    if data.draw(st.booleans()):
+        x.reshape(-1, x.shape[-1])[0, -1] = np.nan
+    if data.draw(st.booleans()):
+        x.reshape(-1, x.shape[-1])[-1] = -np.inf
+    (got,), (want,) = both("max", x, axes=(x.ndim - 1,), keepdims=keepdims)
+    np.testing.assert_array_equal(got, want)  # a maximum is one of the values: exact
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("shapes", "axis"),
+    [
+        ([(16, 64, 4, 1, 16)] * 3, 3),  # attention's q, k and v gradients
+        ([(3, 2), (3, 5), (3, 1)], 1),
+        ([(2, 3), (4, 3)], 0),
+        ([(2, 3, 4)], -1),
+        ([(2, 1, 4), (2, 6, 4)], -2),
+    ],
+)
+def test_concat_matches_numpys(dtype: Any, shapes: list[tuple[int, ...]], axis: int) -> None:
+    rng = np.random.default_rng(10)
+    xs = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    assert jit_rows(np, *xs) is not None
+    (got,) = EagerBuilder().call("concat", *xs, axis=axis)
+    np.testing.assert_array_equal(got, np.concatenate(xs, axis=axis))  # a copy: exact
+    (slow,) = EagerBuilder().call("concat", strided(xs[0]), *xs[1:], axis=axis)
+    np.testing.assert_array_equal(slow, got)
