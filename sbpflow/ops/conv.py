@@ -328,13 +328,15 @@ def _rows_grad_input(xp: Any, dy: Any, w: Any, attrs: Attrs) -> Any | None:
     """The strided input gradient on the fast path: the window rows' gradient dy' @ w' by one GEMM, each
     added back where its window read (conv_jit.add_rows_back), then channels first. None where conv_jit
     does not take dy, or for groups."""
-    jit = jit_loops("conv_jit", xp, dy) if int(attrs["groups"]) == 1 else None
-    if jit is None:
-        return None
     stride, padding, dilation = _geometry3(attrs)
     n, o, oh, ow = dy.shape
     _, c, kh, kw = w.shape
     h, wd = pair("conv2d_grad_input", attrs, "input_hw", 1)
+    hw = tuple(out_size((h, wd)[a], w.shape[2 + a], stride[a], padding[a], dilation[a]) for a in (0, 1))
+    fits = hw == (oh, ow)  # add_rows_back does not bounds-check; numpy raises on a shard of other shape
+    jit = jit_loops("conv_jit", xp, dy) if fits and int(attrs["groups"]) == 1 else None
+    if jit is None:
+        return None
     rows = dy.transpose(0, 2, 3, 1).reshape(-1, o) @ _weight_rows(w).T  # [N*OH*OW, KH*KW*C]
     padded = xp.empty((n, h + 2 * padding[0], wd + 2 * padding[1], c), dtype=dy.dtype)
     jit.add_rows_back(rows.reshape(n, oh, ow, kh, kw, c), (kh, kw), stride, dilation, padded)

@@ -15,6 +15,8 @@ from sbpflow.dtype import DType, as_dtype
 from sbpflow.errors import ShapeError
 from sbpflow.ops import rows
 from sbpflow.ops.base import REQUIRED, Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop
+from sbpflow.ops.conv import jit_loops
+from sbpflow.ops.rowwise import jit_rows
 from sbpflow.ops.shape import _in_range, _scatter_add
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import TensorMeta
@@ -119,13 +121,18 @@ def _gather_grad_kernel(ctx: KernelContext, dy: Any, indices: Any) -> Any:
     xp = ctx.xp
     m = indices.ndim
     a = _gather_axis("gather_grad", dy.ndim - m + 1, ctx.attrs)
-    size = ctx.out_shape(0)[a]
-    local, hit = _in_range(xp, indices.reshape(-1), ctx.out_index[0][a])
+    size, here = ctx.out_shape(0)[a], ctx.out_index[0][a]
     # as rows, the gathered axis first: dx [size, pre * post] and dy [M, pre * post]
     pre, post = dy.shape[:a], dy.shape[a + m :]
     values = xp.moveaxis(dy.reshape((*pre, indices.size, *post)), a, 0).reshape(indices.size, -1)
+    values = xp.ascontiguousarray(values)  # a copy only of a moved axis: add_rows_at takes rows
     out = xp.zeros((size, *pre, *post), dtype=dy.dtype)
-    _scatter_add(xp, out.reshape(size, -1), local[hit], values[hit])  # a view: adds into out
+    rows_out = out.reshape(size, -1)  # a view: adds into out
+    if (jit := jit_rows(xp, values, rows_out)) is not None:  # one pass, in row order (rows_jit.py)
+        jit.add_rows_at(rows_out, xp.ascontiguousarray(indices).reshape(-1), here.start, values)
+    else:  # under dy B -> S(axis) each rank adds only the rows it owns
+        local, hit = _in_range(xp, indices.reshape(-1), here)
+        _scatter_add(xp, rows_out, local[hit], values[hit])
     return xp.ascontiguousarray(xp.moveaxis(out, 0, a))
 
 
@@ -195,6 +202,11 @@ def _topk_infer(metas: Metas, attrs: Attrs) -> Metas:
 def _topk_kernel(ctx: KernelContext, x: Any) -> tuple[Any, Any]:
     # descending; ties go to the lower index (a stable sort of -x), the same on any split of the rows
     xp, k = ctx.xp, int(ctx.attrs["k"])
+    if (jit := jit_loops("pool_jit", xp, x)) is not None:  # one pass a row (pool_jit.py)
+        values, indices = xp.empty((*x.shape[:-1], k), x.dtype), xp.empty((*x.shape[:-1], k), xp.int64)
+        rows = x.shape[-1]
+        jit.topk_rows(x.reshape(-1, rows), k, values.reshape(-1, k), indices.reshape(-1, k))
+        return values, indices
     kind = {"kind": "stable"} if xp.__name__ == "numpy" else {}
     order = xp.argsort(xp.negative(x), axis=-1, **kind)[..., :k]
     return xp.take_along_axis(x, order, axis=-1), order.astype(xp.int64, copy=False)
@@ -242,8 +254,14 @@ def _topk_grad_infer(metas: Metas, attrs: Attrs) -> Metas:
 
 def _topk_grad_kernel(ctx: KernelContext, dy: Any, indices: Any) -> Any:
     xp = ctx.xp
-    out = xp.zeros(ctx.out_shape(0), dtype=dy.dtype)
     k = dy.shape[-1]
+    fits = indices.shape == dy.shape and ctx.out_shape(0)[:-1] == dy.shape[:-1]  # the loop does not check
+    if fits and (jit := jit_loops("pool_jit", xp, dy)) is not None:
+        out = xp.empty(ctx.out_shape(0), dtype=dy.dtype)
+        rows_ix = xp.ascontiguousarray(indices).reshape(-1, k)
+        if jit.topk_grad_rows(dy.reshape(-1, k), rows_ix, out.reshape(-1, out.shape[-1])):
+            return out
+    out = xp.zeros(ctx.out_shape(0), dtype=dy.dtype)
     flat = out.reshape(-1, out.shape[-1])  # a view: writes into out
     row = xp.arange(flat.shape[0])[:, None]
     flat[row, indices.reshape(-1, k)] = dy.reshape(-1, k)  # a row's positions are distinct: no sums

@@ -22,7 +22,7 @@ from sbpflow.ops.base import (
     defop,
     sig,
 )
-from sbpflow.ops.conv import check_float, out_size, pair, scatter_windows, tap_slices, windows
+from sbpflow.ops.conv import check_float, jit_loops, out_size, pair, scatter_windows, tap_slices, windows
 from sbpflow.ops.rows import all_broadcast
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import TensorMeta
@@ -106,7 +106,22 @@ def _max_pool_kernel(ctx: KernelContext, x: Any) -> Any:
     return y
 
 
+def _planes(a: Any) -> Any:
+    """[N, C, H, W] as the planes [N*C, H, W] pool_jit's loops take (a view: a contiguous a)."""
+    return a.reshape(-1, *a.shape[2:])
+
+
 def _max_pool_grad_kernel(ctx: KernelContext, x: Any, dy: Any) -> Any:
+    g = _geometry("max_pool2d_grad", ctx.attrs)
+    fits = dy.shape == (*x.shape[:2], *_out_hw(x, g))  # the loops do not bounds-check; numpy raises
+    if fits and (jit := jit_loops("pool_jit", ctx.xp, x, dy)) is not None:
+        dx = ctx.xp.empty_like(x)
+        jit.max_pool_grad_planes(_planes(x), _planes(dy), g["kernel"], g["stride"], g["padding"], _planes(dx))
+        return dx
+    return _max_pool_grad_numpy(ctx, x, dy)
+
+
+def _max_pool_grad_numpy(ctx: KernelContext, x: Any, dy: Any) -> Any:
     # dy goes to the first maximum of each window (as torch), added where windows overlap: the taps in
     # row-major order, each taking the windows whose maximum it holds that no earlier tap took
     xp, g = ctx.xp, _geometry("max_pool2d_grad", ctx.attrs)
@@ -152,6 +167,10 @@ defop(
 
 def _avg_pool_kernel(ctx: KernelContext, x: Any) -> Any:
     g = _geometry("avg_pool2d", ctx.attrs)
+    if (jit := jit_loops("pool_jit", ctx.xp, x)) is not None:
+        y = ctx.xp.empty((*x.shape[:2], *_out_hw(x, g)), dtype=x.dtype)
+        jit.avg_pool_planes(_planes(x), g["kernel"], g["stride"], g["padding"], _planes(y))
+        return y
     cols = windows(ctx.xp, x, g["kernel"], g)  # zero padding counted in the mean, as torch's default
     return ctx.xp.mean(cols, axis=(4, 5))
 
@@ -221,6 +240,10 @@ def _adaptive_kernel(backward: bool) -> Any:
         xp = ctx.xp
         oh, ow = pair("adaptive_avg_pool2d", ctx.attrs, "output_size", 1)
         h, w = pair("adaptive_avg_pool2d", ctx.attrs, "input_hw", 1) if backward else x.shape[2:]
+        if (jit := jit_loops("pool_jit", xp, x)) is not None:
+            out = xp.empty((*x.shape[:2], *((h, w) if backward else (oh, ow))), dtype=x.dtype)
+            (jit.adaptive_avg_grad_planes if backward else jit.adaptive_avg_planes)(_planes(x), _planes(out))
+            return out
         rows, cols = _bins(xp, h, oh, x.dtype), _bins(xp, w, ow, x.dtype)
         spec = "ncij,ih,jw->nchw" if backward else "nchw,ih,jw->ncij"
         return xp.ascontiguousarray(xp.einsum(spec, x, rows, cols))
