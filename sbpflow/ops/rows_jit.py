@@ -18,7 +18,8 @@ Each takes 2-d C-contiguous arrays ``[rows, n]`` of one float dtype and writes i
 ``add_rows_at`` is embedding_grad's scatter-add of rows (shape.py), ~10x numpy's sort and reduceat;
 ``sigmoid_all``, ``gelu_erf_all`` and ``gelu_erf_grad_all`` are activation.py's sigmoid and exact GELU,
 elementwise on flat arrays; ``sum_rows``, ``sum_all`` and ``max_rows`` are reduction.py's sum_to of a bias
-gradient, its sum of a whole array and its max along the last axis; ``concat_rows`` is shape.py's concat.
+gradient, its sum of a whole array and its max along the last axis; ``concat_rows`` is shape.py's concat;
+``vocab_loss_rows`` and ``vocab_loss_grad_rows`` are vocab.py's loss from its per-row statistics.
 """
 
 from __future__ import annotations
@@ -352,3 +353,50 @@ def concat_rows(srcs: Any, dst: Any) -> None:  # pragma: no cover - compiled
             for j in range(n):
                 dst[i, s + j] = a[i, j]
             s += n
+
+
+@njit(cache=True, error_model="numpy")
+def vocab_loss_rows(
+    labels: Any, chunk_max: Any, sum_exp: Any, target: Any, ignore: int, first: bool, loss: Any
+) -> None:  # pragma: no cover - compiled
+    """vocab.py's vocab_cross_entropy per row: max(chunk_max) + log(sum_exp) - target on the rank at class
+    offset 0 (``first``), -target on the others, 0 where the label is ``ignore``; the row maximum is nan
+    where a chunk's is, as numpy's max. Any shapes with one row a label (flattened here: reshapes in
+    Python cost more than these rows)."""
+    c = chunk_max.shape[-1]
+    lab, cm, s, t, out = (
+        labels.reshape(labels.size),
+        chunk_max.reshape(-1, c),
+        sum_exp.reshape(-1),
+        target.reshape(-1),
+        loss.reshape(-1),
+    )
+    for i in range(lab.size):
+        if lab[i] == ignore:
+            out[i] = 0
+        elif first:
+            m = cm[i, 0]
+            for j in range(1, c):
+                v = cm[i, j]
+                if v > m or v != v:  # a nan, once taken, stays: nothing compares above it
+                    m = v
+            out[i] = m + np.log(s[i]) - t[i]
+        else:
+            out[i] = -t[i]
+
+
+@njit(cache=True, error_model="numpy")
+def vocab_loss_grad_rows(
+    labels: Any, sum_exp: Any, dy: Any, ignore: int, dsum: Any, dtarget: Any
+) -> None:  # pragma: no cover - compiled
+    """vocab_cross_entropy_grad per row: dsum = dy / sum_exp, dtarget = -dy, both 0 where the label is
+    ``ignore``; any shapes, one row a label."""
+    lab, s, d = labels.reshape(labels.size), sum_exp.reshape(-1), dy.reshape(-1)
+    ds, dt = dsum.reshape(-1), dtarget.reshape(-1)
+    for i in range(lab.size):
+        if lab[i] == ignore:
+            ds[i] = 0
+            dt[i] = 0
+        else:
+            ds[i] = d[i] / s[i]
+            dt[i] = -d[i]

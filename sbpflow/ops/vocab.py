@@ -25,13 +25,16 @@ rows, and the loss equals ``cross_entropy``'s to rounding.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
+
+import numpy as np
 
 from sbpflow.errors import ShapeError
 from sbpflow.ops.base import REQUIRED, Attrs, KernelContext, Metas, NoGrad, Signature, defop, get_op, sig
 from sbpflow.ops.nn import _check_ce, _check_float, _kept
 from sbpflow.ops.rows import all_broadcast
-from sbpflow.ops.rowwise import row_max
+from sbpflow.ops.rowwise import jit_rows, row_max
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import TensorMeta
 
@@ -82,6 +85,23 @@ def _with_stats(op: str, out: Callable[[Metas], Metas]) -> Callable[[Metas, Attr
     return infer
 
 
+_LABELS = frozenset({np.dtype(np.int32), np.dtype(np.int64)})
+
+
+def _jit_stats(xp: Any, labels: Any, *stats: Any) -> ModuleType | None:
+    """rows_jit, where its loops over the loss's per-row statistics may run: ``jit_rows``' conditions on
+    the float statistics, and C-contiguous int32/int64 labels whose shape leads every statistic's (the
+    loops write one value a label). These ops were a few numpy calls on [rows] arrays each, and the
+    Python between the calls was their cost."""
+    if not isinstance(labels, np.ndarray) or labels.dtype not in _LABELS or not labels.flags.c_contiguous:
+        return None
+    rows, n = labels.shape, labels.ndim
+    for s in stats:
+        if s.shape[:n] != rows:
+            return None
+    return jit_rows(xp, *stats)
+
+
 def _rows_of(metas: Metas) -> TensorMeta:
     return TensorMeta(metas[1].shape, metas[0].dtype)
 
@@ -99,6 +119,10 @@ def _chunk_max_infer(metas: Metas, attrs: Attrs) -> Metas:
 
 def _chunk_max_kernel(ctx: KernelContext, logits: Any) -> Any:
     here = ctx.out_shape(0)[-1]  # the chunks this rank holds, whole (even splits)
+    if (jit := jit_rows(ctx.xp, logits)) is not None:  # each chunk a row of rows_jit.max_rows
+        out = ctx.xp.empty((*logits.shape[:-1], here), dtype=logits.dtype)
+        jit.max_rows(logits.reshape(-1, logits.shape[-1] // here), out.reshape(-1))
+        return out
     rows = logits.reshape(*logits.shape[:-1], here, logits.shape[-1] // here)
     return row_max(ctx.xp, rows)[..., 0]
 
@@ -208,8 +232,13 @@ def _ce_kernel(
     # where(kept, max + log(sum_exp) - target, 0). With a partial target (logits split by class) only the
     # rank at class offset 0 adds max + log(sum_exp); every signature with whole logits has offset 0
     xp = ctx.xp
+    first = ctx.in_offset(0, logits.ndim - 1) == 0
+    if (jit := _jit_stats(xp, labels, chunk_max, sum_exp, target)) is not None:
+        loss = xp.empty(labels.shape, dtype=sum_exp.dtype)
+        jit.vocab_loss_rows(labels, chunk_max, sum_exp, target, int(ctx.attrs["ignore_index"]), first, loss)
+        return loss
     kept, _ = _kept(ctx, labels)
-    if ctx.in_offset(0, logits.ndim - 1) == 0:
+    if first:
         loss = xp.subtract(xp.add(_shift(xp, chunk_max)[..., 0], xp.log(sum_exp)), target)
     else:
         loss = xp.negative(target)
@@ -254,6 +283,10 @@ def _ce_grad_infer(metas: Metas, attrs: Attrs) -> Metas:
 def _ce_grad_kernel(ctx: KernelContext, labels: Any, sum_exp: Any, dy: Any) -> tuple[Any, Any]:
     # dsum = dy / sum_exp, dtarget = -dy, both 0 where the label is ignored
     xp = ctx.xp
+    if (jit := _jit_stats(xp, labels, sum_exp, dy)) is not None:
+        dsum, dtarget = xp.empty(labels.shape, dtype=dy.dtype), xp.empty(labels.shape, dtype=dy.dtype)
+        jit.vocab_loss_grad_rows(labels, sum_exp, dy, int(ctx.attrs["ignore_index"]), dsum, dtarget)
+        return dsum, dtarget
     kept, _ = _kept(ctx, labels)
     dy_kept = xp.where(kept, dy, 0.0).astype(dy.dtype, copy=False)
     return xp.divide(dy_kept, sum_exp), xp.negative(dy_kept)

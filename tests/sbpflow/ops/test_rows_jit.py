@@ -300,3 +300,43 @@ def test_concat_matches_numpys(dtype: Any, shapes: list[tuple[int, ...]], axis: 
     np.testing.assert_array_equal(got, np.concatenate(xs, axis=axis))  # a copy: exact
     (slow,) = EagerBuilder().call("concat", strided(xs[0]), *xs[1:], axis=axis)
     np.testing.assert_array_equal(slow, got)
+
+
+def _vocab_inputs(dtype: Any, label_dtype: Any, seed: int) -> tuple[Any, Any]:
+    """Logits [3, 5, 12] in 2 chunks and their labels, one of them ignored and one nan logit."""
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((3, 5, 12)) * 3).astype(dtype)
+    logits[1, 2, 7] = np.nan
+    labels = rng.integers(0, 12, size=(3, 5)).astype(label_dtype)
+    labels[0, 1] = IGNORE
+    return logits, labels
+
+
+def _vocab_both(op: str, labels: Any, *inputs: Any, **attrs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """``op`` through rows_jit (contiguous labels) and through the numpy kernel (the labels strided),
+    ``inputs`` being the op's inputs with the labels in the place of None."""
+
+    def call(lab: Any) -> tuple[Any, ...]:
+        with np.errstate(all="ignore"):
+            return EagerBuilder().call(op, *(lab if a is None else a for a in inputs), **attrs)
+
+    return call(labels), call(strided(labels))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("label_dtype", [np.int64, np.int32])
+def test_vocab_loss_and_its_gradient_match_numpys(dtype: Any, label_dtype: Any) -> None:
+    """vocab_chunk_max (max_rows on each chunk), vocab_cross_entropy and its gradient (the loops over the
+    per-row statistics) against the numpy kernels: an ignored label gives 0, a nan logit a nan loss."""
+    logits, labels = _vocab_inputs(dtype, label_dtype, 11)
+    (cm,), (cm_ref,) = both("vocab_chunk_max", logits, chunks=2)
+    np.testing.assert_array_equal(cm, cm_ref)
+    sum_exp, target = EagerBuilder().call("vocab_terms", logits, labels, cm, ignore_index=IGNORE)
+    got, want = _vocab_both(
+        "vocab_cross_entropy", labels, logits, None, cm, sum_exp, target, ignore_index=IGNORE
+    )
+    same(got, want, dtype, "vocab_cross_entropy")
+    assert np.isnan(got[0][1, 2]) and got[0][0, 1] == 0
+    dy = np.random.default_rng(12).standard_normal(labels.shape).astype(dtype)
+    got, want = _vocab_both("vocab_cross_entropy_grad", labels, None, sum_exp, dy, ignore_index=IGNORE)
+    same(got, want, dtype, "vocab_cross_entropy_grad")
