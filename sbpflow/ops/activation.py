@@ -1,8 +1,10 @@
-"""Logistic and erf activations: sigmoid, exact GELU (``gelu_erf``, PyTorch's default) and its backward
-op, and binary cross-entropy with logits.
+"""Logistic and erf activations: sigmoid, GELU in its tanh form (``gelu``, GPT-2's) and exact
+(``gelu_erf``, PyTorch's default) with their backward ops, and binary cross-entropy with logits. Both
+GELUs run elementwise_jit.py's one-pass loops where they take the arrays; the numpy kernels here are
+the reference and cupy's path.
 
 Rows: the activations are elementwise and nonlinear, so any axis may be split alike and nothing takes
-``P``; ``gelu_erf_grad`` is linear in ``dy``. The tanh form of GELU is ``gelu`` in elementwise.py.
+``P``; the GELUs' backward ops are linear in ``dy``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 from sbpflow.errors import ShapeError
 from sbpflow.ops import rows
 from sbpflow.ops.base import Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop
-from sbpflow.ops.elementwise import check_kind, jit_elementwise, owned, same_dtype
+from sbpflow.ops.elementwise import check_kind, cube, grad_infer, jit_elementwise, owned, same_dtype
 from sbpflow.ops.erf import erf
 from sbpflow.ops.rowwise import jit_rows
 from sbpflow.sbp import P, Split
@@ -61,6 +63,74 @@ defop(
     kernel=lambda ctx, x: sigmoid(ctx.xp, x),
     grad=_sigmoid_grad,
     doc="1 / (1 + exp(-x)), in a form that overflows for no x",
+)
+
+
+# ---- GELU, tanh form ------------------------------------------------------------------------------
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def _gelu_tanh(xp: Any, x: Any, out: Any = None) -> Any:
+    """tanh(sqrt(2/pi) (x + 0.044715 x^3)) in one array the kernel owns (or ``out``), in the formula's
+    order."""
+    t = cube(xp, x, out)
+    t = xp.multiply(t, 0.044715, out=t)
+    t = xp.add(t, x, out=t)
+    t = xp.multiply(t, _GELU_C, out=t)
+    return xp.tanh(t, out=t)
+
+
+def _gelu_kernel(ctx: KernelContext, x: Any) -> Any:
+    if (y := jit_elementwise(ctx, "gelu_tanh_all", x)) is not None:
+        return y
+    # 0.5 x (1 + t) as ((1 + t) x) 0.5: the same bits (a product is commutative and halving is exact)
+    xp = ctx.xp
+    y = _gelu_tanh(xp, x, ctx.out_array(0))
+    y = xp.add(y, 1.0, out=y)
+    y = xp.multiply(y, x, out=y)
+    return xp.multiply(y, 0.5, out=y)
+
+
+def _gelu_grad_kernel(ctx: KernelContext, dy: Any, x: Any) -> Any:
+    """dy (0.5 (1 + t) + 0.5 x (1 - t^2) C (1 + 3 * 0.044715 x x)), each term in the formula's order,
+    in three arrays the kernel owns."""
+    if (g := jit_elementwise(ctx, "gelu_tanh_grad_all", dy, x)) is not None:
+        return g
+    xp = ctx.xp
+    t = _gelu_tanh(xp, x, ctx.out_array(0))
+    poly = xp.multiply(x, 3 * 0.044715, out=owned(xp, x))  # (0.134145 x) x + 1
+    poly = xp.multiply(poly, x, out=poly)
+    poly = xp.add(poly, 1.0, out=poly)
+    b = xp.multiply(t, t, out=owned(xp, x))  # 1 - t t
+    b = xp.subtract(1.0, b, out=b)
+    # ((0.5 x)(1 - t t)) C as ((1 - t t) x) (C / 2): the same bits, as halving is exact (no underflow)
+    b = xp.multiply(b, x, out=b)
+    b = xp.multiply(b, _GELU_C / 2, out=b)
+    b = xp.multiply(b, poly, out=b)
+    t = xp.add(t, 1.0, out=t)  # 0.5 (1 + t), then + b, then times dy
+    t = xp.multiply(t, 0.5, out=t)
+    t = xp.add(t, b, out=t)
+    return xp.multiply(t, dy, out=t)
+
+
+defop(
+    "gelu",
+    inputs=("x",),
+    infer=_float_unary("gelu"),
+    rows=lambda m, a: rows.elementwise(m),
+    kernel=_gelu_kernel,
+    grad=lambda g: [g.call("gelu_grad", g.dy, g.inputs[0])],
+    doc="GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))",
+)
+defop(  # gelu's derivative reads its input x
+    "gelu_grad",
+    inputs=("dy", "x"),
+    infer=grad_infer("gelu_grad", "x"),
+    rows=lambda m, a: rows.elementwise(m, linear=(True, False)),  # linear in dy
+    kernel=_gelu_grad_kernel,
+    grad=NoGrad("backward op of gelu"),
+    doc="dy times the derivative of gelu",
 )
 
 

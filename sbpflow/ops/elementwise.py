@@ -1,5 +1,6 @@
-"""Elementwise ops: numpy-broadcasting arithmetic, scalar arithmetic, activations, and casts (masks, dropout and
-``full`` live in masking.py).
+"""Elementwise ops: numpy-broadcasting arithmetic, scalar arithmetic, unary math, and casts (masks, dropout and
+``full`` live in masking.py, GELU and sigmoid in activation.py); ``jit_elementwise``, the choice of
+elementwise_jit's numba loops.
 
 Rows: an elementwise op can work on any slice, so every axis may be split (aligned across inputs under
 broadcasting); ``P`` passes only through inputs the op is linear in.
@@ -164,6 +165,9 @@ def _binary_kernel(fn: Callable[[Any, Any], Any], ufunc: str) -> Callable[..., A
     """``fn(a, b)``, or the ufunc written into the runtime's dead previous output (``ctx.out_array``)."""
 
     def kernel(ctx: KernelContext, a: Any, b: Any) -> Any:
+        if ufunc == "add" and getattr(b, "ndim", 0) == 1 < a.ndim:  # a bias: half numpy's broadcast time
+            if (y := jit_elementwise(ctx, "add_rows", a, b)) is not None:
+                return y
         out = ctx.out_array(0)
         return fn(a, b) if out is None else getattr(ctx.xp, ufunc)(a, b, out=out)
 
@@ -234,7 +238,7 @@ def owned(xp: Any, x: Any) -> Any:
     return xp.empty_like(x)
 
 
-def _cube(xp: Any, x: Any, out: Any = None) -> Any:
+def cube(xp: Any, x: Any, out: Any = None) -> Any:
     y = xp.multiply(x, x, out=owned(xp, x) if out is None else out)
     return xp.multiply(y, x, out=y)
 
@@ -246,7 +250,7 @@ _POWERS: dict[float, Callable[[Any, Any], Any]] = {
     0.0: lambda xp, x: xp.ones_like(x),  # x**0 == 1, nan and inf included
     1.0: lambda xp, x: x.copy(),
     2.0: lambda xp, x: xp.multiply(x, x, out=owned(xp, x)),
-    3.0: _cube,
+    3.0: cube,
     0.5: lambda xp, x: xp.sqrt(x, out=owned(xp, x)),
     -1.0: lambda xp, x: xp.divide(x.dtype.type(1), x, out=owned(xp, x)),
 }
@@ -280,18 +284,6 @@ defop(
 
 # ---- activations and unary math ---------------------------------------------------------------------------
 
-_GELU_C = math.sqrt(2.0 / math.pi)
-
-
-def _gelu_tanh(xp: Any, x: Any, out: Any = None) -> Any:
-    """tanh(sqrt(2/pi) (x + 0.044715 x^3)) in one array the kernel owns (or ``out``), in the formula's
-    order."""
-    t = _cube(xp, x, out)
-    t = xp.multiply(t, 0.044715, out=t)
-    t = xp.add(t, x, out=t)
-    t = xp.multiply(t, _GELU_C, out=t)
-    return xp.tanh(t, out=t)
-
 
 @cache
 def _loops() -> ModuleType | None:
@@ -302,53 +294,26 @@ def _loops() -> ModuleType | None:
     return elementwise_jit
 
 
+_ROW_LOOPS = frozenset({"add_rows"})  # the loops that take rows and a bias
+
+
 def jit_elementwise(ctx: KernelContext, loop: str, *inputs: Any) -> Any:
-    """Output 0 computed by elementwise_jit's one-pass ``loop`` on the flattened ``inputs``, into the
-    runtime's dead previous output where it fits; None where the loop does not take the inputs (numpy
-    arrays of one shape, C-contiguous, float32 or float64: rowwise.jit_rows), and the numpy kernel runs."""
-    shape = getattr(inputs[0], "shape", None)
-    if any(getattr(a, "shape", None) != shape for a in inputs) or jit_rows(ctx.xp, *inputs) is None:
+    """Output 0 computed by elementwise_jit's one-pass ``loop``, into the runtime's dead previous output
+    where it fits; None where the loop does not take the inputs (rowwise.jit_rows: numpy, C-contiguous,
+    float32 or float64) and the numpy kernel runs. The inputs are of one shape, flattened for the loop,
+    or [..., n] and a bias [n], the first and the output as rows [-1, n] and the bias as it is."""
+    shape: tuple[int, ...] = getattr(inputs[0], "shape", ())
+    if jit_rows(ctx.xp, *inputs) is None or (loops := _loops()) is None:
         return None
-    if (loops := _loops()) is None:
+    bias = any(a.shape != shape for a in inputs)
+    if bias and (loop not in _ROW_LOOPS or len(inputs) != 2 or inputs[1].shape != shape[-1:]):
         return None
     out = ctx.out_array(0)
     if out is None or jit_rows(ctx.xp, inputs[0], out) is None:
         out = ctx.xp.empty(shape, dtype=inputs[0].dtype)
-    getattr(loops, loop)(*(a.reshape(-1) for a in inputs), out.reshape(-1))
+    view = (lambda a: a.reshape(-1, shape[-1])) if bias else (lambda a: a.reshape(-1))
+    getattr(loops, loop)(*(view(a) if a.shape == shape else a for a in inputs), view(out))
     return out
-
-
-def _gelu_kernel(ctx: KernelContext, x: Any) -> Any:
-    if (y := jit_elementwise(ctx, "gelu_tanh_all", x)) is not None:
-        return y
-    # 0.5 x (1 + t) as ((1 + t) x) 0.5: the same bits (a product is commutative and halving is exact)
-    xp = ctx.xp
-    y = _gelu_tanh(xp, x, ctx.out_array(0))
-    y = xp.add(y, 1.0, out=y)
-    y = xp.multiply(y, x, out=y)
-    return xp.multiply(y, 0.5, out=y)
-
-
-def _gelu_grad_kernel(ctx: KernelContext, dy: Any, x: Any) -> Any:
-    """dy (0.5 (1 + t) + 0.5 x (1 - t^2) C (1 + 3 * 0.044715 x x)), each term in the formula's order,
-    in three arrays the kernel owns."""
-    if (g := jit_elementwise(ctx, "gelu_tanh_grad_all", dy, x)) is not None:
-        return g
-    xp = ctx.xp
-    t = _gelu_tanh(xp, x, ctx.out_array(0))
-    poly = xp.multiply(x, 3 * 0.044715, out=owned(xp, x))  # (0.134145 x) x + 1
-    poly = xp.multiply(poly, x, out=poly)
-    poly = xp.add(poly, 1.0, out=poly)
-    b = xp.multiply(t, t, out=owned(xp, x))  # 1 - t t
-    b = xp.subtract(1.0, b, out=b)
-    # ((0.5 x)(1 - t t)) C as ((1 - t t) x) (C / 2): the same bits, as halving is exact (no underflow)
-    b = xp.multiply(b, x, out=b)
-    b = xp.multiply(b, _GELU_C / 2, out=b)
-    b = xp.multiply(b, poly, out=b)
-    t = xp.add(t, 1.0, out=t)  # 0.5 (1 + t), then + b, then times dy
-    t = xp.multiply(t, 0.5, out=t)
-    t = xp.add(t, b, out=t)
-    return xp.multiply(t, dy, out=t)
 
 
 def _relu_grad_kernel(ctx: KernelContext, dy: Any, y: Any) -> Any:
@@ -367,13 +332,6 @@ _UNARY: dict[str, tuple[Callable[[KernelContext, Any], Any], Kind, bool, Any, st
         False,
         lambda g: [g.call("relu_grad", g.dy, _y(g))],
         "max(x, 0)",
-    ),
-    "gelu": (
-        _gelu_kernel,
-        "floating",
-        False,
-        lambda g: [g.call("gelu_grad", g.dy, g.inputs[0])],
-        "GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))",
     ),
     "tanh": (  # d tanh = 1 - y^2
         lambda ctx, x: ctx.xp.tanh(x),
@@ -419,7 +377,9 @@ for _name, (_ufn, _kind, _lin, _grad, _doc) in _UNARY.items():
     )
 
 
-def _grad_infer(op: str, other_name: str) -> InferFn:
+def grad_infer(op: str, other_name: str) -> InferFn:
+    """A backward op's: dy and the forward tensor it reads, of one dtype and shape."""
+
     def infer(metas: Metas, attrs: Attrs) -> Metas:
         dy, other = metas
         same_dtype(op, ("dy", other_name), dy, other)
@@ -430,20 +390,15 @@ def _grad_infer(op: str, other_name: str) -> InferFn:
     return infer
 
 
-# relu's derivative reads its output y (kept for backward anyway), gelu's its input x
-for _name, _kernel, _fwd, _other in (
-    ("relu_grad", _relu_grad_kernel, "relu", "y"),
-    ("gelu_grad", _gelu_grad_kernel, "gelu", "x"),
-):
-    defop(
-        _name,
-        inputs=("dy", _other),
-        infer=_grad_infer(_name, _other),
-        rows=same_shape_rows((True, False)),  # linear in dy
-        kernel=_kernel,
-        grad=NoGrad(f"backward op of {_fwd}"),
-        doc=f"dy times the derivative of {_fwd}",
-    )
+defop(  # relu's derivative reads its output y, kept for backward anyway
+    "relu_grad",
+    inputs=("dy", "y"),
+    infer=grad_infer("relu_grad", "y"),
+    rows=same_shape_rows((True, False)),  # linear in dy
+    kernel=_relu_grad_kernel,
+    grad=NoGrad("backward op of relu"),
+    doc="dy times the derivative of relu",
+)
 
 
 # ---- casts and comparisons --------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""GELU's kernels, both forms and their backward, as one-pass numba loops on flat numpy arrays.
+"""GELU's kernels, both forms and their backward, and a bias add, as one-pass numba loops on numpy arrays.
 
 numpy spends ~12 passes over the array on the tanh form's gradient, each a temporary written and read
 back; PyTorch makes one. These make one pass, with jit_math's ``vexp``, an exp that vectorises inside
@@ -18,10 +18,10 @@ float64's rounding; in float32 an approximation in float32 within ~8 ulp, since 
 5x PyTorch's whole op. Its gradient is dy (Phi(x) + x phi(x)), phi the normal density, which normal_cdf
 gives on the way.
 
-Each function is the fast path only: the numpy kernels in elementwise.py and activation.py stay the
-reference and the path for cupy and for arrays these do not take (elementwise.jit_loops says which);
-``tests/sbpflow/ops/test_elementwise_jit.py`` checks each against them. Arrays are flat, of one float
-dtype, C-contiguous; ``out`` is written.
+Each function is the fast path only: the numpy kernels in activation.py and elementwise.py stay the
+reference and the path for cupy and for arrays these do not take (elementwise.jit_elementwise says which);
+``tests/sbpflow/ops/test_elementwise_jit.py`` checks each against them. Arrays are flat (add_rows: rows),
+of one float dtype, C-contiguous; ``out`` is written.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 @njit(cache=True, error_model="numpy", fastmath=FLAGS)
 def gelu_tanh_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
-    """out = x / (1 + exp(-2u)): elementwise.py's gelu (the tanh form)."""
+    """out = x / (1 + exp(-2u)): activation.py's gelu (the tanh form)."""
     f = x.dtype.type
     c, a, one = f(-2 * _C), f(-2 * _C * _A), f(1)
     for i in range(x.size):
@@ -50,7 +50,7 @@ def gelu_tanh_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
 
 @njit(cache=True, error_model="numpy", fastmath=FLAGS)
 def gelu_tanh_grad_all(dy: Any, x: Any, out: Any) -> None:  # pragma: no cover - compiled
-    """out = dy (s + x (2 sqrt(2/pi)) (1 + 3 * 0.044715 x^2) e s s): elementwise.py's gelu_grad."""
+    """out = dy (s + x (2 sqrt(2/pi)) (1 + 3 * 0.044715 x^2) e s s): activation.py's gelu_grad."""
     f = x.dtype.type
     c, a, one, zero = f(-2 * _C), f(-2 * _C * _A), f(1), f(0)
     k1, k3 = f(2 * _C), f(2 * _C * 3 * _A)
@@ -80,3 +80,13 @@ def gelu_erf_grad_all(dy: Any, x: Any, out: Any) -> None:  # pragma: no cover - 
         v = x[i]
         cdf, g = normal_cdf(v)
         out[i] = dy[i] * (cdf + v * g * k)
+
+
+@njit(cache=True, error_model="numpy", fastmath=FLAGS)
+def add_rows(a: Any, b: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out[i] = a[i] + b: elementwise.py's add of [..., n] and a bias [n] (numpy's broadcast loop
+    restarts at every row of n, twice this loop's time on the GPT's [16, 64, 192] + [192])."""
+    rows, n = a.shape
+    for i in range(rows):
+        for j in range(n):
+            out[i, j] = a[i, j] + b[j]

@@ -49,7 +49,22 @@ def _gelu_erf_grad_ref(dy: np.ndarray, x: np.ndarray) -> list[np.ndarray]:
     return [dy * slope.reshape(x.shape)]
 
 
+def _gelu_ref(x: np.ndarray) -> list[np.ndarray]:
+    inner = math.sqrt(2 / math.pi) * (x + 0.044715 * np.power(x, 3))
+    return [0.5 * x * (1 + np.tanh(inner))]
+
+
+def _gelu_derivative(x: np.ndarray) -> np.ndarray:
+    """The tanh-GELU's derivative, written out by the product and chain rules."""
+    c = math.sqrt(2 / math.pi)
+    u = c * (x + 0.044715 * x**3)
+    sech2 = 1 / np.cosh(u) ** 2
+    return 0.5 * (1 + np.tanh(u)) + 0.5 * x * sech2 * c * (1 + 3 * 0.044715 * x**2)
+
+
 case(OpCase("sigmoid", _unary(-30.0, 30.0), _sigmoid_ref))
+case(OpCase("gelu", _unary(), _gelu_ref))
+case(OpCase("gelu_grad", _gelu_grad(), lambda dy, x: [dy * _gelu_derivative(x)], differentiable=()))
 case(OpCase("gelu_erf", _unary(), _gelu_erf_ref))
 case(OpCase("gelu_erf_grad", _gelu_grad(), _gelu_erf_grad_ref, differentiable=()))
 
