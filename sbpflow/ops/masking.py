@@ -176,13 +176,20 @@ def _full_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
     return [Signature((), (B,)), *(Signature((), (Split(i),)) for i in range(ndim))]
 
 
+def _full_kernel(ctx: KernelContext) -> Any:
+    shape, dtype = ctx.out_shape(0), ctx.out_dtype()
+    if not shape:  # a 0-d fill (a loss scale, a step count): asarray, a quarter of full's time
+        return ctx.xp.asarray(ctx.attrs["value"], dtype=dtype)
+    return ctx.xp.full(shape, ctx.attrs["value"], dtype=dtype)
+
+
 defop(
     "full",
     inputs=(),
     attrs={"shape": REQUIRED, "dtype": DType.float32, "value": 0.0},
     infer=_full_infer,
     rows=_full_rows,
-    kernel=lambda ctx: ctx.xp.full(ctx.out_shape(0), ctx.attrs["value"], dtype=ctx.out_dtype()),
+    kernel=_full_kernel,
     grad=lambda g: [],  # no inputs, so no input gradients (it is differentiable: nothing flows back)
     doc="a tensor of shape and dtype filled with value",
 )
