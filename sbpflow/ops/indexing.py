@@ -9,6 +9,7 @@ top-k needs whole rows (the k largest of a row are not found from a part of it).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from sbpflow.dtype import DType, as_dtype
@@ -64,6 +65,13 @@ def _gather_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
 def _gather_kernel(ctx: KernelContext, x: Any, indices: Any) -> Any:
     xp = ctx.xp
     a = _gather_axis("gather", x.ndim, ctx.attrs)
+    if (jit := jit_loops("pool_jit", xp, x)) is not None:  # one pass over the rows (pool_jit.py)
+        pre, post = x.shape[:a], x.shape[a + 1 :]
+        out = xp.empty((*pre, *indices.shape, *post), dtype=x.dtype)
+        table = x.reshape(math.prod(pre), x.shape[a], -1)
+        ids = xp.ascontiguousarray(indices).reshape(-1)
+        jit.take_rows(table, ids, ctx.in_index[0][a].start, out.reshape(table.shape[0], ids.size, -1))
+        return out
     local, hit = _in_range(xp, indices, ctx.in_index[0][a])
     if bool(hit.all()):  # every index on this rank (always, unsplit): nothing to zero
         return xp.take(x, local, axis=a)

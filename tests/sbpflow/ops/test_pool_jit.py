@@ -1,5 +1,6 @@
 """sbpflow/ops/pool_jit.py's loops against pool.py's and indexing.py's numpy kernels, the reference
-they replace (and gather_grad's scatter through rows_jit.add_rows_at against numpy's ``add.at``).
+they replace, gather's included (and gather_grad's scatter through rows_jit.add_rows_at against numpy's
+``add.at``).
 
 The same op runs twice on the same values: on C-contiguous inputs, which take the numba loops, and on a
 strided view of them, which ``conv.jit_loops`` refuses, so the numpy kernel runs. Odd sizes, strides
@@ -24,6 +25,7 @@ from tests.sbpflow.ops.test_conv_jit import DTYPES, SETTINGS, strided
 pytest.importorskip("numba")
 
 TOL = {np.float64: (1e-12, 1e-13), np.float32: (2e-5, 2e-6)}
+DTYPES_INT = [np.int32, np.int64]
 
 
 def both(op: str, *inputs: Any, at: int = 0, **attrs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
@@ -123,23 +125,25 @@ def test_topk_and_its_gradient(dtype: Any, lead: list[int], n: int, seed: int, s
 @pytest.mark.parametrize("dtype", DTYPES)
 @SETTINGS
 @given(
-    shape=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    shape=st.lists(st.integers(2, 4), min_size=1, max_size=3),
     data=st.data(),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_gather_grad_adds_rows_as_the_numpy_kernel(
-    dtype: Any, shape: list[int], data: st.DataObject, seed: int
-) -> None:
-    """Repeated indices (few distinct values), any axis: each table row's sum in index order, to the last
-    bit, as numpy's unbuffered ``add.at`` (and the numpy kernel's stable sort and reduceat) add them."""
+def test_gather_and_its_gradient(dtype: Any, shape: list[int], data: st.DataObject, seed: int) -> None:
+    """gather against the numpy kernel, with indices outside [0, n) too (rows of zeros on both); its
+    gradient, repeated indices on any axis, each table row's sum in index order to the last bit, as
+    numpy's unbuffered ``add.at`` (and the numpy kernel's stable sort and reduceat) add them."""
     rng = np.random.default_rng(seed)
     axis = data.draw(st.integers(0, len(shape) - 1))
-    size = shape[axis]
-    indices = rng.integers(0, size, size=data.draw(st.lists(st.integers(1, 5), max_size=2))).astype(np.int64)
-    dy_shape = (*shape[:axis], *indices.shape, *shape[axis + 1 :])
-    dy = rng.standard_normal(dy_shape).astype(dtype)
+    idx_shape, size = data.draw(st.lists(st.integers(1, 5), max_size=2)), shape[axis]
+    itype = data.draw(st.sampled_from(DTYPES_INT))
+    x = rng.standard_normal(shape).astype(dtype)
+    outside = rng.integers(-1, size + 1, size=idx_shape).astype(itype)
+    same(*both("gather", x, outside, axis=axis), dtype, f"gather {shape} axis {axis}", exact=True)
+    indices = rng.integers(0, size, size=idx_shape).astype(itype)
+    dy = rng.standard_normal((*shape[:axis], *indices.shape, *shape[axis + 1 :])).astype(dtype)
     (got,) = EagerBuilder().call("gather_grad", dy, indices, axis=axis, size=size)
-    want = np.zeros((*shape[:axis], size, *shape[axis + 1 :]), dtype)
+    want = np.zeros(shape, dtype)
     rows = np.moveaxis(dy.reshape((*shape[:axis], indices.size, *shape[axis + 1 :])), axis, 0)
     np.add.at(np.moveaxis(want, axis, 0), indices.reshape(-1), rows)  # in index order, as both kernels
     np.testing.assert_array_equal(got, want)
