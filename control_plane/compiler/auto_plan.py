@@ -17,7 +17,8 @@ power-of-two degrees (a 1,024-device search).
 **How each is priced.** The candidate job (:func:`auto_layouts.relayout`) is compiled by
 ``pipeline.compile`` like any other, so an illegal layout is refused by the compiler itself (its error
 shown in the table); the plan is priced by the cost model (``cost_model.estimate``: compute, comm,
-exposed comm, step time and the plan's memory estimate). A candidate whose peak per device is over the
+exposed comm, step time and the plan's memory estimate; on a CPU profile with the plan's kernels timed
+on this machine, :func:`pricer`). A candidate whose peak per device is over the
 budget is shown with what it needs; the winner is the fastest that fits (ties: less memory, then the
 simpler layout). When nothing fits, :class:`NoPlanFits` names the smallest peak found and the budget.
 """
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from sbpflow.control_plane.compiler import cost_model, pipeline
 from sbpflow.control_plane.compiler.auto_layouts import Layout, block_of, relayout, tables, tp_pairs
 from sbpflow.control_plane.compiler.cost_model import DeviceProfile, StepEstimate
+from sbpflow.control_plane.compiler.kernel_probe import measure_kernels
 from sbpflow.control_plane.compiler.micro_batching import layout as slots
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
@@ -136,15 +138,17 @@ def search(
     price: Price | None = None,
     powers_of_two: bool = False,
     only: Sequence[Layout] = (),
+    link: str | None = None,
 ) -> Search:
     """The fastest layout of ``job`` on ``ranks`` devices (default: the ranks it is placed on) whose peak
     memory per device is at most ``memory_per_device`` bytes (default: the profile's device memory).
     ``profile`` is a ``cost_model.DeviceProfile`` or the name or file ``cost_model.load_profile`` takes;
-    ``price`` (default: ``cost_model.estimate`` under it) prices a compiled plan; ``only`` weighs just
+    ``price`` (default: :func:`pricer` under it, over ``link``: the profile's default link unless given,
+    ``inprocess`` for ``sf.run(backend="inprocess")``) prices a compiled plan; ``only`` weighs just
     those layouts."""
     if price is None or memory_per_device is None:
         prof = load(profile)
-        price = price or (lambda compiled: cost_model.estimate(compiled, prof))
+        price = price or pricer(prof, link)
         if memory_per_device is None and not prof.memory_bytes:
             raise SbpflowError(
                 f"the {prof.name!r} profile does not say how much memory a device has: give the budget "
@@ -168,6 +172,22 @@ def search(
         raise NoPlanFits(_nothing_fits(out, memory_per_device))
     notes = ("recompute weighed only where a layout does not fit without it (it only adds compute)",)
     return Search(memory_per_device, tuple(out), best[0], best[1], notes)
+
+
+def pricer(profile: DeviceProfile, link: str | None = None) -> Price:
+    """``cost_model.estimate`` on ``profile`` over ``link`` (default: the profile's); on a CPU profile
+    (one with ``host_cores``: this machine) with each plan's kernels timed here
+    (``kernel_probe.measure_kernels``, cached a process, so candidates share their layers' timings): a
+    small shard's kernel is mostly numpy's per-call cost, which holds the interpreter and which no
+    roofline sees, and that decides how in-process ranks share it."""
+    if not profile.host_cores:
+        return lambda compiled: cost_model.estimate(compiled, profile, link)
+
+    def price(compiled: pipeline.Compiled) -> StepEstimate:
+        kernels = measure_kernels(compiled.state, profile.threads)
+        return cost_model.estimate(compiled, profile, link, kernels=kernels)
+
+    return price
 
 
 def choose(job: Job, memory_per_device: int | None = None, profile: DeviceProfile | str = "cpu") -> Job:

@@ -20,6 +20,9 @@ is a collective of groups of ``p`` ranks on one mesh axis, costing ``hops * late
 with the bytes one rank sends (the boxing table's bytes, all ranks together, over the ranks: an all-reduce
 ``2(p-1)/p |T|``, an all-gather or reduce-scatter ``(p-1)/p |T|``) and the ring's hops (``2(p-1)``,
 ``p-1``); point to point, the most any rank receives and one hop. Local slices and zero fills are copies.
+Where the link's ranks are threads of one process (``inprocess``), a call also holds the interpreter for
+the CPU seconds its rank's thread spends in it (``LinkProfile.interpreter``: a call's cost plus its bytes,
+not per hop), which the step's interpreter bound adds up over the ranks.
 
 **The step** (``step_sim.py``) is simulated as the runtime runs it: per pipeline stage a compute and an
 ordered communication stream, every op starting once its stream is free and its inputs are made, in
@@ -85,17 +88,32 @@ LOCAL = frozenset({Collective.local_slice, Collective.zero_fill})  # copies on t
 @dataclass(frozen=True)
 class LinkProfile:
     """One link kind: a latency per message (s) and what one rank sends per second in one direction;
-    ``collectives``: (latency, bandwidth) of the collectives measured apart, by ``Collective`` value."""
+    ``collectives``: (latency, bandwidth) of the collectives measured apart, by ``Collective`` value;
+    ``interpreter``: by ``Collective`` value, (seconds a call, bytes a second) of the CPU one rank's
+    thread spends in a call, where the link's ranks are threads of one interpreter (``inprocess``: the
+    rendezvous and the numpy work of a collective hold the GIL, so the ranks' calls run one at a time;
+    ``step_sim.host_bounds`` sums them). Empty: the link costs no interpreter time (separate processes,
+    a GPU's NCCL)."""
 
     latency_s: float
     bytes_per_s: float
     collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    interpreter: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     def seconds(self, collective: Collective, p: int, bytes_per_rank: float) -> float:
         if p <= 1 and collective is not Collective.p2p:
             return 0.0
         latency, bandwidth = self.collectives.get(collective.value, (self.latency_s, self.bytes_per_s))
         return HOPS[collective](p) * latency + bytes_per_rank / bandwidth
+
+    def cpu_seconds(self, collective: Collective, p: int, bytes_per_rank: float) -> float:
+        """One rank's interpreter seconds in one call (0 where the link has no such figure): a call's
+        own cost, which is not per ring hop (every rank meets the others once at the rendezvous), plus
+        the bytes it sends at the rate one thread copies and adds them."""
+        figure = self.interpreter.get(collective.value)
+        if figure is None or (p <= 1 and collective is not Collective.p2p):
+            return 0.0
+        return figure[0] + bytes_per_rank / figure[1]
 
 
 @dataclass(frozen=True)
@@ -173,8 +191,12 @@ class DeviceProfile:
 
 
 def _link(body: Mapping[str, Any]) -> LinkProfile:
-    by = {str(k): (float(v[0]), float(v[1])) for k, v in body.get("collectives", {}).items()}
-    return LinkProfile(float(body["latency_s"]), float(body["bytes_per_s"]), by)
+    def pairs(key: str) -> dict[str, tuple[float, float]]:
+        return {str(k): (float(v[0]), float(v[1])) for k, v in body.get(key, {}).items()}
+
+    return LinkProfile(
+        float(body["latency_s"]), float(body["bytes_per_s"]), pairs("collectives"), pairs("interpreter")
+    )
 
 
 # ---- profiles by name --------------------------------------------------------------------------------
@@ -335,9 +357,10 @@ def _op_cost(
         plan = state.boxings.get(o.name) or plan_of(g, o)
         comm = any(s.collective not in LOCAL for s in plan.steps)
         secs = sum(step_seconds(s, plan, link, profile.mem_bytes_per_s) for s in plan.steps)
+        held = sum(step_cpu_seconds(s, plan, link) for s in plan.steps)
         sent = int(sum(per_rank_bytes(s, plan) for s in plan.steps))
         python = profile.op_overhead_s * len(plan.steps)
-        return OpCost(o.name, o.op_type, o.stage, comm, secs + python, 0, sent, python)
+        return OpCost(o.name, o.op_type, o.stage, comm, max(secs, held) + python, 0, sent, python + held)
     ins = tuple(stage_load.local_meta(g.tensors[i]) for i in o.inputs)
     outs = tuple(stage_load.local_meta(g.tensors[i]) for i in o.outputs)
     w = work(o.op_type, ins, outs, get_op(o.op_type).normalize_attrs(o.attrs))
@@ -354,6 +377,14 @@ def step_seconds(step: BoxingStep, plan: BoxingPlan, link: LinkProfile, mem_byte
         return per_rank_bytes(step, plan) / mem_bytes_per_s
     p = 1 if step.mesh_axis is None else plan.src.shape[step.mesh_axis]
     return link.seconds(step.collective, p, per_rank_bytes(step, plan))
+
+
+def step_cpu_seconds(step: BoxingStep, plan: BoxingPlan, link: LinkProfile) -> float:
+    """One boxing step's interpreter seconds on one rank (``LinkProfile.interpreter``; 0 for a copy)."""
+    if step.collective in LOCAL:
+        return 0.0
+    p = 1 if step.mesh_axis is None else plan.src.shape[step.mesh_axis]
+    return link.cpu_seconds(step.collective, p, per_rank_bytes(step, plan))
 
 
 def per_rank_bytes(step: BoxingStep, plan: BoxingPlan) -> float:

@@ -10,17 +10,22 @@ runs over, and times each collective of the boxing table on a small and on a lar
 Each (collective, size) runs a fixed count of calls (every rank makes the same calls) and keeps the
 fastest, and the two sizes are fitted to ``hops * latency + bytes / bandwidth`` with the ring's hops and
 the bytes one rank sends (``cost_model.HOPS``, ``cost_model.per_rank_bytes``): the all-reduce gives the
-link's own figures, the others ``LinkProfile.collectives``. Both ranks share this process's interpreter,
+link's own figures, the others ``LinkProfile.collectives``. On ``inprocess`` each rank's thread CPU time
+a call is fitted too, to ``seconds + bytes / bandwidth`` a call (``LinkProfile.interpreter``): there
+the ranks are threads of one process, so what a collective costs a step is the interpreter time every
+rank spends in it, one after the other, more than its latency. Both ranks share this process's interpreter,
 which makes the ``shm`` and ``tcp`` figures a little pessimistic against two processes.
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -56,46 +61,76 @@ def _p2p(t: Any, a: np.ndarray, tag: str) -> object:
 
 def measure_links(budget: float, collectives: bool = True) -> dict[str, LinkProfile]:
     """Every CPU transport's :class:`LinkProfile`, each in about ``budget / 3`` seconds; ``collectives``
-    False times the all-reduce alone (the link's own figures, no per-collective ones)."""
+    False times the all-reduce alone (the link's own figures, no per-collective ones). The ``inprocess``
+    link also gets each collective's interpreter seconds (``LinkProfile.interpreter``): its ranks are
+    threads of one interpreter, which their calls hold in turn."""
     kinds = (Collective.all_reduce, *(k for k in CALLS if k is not Collective.all_reduce and collectives))
     out = {}
     for name, opener in OPENERS.items():
         with opener() as ts:
             fits = {k: _fit(ts, k, budget / len(OPENERS) / len(kinds)) for k in kinds}
-        lat, bw = fits.pop(Collective.all_reduce)
-        out[name] = LinkProfile(lat, bw, {k.value: v for k, v in fits.items()})
+        lat, bw = fits[Collective.all_reduce].wall
+        held = {k.value: f.cpu for k, f in fits.items()} if name in ONE_INTERPRETER else {}
+        by = {k.value: f.wall for k, f in fits.items() if k is not Collective.all_reduce}
+        out[name] = LinkProfile(lat, bw, by, held)
     return out
 
 
-def _fit(ts: Mapping[int, Any], kind: Collective, budget: float) -> tuple[float, float]:
+ONE_INTERPRETER = frozenset({"inprocess"})  # the links whose ranks are threads of one process
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One collective on one link: (latency a hop, bandwidth) of the slower rank's wall time, and
+    (seconds a call, bandwidth) of one rank's thread CPU time."""
+
+    wall: tuple[float, float]
+    cpu: tuple[float, float]
+
+
+def _fit(ts: Mapping[int, Any], kind: Collective, budget: float) -> Fit:
     call, sent = CALLS[kind]
-    small, large = (_time(ts, call, n, budget / 2) for n in (SMALL, LARGE))
-    bw = (sent(LARGE) - sent(SMALL)) / max(large - small, 1e-9)
-    return max(small - sent(SMALL) / bw, 1e-9) / max(HOPS[kind](P), 1), bw
+    (small, small_cpu), (large, large_cpu) = (_time(ts, call, n, budget / 2) for n in (SMALL, LARGE))
+    grow = sent(LARGE) - sent(SMALL)
+    bw, cpu_bw = grow / max(large - small, 1e-9), grow / max(large_cpu - small_cpu, 1e-9)
+    latency = max(small - sent(SMALL) / bw, 1e-9) / max(HOPS[kind](P), 1)
+    return Fit((latency, bw), (max(small_cpu - sent(SMALL) / cpu_bw, 1e-9), cpu_bw))
 
 
-def _time(ts: Mapping[int, Any], call: Call, numel: int, budget: float) -> float:
-    """The slower rank's fastest of a fixed count of calls on ``numel`` float32 elements."""
-    count = max(3, min(50, int(budget / 0.002))) if numel <= SMALL else max(3, min(10, int(budget / 0.02)))
+def _time(ts: Mapping[int, Any], call: Call, numel: int, budget: float) -> tuple[float, float]:
+    """The slower rank's fastest of a fixed count of calls on ``numel`` float32 elements after a warm-up
+    call, and the median
+    thread CPU seconds of a rank's call (the mean of the ranks': what one rank's thread spends working,
+    without the time it sleeps waiting for its peers)."""
+    count = max(20, min(50, int(budget / 0.002))) if numel <= SMALL else max(3, min(10, int(budget / 0.02)))
     seq = {r: 0 for r in ts}
 
-    def rank(r: int) -> Callable[[], float]:
+    def rank(r: int) -> Callable[[], tuple[float, float]]:
         array = np.ones(numel, np.float32)
 
-        def once() -> float:
+        def once() -> tuple[float, float]:
             seq[r] += 1
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             call(ts[r], array, f"profile-{numel}-{seq[r]}")
-            return time.perf_counter() - t
+            return time.perf_counter() - t, time.thread_time() - c
 
-        return lambda: min(once() for _ in range(count))
+        def calls() -> tuple[float, float]:
+            once()  # warm: a first call sets up what the later ones reuse
+            got = [once() for _ in range(count)]
+            return min(w for w, _ in got), statistics.median(c for _, c in got)
 
-    return max(spmd([rank(r) for r in sorted(ts)]))
+        return calls
+
+    got = spmd([rank(r) for r in sorted(ts)])
+    return max(w for w, _ in got), statistics.fmean(c for _, c in got)
 
 
-def spmd(fns: Sequence[Callable[[], float]]) -> list[float]:
+T = TypeVar("T")
+
+
+def spmd(fns: Sequence[Callable[[], T]]) -> list[T]:
     """Each of ``fns`` on a thread of its own, at once; their results, or the first error raised."""
-    out: list[float] = [0.0] * len(fns)
+    out: list[T | None] = [None] * len(fns)
     errors: list[BaseException] = []
 
     def body(i: int) -> None:
@@ -111,7 +146,7 @@ def spmd(fns: Sequence[Callable[[], float]]) -> list[float]:
         t.join(timeout=60)
     if errors:
         raise errors[0]
-    return out
+    return cast(list[T], out)  # every slot filled: no thread raised
 
 
 @contextmanager

@@ -9,15 +9,15 @@ shared machine):
   float16 run at the float32 rate: numpy has no faster path for them);
 * **elementwise**: ``np.add`` into a preallocated output on arrays far larger than the caches, the three
   arrays' bytes over the time: the memory bandwidth of the roofline;
-* **per-act overhead**: what the runtime spends on an act beyond its kernel (register hand-offs, the
-  engine's bookkeeping), from a real in-process run of chains of tiny kernels of two lengths: the
-  difference over the acts it adds (:func:`act_overhead`);
+* **per-act overhead**: the CPU the runtime spends on an act of a tiny kernel (register hand-offs, the
+  engine's bookkeeping), from a real in-process run of a chain of tiny kernels for two step counts: the
+  difference of CPU time over the acts it adds (:func:`act_overhead`);
 * **data loading**: a batch of each synthetic source kind the examples read (``SyntheticSource``
   ``regression`` and ``tokens``), per sample row: its per-row generator is Python, and costs far more
   than the bytes it makes;
 * **links**: each collective of the boxing table on each CPU transport, two ranks, a small and a large
   array fitted to ``hops * latency + bytes / bandwidth`` (``cpu_links.py``: ``inprocess``, ``shm``,
-  ``tcp``), once.
+  ``tcp``), once; on ``inprocess`` also the thread CPU a rank spends in a call.
 """
 
 from __future__ import annotations
@@ -66,26 +66,30 @@ def elementwise_bandwidth(budget: float, n: int = 1 << 23) -> float:
     return 3 * a.nbytes / _best(lambda: np.add(a, b, out=out), budget)
 
 
-def act_overhead(threads: int, short: int = 10, long: int = 210, steps: int = 10, runs: int = 5) -> float:
-    """The runtime's seconds an act: one rank in-process running chains of ``short`` and ``long`` tiny
-    ``add_scalar`` kernels (8 floats) for ``steps`` steps, the difference of their run times over the acts
-    the long chain adds; each chain's fastest of ``runs`` runs, taken in turns after a warm-up run (the
-    least disturbed, as every figure of the profile). Whole runs: steps this short report in bursts, so
-    their windows (``step_time``) would read nothing."""
+def act_overhead(threads: int, n: int = 100, short: int = 4, long: int = 24, runs: int = 3) -> float:
+    """The runtime's CPU seconds an act: one rank in-process running a chain of ``n`` tiny
+    ``add_scalar`` kernels (8 floats) for ``short`` and for ``long`` steps, the difference of the
+    process's CPU time over the acts the long run adds; each length's least of ``runs`` runs, taken in
+    turns after a warm-up run. CPU time, not wall time: an act's bookkeeping is the interpreter's work,
+    which the in-process ranks of a step do one after the other (``step_sim.host_bounds``), and which
+    other processes on a shared machine stretch in wall time but not in CPU time. The same chain at two
+    step counts: building its actors costs the same in both and cancels."""
     from sbpflow.control_plane.compiler.pipeline import compile as compile_job
     from sbpflow.control_plane.launcher import run
 
-    plans = {n: compile_job(_chain(n, steps)) for n in (short, long)}
+    plan = compile_job(_chain(n, long))
 
-    def seconds(n: int) -> float:
-        return run(plans[n], backend="inprocess", threads=threads, timeout=60).seconds
+    def cpu(steps: int) -> float:
+        t = time.process_time()
+        run(plan, steps=steps, backend="inprocess", threads=threads, timeout=60)
+        return time.process_time() - t
 
-    seconds(short)  # warm: later runs reuse what the first one starts
+    cpu(short)  # warm: later runs reuse what the first one starts
     best = {short: float("inf"), long: float("inf")}
     for _ in range(runs):
-        for n in best:
-            best[n] = min(best[n], seconds(n))
-    return max((best[long] - best[short]) / ((long - short) * steps), 1e-7)
+        for steps in best:
+            best[steps] = min(best[steps], cpu(steps))
+    return max((best[long] - best[short]) / ((n + 2) * (long - short)), 1e-7)
 
 
 WARM, WINDOW = 3, 4  # step_time's warm-up steps, and its window

@@ -11,8 +11,10 @@ schedule lets them. One rank stands for its stage: coordinate 0, whose shard is 
 **What a host shares** (:func:`host_bounds`). A CPU profile's rates are one rank's (its BLAS threads) on
 a host of ``host_cores`` cores, so the ranks placed on one host cannot together run more than the host
 does: the step is at least their busy seconds times their threads over the cores. Ranks that are threads
-of one process (the ``inprocess`` link) also share one interpreter, so their per-act bookkeeping and their
-data loading (Python loops) run one at a time: the step is at least the sum of those. Data loading runs
+of one process (the ``inprocess`` link) also share one interpreter, so their per-act bookkeeping, their
+kernels' time beyond the roofline (numpy's per-call cost), their collectives' CPU (the rendezvous and its
+numpy work, ``LinkProfile.interpreter``) and their data loading (Python loops) run one at a time: the
+step is at least the sum of those. Data loading runs
 ahead of compute (the loader prefetches a step), so it bounds the step rather than adding to it.
 The step is the largest of these bounds; :attr:`Bounds.name` says which one it is.
 """

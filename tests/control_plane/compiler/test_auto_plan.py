@@ -16,6 +16,7 @@ from sbpflow import data as sf_data
 from sbpflow.client.cli import main
 from sbpflow.control_plane.compiler import auto_blocks, auto_plan, cost_model, pipeline
 from sbpflow.control_plane.compiler.auto_layouts import Layout, relayout, stage_of, tp_pairs
+from sbpflow.control_plane.compiler.kernel_probe import measure_kernels
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import TensorKind
 from sbpflow.job import Job
@@ -141,6 +142,19 @@ def test_a_budget_is_given_in_bytes() -> None:
     no_memory = dataclasses.replace(PROFILE, memory_bytes=0)
     with pytest.raises(SbpflowError, match="does not say how much memory a device has"):
         auto_plan.search(mlp(), None, profile=no_memory)
+
+
+def test_a_cpu_profile_prices_each_plan_with_its_kernels_timed() -> None:
+    """On a profile of this machine (it has ``host_cores``) a candidate's kernels are timed here (cached a
+    process, so pricing twice gives the same figures); a device of its own (a GPU profile) is priced by
+    rooflines alone; the link priced is the one asked for."""
+    c = pipeline.compile(mlp())
+    cpu = dataclasses.replace(PROFILE, host_cores=2, threads=1)
+    kernels = measure_kernels(c.state, 1)
+    assert auto_plan.pricer(cpu)(c) == cost_model.estimate(c, cpu, kernels=kernels)
+    assert auto_plan.pricer(PROFILE)(c) == cost_model.estimate(c, PROFILE)
+    two = dataclasses.replace(PROFILE, links={**PROFILE.links, "inprocess": PROFILE.link()})
+    assert auto_plan.pricer(two, "inprocess")(c).link == "inprocess"
 
 
 def test_every_candidate_is_a_legal_plan() -> None:

@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from sbpflow.boxing import Collective, plan_boxing
@@ -26,7 +27,7 @@ from sbpflow.control_plane.compiler.cost_model import (
     step_seconds,
 )
 from sbpflow.control_plane.compiler.cpu_profile import measure_cpu_profile
-from sbpflow.control_plane.compiler.kernel_probe import measure_kernels
+from sbpflow.control_plane.compiler.kernel_probe import measure_kernels, probe_array
 from sbpflow.control_plane.compiler.stage_load import call_key
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.dtype import DType
@@ -52,7 +53,10 @@ FIXED = DeviceProfile(
 HOST = replace(
     FIXED,
     name="host",
-    links={**FIXED.links, "inprocess": LinkProfile(1e-5, 1e9, {"all-gather": (2e-5, 4e9)})},
+    links={
+        **FIXED.links,
+        "inprocess": LinkProfile(1e-5, 1e9, {"all-gather": (2e-5, 4e9)}, {"all-reduce": (3e-5, 2e9)}),
+    },
     host_cores=2,
     threads=1,
     data_row_s={"SyntheticSource:regression": 1e-4},
@@ -162,6 +166,11 @@ def test_the_measured_cpu_profile_is_positive_everywhere() -> None:
     for link in p.links.values():  # each collective of the boxing table measured apart
         assert set(link.collectives) == {"all-gather", "reduce-scatter", "all-to-all", "point-to-point"}
         assert all(lat > 0 and bw > 0 for lat, bw in link.collectives.values())
+    # the interpreter time of a call only where ranks are threads of one process
+    held = p.links["inprocess"].interpreter
+    assert set(held) == {"all-reduce", *p.links["inprocess"].collectives}
+    assert all(s > 0 and bw > 0 for s, bw in held.values())
+    assert not p.links["shm"].interpreter and not p.links["tcp"].interpreter
 
 
 # ---- communication -------------------------------------------------------------------------------------
@@ -186,6 +195,34 @@ def test_a_collective_measured_apart_uses_its_own_figures() -> None:
     assert link.seconds(Collective.all_gather, 4, 4e6) == pytest.approx(3 * 2e-5 + 4e6 / 4e9)
     assert link.seconds(Collective.reduce_scatter, 4, 4e6) == pytest.approx(3 * 1e-5 + 4e6 / 1e9)
     assert link.seconds(Collective.all_reduce, 1, 4e6) == 0.0  # a group of one sends nothing
+
+
+def test_a_collectives_interpreter_time_is_per_call_not_per_hop() -> None:
+    """Every rank meets the others once at an in-process rendezvous: its interpreter seconds are a call's
+    plus its bytes at the rate a thread moves them, for any group size; none for a group of one, or a
+    collective (or a link) without the figure."""
+    link = HOST.link("inprocess")
+    for p in (2, 4, 8):
+        assert link.cpu_seconds(Collective.all_reduce, p, 4e6) == pytest.approx(3e-5 + 4e6 / 2e9)
+    assert link.cpu_seconds(Collective.all_reduce, 1, 4e6) == 0.0
+    assert link.cpu_seconds(Collective.all_gather, 4, 4e6) == 0.0
+    assert FIXED.link().cpu_seconds(Collective.all_reduce, 4, 4e6) == 0.0
+
+
+def test_in_process_ranks_take_turns_in_their_collectives() -> None:
+    """Data parallel in process: each gradient all-reduce holds the interpreter on every rank, so the
+    step's interpreter bound grows by the ranks' calls one after the other; over shm (processes) the
+    same figure costs nothing."""
+    c = compiled("mlp", ranks=2)
+    bare = replace(HOST, links={**HOST.links, "inprocess": replace(HOST.link("inprocess"), interpreter={})})
+    held, free = estimate(c, HOST, "inprocess"), estimate(c, bare, "inprocess")
+    calls = [
+        (h, f) for h, f in zip(held.by_op, free.by_op, strict=True) if h.comm and h.python_s > f.python_s
+    ]
+    assert calls  # the all-reduces
+    assert all(h.seconds >= f.seconds for h, f in calls)
+    assert held.step_s > free.step_s and held.bound == "one interpreter (the GIL)"
+    assert estimate(c, HOST, "shm") == estimate(c, bare, "shm")
 
 
 def test_modelled_time_is_monotonic_in_bytes() -> None:
@@ -313,6 +350,14 @@ def test_every_kernel_of_a_plan_runs_on_probe_inputs() -> None:
     calls = {call_key(c.state, o) for o in c.state.graph.ops if o.op_type != "boxing"}
     assert set(kernels) == calls and all(t > 0 for t in kernels.values())
     assert measure_kernels(c.state) == kernels  # timed once a process: a search's candidates share them
+
+
+def test_probe_inputs_are_non_negative() -> None:
+    """A second moment or a variance is never negative; a negative probe would make NaNs, and numpy's
+    error path would time far slower than the kernel runs."""
+    rng = np.random.default_rng(0)
+    assert (probe_array(meta(64, 32), rng) >= 0).all()
+    assert not probe_array(TensorMeta((16,), DType.int64), rng).any()  # zeros: every index valid
 
 
 def test_a_timed_kernel_replaces_its_roofline() -> None:
