@@ -9,10 +9,12 @@ Per model (each traced data parallel, then re-laid out by the search): the searc
 ``--profile`` (``cpu``: this machine, measured at start-up), its winner's modelled step time against the
 best of the hand layouts {DP, TP, DP x TP, PP x DP, ZeRO-1/2/3} (and the example's own, Wide & Deep's
 tables split by rows), the target being at most 1.0x; then the measured step time of the winner, the
-hand layouts and the next fastest candidates, trained in process (``sf.run(backend="inprocess")``, the
-median step's wall time after 2 warm-up steps and the process's CPU time a step, the layouts run in
-turn ``--repeat`` times, each first in turn, the best run of each kept), and Spearman's rank correlation of modelled against measured (target
->= 0.8). Benchmark, not a test: this shared 2-core machine's step times are noisy.
+hand layouts and the next fastest candidates, trained in process (``sf.run(backend="inprocess")``, with
+the profile's BLAS threads a rank; the median step's wall time after 2 warm-up steps and the process's
+CPU time a step, the layouts run in turn ``--repeat`` times, each first in turn), and Spearman's rank
+correlation of modelled against measured (target >= 0.8): of the medians, and of each repetition (its
+spread). The model prices the ``--link`` the runs use (``inprocess``: ranks as threads sharing one
+interpreter). Benchmark, not a test: this shared 2-core machine's step times are noisy.
 
 ``--scale`` times the search itself on a GPT-175B-shaped job (96 layers, width 12,288, 96 heads, sequence
 2,048, batch 128) over 1,024 devices: see :mod:`bench._auto_scale`.
@@ -37,6 +39,7 @@ import sbpflow as sf  # noqa: E402
 from bench._shared import load_example  # noqa: E402
 from sbpflow.control_plane.compiler import auto_plan, pipeline  # noqa: E402
 from sbpflow.control_plane.compiler.auto_layouts import Layout, relayout  # noqa: E402
+from sbpflow.control_plane.compiler.cost_model import DeviceProfile  # noqa: E402
 
 RANKS = 4
 # model -> (example, make_job arguments, its own hand layout where the example has one beside the flags')
@@ -68,42 +71,72 @@ def hand_rows(found: auto_plan.Search, own: Layout | None) -> dict[str, auto_pla
 
 @dataclass(frozen=True)
 class Measured:
-    wall_ms: float  # the median step's wall time (StepMetrics.step_seconds) after 2 warm-up steps
-    cpu_ms: float  # this process's CPU time a step: (a run of ``steps`` less a run of 2) / (steps - 2)
+    """One layout's runs, one figure per repetition: the median step's wall time after 2 warm-up steps
+    (``StepMetrics.step_seconds``), and the process's CPU time a step (a run of ``steps`` less a run of
+    2, over ``steps - 2``: the in-process ranks are threads of this process, so this is every rank's
+    work, which the machine's other load disturbs far less than wall time)."""
+
+    wall_ms: tuple[float, ...]
+    cpu_ms: tuple[float, ...]
 
 
-def run_once(plan: pipeline.Compiled, steps: int) -> tuple[list[float], float]:
+def run_once(plan: pipeline.Compiled, steps: int, threads: int) -> tuple[list[float], float]:
     secs: list[float] = []
     cpu = time.process_time()
-    sf.run(plan, steps=steps, backend="inprocess", timeout=600, on_step=lambda m: secs.append(m.step_seconds))
+    sf.run(
+        plan,
+        steps=steps,
+        backend="inprocess",
+        timeout=600,
+        threads=threads,
+        on_step=lambda m: secs.append(m.step_seconds),
+    )
     return secs, time.process_time() - cpu
 
 
-def measure(job: Any, lays: list[Layout], steps: int, repeat: int) -> dict[Layout, Measured]:
-    """Each layout trained in process ``repeat`` times, the layouts in turn and each first in turn; the
-    fastest wall and the least CPU time a step of each. The in-process ranks are threads of this process,
-    so its CPU time is every rank's work, which the machine's other load disturbs less than wall time."""
+def measure(job: Any, lays: list[Layout], steps: int, repeat: int, threads: int) -> dict[Layout, Measured]:
+    """Each layout trained in process ``repeat`` times, the layouts in turn and each first in turn, with
+    ``threads`` BLAS threads a rank (the profile's: its rates were measured so; the process's default
+    gives each of the 4 rank threads every core, and their GEMMs then fight over them)."""
     plans = {lay: pipeline.compile(relayout(job, lay)) for lay in lays}
     walls: dict[Layout, list[float]] = {lay: [] for lay in lays}
     cpus: dict[Layout, list[float]] = {lay: [] for lay in lays}
     for r in range(repeat):
         for lay in lays[r % len(lays) :] + lays[: r % len(lays)]:
-            secs, cpu = run_once(plans[lay], steps)
-            _, cpu2 = run_once(plans[lay], 2)
+            secs, cpu = run_once(plans[lay], steps, threads)
+            _, cpu2 = run_once(plans[lay], 2, threads)
             walls[lay].append(1e3 * statistics.median(secs[2:]))
             cpus[lay].append(1e3 * (cpu - cpu2) / (steps - 2))
-    return {lay: Measured(min(walls[lay]), min(cpus[lay])) for lay in lays}
+    return {lay: Measured(tuple(walls[lay]), tuple(cpus[lay])) for lay in lays}
 
 
-def one_model(name: str, args: argparse.Namespace) -> None:
+def spread(xs: tuple[float, ...]) -> str:
+    return f"{statistics.median(xs):.3g} [{min(xs):.3g}-{max(xs):.3g}]"
+
+
+def ranking(modelled: dict[Layout, float], got: dict[Layout, Measured], what: str) -> str:
+    """Spearman of the modelled step against the measured one: of each repetition, and of the medians."""
+    lays = list(got)
+    runs = [getattr(got[x], what) for x in lays]
+    per = [
+        spearmanr([modelled[x] for x in lays], [r[i] for r in runs]).statistic for i in range(len(runs[0]))
+    ]
+    med = spearmanr([modelled[x] for x in lays], [statistics.median(r) for r in runs]).statistic
+    return (
+        f"target: Spearman(modelled, measured {what}) over {len(lays)} layouts = {med:.2f} of the medians "
+        f"(>= 0.8); by repetition {' '.join(f'{x:.2f}' for x in per)}"
+    )
+
+
+def one_model(name: str, args: argparse.Namespace, profile: DeviceProfile) -> None:
     example, kwargs, own = MODELS[name]
     job = load_example(example).make_job(ranks=RANKS, steps=args.steps, **kwargs)
     t = time.perf_counter()
-    found = auto_plan.search(job, args.memory, profile=args.profile)
+    found = auto_plan.search(job, args.memory, profile=profile, link=args.link)
     took = time.perf_counter() - t
     print(
-        f"\n== {name} ({kwargs}) on {RANKS} ranks, {args.profile} profile: {len(found.candidates)} layouts "
-        f"weighed in {took:.1f} s"
+        f"\n== {name} ({kwargs}) on {RANKS} ranks, {profile.name} profile over {args.link}: "
+        f"{len(found.candidates)} layouts weighed in {took:.1f} s"
     )
     print(found.table())
     print(found.why())
@@ -123,19 +156,27 @@ def one_model(name: str, args: argparse.Namespace) -> None:
         dict.fromkeys([w.layout, *(c.layout for c in hand.values()), *(c.layout for c in fitting[:3])])
     )
     modelled = {c.layout: c.estimate.step_s * 1e3 for c in fitting if c.estimate is not None}
-    got = measure(job, chosen, args.steps, args.repeat)
-    print(f"{'layout':30s} {'modelled ms':>12s} {'wall ms':>10s} {'CPU ms':>10s}")
+    got = measure(job, chosen, args.steps, args.repeat, profile.threads)
+    print(
+        f"{'layout':30s} {'modelled ms':>12s} {'wall ms: median [range]':>26s} {'CPU ms: median [range]':>26s}"
+    )
     for lay in sorted(chosen, key=lambda x: modelled[x]):
-        print(f"{str(lay):30s} {modelled[lay]:>12.3g} {got[lay].wall_ms:>10.3g} {got[lay].cpu_ms:>10.3g}")
+        print(
+            f"{str(lay):30s} {modelled[lay]:>12.3g} {spread(got[lay].wall_ms):>26s} {spread(got[lay].cpu_ms):>26s}"
+        )
     for what in ("wall_ms", "cpu_ms"):
-        rho = spearmanr([modelled[x] for x in chosen], [getattr(got[x], what) for x in chosen]).statistic
-        print(f"target: Spearman(modelled, measured {what}) over {len(chosen)} layouts = {rho:.2f} (>= 0.8)")
+        print(ranking(modelled, got, what))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"some of {','.join(MODELS)}")
     ap.add_argument("--profile", default="cpu", help="the cost model's device profile: cpu, h200 or a file")
+    ap.add_argument(
+        "--link",
+        default="inprocess",
+        help="the link the model prices (default inprocess: what the measured runs use; shm, tcp, nccl)",
+    )
     ap.add_argument("--memory", type=int, default=80 * 10**9, help="the budget per device, bytes")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeat", type=int, default=3)
@@ -147,8 +188,9 @@ def main() -> None:
 
         scale(args.profile if args.profile != "cpu" else "h200")
         return
+    profile = auto_plan.load(args.profile)
     for name in args.models.split(","):
-        one_model(name, args)
+        one_model(name, args, profile)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"\npeak RSS {rss:.2f} GB")
 
