@@ -15,7 +15,8 @@ that keeps a loop from vectorising (it made sigmoid 30x slower). Compiled on fir
 this file (``cache=True``).
 
 Each takes 2-d C-contiguous arrays ``[rows, n]`` of one float dtype and writes its outputs in place.
-``add_rows_at`` is embedding_grad's scatter-add of rows (shape.py), ~10x numpy's sort and reduceat;
+``take_rows`` is embedding's gather of rows (shape.py), ``add_rows_at`` embedding_grad's scatter-add of
+them, ~10x numpy's sort and reduceat;
 ``sigmoid_all``, ``gelu_erf_all`` and ``gelu_erf_grad_all`` are activation.py's sigmoid and exact GELU,
 elementwise on flat arrays; ``sum_rows``, ``sum_all`` and ``max_rows`` are reduction.py's sum_to of a bias
 gradient, its sum of a whole array and its max along the last axis; ``concat_rows`` is shape.py's concat;
@@ -260,6 +261,22 @@ def add_rows_at(out: Any, ids: Any, start: int, values: Any) -> None:  # pragma:
         if 0 <= k < size:
             for j in range(n):
                 out[k, j] += values[r, j]
+
+
+@njit(cache=True, error_model="numpy")
+def take_rows(weight: Any, ids: Any, start: int, out: Any) -> None:  # pragma: no cover - compiled
+    """out[r] = weight[ids[r] - start], or zeros where that falls outside weight's rows (embedding: the
+    rows of this rank's vocabulary range; ids outside it look up zeros, as the numpy kernel's). One pass,
+    where numpy made the range mask, its all(), then the take: 6.9 against 5.2 us for PyTorch."""
+    size, n = weight.shape
+    for r in range(ids.size):
+        k = ids[r] - start
+        if 0 <= k < size:
+            for j in range(n):
+                out[r, j] = weight[k, j]
+        else:
+            for j in range(n):
+                out[r, j] = 0
 
 
 @njit(cache=True, error_model="numpy", fastmath=_FLAGS)

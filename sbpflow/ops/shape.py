@@ -321,6 +321,14 @@ def _embedding_infer(metas: Metas, attrs: Attrs) -> Metas:
     return (TensorMeta((*ids.shape, weight.shape[1]), weight.dtype),)
 
 
+_IDS = frozenset({np.dtype(np.int32), np.dtype(np.int64)})
+
+
+def _int_rows(ids: Any) -> bool:
+    """Whether rows_jit's gather may read ``ids``: a C-contiguous int32/int64 numpy array."""
+    return isinstance(ids, np.ndarray) and ids.dtype in _IDS and ids.flags.c_contiguous
+
+
 def _in_range(xp: Any, ids: Any, rows_here: slice) -> tuple[Any, Any]:
     """ids relative to this rank's vocabulary rows, and which of them fall in its range."""
     local = ids - ids.dtype.type(rows_here.start)
@@ -331,6 +339,12 @@ def _embedding_kernel(ctx: KernelContext, weight: Any, ids: Any) -> Any:
     # under a vocabulary split (S(0) -> P) each rank looks up its own rows and writes zeros for the rest;
     # ids outside [0, V) look up zeros everywhere, the same on one rank as on many
     xp = ctx.xp
+    if _int_rows(ids) and (jit := jit_rows(xp, weight)) is not None and weight.ndim == 2:
+        out = xp.empty((*ids.shape, weight.shape[1]), dtype=weight.dtype)
+        jit.take_rows(
+            weight, ids.reshape(-1), ctx.in_index[0][0].start, out.reshape(ids.size, weight.shape[1])
+        )
+        return out
     local, hit = _in_range(xp, ids, ctx.in_index[0][0])
     if xp is np and hit.all():  # every id on this rank (always, unsplit): no zeros to write
         return np.take(weight, local, axis=0)

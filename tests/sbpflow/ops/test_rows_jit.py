@@ -16,8 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sbpflow.ops  # noqa: F401  (registers every op family)
-from sbpflow.ops.eager import EagerBuilder
+from sbpflow.dtype import DType
+from sbpflow.ops.base import KernelContext, get_op
+from sbpflow.ops.eager import EagerBuilder, full_index
 from sbpflow.ops.rowwise import jit_rows
+from sbpflow.tensor_meta import TensorMeta
 
 numba = pytest.importorskip("numba")
 from sbpflow.ops.jit_math import FLAGS, vexp  # noqa: E402  (needs numba)
@@ -340,3 +343,20 @@ def test_vocab_loss_and_its_gradient_match_numpys(dtype: Any, label_dtype: Any) 
     dy = np.random.default_rng(12).standard_normal(labels.shape).astype(dtype)
     got, want = _vocab_both("vocab_cross_entropy_grad", labels, None, sum_exp, dy, ignore_index=IGNORE)
     same(got, want, dtype, "vocab_cross_entropy_grad")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ids_shape", [(16, 64), (5,), (1,), (0, 3)])
+@pytest.mark.parametrize("rows_here", [slice(0, 9), slice(3, 7)])
+def test_embedding_gather_matches_numpys(dtype: Any, ids_shape: tuple[int, ...], rows_here: slice) -> None:
+    """rows_jit.take_rows against the numpy kernel (the ids strided): on a shard of the vocabulary
+    (rows 3..6 of 9, as under S(0)) the ids off it, and those outside 0..V-1, look up zeros."""
+    rng = np.random.default_rng(13)
+    weight = rng.standard_normal((rows_here.stop - rows_here.start, 4)).astype(dtype)
+    ids = rng.integers(-2, 11, size=ids_shape).astype(np.int64)
+    meta = (TensorMeta((9, 4), DType(np.dtype(dtype).name)), TensorMeta(ids_shape, DType.int64))
+    ctx = KernelContext(np, {}, meta, (), ((rows_here, slice(0, 4)), full_index(meta[1])), ())
+    op = get_op("embedding")
+    (got,) = op.run_kernel(ctx, [weight, ids])
+    (want,) = op.run_kernel(ctx, [weight, strided(ids)])
+    np.testing.assert_array_equal(got, want)  # a gather: exact
