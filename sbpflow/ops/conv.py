@@ -209,7 +209,10 @@ def _conv_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
     ]
 
 
-# ---- the fast path: windows as rows (conv_jit.py), one GEMM with the positions as rows ------------
+def _fast(xp: Any, a: Any, attrs: Attrs) -> ModuleType | None:
+    """conv_jit, where its window rows may run a convolution kernel reading ``a``: groups 1 (a group's
+    channels would not be one run of a row) and an array jit_loops takes."""
+    return jit_loops("conv_jit", xp, a) if int(attrs["groups"]) == 1 else None
 
 
 def _geometry3(attrs: Attrs) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
@@ -220,39 +223,10 @@ def _geometry3(attrs: Attrs) -> tuple[tuple[int, int], tuple[int, int], tuple[in
     )
 
 
-def _window_rows(xp: Any, x: Any, kernel: tuple[int, int], attrs: Attrs) -> Any | None:
-    """x [N, C, H, W]'s windows as rows [N, OH, OW, KH*KW*C] (conv_jit.im2row), or None where conv_jit
-    does not take x or the convolution is grouped (a group's channels would not be one run of a row)."""
-    jit = jit_loops("conv_jit", xp, x) if int(attrs["groups"]) == 1 else None
-    if jit is None:
-        return None
-    stride, padding, dilation = _geometry3(attrs)
-    n, c, h, w = x.shape
-    padded = xp.empty((n, h + 2 * padding[0], w + 2 * padding[1], c), dtype=x.dtype)
-    jit.nhwc_padded(x, padding[0], padding[1], padded)
-    oh, ow = (out_size((h, w)[a], kernel[a], stride[a], padding[a], dilation[a]) for a in (0, 1))
-    rows = xp.empty((n, oh, ow, *kernel, c), dtype=x.dtype)
-    jit.im2row(padded, kernel, stride, dilation, rows)
-    return rows.reshape(n, oh, ow, -1)
-
-
-def _weight_rows(w: Any) -> Any:
-    """w [O, C, KH, KW] as [KH*KW*C, O]: the window rows' order (a copy of the small weight)."""
-    return w.transpose(2, 3, 1, 0).reshape(-1, w.shape[0])
-
-
-def _rows_conv(xp: Any, rows: Any, w: Any) -> Any:
-    """y [N, O, OH, OW] = the window rows [N, OH, OW, K] by w: the GEMM rows @ w' (OpenBLAS's fast order
-    for few output channels and many positions), then channels first."""
-    n, oh, ow, k = rows.shape
-    y = rows.reshape(-1, k) @ _weight_rows(w)  # [N*OH*OW, O]
-    return xp.ascontiguousarray(y.reshape(n, oh * ow, -1).transpose(0, 2, 1)).reshape(n, -1, oh, ow)
-
-
 def _conv(xp: Any, x: Any, w: Any, attrs: Attrs) -> Any:
     """conv2d of x [N, C, H, W] by w [O, C/groups, KH, KW]: im2col, then one GEMM per group."""
-    if (rows := _window_rows(xp, x, w.shape[2:], attrs)) is not None:
-        return _rows_conv(xp, rows, w)
+    if (jit := _fast(xp, x, attrs)) is not None:
+        return jit.conv(x, w, *_geometry3(attrs))
     g = int(attrs["groups"])
     cols = im2col(xp, x, w.shape[2:], attrs)  # [C, KH, KW, N, OH, OW]
     c, kh, kw, n, oh, ow = cols.shape
@@ -324,33 +298,17 @@ def _transposed_conv(xp: Any, dy: Any, w: Any, attrs: Attrs) -> Any | None:
     return _conv(xp, dy, _grouped(xp, g, flipped, 0), {**attrs, "padding": pad})  # [N, C, H, W]
 
 
-def _rows_grad_input(xp: Any, dy: Any, w: Any, attrs: Attrs) -> Any | None:
-    """The strided input gradient on the fast path: the window rows' gradient dy' @ w' by one GEMM, each
-    added back where its window read (conv_jit.add_rows_back), then channels first. None where conv_jit
-    does not take dy, or for groups."""
-    stride, padding, dilation = _geometry3(attrs)
-    n, o, oh, ow = dy.shape
-    _, c, kh, kw = w.shape
-    h, wd = pair("conv2d_grad_input", attrs, "input_hw", 1)
-    hw = tuple(out_size((h, wd)[a], w.shape[2 + a], stride[a], padding[a], dilation[a]) for a in (0, 1))
-    fits = hw == (oh, ow)  # add_rows_back does not bounds-check; numpy raises on a shard of other shape
-    jit = jit_loops("conv_jit", xp, dy) if fits and int(attrs["groups"]) == 1 else None
-    if jit is None:
-        return None
-    rows = dy.transpose(0, 2, 3, 1).reshape(-1, o) @ _weight_rows(w).T  # [N*OH*OW, KH*KW*C]
-    padded = xp.empty((n, h + 2 * padding[0], wd + 2 * padding[1], c), dtype=dy.dtype)
-    jit.add_rows_back(rows.reshape(n, oh, ow, kh, kw, c), (kh, kw), stride, dilation, padded)
-    inner = padded[:, padding[0] : padding[0] + h, padding[1] : padding[1] + wd]
-    return xp.ascontiguousarray(inner.transpose(0, 3, 1, 2))
-
-
 def _grad_input_kernel(ctx: KernelContext, dy: Any, w: Any) -> Any:
     xp, g = ctx.xp, int(ctx.attrs["groups"])
     direct = _transposed_conv(xp, dy, w, ctx.attrs)
     if direct is not None:
         return direct
-    if (fast := _rows_grad_input(xp, dy, w, ctx.attrs)) is not None:
-        return fast
+    stride, padding, dilation = _geometry3(ctx.attrs)
+    hw = pair("conv2d_grad_input", ctx.attrs, "input_hw", 1)
+    outs = tuple(out_size(hw[a], w.shape[2 + a], stride[a], padding[a], dilation[a]) for a in (0, 1))
+    # add_rows_back does not bounds-check; numpy raises on a shard of another shape
+    if outs == dy.shape[2:] and (jit := _fast(xp, dy, ctx.attrs)) is not None:
+        return jit.conv_grad_input(dy, w, hw, stride, padding, dilation)
     n, o, oh, ow = dy.shape  # strided: the taps' gradients by one GEMM, added back one tap at a time
     og = o // g
     _, cg, kh, kw = w.shape
@@ -412,10 +370,8 @@ def _grad_weight_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
 def _grad_weight_kernel(ctx: KernelContext, dy: Any, x: Any) -> Any:
     xp, g = ctx.xp, int(ctx.attrs["groups"])
     kernel = pair("conv2d_grad_weight", ctx.attrs, "kernel_hw", 1)
-    if (rows := _window_rows(xp, x, kernel, ctx.attrs)) is not None:  # dy [O, N*OH*OW] @ rows
-        o, k = dy.shape[1], rows.shape[-1]
-        dw = dy.transpose(1, 0, 2, 3).reshape(o, -1) @ rows.reshape(-1, k)  # [O, KH*KW*C]
-        return xp.ascontiguousarray(dw.reshape(o, *kernel, -1).transpose(0, 3, 1, 2))
+    if (jit := _fast(xp, x, ctx.attrs)) is not None:
+        return jit.conv_grad_weight(dy, x, kernel, *_geometry3(ctx.attrs))
     cols = im2col(xp, x, kernel, ctx.attrs)  # [C, KH, KW, N, OH, OW]
     c, kh, kw, n, oh, ow = cols.shape
     o = dy.shape[1]

@@ -3,8 +3,8 @@ replace.
 
 Each convolution op runs twice on the same values: on C-contiguous inputs, which take conv_jit's loops
 and the row-layout GEMM, and on a strided view of them, which ``conv.jit_loops`` refuses, so the numpy
-kernel runs. Odd sizes, strides, padding, dilation and 1x1 kernels; float64 to rounding, float32 to its
-precision (the GEMMs add in another order). Grouped convolutions keep the numpy kernel on both.
+kernel runs. Odd sizes, strides, padding, dilation and 1x1 kernels, in one block of samples and a sample
+a block; float64 to rounding, float32 to its precision (the GEMMs add in another order). Grouped convolutions keep the numpy kernel on both.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from sbpflow.ops.conv import jit_loops, out_size
 from sbpflow.ops.eager import EagerBuilder
 
 pytest.importorskip("numba")
+from sbpflow.ops import conv_jit  # noqa: E402  (needs numba)
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 TOL = {np.float64: (1e-11, 1e-12), np.float32: (2e-4, 2e-5)}
@@ -89,10 +90,14 @@ def _tensors(g: dict[str, Any], dtype: Any, seed: int) -> tuple[Any, Any, Any]:
     return x, w, dy
 
 
+@pytest.mark.parametrize("block_bytes", [conv_jit.BLOCK_BYTES, 1])  # 1: a sample a block
 @pytest.mark.parametrize("dtype", DTYPES)
 @SETTINGS
 @given(g=geometries(), seed=st.integers(0, 2**32 - 1))
-def test_conv2d_and_its_gradients(dtype: Any, g: dict[str, Any], seed: int) -> None:
+def test_conv2d_and_its_gradients(
+    dtype: Any, g: dict[str, Any], seed: int, block_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(conv_jit, "BLOCK_BYTES", block_bytes)
     x, w, dy = _tensors(g, dtype, seed)
     a = g["attrs"]
     what = f"{x.shape} by {w.shape}, {a}"
