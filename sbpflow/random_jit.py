@@ -6,7 +6,7 @@ and writes ``x * keep / (1 - rate)`` at once. It computes exactly random.py's co
 keep test on the raw word, so its mask is bit for bit the numpy generator's, which stays the reference
 and cupy's path (``tests/sbpflow/test_random.py`` compares the two on several keys, shards and shapes).
 
-Every operand is a uint32 or uint64 numpy scalar: numba types a uint64 mixed with a Python int as
+It releases the GIL (``nogil``), as numpy's loops do. Every operand is a uint32 or uint64 numpy scalar: numba types a uint64 mixed with a Python int as
 float64, which would lose the words' low bits.
 """
 
@@ -22,7 +22,7 @@ _LOW = np.uint64(0xFFFFFFFF)
 _32 = np.uint64(32)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def dropout_rows(
     x: Any, bases: Any, step: Any, tid: Any, keys: Any, threshold: Any, scale: Any, out: Any
 ) -> None:  # pragma: no cover - compiled

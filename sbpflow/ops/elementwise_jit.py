@@ -3,7 +3,8 @@
 numpy spends ~12 passes over the array on the tanh form's gradient, each a temporary written and read
 back; PyTorch makes one. These make one pass, with jit_math's ``vexp``, an exp that vectorises inside
 the loop. The flags and the error model are rows_jit.py's (see its docstring): reassociation is allowed,
-nan and inf keep their meaning, a division by zero is inf or nan, not a check an element.
+nan and inf keep their meaning, a division by zero is inf or nan, not a check an element. ``nogil``: a kernel
+releases the GIL, as numpy's loops do, so the runtime's other actor threads run meanwhile.
 
 The tanh form is written through the logistic function, which needs one exp and no tanh:
 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)), so gelu(x) = x / (1 + exp(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3),
@@ -38,7 +39,7 @@ _A = 0.044715
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
-@njit(cache=True, error_model="numpy", fastmath=FLAGS)
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=FLAGS)
 def gelu_tanh_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out = x / (1 + exp(-2u)): activation.py's gelu (the tanh form)."""
     f = x.dtype.type
@@ -48,7 +49,7 @@ def gelu_tanh_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
         out[i] = v / (one + vexp(v * (c + a * v * v)))
 
 
-@njit(cache=True, error_model="numpy", fastmath=FLAGS)
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=FLAGS)
 def gelu_tanh_grad_all(dy: Any, x: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out = dy (s + x (2 sqrt(2/pi)) (1 + 3 * 0.044715 x^2) e s s): activation.py's gelu_grad."""
     f = x.dtype.type
@@ -64,7 +65,7 @@ def gelu_tanh_grad_all(dy: Any, x: Any, out: Any) -> None:  # pragma: no cover -
         out[i] = dy[i] * (s + slope)
 
 
-@njit(cache=True, error_model="numpy", fastmath=FLAGS)
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=FLAGS)
 def gelu_erf_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out = x Phi(x): activation.py's gelu_erf."""
     for i in range(x.size):
@@ -72,7 +73,7 @@ def gelu_erf_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
         out[i] = v * normal_cdf(v)[0]
 
 
-@njit(cache=True, error_model="numpy", fastmath=FLAGS)
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=FLAGS)
 def gelu_erf_grad_all(dy: Any, x: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out = dy (Phi(x) + x exp(-x^2 / 2) / sqrt(2 pi)): activation.py's gelu_erf_grad."""
     k = x.dtype.type(_INV_SQRT_2PI)
@@ -82,7 +83,7 @@ def gelu_erf_grad_all(dy: Any, x: Any, out: Any) -> None:  # pragma: no cover - 
         out[i] = dy[i] * (cdf + v * g * k)
 
 
-@njit(cache=True, error_model="numpy", fastmath=FLAGS)
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=FLAGS)
 def add_rows(a: Any, b: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out[i] = a[i] + b: elementwise.py's add of [..., n] and a bias [n] (numpy's broadcast loop
     restarts at every row of n, twice this loop's time on the GPT's [16, 64, 192] + [192])."""
