@@ -1,26 +1,28 @@
-"""One pass a row: nn.py's softmax, layer norm and cross entropy kernels compiled with numba, for numpy.
+"""One pass a row: nn.py's softmax, layer norm and cross entropy kernels, and the row loops of
+reduction.py, shape.py and vocab.py, compiled with numba, for numpy.
 
 numpy makes each of these ops 4-8 calls (a reduction, a broadcast, an elementwise op, ...), and each
 pass over a row of 64 pays its per-row setup; PyTorch makes one fused pass. These loops make one pass a
 row over what the row needs, with jit_math's ``vexp`` and ``vmax``, an exp and a running maximum that
 vectorise inside them.
 
-They are the fast path only. Every one computes the formula of its numpy kernel in nn.py, which stays
-the reference and the kernel for cupy and for arrays these do not take (see ``rowwise.jit_rows``);
-``tests/sbpflow/ops/test_rows_jit.py`` checks each against it. The flags let LLVM reassociate the row
-sums (so it vectorises them: a sum's last bits differ from numpy's, and a row's result depends on that
-row alone, so a shard's rows match the whole tensor's) but keep nan and inf semantics: a masked score
-is -inf. ``error_model="numpy"``: a division by zero gives inf or nan, as numpy's, not a check an element
-that keeps a loop from vectorising (it made sigmoid 30x slower). Compiled on first use and cached beside
-this file (``cache=True``).
+They are the fast path only. Every one computes the formula of its numpy kernel (in nn.py, or the
+module named below), which stays the reference and the kernel for cupy and for arrays these do not take
+(see ``rowwise.jit_rows``); ``tests/sbpflow/ops/test_rows_jit.py`` checks each against it. The flags let
+LLVM reassociate the row sums (so it vectorises them: a sum's last bits differ from numpy's, and a row's
+result depends on that row alone, so a shard's rows match the whole tensor's) but keep nan and inf
+semantics: a masked score is -inf. ``error_model="numpy"``: a division by zero gives inf or nan, as
+numpy's, not a check an element that keeps a loop from vectorising (it made sigmoid 30x slower).
+Compiled on first use and cached beside this file (``cache=True``).
 
-Each takes 2-d C-contiguous arrays ``[rows, n]`` of one float dtype and writes its outputs in place.
-``take_rows`` is embedding's gather of rows (shape.py), ``add_rows_at`` embedding_grad's scatter-add of
-them, ~10x numpy's sort and reduceat;
+Each takes C-contiguous arrays of one float dtype (2-d ``[rows, n]`` unless it says otherwise; ids and
+labels are int32/int64) and writes its outputs in place. ``take_rows`` is embedding's gather of rows
+(shape.py) and ``add_rows_at`` embedding_grad's scatter-add of them, ~10x numpy's sort and reduceat;
 ``sigmoid_all``, ``gelu_erf_all`` and ``gelu_erf_grad_all`` are activation.py's sigmoid and exact GELU,
-elementwise on flat arrays; ``sum_rows``, ``sum_all`` and ``max_rows`` are reduction.py's sum_to of a bias
-gradient, its sum of a whole array and its max along the last axis; ``concat_rows`` is shape.py's concat;
-``vocab_loss_rows`` and ``vocab_loss_grad_rows`` are vocab.py's loss from its per-row statistics.
+elementwise on flat arrays; ``sum_rows``, ``sum_all`` and ``max_rows`` are reduction.py's sum_to of a
+bias gradient, its sum of a whole array and its max along the last axis; ``concat_rows`` is shape.py's
+concat; ``vocab_loss_rows`` and ``vocab_loss_grad_rows`` are vocab.py's loss from its per-row
+statistics.
 """
 
 from __future__ import annotations

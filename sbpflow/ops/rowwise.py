@@ -7,8 +7,9 @@ and makes no temporary for a dot product. It adds in another order, so the last 
 ``max`` along a row is not vectorised (~1 ns an element); its ``argmax`` is, and the element it points at
 is the same value, in a third of the time on every shape of the GPT examples.
 
-``jit_rows`` says where nn.py's softmax, layer norm and cross entropy kernels may run rows_jit.py's
-one-pass numba loops instead of these (numpy arrays, C-contiguous, float32 or float64).
+``jit_rows`` says where a kernel may run rows_jit.py's one-pass numba loops instead (nn.py's softmax,
+layer norm and cross entropy; reduction.py's, shape.py's and vocab.py's loops): numpy arrays,
+C-contiguous, float32 or float64. It runs on every call of those kernels, so it is kept cheap.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _rows_jit() -> ModuleType | None:
 
 
 def jit_rows(xp: Any, *arrays: Any) -> ModuleType | None:
-    """rows_jit, where its one-pass row loops may run nn.py's kernel on ``arrays`` (the inputs, then any
+    """rows_jit, where its one-pass row loops may run a kernel on ``arrays`` (the inputs, then any
     ``out=`` array): numpy, numba installed, every array C-contiguous with rows to work on, and one float
     dtype (float32 or float64; the others, and cupy, take the numpy kernel). None otherwise."""
     if xp is not np:
