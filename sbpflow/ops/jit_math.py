@@ -99,7 +99,7 @@ def _exp32_normal_impl(c: Any) -> Any:  # pragma: no cover - compiled
     k = np.floor(c * np.float32(1.44269504088896341) + np.float32(0.5))
     # r = c - k ln 2 in two parts by fma, which no reassociation undoes: inlined into normal_cdf, this
     # runs under its caller's flags, and reassociated, the two parts fold into one rounded k ln 2 (35 ulp)
-    r = vfma(k, np.float32(-0.693359375), c)  # type: ignore[call-arg]
+    r: Any = vfma(k, np.float32(-0.693359375), c)  # type: ignore[call-arg]
     r = vfma(k, np.float32(2.12194440e-4), r)  # type: ignore[call-arg]
     p = np.float32(1.9875691500e-4)
     p = p * r + np.float32(1.3981999507e-3)
