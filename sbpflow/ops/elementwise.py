@@ -171,8 +171,9 @@ def _binary_kernel(fn: Callable[[Any, Any], Any], ufunc: str) -> Callable[..., A
     """``fn(a, b)``, or the ufunc written into the runtime's dead previous output (``ctx.out_array``)."""
 
     def kernel(ctx: KernelContext, a: Any, b: Any) -> Any:
-        # a bias: half numpy's broadcast time, once the array outweighs a numba call's ~1.5 us
-        if ufunc == "add" and getattr(b, "ndim", 0) == 1 < a.ndim and a.size >= 4096:
+        # a bias ([..., n] + [n], or a position table): half numpy's broadcast time, once the array
+        # outweighs a numba call's ~1.5 us
+        if ufunc == "add" and 0 < getattr(b, "ndim", 0) < a.ndim and a.size >= 4096:
             if (y := jit_elementwise(ctx, "add_rows", a, b)) is not None:
                 return y
         out = ctx.out_array(0)
@@ -308,18 +309,23 @@ def jit_elementwise(ctx: KernelContext, loop: str, *inputs: Any) -> Any:
     """Output 0 computed by elementwise_jit's one-pass ``loop``, into the runtime's dead previous output
     where it fits; None where the loop does not take the inputs (rowwise.jit_rows: numpy, C-contiguous,
     float32 or float64) and the numpy kernel runs. The inputs are of one shape, flattened for the loop,
-    or [..., n] and a bias [n], the first and the output as rows [-1, n] and the bias as it is."""
+    or (a row loop) x and a bias of x's trailing shape, x and the output as rows of the bias's size."""
     shape: tuple[int, ...] = getattr(inputs[0], "shape", ())
     if jit_rows(ctx.xp, *inputs) is None or (loops := _loops()) is None:
         return None
     bias = any(a.shape != shape for a in inputs)
-    if bias and (loop not in _ROW_LOOPS or len(inputs) != 2 or inputs[1].shape != shape[-1:]):
+    if bias and (
+        loop not in _ROW_LOOPS or len(inputs) != 2 or inputs[1].shape != shape[len(shape) - inputs[1].ndim :]
+    ):
         return None
     out = ctx.out_array(0)
     if out is None or jit_rows(ctx.xp, inputs[0], out) is None:
         out = ctx.xp.empty(shape, dtype=inputs[0].dtype)
-    view = (lambda a: a.reshape(-1, shape[-1])) if bias else (lambda a: a.reshape(-1))
-    getattr(loops, loop)(*(view(a) if a.shape == shape else a for a in inputs), view(out))
+    if bias:
+        n = inputs[1].size
+        getattr(loops, loop)(inputs[0].reshape(-1, n), inputs[1].reshape(n), out.reshape(-1, n))
+    else:
+        getattr(loops, loop)(*(a.reshape(-1) for a in inputs), out.reshape(-1))
     return out
 
 

@@ -85,8 +85,9 @@ def gelu_erf_grad_all(dy: Any, x: Any, out: Any) -> None:  # pragma: no cover - 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=FLAGS)
 def add_rows(a: Any, b: Any, out: Any) -> None:  # pragma: no cover - compiled
-    """out[i] = a[i] + b: elementwise.py's add of [..., n] and a bias [n] (numpy's broadcast loop
-    restarts at every row of n, twice this loop's time on the GPT's [16, 64, 192] + [192])."""
+    """out[i] = a[i] + b: elementwise.py's add of x and a bias of x's trailing shape, flattened to [n]
+    (numpy's broadcast loop restarts at every row, twice this loop's time on the GPT's [16, 64, 192] +
+    [192])."""
     rows, n = a.shape
     for i in range(rows):
         for j in range(n):

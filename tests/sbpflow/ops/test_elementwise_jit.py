@@ -152,16 +152,20 @@ def test_writes_into_a_lent_output_and_refuses_what_it_does_not_take(op: str) ->
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize("shape", [(3, 7), (2, 5, 17), (16, 64, 192), (1, 3)])
-def test_bias_add_is_numpys_sum_bit_for_bit(dtype: Any, shape: tuple[int, ...]) -> None:
-    """One rounding an element, as numpy's: the same bits; inf, nan and signed zeros included."""
+@pytest.mark.parametrize(
+    "shape, bias",
+    [((3, 7), 1), ((2, 5, 17), 1), ((16, 64, 192), 1), ((1, 3), 1), ((2, 5, 17), 2), ((16, 64, 64), 2)],
+)
+def test_bias_add_is_numpys_sum_bit_for_bit(dtype: Any, shape: tuple[int, ...], bias: int) -> None:
+    """One rounding an element, as numpy's: the same bits; inf, nan and signed zeros included. The bias
+    is x's last axis or its last two (a position table)."""
     rng = np.random.default_rng(sum(shape))
-    a, b = rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape[-1]).astype(dtype)
+    a, b = rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape[-bias:]).astype(dtype)
     a.reshape(-1)[:3] = [np.inf, np.nan, -0.0]
-    b[0] = -0.0
+    b.reshape(-1)[0] = -0.0
     got = call("add", a, b)
     rows = np.empty_like(a)
-    elementwise_jit.add_rows(a.reshape(-1, shape[-1]), b, rows.reshape(-1, shape[-1]))
+    elementwise_jit.add_rows(a.reshape(-1, b.size), b.reshape(-1), rows.reshape(-1, b.size))
     assert np.array_equal(got.view(np.uint8), rows.view(np.uint8)), "add did not take the row loop"
     assert np.array_equal(got.view(np.uint8), np.add(a, b).view(np.uint8))
     assert np.array_equal(call("add", strided(a), b).view(np.uint8), np.add(a, b).view(np.uint8))
@@ -171,6 +175,7 @@ def test_bias_add_takes_only_a_bias_along_the_last_axis() -> None:
     a = np.ones((4, 6), np.float32)
     ctx = _context(a, 2, None)
     assert jit_elementwise(ctx, "add_rows", a, np.ones(4, np.float32)) is None  # [4, 6] + [4]: no bias
+    assert jit_elementwise(ctx, "add_rows", a, np.ones((1, 6), np.float32)) is None  # nor [1, 6]
     assert jit_elementwise(ctx, "add_rows", a, np.ones(6, np.float64)) is None  # dtypes differ
     assert jit_elementwise(ctx, "gelu_tanh_grad_all", a, np.ones(6, np.float32)) is None  # not a row loop
     np.testing.assert_array_equal(call("add", np.ones(6, np.float32), a), a + 1)  # the bias first: numpy
