@@ -68,9 +68,11 @@ def _gather_kernel(ctx: KernelContext, x: Any, indices: Any) -> Any:
     if (jit := jit_loops("pool_jit", xp, x)) is not None:  # one pass over the rows (pool_jit.py)
         pre, post = x.shape[:a], x.shape[a + 1 :]
         out = xp.empty((*pre, *indices.shape, *post), dtype=x.dtype)
-        table = x.reshape(math.prod(pre), x.shape[a], -1)
+        table = x.reshape(math.prod(pre), x.shape[a], math.prod(post))  # sizes, not -1: no index is fine
         ids = xp.ascontiguousarray(indices).reshape(-1)
-        jit.take_rows(table, ids, ctx.in_index[0][a].start, out.reshape(table.shape[0], ids.size, -1))
+        jit.take_rows(
+            table, ids, ctx.in_index[0][a].start, out.reshape(table.shape[0], ids.size, table.shape[2])
+        )
         return out
     local, hit = _in_range(xp, indices, ctx.in_index[0][a])
     if bool(hit.all()):  # every index on this rank (always, unsplit): nothing to zero
@@ -132,10 +134,11 @@ def _gather_grad_kernel(ctx: KernelContext, dy: Any, indices: Any) -> Any:
     size, here = ctx.out_shape(0)[a], ctx.out_index[0][a]
     # as rows, the gathered axis first: dx [size, pre * post] and dy [M, pre * post]
     pre, post = dy.shape[:a], dy.shape[a + m :]
-    values = xp.moveaxis(dy.reshape((*pre, indices.size, *post)), a, 0).reshape(indices.size, -1)
+    row = math.prod(pre) * math.prod(post)  # not -1: no index is fine
+    values = xp.moveaxis(dy.reshape((*pre, indices.size, *post)), a, 0).reshape(indices.size, row)
     values = xp.ascontiguousarray(values)  # a copy only of a moved axis: add_rows_at takes rows
     out = xp.zeros((size, *pre, *post), dtype=dy.dtype)
-    rows_out = out.reshape(size, -1)  # a view: adds into out
+    rows_out = out.reshape(size, row)  # a view: adds into out
     if (jit := jit_rows(xp, values, rows_out)) is not None:  # one pass, in row order (rows_jit.py)
         jit.add_rows_at(rows_out, xp.ascontiguousarray(indices).reshape(-1), here.start, values)
     else:  # under dy B -> S(axis) each rank adds only the rows it owns
