@@ -221,6 +221,8 @@ def dropout_jit(
     except ImportError:  # an install without numba draws with numpy
         return None
     bounds = _normalize_index(logical_shape, index)
+    if x.shape != tuple(b - a for a, b in bounds):  # the loop does not bounds-check: numpy says what is wrong
+        return None
     first = tuple(slice(a, b) for a, b in bounds[:-1]) + (slice(bounds[-1][0], bounds[-1][0] + 1),)
     bases = shard_offsets(np, logical_shape, first).reshape(-1)
     out = np.empty_like(x)

@@ -360,3 +360,4 @@ def test_dropout_jit_leaves_what_it_does_not_take_to_numpy() -> None:
     x = np.ones((4, 6), np.float32)
     for other in (x[:, ::2], x.astype(np.float16), np.float32(1.0), np.ones((), np.float32)):
         assert dropout_jit(other, KEY, np.shape(other), None, 0.9) is None
+    assert dropout_jit(x, KEY, (4, 6), (slice(0, 2), slice(0, 6)), 0.9) is None  # not the shard's shape
