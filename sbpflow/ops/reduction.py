@@ -388,10 +388,13 @@ def _broadcast_to_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
 
 
 @cache
-def _broadcast_strides(shape: Shape, itemsize: int, out: Shape) -> tuple[int, ...]:
-    """The strides of a C-contiguous ``shape`` broadcast to ``out``: 0 along every axis it is constant."""
-    own = [itemsize * prod(shape[a + 1 :]) for a in range(len(shape))]
+def _broadcast_strides(shape: Shape, itemsize: int, out: Shape) -> tuple[int, ...] | None:
+    """The strides of a C-contiguous ``shape`` broadcast to ``out``: 0 along every axis it is constant.
+    None where ``shape`` does not broadcast to ``out`` (np.broadcast_to then says why)."""
     lead = len(out) - len(shape)
+    if lead < 0 or any(s not in (1, out[lead + a]) for a, s in enumerate(shape)):
+        return None
+    own = [itemsize * prod(shape[a + 1 :]) for a in range(len(shape))]
     return tuple(0 if j < lead or shape[j - lead] != d else own[j - lead] for j, d in enumerate(out))
 
 
@@ -405,9 +408,10 @@ def _broadcast_to_kernel(ctx: KernelContext, x: Any) -> Any:
     if ctx.xp is not np:
         return broadcast_into(ctx, x, x.shape)
     out = ctx.out_shape()
-    if not x.flags.c_contiguous:
+    strides = _broadcast_strides(x.shape, x.itemsize, out) if x.flags.c_contiguous else None
+    if strides is None:
         return np.broadcast_to(x, out)
-    y = np.ndarray(out, x.dtype, x, 0, _broadcast_strides(x.shape, x.itemsize, out))
+    y = np.ndarray(out, x.dtype, x, 0, strides)
     y.flags.writeable = False
     return y
 

@@ -237,7 +237,11 @@ def _concat_grad(g: GradContext) -> list[Any]:
 def _concat_kernel(ctx: KernelContext, *xs: Any) -> Any:
     xp, first = ctx.xp, xs[0]
     axis = int(ctx.attrs["axis"]) % first.ndim
-    if (jit := jit_rows(xp, *xs)) is not None:  # one pass down the output (rows_jit.concat_rows)
+    # rows_jit reads without bounds checks: inputs that differ off the axis take numpy's, which refuses them
+    fit = all(
+        x.shape[:axis] == first.shape[:axis] and x.shape[axis + 1 :] == first.shape[axis + 1 :] for x in xs
+    )
+    if fit and (jit := jit_rows(xp, *xs)) is not None:  # one pass down the output (rows_jit.concat_rows)
         shape = (*first.shape[:axis], sum(x.shape[axis] for x in xs), *first.shape[axis + 1 :])
         out = ctx.out_array(0)
         if out is None or out.shape != shape:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import sbpflow.ops  # noqa: F401  (registers every op family)
+from sbpflow.ops.base import KernelContext, get_op
 from sbpflow.ops.eager import EagerBuilder
 
 
@@ -53,3 +54,12 @@ def test_broadcast_to_views_equal_numpys_on_every_shape(
     (y,) = EagerBuilder().call("broadcast_to", x, shape=to)
     assert y.shape == to and not y.flags.writeable
     np.testing.assert_array_equal(y, np.broadcast_to(x, to))
+
+
+def test_broadcast_to_a_shape_x_does_not_fit_raises_numpys_error() -> None:
+    """The strides are made by hand, so a local shape that does not broadcast (a mismatched shard) must
+    reach np.broadcast_to's error, not a view of the wrong values."""
+    x = np.zeros((3,), np.float32)
+    ctx = KernelContext(np, {"shape": (2, 4)}, (), (), (), ((slice(0, 2), slice(0, 4)),))
+    with pytest.raises(ValueError, match="broadcast"):
+        get_op("broadcast_to").run_kernel(ctx, [x])

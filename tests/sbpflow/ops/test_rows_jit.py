@@ -360,3 +360,12 @@ def test_embedding_gather_matches_numpys(dtype: Any, ids_shape: tuple[int, ...],
     (got,) = op.run_kernel(ctx, [weight, ids])
     (want,) = op.run_kernel(ctx, [weight, strided(ids)])
     np.testing.assert_array_equal(got, want)  # a gather: exact
+
+
+def test_concat_of_inputs_that_differ_off_the_axis_raises_numpys_error() -> None:
+    """concat_rows reads without bounds checks, so shards that do not fit (a signature the table lacks,
+    tried by test_missed_signatures) must reach numpy's concatenate and its error, not the loop."""
+    a, b = np.zeros((3, 2), np.float32), np.zeros((2, 2), np.float32)
+    ctx = KernelContext(np, {"axis": 1}, (), (), (), ())
+    with pytest.raises(ValueError, match="dimensions"):
+        get_op("concat").run_kernel(ctx, [a, b])
