@@ -233,7 +233,8 @@ def _ce_kernel(
     # rank at class offset 0 adds max + log(sum_exp); every signature with whole logits has offset 0
     xp = ctx.xp
     first = ctx.in_offset(0, logits.ndim - 1) == 0
-    if (jit := _jit_stats(xp, labels, chunk_max, sum_exp, target)) is not None:
+    fits = chunk_max.ndim == labels.ndim + 1  # one row of chunk maxima a label: the loop reads them so
+    if fits and (jit := _jit_stats(xp, labels, chunk_max, sum_exp, target)) is not None:
         loss = xp.empty(labels.shape, dtype=sum_exp.dtype)
         jit.vocab_loss_rows(labels, chunk_max, sum_exp, target, int(ctx.attrs["ignore_index"]), first, loss)
         return loss
