@@ -13,7 +13,9 @@ LLVM reassociate the row sums (so it vectorises them: a sum's last bits differ f
 result depends on that row alone, so a shard's rows match the whole tensor's) but keep nan and inf
 semantics: a masked score is -inf. ``error_model="numpy"``: a division by zero gives inf or nan, as
 numpy's, not a check an element that keeps a loop from vectorising (it made sigmoid 30x slower).
-Compiled on first use and cached beside this file (``cache=True``).
+Compiled on first use and cached beside this file (``cache=True``). The loops release the GIL
+(``nogil``, ~0.05 us a call), as numpy's ufunc loops do, so the runtime's other threads (its
+communication stream, in-process ranks) run while one computes.
 
 Each takes C-contiguous arrays of one float dtype (2-d ``[rows, n]`` unless it says otherwise; ids and
 labels are int32/int64) and writes its outputs in place. ``take_rows`` is embedding's gather of rows
@@ -70,7 +72,7 @@ def _store_exp(x: Any, i: int, m: Any, out: Any) -> Any:  # pragma: no cover - c
     return t
 
 
-@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, nogil=True)
 def softmax_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out = e / sum(e), e = exp(x - max x), along each row."""
     rows, n = x.shape
@@ -81,7 +83,7 @@ def softmax_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
             out[i, j] = out[i, j] / s
 
 
-@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, nogil=True)
 def log_softmax_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out = s - log(sum(exp(s))), s = x - max x, along each row."""
     rows, n = x.shape
@@ -93,7 +95,7 @@ def log_softmax_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
             out[i, j] = (x[i, j] - m) - lse
 
 
-@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, nogil=True)
 def log_softmax_grad_rows(y: Any, dy: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out = dy - exp(y) sum(dy) along each row."""
     rows, n = y.shape
@@ -105,7 +107,7 @@ def log_softmax_grad_rows(y: Any, dy: Any, out: Any) -> None:  # pragma: no cove
             out[i, j] = dy[i, j] - vexp(y[i, j]) * s
 
 
-@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, nogil=True)
 def softmax_grad_rows(y: Any, dy: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out = y (dy - sum(dy y)) along each row."""
     rows, n = y.shape
@@ -132,7 +134,7 @@ def _row_stats(x: Any, i: int, eps: Any) -> tuple[Any, Any]:  # pragma: no cover
     return mean, 1 / np.sqrt(v / n + eps)
 
 
-@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, nogil=True)
 def layer_norm_rows(x: Any, w: Any, b: Any, eps: float, out: Any) -> None:  # pragma: no cover - compiled
     """out = (x - mean) rstd w + b along each row."""
     rows, n = x.shape
@@ -177,7 +179,7 @@ def _dx_row(dy: Any, x: Any, w: Any, i: int, st: Any, dx: Any) -> None:  # pragm
 _LN_BLOCK = 4  # rows whose dweight and dbias terms are added to the sums at once
 
 
-@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, nogil=True)
 def layer_norm_grad_rows(
     dy: Any, x: Any, w: Any, eps: float, dx: Any, dw: Any, db: Any
 ) -> None:  # pragma: no cover - compiled
@@ -214,7 +216,7 @@ def layer_norm_grad_rows(
         _dx_row(dy, x, w, i, st, dx)
 
 
-@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, nogil=True)
 def cross_entropy_rows(x: Any, labels: Any, ignore: int, loss: Any) -> bool:  # pragma: no cover
     """loss = max x + log(sum(exp(x - max x))) - x[label] per row, 0 where label == ignore. False, at the
     first label neither ``ignore`` nor in -n..n-1 (the caller runs the numpy kernel, which raises numpy's
@@ -234,7 +236,7 @@ def cross_entropy_rows(x: Any, labels: Any, ignore: int, loss: Any) -> bool:  # 
     return True
 
 
-@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, nogil=True)
 def cross_entropy_grad_rows(
     x: Any, labels: Any, dy: Any, ignore: int, out: Any
 ) -> None:  # pragma: no cover - compiled
@@ -252,7 +254,7 @@ def cross_entropy_grad_rows(
             out[i, lab] = out[i, lab] - d
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", nogil=True)
 def add_rows_at(out: Any, ids: Any, start: int, values: Any) -> None:  # pragma: no cover - compiled
     """out[ids[r] - start] += values[r] for every row r whose id falls in out's rows (embedding_grad:
     each id's rows summed in row order, as the numpy kernel's stable sort and reduceat sum them)."""
@@ -265,7 +267,7 @@ def add_rows_at(out: Any, ids: Any, start: int, values: Any) -> None:  # pragma:
                 out[k, j] += values[r, j]
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", nogil=True)
 def take_rows(weight: Any, ids: Any, start: int, out: Any) -> None:  # pragma: no cover - compiled
     """out[r] = weight[ids[r] - start], or zeros where that falls outside weight's rows (embedding: the
     rows of this rank's vocabulary range; ids outside it look up zeros, as the numpy kernel's). One pass,
@@ -312,7 +314,7 @@ def gelu_erf_grad_all(dy: Any, x: Any, out: Any) -> None:  # pragma: no cover - 
         out[i] = dy[i] * (v * phi + 0.5 * (1.0 + erf64(v * _SQRT_HALF)))
 
 
-@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, nogil=True)
 def sum_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out = the sum of x's rows (reduction.py's sum_to over leading axes: a bias gradient), four rows'
     sum added at a time: a row at a time, the load and store of ``out`` a row were half the loop (4.3
@@ -328,7 +330,7 @@ def sum_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
             out[j] += x[i, j]
 
 
-@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, nogil=True)
 def sum_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out = the sum of x, any shape, into a one-element out of any shape (reduction.py's sum of a whole
     array: the gradient norm's squares), in vector lanes: numpy's pairwise sum is not vectorised (3.0
@@ -341,7 +343,7 @@ def sum_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
     out.reshape(1)[0] = s
 
 
-@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, nogil=True)
 def max_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out[i] = max(x[i]), nan where the row has one (as numpy's max): ``vmax`` reduces in vector lanes
     but passes a nan over, so the same loop counts the row's nans."""
@@ -356,7 +358,7 @@ def max_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
         out[i] = m if nans == 0 else np.nan
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", nogil=True)
 def concat_rows(srcs: Any, dst: Any) -> None:  # pragma: no cover - compiled
     """dst[i] = srcs[0][i], srcs[1][i], ... one after another (shape.py's concat along an inner axis, as
     rows ``[outer, inner]``: the q, k and v gradients of attention into one, 16 values a piece). One pass
@@ -374,7 +376,7 @@ def concat_rows(srcs: Any, dst: Any) -> None:  # pragma: no cover - compiled
             s += n
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", nogil=True)
 def vocab_loss_rows(
     labels: Any, chunk_max: Any, sum_exp: Any, target: Any, ignore: int, first: bool, loss: Any
 ) -> None:  # pragma: no cover - compiled
@@ -404,7 +406,7 @@ def vocab_loss_rows(
             out[i] = -t[i]
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", nogil=True)
 def vocab_loss_grad_rows(
     labels: Any, sum_exp: Any, dy: Any, ignore: int, dsum: Any, dtarget: Any
 ) -> None:  # pragma: no cover - compiled
