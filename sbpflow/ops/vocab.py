@@ -90,16 +90,28 @@ _LABELS = frozenset({np.dtype(np.int32), np.dtype(np.int64)})
 
 def _jit_stats(xp: Any, labels: Any, *stats: Any) -> ModuleType | None:
     """rows_jit, where its loops over the loss's per-row statistics may run: ``jit_rows``' conditions on
-    the float statistics, and C-contiguous int32/int64 labels whose shape leads every statistic's (the
-    loops write one value a label). These ops were a few numpy calls on [rows] arrays each, and the
-    Python between the calls was their cost."""
+    the float statistics (each of the labels' shape), and C-contiguous int32/int64 labels. The loops read
+    and write one value a label without bounds checks. These ops were a few numpy calls on [rows] arrays
+    each, and the Python between the calls was their cost: so are these checks, kept to tuple compares."""
     if not isinstance(labels, np.ndarray) or labels.dtype not in _LABELS or not labels.flags.c_contiguous:
         return None
-    rows, n = labels.shape, labels.ndim
+    rows = labels.shape
     for s in stats:
-        if s.shape[:n] != rows:
+        if s.shape != rows:
             return None
     return jit_rows(xp, *stats)
+
+
+def _maxima_fit(chunk_max: Any, labels: Any, like: Any) -> bool:
+    """Whether the loss's loop may read ``chunk_max`` as a row of maxima a label: a C-contiguous numpy
+    array [*labels.shape, C > 0] of the statistics' dtype."""
+    return (
+        isinstance(chunk_max, np.ndarray)
+        and chunk_max.shape[:-1] == labels.shape
+        and chunk_max.shape[-1:] > (0,)
+        and chunk_max.dtype == like.dtype
+        and chunk_max.flags.c_contiguous
+    )
 
 
 def _rows_of(metas: Metas) -> TensorMeta:
@@ -233,8 +245,7 @@ def _ce_kernel(
     # rank at class offset 0 adds max + log(sum_exp); every signature with whole logits has offset 0
     xp = ctx.xp
     first = ctx.in_offset(0, logits.ndim - 1) == 0
-    fits = chunk_max.ndim == labels.ndim + 1  # one row of chunk maxima a label: the loop reads them so
-    if fits and (jit := _jit_stats(xp, labels, chunk_max, sum_exp, target)) is not None:
+    if _maxima_fit(chunk_max, labels, sum_exp) and (jit := _jit_stats(xp, labels, sum_exp, target)):
         loss = xp.empty(labels.shape, dtype=sum_exp.dtype)
         jit.vocab_loss_rows(labels, chunk_max, sum_exp, target, int(ctx.attrs["ignore_index"]), first, loss)
         return loss

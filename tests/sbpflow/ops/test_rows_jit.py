@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import sbpflow.ops  # noqa: F401  (registers every op family)
 from sbpflow.dtype import DType
+from sbpflow.ops import vocab
 from sbpflow.ops.base import KernelContext, get_op
 from sbpflow.ops.eager import EagerBuilder, full_index
 from sbpflow.ops.rowwise import jit_rows
@@ -335,6 +336,7 @@ def test_vocab_loss_and_its_gradient_match_numpys(dtype: Any, label_dtype: Any) 
     (cm,), (cm_ref,) = both("vocab_chunk_max", logits, chunks=2)
     np.testing.assert_array_equal(cm, cm_ref)
     sum_exp, target = EagerBuilder().call("vocab_terms", logits, labels, cm, ignore_index=IGNORE)
+    assert vocab._maxima_fit(cm, labels, sum_exp) and vocab._jit_stats(np, labels, sum_exp, target)
     got, want = _vocab_both(
         "vocab_cross_entropy", labels, logits, None, cm, sum_exp, target, ignore_index=IGNORE
     )
