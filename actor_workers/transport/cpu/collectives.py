@@ -12,6 +12,10 @@ other, before any data is combined. Small arrays ride on that exchange (one roun
 | reduce_scatter | part j to member j, summed in group order | ring reduce-scatter |
 | all_gather, all_to_all, broadcast | direct, at any size | |
 
+With two members a small sum is posted before the send (:func:`_pair_sum`): the receive thread adds the
+peer's array to this member's straight from the link into the result, so the array is neither copied
+out of the link nor summed again by the caller (a + b == b + a exactly, so both get the same bits).
+
 A ring moves (p-1)/p of the array per phase through each member, in chunks that ``split_range`` cuts;
 each incoming chunk is added (or copied) by the receive thread straight into the result while the caller
 sends. Each chunk of an all-reduce is summed by one member and copied to the others, so every member
@@ -188,6 +192,33 @@ def _sum_in_order(t: CpuTransport, arrays: list[np.ndarray], like: np.ndarray) -
     return out
 
 
+def _pair_sum(call: _Call, mine: np.ndarray, send: np.ndarray) -> np.ndarray:
+    """Two members: ``mine`` + the peer's array, with ``send`` (C-contiguous) going to the peer, in the
+    one opening exchange; the peer's payload is added into the result as it arrives (see the module)."""
+    t = call.t
+    (peer,) = call.peers()
+    key = call.key(0)
+    out = t.pool.empty(mine.shape, mine.dtype)
+    posted = t.post(peer, key, as_bytes(out), as_bytes(mine), mine.dtype)
+    try:
+        t.post_send(peer, key, send, {"c": call.desc})  # first: the peer needs it to find a mismatch too
+    except BaseException:
+        t.unpost(posted)
+        raise
+    if posted.early is not None:  # it came before the post: check the call before adding what came
+        call.check(peer, posted.early.meta.get("c"))
+    try:
+        meta = t.collect(posted, call.what(), call.deadline)
+    except TransportError:
+        if posted.error is None:
+            raise
+        # what came does not fit (the receive thread queued it instead): say how the calls differ
+        call.check(peer, t.take(peer, key, call.what(), call.deadline).meta.get("c"))
+        raise
+    call.check(peer, meta.get("c"))
+    return out
+
+
 def _ring_reduce_scatter(call: _Call, x: np.ndarray, out: np.ndarray, bounds: list[tuple[int, int]]) -> None:
     """After n - 1 steps, chunk ``pos`` of ``out`` (flat) holds the sum of every member's chunk ``pos``."""
     n, pos = len(call.group), call.pos
@@ -206,6 +237,8 @@ def all_reduce(t: CpuTransport, array: Array, group: Group, tag: str) -> np.ndar
     n = len(group)
     if n == 1:
         return a.copy()
+    if n == 2 and a.nbytes <= DIRECT_BYTES:
+        return _pair_sum(call, a, a)
     if a.nbytes * (n - 1) <= DIRECT_BYTES:
         got = call.exchange(lambda peer: a)
         return _sum_in_order(t, [a if r == t.rank else got[r] for r in group], a)
@@ -227,6 +260,9 @@ def reduce_scatter(t: CpuTransport, array: Array, group: Group, axis: int, tag: 
     n = len(group)
     if n == 1:
         return a.copy()
+    if n == 2 and a.nbytes <= DIRECT_BYTES:
+        theirs = part(a, axis, n, 1 - call.pos)
+        return _pair_sum(call, np.ascontiguousarray(part(a, axis, n, call.pos)), np.ascontiguousarray(theirs))
     if a.nbytes * (n - 1) <= DIRECT_BYTES:
         got = call.exchange(lambda peer: np.ascontiguousarray(part(a, axis, n, group.index(peer))))
         mine = part(a, axis, n, call.pos)

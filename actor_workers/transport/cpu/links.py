@@ -6,11 +6,14 @@ thread, so a sender never waits on a reader that is itself sending. A connection
     header <type:u8, meta_len:u32, payload_len:u64, flags:u8> | meta (JSON) | payload
 
 - Between hosts (TCP) the payload follows its header on the socket and is read with ``recv_into``
-  straight into the destination array.
+  straight into the destination array (a small one through the reader's buffer).
+- The reader reads ahead into a buffer of ``READ_BYTES``: a frame's header, its meta, a chunk notice
+  and a small payload come in one ``recv``, not one each. Every blocking call of a Python thread gives
+  up the GIL and takes it back, and on a busy worker taking it back waits for the compute thread.
 - On one host (unix socket) a payload above ``INLINE_BYTES`` travels through a ring of ``SLOTS`` slots in
   a ``memfd`` that the sender created and passed to the reader with ``SCM_RIGHTS`` when the link opened:
-  the sender copies a chunk into a free slot and sends a CHUNK frame naming it; the reader copies (or
-  adds) it into the destination and writes the slot number back on the same socket (the only bytes that
+  the sender copies a chunk into a free slot and sends a CHUNK frame naming it (the first with the
+  message's header, in one send); the reader copies (or adds) it into the destination and writes the slot number back on the same socket (the only bytes that
   ever flow against a link's direction). No file exists in /dev/shm, and the kernel frees the memory
   when the last process holding it exits, SIGKILL included.
 """
@@ -44,6 +47,7 @@ SLOT_BYTES = 4 << 20  # one ring slot; a multiple of every itemsize so chunks ne
 SLOTS = 4
 INLINE_BYTES = 64 << 10  # below this a same-host payload rides on the socket itself
 TCP_CHUNK = 4 << 20  # scratch used only when a TCP payload is added (not copied) into its destination
+READ_BYTES = 256 << 10  # the reader's read-ahead buffer; a payload's rest above a quarter of it skips it
 POLL_S = 0.2  # how often a waiting sender looks at the deadline and the transport's state
 
 Sink = Callable[[int, np.ndarray], None]  # (byte offset, chunk of raw bytes) -> copy/add it in place
@@ -82,14 +86,6 @@ def read_exact(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise LinkClosed("connection closed")
         got += k
-
-
-def read_frame(sock: socket.socket, head: bytearray) -> Frame:
-    read_exact(sock, memoryview(head))
-    kind, meta_len, nbytes, flags = HEADER.unpack(head)
-    body = bytearray(meta_len)
-    read_exact(sock, memoryview(body))
-    return Frame(kind, json.loads(body) if meta_len else {}, nbytes, bool(flags & CHUNKED))
 
 
 def as_bytes(a: np.ndarray) -> np.ndarray:
@@ -144,13 +140,13 @@ class OutLink:
                 self.sock.sendall(head)
                 self.sock.sendall(memoryview(payload))  # type: ignore[arg-type]
         else:
-            self.sock.sendall(head)
             assert self.slots is not None
             for off in range(0, n, SLOT_BYTES):
                 m = min(SLOT_BYTES, n - off)
                 slot = self._take_slot()
                 np.copyto(self.slots[slot, :m], payload[off : off + m])
-                self.sock.sendall(CHUNK.pack(slot, m))
+                notice = CHUNK.pack(slot, m)
+                self.sock.sendall(notice if off else head + notice)  # the header with the first: one send
 
     def _take_slot(self) -> int:
         """A free ring slot, reading the reader's credits (blocking, with the deadline) when none is."""
@@ -199,12 +195,61 @@ class InLink:
         self.sock = sock
         self.ring = ring
         self.slots = None if ring is None else np.frombuffer(ring, np.uint8).reshape(SLOTS, SLOT_BYTES)
-        self.head = bytearray(HEADER.size)
-        self.chunk_head = bytearray(CHUNK.size)
         self.scratch: np.ndarray | None = None
+        self._buf = bytearray(READ_BYTES)  # read ahead: [_lo, _hi) is received and not yet taken
+        self._view = memoryview(self._buf)
+        self._lo = self._hi = 0
 
     def frame(self) -> Frame:
-        return read_frame(self.sock, self.head)
+        kind, meta_len, nbytes, flags = HEADER.unpack(self._take(HEADER.size))
+        meta = json.loads(self._bytes(meta_len)) if meta_len else {}
+        return Frame(kind, meta, nbytes, bool(flags & CHUNKED))
+
+    def _recv(self) -> None:
+        """Receive what the socket has (at least a byte) after the unread part of the buffer."""
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+        try:
+            k = self.sock.recv_into(self._view[self._hi :])
+        except OSError as e:
+            raise LinkClosed(f"{e.strerror or e}") from e
+        if k == 0:
+            raise LinkClosed("connection closed")
+        self._hi += k
+
+    def _take(self, n: int) -> memoryview:
+        """The next ``n`` bytes (at most ``READ_BYTES``), valid until the next read."""
+        if self._hi - self._lo < n:
+            if self._lo + n > len(self._buf):  # no room after the unread part: move it to the front
+                k = self._hi - self._lo
+                self._buf[:k] = self._buf[self._lo : self._hi]
+                self._lo, self._hi = 0, k
+            while self._hi - self._lo < n:
+                self._recv()
+        view = self._view[self._lo : self._lo + n]
+        self._lo += n
+        return view
+
+    def _bytes(self, n: int) -> bytes | bytearray:
+        if n <= len(self._buf):
+            return bytes(self._take(n))
+        body = bytearray(n)
+        self._read_into(memoryview(body))
+        return body
+
+    def _read_into(self, dest: memoryview) -> None:
+        """Fill ``dest``: first from the buffer, then a large rest straight from the socket."""
+        n = len(dest)
+        got = min(n, self._hi - self._lo)
+        dest[:got] = self._view[self._lo : self._lo + got]
+        self._lo += got
+        if n - got > len(self._buf) // 4:
+            read_exact(self.sock, dest[got:])
+            return
+        while got < n:
+            part = self._take(min(n - got, len(self._buf)))
+            dest[got : got + len(part)] = part
+            got += len(part)
 
     def payload(self, frame: Frame, dest: np.ndarray | None, sink: Sink | None) -> None:
         """Read ``frame``'s payload into ``dest`` (raw bytes, contiguous) or hand it chunk by chunk to
@@ -214,14 +259,14 @@ class InLink:
         if frame.chunked:
             self._from_ring(frame.nbytes, dest, sink)
         elif dest is not None:
-            read_exact(self.sock, memoryview(dest))  # type: ignore[arg-type]
+            self._read_into(memoryview(dest))  # type: ignore[arg-type]
         else:
             assert sink is not None
             if self.scratch is None:
                 self.scratch = np.empty(TCP_CHUNK, np.uint8)
             for off in range(0, frame.nbytes, TCP_CHUNK):
                 m = min(TCP_CHUNK, frame.nbytes - off)
-                read_exact(self.sock, memoryview(self.scratch[:m]))  # type: ignore[arg-type]
+                self._read_into(memoryview(self.scratch[:m]))  # type: ignore[arg-type]
                 sink(off, self.scratch[:m])
 
     def _from_ring(self, nbytes: int, dest: np.ndarray | None, sink: Sink | None) -> None:
@@ -229,8 +274,7 @@ class InLink:
             raise LinkClosed(f"rank {self.peer} sent a shared-memory chunk over a link without a ring")
         off = 0
         while off < nbytes:
-            read_exact(self.sock, memoryview(self.chunk_head))
-            slot, m = CHUNK.unpack(self.chunk_head)
+            slot, m = CHUNK.unpack(self._take(CHUNK.size))
             if slot >= SLOTS or m > SLOT_BYTES or off + m > nbytes:
                 raise LinkClosed(f"rank {self.peer} sent a malformed chunk (slot {slot}, {m} bytes)")
             if dest is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -22,7 +23,15 @@ from sbpflow.actor_workers.transport.base import Transport, TransportAborted, Tr
 from sbpflow.actor_workers.transport.cpu import collectives as cpu_collectives
 from sbpflow.actor_workers.transport.cpu.collectives import DIRECT_BYTES
 from sbpflow.actor_workers.transport.cpu.connect import Endpoint
-from sbpflow.actor_workers.transport.cpu.links import SLOT_BYTES, SLOTS
+from sbpflow.actor_workers.transport.cpu.links import (
+    DATA,
+    READ_BYTES,
+    SLOT_BYTES,
+    SLOTS,
+    InLink,
+    as_bytes,
+    encode,
+)
 from sbpflow.actor_workers.transport.cpu.transport import CpuTransport
 from tests.actor_workers.transport.worlds import (
     HUGE,
@@ -84,6 +93,67 @@ def test_the_direct_path_ends_at_direct_bytes_and_the_ring_takes_over(
         assert_sum(out[0][k][0], whole)
         assert_sum(np.concatenate([out[r][k][1] for r in group]), whole)
     assert_same_bits([out[0][0][0], inputs[0][0] + inputs[1][0] + inputs[2][0]])  # direct: in group order
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_members_sum_as_the_payload_arrives_with_the_bits_of_the_group_order_sum(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two members: the receive thread adds the peer's array into the result (no separate sum), up to
+    DIRECT_BYTES; both get the bits of the sum in group order (a + b == b + a); one element more: the ring."""
+
+    def no_separate_sum(*args: Any) -> None:
+        raise AssertionError("a two-member direct sum went through _sum_in_order")
+
+    monkeypatch.setattr(cpu_collectives, "_sum_in_order", no_separate_sum)
+    at_limit = DIRECT_BYTES // 8  # float64 elements
+    shapes = [(), (0,), (3, 5), (at_limit,), (at_limit + 1,)]
+    inputs = {r: [logical(s, np.float64, salt=r) for s in shapes] for r in (0, 1)}
+
+    def body(t: Transport) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        return [
+            (t.all_reduce(x, (0, 1), "ar"), t.reduce_scatter(x, (0, 1), 0, "rs") if x.ndim else None)
+            for x in inputs[t.rank]
+        ]
+
+    with mesh((0, 1), mode=mode) as ts:
+        out = values(spmd(ts, body))
+    for k, shape in enumerate(shapes):
+        whole = inputs[0][k] + inputs[1][k]
+        assert_same_bits([out[0][k][0], out[1][k][0], whole])
+        if shape:
+            assert_same_bits([np.concatenate([out[0][k][1], out[1][k][1]]), whole])
+
+
+def test_frames_parse_the_same_however_the_reads_cut_them() -> None:
+    """The reader's read-ahead buffer: many frames in one read, a header or a payload cut across reads,
+    payloads that fill or pass the buffer and a meta larger than it, all come out as sent."""
+    sizes = [0, 1, 13, 4096, READ_BYTES // 4 + 1, READ_BYTES + 3, 2]
+    payloads = [np.arange(n, dtype=np.int64).astype(np.uint8) for n in sizes]
+    metas = [{"k": f"m{i}", "n": n} for i, n in enumerate(sizes)]
+    metas[-1]["k"] = "m" * (READ_BYTES + 5)
+    stream = b"".join(encode(DATA, m, p.size) + p.tobytes() for m, p in zip(metas, payloads, strict=True))
+    for piece in (len(stream), 7, 65_537):
+        a, b = socket.socketpair()
+        sender = threading.Thread(target=_send_in_pieces, args=(a, stream, piece))
+        sender.start()
+        link = InLink(0, b, None)
+        try:
+            for m, p in zip(metas, payloads, strict=True):
+                frame = link.frame()
+                assert (frame.kind, frame.meta, frame.nbytes, frame.chunked) == (DATA, m, p.size, False)
+                got = np.empty(p.size, np.uint8)
+                link.payload(frame, as_bytes(got), None)
+                assert_same_bits([got, p])
+        finally:
+            sender.join()
+            a.close()
+            link.close()
+
+
+def _send_in_pieces(sock: socket.socket, data: bytes, piece: int) -> None:
+    for i in range(0, len(data), piece):
+        sock.sendall(data[i : i + piece])
 
 
 def test_shared_memory_messages_on_both_sides_of_a_slot() -> None:
