@@ -234,20 +234,29 @@ def _concat_grad(g: GradContext) -> list[Any]:
     return list(g.call_n("split", g.dy, axis=axis, sizes=tuple(m.shape[axis] for m in g.in_metas)))
 
 
+@cache
+def _concat_rows_of(shapes: tuple[Shape, ...], axis: int) -> tuple[Shape, int, tuple[int, ...]] | None:
+    """concat of inputs of ``shapes`` along ``axis`` as rows: the output's shape, its rows (the axes before
+    ``axis``) and each input's row width; None where the inputs differ off the axis (numpy's concatenate
+    then refuses them: rows_jit reads without bounds checks). Worked out once per shapes."""
+    lead, rest = shapes[0][:axis], shapes[0][axis + 1 :]
+    if any(s[:axis] != lead or s[axis + 1 :] != rest for s in shapes):
+        return None
+    return (*lead, sum(s[axis] for s in shapes), *rest), prod(lead), tuple(prod(s[axis:]) for s in shapes)
+
+
 def _concat_kernel(ctx: KernelContext, *xs: Any) -> Any:
-    xp, first = ctx.xp, xs[0]
-    axis = int(ctx.attrs["axis"]) % first.ndim
-    # rows_jit reads without bounds checks: inputs that differ off the axis take numpy's, which refuses them
-    fit = all(
-        x.shape[:axis] == first.shape[:axis] and x.shape[axis + 1 :] == first.shape[axis + 1 :] for x in xs
-    )
-    if fit and (jit := jit_rows(xp, *xs)) is not None:  # one pass down the output (rows_jit.concat_rows)
-        shape = (*first.shape[:axis], sum(x.shape[axis] for x in xs), *first.shape[axis + 1 :])
+    xp, axis, ndim = ctx.xp, int(ctx.attrs["axis"]), xs[0].ndim
+    # an axis out of range, like a 0-d input, is numpy's to refuse
+    plan = _concat_rows_of(tuple([x.shape for x in xs]), axis % ndim) if -ndim <= axis < ndim else None
+    if plan is not None and (jit := jit_rows(xp, *xs)) is not None:  # one pass down the output
+        shape, outer, widths = plan
         out = ctx.out_array(0)
         if out is None or out.shape != shape:
-            out = xp.empty(shape, dtype=first.dtype)
-        outer = prod(shape[:axis])
-        jit.concat_rows(tuple(x.reshape(outer, -1) for x in xs), out.reshape(outer, -1))
+            out = xp.empty(shape, dtype=xs[0].dtype)
+        jit.concat_rows(
+            tuple([x.reshape(outer, w) for x, w in zip(xs, widths, strict=True)]), out.reshape(outer, -1)
+        )
         return out
     return xp.concatenate(xs, axis=axis)
 
