@@ -89,6 +89,8 @@ class Worker:
         cpus = _assigned_cpus()
         if cpus is not None:  # a Ray worker: BLAS on its slots, so workers sharing a host don't oversubscribe
             threads.pin(threads.slot_threads(cpus))
+        # one CPU: the data loads act on the compute thread, whose core a data thread would only share
+        self.data_on_compute = device_type == "cpu" and cpus is not None and threads.slot_threads(cpus) == 1
         self.worker_id = _actor_id()
         node_ip, node_id = _node()
         self.host = host or node_ip
@@ -200,7 +202,7 @@ class Worker:
             start.checkpoint, self._program, plan, range(start.first_step, start.first_step + steps)
         )
         with self._lock:
-            self._engine = executor.engine(rp, trace=trace)
+            self._engine = executor.engine(rp, trace=trace, data_on_compute=self.data_on_compute)
             if self._aborted is not None:
                 self._engine.abort(self._aborted)
 

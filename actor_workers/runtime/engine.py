@@ -7,6 +7,10 @@ another stream ready. Each stream keeps a heap of its ready actors and acts the 
 communication) acts in exactly the order ``(iteration, priority, id)`` and waits for the next actor in
 that order even when others are ready: that is what keeps collectives in the same order on every rank.
 
+A stream may run on another's thread (``run_on``, e.g. ``{"data": "compute"}``): its actors join that
+stream's heap, and their acts still count (``busy``) and trace as their own stream's. On a worker with
+one core a thread of its own only takes the GIL and the core from the compute thread, a wake-up each time.
+
 A failing act, a timeout or ``abort()`` stops every stream; the first failure is raised by ``run`` as
 a RuntimeFailure naming the rank, the actor and the cause, after all stream threads have ended.
 """
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from heapq import heappop, heappush
 from typing import Any
@@ -91,6 +95,7 @@ class Engine:
         ordered_streams: Collection[str] = (),
         abort_hooks: Sequence[AbortHook] = (),
         busy: dict[str, float] | None = None,
+        run_on: Mapping[str, str] | None = None,
     ) -> None:
         self.rank = rank
         self.busy = {} if busy is None else busy  # stream -> seconds in acts so far (a RankContext's)
@@ -98,11 +103,13 @@ class Engine:
         self._trace = trace
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
-        for name in dict.fromkeys(a.stream for a in actors):
-            members = [a for a in self._actors if a.spec.stream == name]
+        host = _hosts(run_on or {}, ordered_streams)
+        for name in dict.fromkeys(host(a.stream) for a in actors):
+            members = [a for a in self._actors if host(a.spec.stream) == name]
             self._streams[name] = _Stream(name, self._lock, members, name in ordered_streams, self.busy)
         for a in self._actors:
-            a.stream = self._streams[a.spec.stream]
+            a.stream = self._streams[host(a.spec.stream)]
+            self.busy.setdefault(a.spec.stream, 0.0)
         self._left = sum(a.iterations for a in self._actors)
         self._done = threading.Event()
         self._stopped = False
@@ -180,7 +187,7 @@ class Engine:
             ActEvent(
                 a.id,
                 a.name,
-                s.name,
+                a.spec.stream,
                 it,
                 t0,
                 t1,
@@ -223,7 +230,7 @@ class Engine:
     # ---- the stream thread ----------------------------------------------------------------------------
     def _loop(self, s: _Stream) -> None:
         lock, cond, heap, trace = self._lock, s.cond, s.heap, self._trace
-        events, busy, name = s.events, s.busy, s.name
+        events, busy = s.events, s.busy
         perf = time.perf_counter
         a: Actor | None = None
         outs: Any = None
@@ -256,7 +263,7 @@ class Engine:
                 t0 = perf()
                 outs = a.act(it, values)
                 t1 = perf()
-                busy[name] += t1 - t0  # only this thread writes this stream's entry
+                busy[a.spec.stream] += t1 - t0  # only this thread writes its streams' entries
                 if trace:
                     events.append((a, it, t0, t1))
                 if a.n_out:
@@ -357,6 +364,18 @@ class Engine:
                 hook(str(failure))
             except Exception as e:  # noqa: BLE001 - a hook must not hide the failure it reports
                 failure.add_note(f"abort hook {hook!r} raised {type(e).__name__}: {e}")
+
+
+def _hosts(run_on: Mapping[str, str], ordered: Collection[str]) -> Callable[[str], str]:
+    """The stream whose thread runs each stream's actors; an ordered stream neither moves nor hosts,
+    since its order is the plan's and another stream's actors would break it."""
+    for moved, onto in run_on.items():
+        if moved in ordered or onto in ordered:
+            raise ValueError(
+                f"run_on {moved!r} -> {onto!r}: an ordered stream ({sorted(ordered)}) runs alone on its "
+                "thread; move only unordered streams onto unordered ones"
+            )
+    return lambda stream: run_on.get(stream, stream)
 
 
 def _bad_outputs(outs: Any, n: int) -> str:

@@ -252,10 +252,17 @@ def _op(task: pp.Task) -> str:
 ORDERED_STREAMS = ("comm",)
 
 
-def engine(rp: RankProgram, trace: bool = False) -> Engine:
-    """The engine that runs one rank's program (its communication stream ordered)."""
+def engine(rp: RankProgram, trace: bool = False, data_on_compute: bool = False) -> Engine:
+    """The engine that runs one rank's program (its communication stream ordered). ``data_on_compute``:
+    the data loads act on the compute thread (a worker with one CPU: see :mod:`.engine`'s ``run_on``)."""
     return Engine(
-        rp.actors, rp.registers, trace, rank=rp.rank, ordered_streams=ORDERED_STREAMS, busy=rp.context.busy
+        rp.actors,
+        rp.registers,
+        trace,
+        rank=rp.rank,
+        ordered_streams=ORDERED_STREAMS,
+        busy=rp.context.busy,
+        run_on={"data": "compute"} if data_on_compute else None,
     )
 
 

@@ -205,6 +205,39 @@ def test_an_ordered_stream_keeps_its_order_even_when_a_later_actor_is_ready_firs
     assert order == [(1, 0), (2, 0), (1, 1), (2, 1), (1, 2), (2, 2)]
 
 
+def test_a_stream_run_on_another_thread_acts_there_in_priority_order_and_counts_as_itself() -> None:
+    """``run_on``: the data actor joins the compute stream's heap and thread; its busy time and trace
+    stay the data stream's."""
+    where: list[tuple[str, str]] = []
+
+    def act(name: str) -> Callable[[int, list], list]:
+        def run(it: int, xs: list) -> list:
+            where.append((name, threading.current_thread().name))
+            time.sleep(0.001)
+            return [it]
+
+        return run
+
+    acts = [
+        ActorSpec(0, "load", "data", (), (0,), act("load"), 3),
+        ActorSpec(1, "mm", "compute", (0,), (1,), act("mm"), 3, priority=1),
+        ActorSpec(2, "out", "compute", (1,), (), lambda it, xs: None, 3, priority=2),
+    ]
+    regs = [RegisterSpec(0, 0, (1,), 1), RegisterSpec(1, 1, (2,), 1)]
+    busy: dict[str, float] = {}
+    result = Engine(acts, regs, trace=True, busy=busy, run_on={"data": "compute"}).run(timeout=5)
+    assert [n for n, _ in where] == ["load", "mm"] * 3
+    assert {t for _, t in where} == {"sbpflow-r0-compute"}
+    assert busy["data"] > 0 and busy["compute"] > 0
+    assert {(e.name, e.stream) for e in result.trace} == {
+        ("load", "data"),
+        ("mm", "compute"),
+        ("out", "compute"),
+    }
+    with pytest.raises(ValueError, match="ordered stream"):
+        Engine(acts, regs, ordered_streams=("compute",), run_on={"data": "compute"})
+
+
 @pytest.mark.parametrize(
     ("acts", "regs", "match"),
     [

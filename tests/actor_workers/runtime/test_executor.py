@@ -20,6 +20,7 @@ import pytest
 from sbpflow import reference
 from sbpflow.actor_workers.runtime import executor, executor_analysis, plan_tables
 from sbpflow.actor_workers.runtime.boxing_tasks import BoxingTaskError, step_of
+from sbpflow.actor_workers.runtime.group import EngineGroup
 from sbpflow.actor_workers.runtime.variables import StoreError, init_store
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.control_plane.compiler import comm_order, pipeline
@@ -238,6 +239,27 @@ def test_variables_loop_from_their_assignment_to_the_next_step() -> None:
         assert source.id not in by_id
         for c in reg.consumers:
             np.testing.assert_array_equal(by_id[c].initial[reg.id], rp.context.store[sink.op_name])
+
+
+def test_data_loads_on_the_compute_thread_train_the_same_and_still_count_as_data() -> None:
+    """A one-CPU worker's engine (``data_on_compute``): the same losses, bit for bit, with every data load
+    acted by the compute thread, traced and timed as the data stream's."""
+    job = small_mlp(ranks=2, grad_accum=2)
+    c = compile_job(job)
+    runs = {}
+    for on_compute in (False, True):
+        with InProcessWorld(range(2), timeout=TIMEOUT) as world:
+            program = build(c, 2, world)
+            engines = [executor.engine(rp, True, on_compute) for _, rp in sorted(program.ranks.items())]
+            runs[on_compute] = program, EngineGroup(engines, [world.abort]).run(TIMEOUT)
+    np.testing.assert_array_equal(
+        executor.fetched(runs[True][0], job.loss, 2), executor.fetched(runs[False][0], job.loss, 2)
+    )
+    for rank, result in runs[True][1].items():
+        loads = [e for e in result.trace if e.stream == "data"]
+        assert loads and all(e.thread == f"sbpflow-r{rank}-compute" for e in loads)
+        assert runs[True][0].ranks[rank].context.busy["data"] > 0
+    assert all(e.thread == f"sbpflow-r0-{e.stream}" for e in runs[False][1][0].trace)
 
 
 def test_the_communication_stream_acts_in_plan_order_on_every_rank() -> None:

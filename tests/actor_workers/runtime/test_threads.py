@@ -42,5 +42,7 @@ def test_a_ray_worker_pins_its_blas_to_its_one_cpu_over_an_inherited_setting(ray
     worker = remote_class().options(num_cpus=1, runtime_env=env).remote("job", 1, 0)
     try:
         assert ray.get(worker.__ray_call__.remote(_blas_threads), timeout=120) == 1
+        # and, on its one core, its data loads act on the compute thread (executor.engine)
+        assert ray.get(worker.__ray_call__.remote(lambda w: w.data_on_compute), timeout=120) is True
     finally:
         ray.kill(worker)
