@@ -114,6 +114,11 @@ class KernelContext:
         return self.out_index[i][axis].start
 
 
+# What a kernel remembers per shape (functools.lru_cache's maxsize): bounded, since a long-lived server
+# compiles job after job, each with shapes of its own.
+SHAPE_CACHE_SIZE = 4096
+
+
 @cache
 def _numpy_dtype(dtype: DType) -> Any:
     """DType.to_numpy, remembered: built afresh it was a third of a microsecond a call, on every call of a

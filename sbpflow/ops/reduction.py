@@ -12,7 +12,7 @@ ones and numpy broadcasting only adds leading axes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
+from functools import lru_cache
 from math import prod
 from typing import Any
 
@@ -20,7 +20,18 @@ import numpy as np
 
 from sbpflow.dtype import DType
 from sbpflow.errors import ShapeError
-from sbpflow.ops.base import REQUIRED, Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop, sig
+from sbpflow.ops.base import (
+    REQUIRED,
+    SHAPE_CACHE_SIZE,
+    Attrs,
+    GradContext,
+    KernelContext,
+    Metas,
+    NoGrad,
+    Signature,
+    defop,
+    sig,
+)
 from sbpflow.ops.rows import all_broadcast
 from sbpflow.ops.rowwise import jit_rows
 from sbpflow.sbp import B, P, Split
@@ -90,7 +101,7 @@ def _reduce_infer(op: str) -> Callable[[Metas, Attrs], Metas]:
     return infer
 
 
-@cache
+@lru_cache(maxsize=SHAPE_CACHE_SIZE)
 def _axes_cached(op: str, ndim: int, axes: Any) -> tuple[int, ...]:
     return normalize_axes(op, ndim, axes)
 
@@ -215,7 +226,7 @@ def broadcast_into(ctx: KernelContext, x: Any, shape: Shape) -> Any:
     return out
 
 
-@cache
+@lru_cache(maxsize=SHAPE_CACHE_SIZE)
 def _with_ones(shape: Shape, axes: tuple[int, ...]) -> Shape:
     return tuple(1 if i in axes else d for i, d in enumerate(shape))
 
@@ -328,7 +339,7 @@ def _sum_to_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
     return [*kept, *(sig([Split(i)], [P]) for i in axes), sig([P], [P]), all_broadcast(1, 1)]
 
 
-@cache
+@lru_cache(maxsize=SHAPE_CACHE_SIZE)
 def _rows_of(x_shape: Shape, shape: Shape, local: Shape) -> tuple[int, int] | None:
     """``(rows, n)`` where sum_to of a local ``local`` sums every leading axis and nothing else (a bias
     gradient: the sum of the rows of ``[rows, n]``), else None. Depends on shapes alone, so it is worked
@@ -387,7 +398,7 @@ def _broadcast_to_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
     return [*rows, sig([P], [P]), all_broadcast(1, 1)]
 
 
-@cache
+@lru_cache(maxsize=SHAPE_CACHE_SIZE)
 def _broadcast_strides(shape: Shape, itemsize: int, out: Shape) -> tuple[int, ...] | None:
     """The strides of a C-contiguous ``shape`` broadcast to ``out``: 0 along every axis it is constant.
     None where ``shape`` does not broadcast to ``out`` (np.broadcast_to then says why)."""

@@ -8,7 +8,7 @@ moves that axis.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache
+from functools import lru_cache
 from itertools import accumulate
 from math import prod
 from typing import Any
@@ -17,7 +17,17 @@ import numpy as np
 
 from sbpflow.errors import ShapeError
 from sbpflow.ops import rows
-from sbpflow.ops.base import REQUIRED, Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop
+from sbpflow.ops.base import (
+    REQUIRED,
+    SHAPE_CACHE_SIZE,
+    Attrs,
+    GradContext,
+    KernelContext,
+    Metas,
+    NoGrad,
+    Signature,
+    defop,
+)
 from sbpflow.ops.rowwise import jit_rows
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import Shape, TensorMeta
@@ -234,7 +244,7 @@ def _concat_grad(g: GradContext) -> list[Any]:
     return list(g.call_n("split", g.dy, axis=axis, sizes=tuple(m.shape[axis] for m in g.in_metas)))
 
 
-@cache
+@lru_cache(maxsize=SHAPE_CACHE_SIZE)
 def _concat_rows_of(shapes: tuple[Shape, ...], axis: int) -> tuple[Shape, int, tuple[int, ...]] | None:
     """concat of inputs of ``shapes`` along ``axis`` as rows: the output's shape, its rows (the axes before
     ``axis``) and each input's row width; None where the inputs differ off the axis (numpy's concatenate
@@ -284,7 +294,7 @@ def _split_infer(metas: Metas, attrs: Attrs) -> Metas:
     return tuple(TensorMeta((*x.shape[:axis], s, *x.shape[axis + 1 :]), x.dtype) for s in sizes)
 
 
-@cache
+@lru_cache(maxsize=SHAPE_CACHE_SIZE)
 def _split_indices(ndim: int, axis: int, sizes: tuple[int, ...]) -> tuple[tuple[slice, ...], ...]:
     """Each part's index into x: worked out once per (ndim, axis, sizes), not on every call (numpy's
     cumsum and tolist were a third of the kernel)."""
