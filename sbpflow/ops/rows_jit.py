@@ -20,8 +20,8 @@ communication stream, in-process ranks) run while one computes.
 Each takes C-contiguous arrays of one float dtype (2-d ``[rows, n]`` unless it says otherwise; ids and
 labels are int32/int64) and writes its outputs in place. ``take_rows`` is embedding's gather of rows
 (shape.py) and ``add_rows_at`` embedding_grad's scatter-add of them, ~10x numpy's sort and reduceat;
-``sigmoid_all``, ``gelu_erf_all`` and ``gelu_erf_grad_all`` are activation.py's sigmoid and exact GELU,
-elementwise on flat arrays; ``sum_rows``, ``sum_all`` and ``max_rows`` are reduction.py's sum_to of a
+``sigmoid_all`` is activation.py's sigmoid, elementwise on flat arrays (the GELU loops are
+elementwise_jit.py's); ``sum_rows``, ``sum_all`` and ``max_rows`` are reduction.py's sum_to of a
 bias gradient, its sum of a whole array and its max along the last axis; ``concat_rows`` is shape.py's
 concat; ``vocab_loss_rows`` and ``vocab_loss_grad_rows`` are vocab.py's loss from its per-row
 statistics.
@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit
 
 from sbpflow.ops.jit_math import FLAGS as _FLAGS
-from sbpflow.ops.jit_math import erf64, vexp, vmax
+from sbpflow.ops.jit_math import vexp, vmax
 
 
 @njit(cache=True, error_model="numpy", fastmath=_FLAGS, inline="always")
@@ -292,26 +292,6 @@ def sigmoid_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
         v = x[i]
         e = vexp(-abs(v))
         out[i] = (one if v >= 0 else e) / (one + e)
-
-
-_SQRT_HALF, _INV_SQRT_2PI = 0.7071067811865476, 0.3989422804014327
-
-
-@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
-def gelu_erf_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
-    """out = x Phi(x), Phi(x) = 0.5 (1 + erf(x / sqrt 2)), on flat arrays, erf in float64 as erf.py's."""
-    for i in range(x.size):
-        v = np.float64(x[i])
-        out[i] = v * (0.5 * (1.0 + erf64(v * _SQRT_HALF)))
-
-
-@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
-def gelu_erf_grad_all(dy: Any, x: Any, out: Any) -> None:  # pragma: no cover - compiled
-    """out = dy (Phi(x) + x phi(x)), phi(x) = exp(-x^2 / 2) / sqrt(2 pi), on flat arrays."""
-    for i in range(x.size):
-        v = np.float64(x[i])
-        phi = vexp(-0.5 * v * v) * _INV_SQRT_2PI
-        out[i] = dy[i] * (v * phi + 0.5 * (1.0 + erf64(v * _SQRT_HALF)))
 
 
 @njit(cache=True, error_model="numpy", fastmath=_FLAGS, nogil=True)
