@@ -15,6 +15,9 @@ Rules:
   by the time it can be complete (a restart after a lost worker then resumes the latest one);
 - one report is a unary ``Report``; several are one ``ReportBatch`` (at most :data:`MAX_BATCH`);
 - with nothing to say for :data:`HEARTBEAT_SECONDS`, a heartbeat;
+- inside a batch's wait a report that may wait does not wake the thread (it is collected when the wait
+  ends): a step report a step would otherwise cost a wake-up of this thread, and on a busy worker one
+  more hand-off of the GIL and the core from the compute thread;
 - a batch the control plane did not answer (UNAVAILABLE, DEADLINE_EXCEEDED: it may be restarting or
   busy) goes again with the next call, at most :data:`MAX_BATCH` reports, the newest kept (the hub
   drops a redelivered step report of a batch); another refusal drops it; the run goes on either way.
@@ -25,9 +28,9 @@ Rules:
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from sbpflow.actor_workers.reporting import report
@@ -40,6 +43,7 @@ CALL_SECONDS = 5.0
 _URGENT = frozenset({"done", "error", "log"})  # kinds that flush at once
 _FLUSH = sp.WorkerReport()  # queued after a report sent with flush=True: what is queued goes at once
 _AGAIN = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})  # codes (names) on which a batch goes again
+_EMPTY = object()  # nothing came in time
 
 
 class Reporter:
@@ -68,7 +72,9 @@ class Reporter:
             channel if channel is not None else grpc.insecure_channel(address) if address else None
         )
         self._stub = sg.WorkerServiceStub(self._channel) if self._channel is not None else None
-        self._queue: queue.Queue[sp.WorkerReport | None] = queue.Queue()
+        self._queue: deque[sp.WorkerReport | None] = deque()  # None: close
+        self._wake = threading.Event()  # set by a report that must not wait for the loop's next look
+        self._holding = False  # the loop is inside a batch's wait and collects what came when it ends
         self._on_cancel = on_cancel
         self._closed = False
         self._again: list[sp.WorkerReport] = []  # a batch to send again with the next call
@@ -78,16 +84,19 @@ class Reporter:
         self._thread.start()
 
     def send(self, flush: bool = False, **payload: Any) -> None:
-        self._queue.put(report(*self._ids, **payload))
+        self._queue.append(report(*self._ids, **payload))
         if flush:
-            self._queue.put(_FLUSH)
+            self._queue.append(_FLUSH)
+        if flush or not self._holding or not _URGENT.isdisjoint(payload):
+            self._wake.set()
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued (up to ``timeout``), then stop (again: nothing)."""
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
+        self._queue.append(None)
+        self._wake.set()
         self._thread.join(timeout)
         if self._channel is not None and self._own:
             self._channel.close()
@@ -95,9 +104,8 @@ class Reporter:
     def _loop(self) -> None:
         last = 0.0  # when the last call went out that no urgent report flushed
         while True:
-            try:
-                first = self._queue.get(timeout=HEARTBEAT_SECONDS)
-            except queue.Empty:
+            first = self._next(time.monotonic() + HEARTBEAT_SECONDS, hold=False)
+            if first is _EMPTY:
                 first = report(*self._ids, heartbeat=sp.Heartbeat())
             batch, end, urgent = self._gather(first, last + BATCH_SECONDS)
             if batch and self._stub is not None:
@@ -106,6 +114,21 @@ class Reporter:
                 self._call(batch)
             if end:
                 return
+
+    def _next(self, until: float, hold: bool) -> Any:
+        """The oldest queued message, waiting until ``until`` (monotonic) at most: :data:`_EMPTY` if
+        none came. ``hold``: a report that may wait does not end the wait (see the module's rules)."""
+        while True:
+            if self._queue:
+                return self._queue.popleft()
+            wait = until - time.monotonic()
+            if wait <= 0:
+                return _EMPTY
+            self._wake.clear()
+            self._holding = hold
+            if not self._queue:  # looked at after the clear: a send in between has set it again
+                self._wake.wait(wait)
+            self._holding = False
 
     def _gather(
         self, first: sp.WorkerReport | None, until: float
@@ -124,10 +147,8 @@ class Reporter:
                 return batch, False, True
             if len(batch) >= MAX_BATCH:
                 return batch, False, False
-            wait = until - time.monotonic()
-            try:
-                msg = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
-            except queue.Empty:
+            msg = self._next(until, hold=True)
+            if msg is _EMPTY:
                 return batch, False, False
 
     def _call(self, batch: list[sp.WorkerReport]) -> None:

@@ -82,6 +82,28 @@ def test_a_flushed_report_goes_at_once_with_everything_queued_before_it(
     assert got == [1, 2, 3, 4, 5, 6, 7] and rep.calls == 3
 
 
+def test_reports_held_for_a_batch_do_not_wake_the_reporter_and_done_sends_them_in_order(
+    hub: ReportHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside a batch's wait a step report only queues (no wake-up of the thread a step); ``done`` ends
+    the wait and everything goes, in order."""
+    monkeypatch.setattr(reporting, "BATCH_SECONDS", 60.0)
+    got: list[str] = []
+    with hub.listen("j", 1, lambda r: got.append(r.WhichOneof("payload")), [0]) as credential:
+        rep = Reporter(hub.address, "j", 1, 0, "w0", credential)
+        rep.send(step=step_report(0, 1.0, 0.01))  # the first goes at once
+        until(lambda: got == ["step"])
+        rep.send(step=step_report(1, 1.0, 0.01))  # wakes the idle loop, which then holds for the batch
+        until(lambda: rep._holding)
+        for s in range(2, 6):
+            rep.send(step=step_report(s, 1.0, 0.01))
+            assert not rep._wake.is_set()
+        rep.send(done=sp.Done())
+        until(lambda: len(got) == 7)
+        rep.close()
+    assert got == ["step"] * 6 + ["done"] and rep.calls == 2
+
+
 def test_a_batch_is_checked_like_single_reports_and_a_cancel_reaches_the_worker(hub: ReportHub) -> None:
     got: list[sp.WorkerReport] = []
     cancelled: list[str] = []
