@@ -12,8 +12,11 @@ repetitions. Per case, for an array of |T| bytes:
   back a fresh result, gloo sums in place;
 - ``send/recv``: a ping-pong — rank 0 sends |T|, rank 1 receives it and sends it back — |T| / half the
   round trip.
-The issue's targets: sbpflow >= gloo (ratio >= 1.0) and shared memory faster than TCP. This is a
-benchmark, not a test.
+and, per backend, the CPU time of a call on rank 0 (its process, every thread: the receive threads' and
+gloo's own), which is what a worker whose core is busy computing pays. ``--job`` adds the main job's
+cases (examples/charlm.py on 2 workers: its 8-byte token-count and loss all-reduces and its 964,608-byte
+gradient bucket). The issue's targets: sbpflow >= gloo (ratio >= 1.0) and shared memory faster than
+TCP. This is a benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -92,8 +95,9 @@ class Sbpflow:
         self.t.close()
 
 
-def _case(b: Any, rank: int, op: str, x: np.ndarray, iters: int) -> float:
-    """Seconds per operation (rank 0's clock), after a warm-up and a barrier."""
+def _case(b: Any, rank: int, op: str, x: np.ndarray, iters: int) -> tuple[float, float]:
+    """Seconds per operation (rank 0's clock) and this process's CPU seconds per operation, after a
+    warm-up and a barrier."""
 
     def once() -> None:
         if op == "all_reduce":
@@ -106,11 +110,12 @@ def _case(b: Any, rank: int, op: str, x: np.ndarray, iters: int) -> float:
 
     once()
     b.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(iters):
         once()
-    elapsed = time.perf_counter() - start
-    return elapsed / iters / (2 if op == "send/recv" else 1)
+    elapsed, used = time.perf_counter() - start, time.process_time() - cpu
+    per = iters * (2 if op == "send/recv" else 1)
+    return elapsed / per, used / per
 
 
 def _worker(rank: int, conn: Any, port: int, cases: list[tuple[str, int, int]], reps: int) -> None:
@@ -127,8 +132,8 @@ def _worker(rank: int, conn: Any, port: int, cases: list[tuple[str, int, int]], 
     shm.connect(shm_eps)
     tcp.connect(tcp_eps)
     backends = {"sbpflow-shm": Sbpflow(shm), "sbpflow-tcp": Sbpflow(tcp), "gloo": Gloo(rank, port)}
-    arrays = {nbytes: np.zeros(nbytes // 4, np.float32) for _, nbytes, _ in cases}
-    times: dict[tuple[str, str, int], list[float]] = {}
+    arrays = {nbytes: np.zeros(max(1, nbytes // 4), np.float32) for _, nbytes, _ in cases}
+    times: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
     for rep in range(reps):
         order = BACKENDS[rep % 3 :] + BACKENDS[: rep % 3]
         for name in order:
@@ -151,8 +156,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="1 MB and 8 MB, 2 repetitions")
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--job", action="store_true", help="also the main job's sizes: 8 B and 964,608 B")
     args = p.parse_args()
     sizes = [(1 * MB, 40), (8 * MB, 4)] if args.quick else [(1 * MB, 100), (64 * MB, 5)]
+    if args.job:
+        sizes = [(8, 400), (964_608, 200), *sizes]
     reps = 2 if args.quick else args.repeat
     cases = [(op, nbytes, iters) for op in ("all_reduce", "send/recv") for nbytes, iters in sizes]
     ctx = mp.get_context("spawn")
@@ -182,12 +190,17 @@ def main() -> None:
         f"{'case':<22}"
         + "".join(f"{b:>14}" for b in BACKENDS)
         + f"{'shm/gloo':>10}{'tcp/gloo':>10}{'shm/tcp':>9}"
+        + "".join(f"{b + ' CPU us':>20}" for b in BACKENDS)
+        + f"   load {os.getloadavg()[0]:.1f}"
     )
     for op, nbytes, _ in cases:
-        gbps = {b: nbytes / statistics.median(times[(b, op, nbytes)]) / 1e9 for b in BACKENDS}
-        row = f"{op + f' {nbytes // MB} MB':<22}" + "".join(f"{gbps[b]:>14.2f}" for b in BACKENDS)
+        gbps = {b: nbytes / statistics.median(t for t, _ in times[(b, op, nbytes)]) / 1e9 for b in BACKENDS}
+        cpu = {b: statistics.median(c for _, c in times[(b, op, nbytes)]) * 1e6 for b in BACKENDS}
+        size = f"{nbytes // MB} MB" if nbytes >= MB else f"{nbytes:,} B"
+        row = f"{op + ' ' + size:<22}" + "".join(f"{gbps[b]:>14.2f}" for b in BACKENDS)
         row += f"{gbps['sbpflow-shm'] / gbps['gloo']:>10.2f}{gbps['sbpflow-tcp'] / gbps['gloo']:>10.2f}"
         row += f"{gbps['sbpflow-shm'] / gbps['sbpflow-tcp']:>9.2f}"
+        row += "".join(f"{cpu[b]:>20.1f}" for b in BACKENDS)
         print(row)
 
 
