@@ -17,8 +17,8 @@ power-of-two degrees (a 1,024-device search).
 **How each is priced.** The candidate job (:func:`auto_layouts.relayout`) is compiled by
 ``pipeline.compile`` like any other, so an illegal layout is refused by the compiler itself (its error
 shown in the table); the plan is priced by the cost model (``cost_model.estimate``: compute, comm,
-exposed comm, step time and the plan's memory estimate; on a CPU profile with the plan's kernels timed
-on this machine, :func:`pricer`). A candidate whose peak per device is over the
+exposed comm, step time and the plan's memory estimate; on a CPU profile with the plan's kernels and the job's
+data source timed on this machine, :func:`pricer`). A candidate whose peak per device is over the
 budget is shown with what it needs; the winner is the fastest that fits (ties: less memory, then the
 simpler layout). When nothing fits, :class:`NoPlanFits` names the smallest peak found and the budget.
 """
@@ -34,8 +34,10 @@ from dataclasses import dataclass, field
 from sbpflow.control_plane.compiler import cost_model, pipeline
 from sbpflow.control_plane.compiler.auto_layouts import Layout, block_of, relayout, tables, tp_pairs
 from sbpflow.control_plane.compiler.cost_model import DeviceProfile, StepEstimate
+from sbpflow.control_plane.compiler.cpu_profile import read_cost
 from sbpflow.control_plane.compiler.kernel_probe import measure_kernels
 from sbpflow.control_plane.compiler.micro_batching import layout as slots
+from sbpflow.control_plane.compiler.stage_load import DataCost, source_key
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
 
@@ -185,9 +187,29 @@ def pricer(profile: DeviceProfile, link: str | None = None) -> Price:
 
     def price(compiled: pipeline.Compiled) -> StepEstimate:
         kernels = measure_kernels(compiled.state, profile.threads)
-        return cost_model.estimate(compiled, profile, link, kernels=kernels)
+        here = with_source(profile, compiled.state.job.data)
+        return cost_model.estimate(compiled, here, link, kernels=kernels)
 
     return price
+
+
+_READS: dict[str, DataCost] = {}  # a source's repr -> its cost a read and a row here, once a process
+
+
+def with_source(profile: DeviceProfile, source: object) -> DeviceProfile:
+    """``profile`` with ``source`` itself timed here (``cpu_profile.read_cost``, once a process): what a
+    read costs depends on the source's parameters (the click source's draws grow with its vocabulary),
+    which the profile's figures for the examples' defaults do not know."""
+    if source is None:
+        return profile
+    if repr(source) not in _READS:
+        _READS[repr(source)] = read_cost(source, 0.1)
+    cost, key = _READS[repr(source)], source_key(source)
+    return dataclasses.replace(
+        profile,
+        data_read_s={**profile.data_read_s, key: cost.read_s},
+        data_row_s={**profile.data_row_s, key: cost.row_s},
+    )
 
 
 def choose(job: Job, memory_per_device: int | None = None, profile: DeviceProfile | str = "cpu") -> Job:

@@ -30,7 +30,8 @@ lowering's order (``pre``, the schedule's micro-batches, the update). So a gradi
 the backward still to run, a tensor-parallel all-reduce in the forward does not, and pipeline stages
 overlap as the schedule lets them. A CPU profile adds what a host shares: its ranks' work over its cores,
 one interpreter for ranks that are threads of one process (the ``inprocess`` link), and data loading
-(``data_row_s``: a source's seconds per sample row), which runs ahead and so bounds the step; the step is
+(``data_read_s`` and ``data_row_s``: a source's seconds a read and a sample row, each rank reading its
+rows of each micro-batch where the inputs are placed), which runs ahead and so bounds the step; the step is
 the largest bound, and ``StepEstimate.bound`` names it. ``exposed_comm_s`` is ``step_s`` less the same
 step with every collective free: what communication adds to the step.
 
@@ -131,6 +132,12 @@ class DeviceProfile:
     host_cores: int = 0  # a CPU rank's host: its cores, which the ranks on it share; 0: a device of its own
     threads: int = 0  # the BLAS threads one rank's rates were measured with (0: every core of the host)
     data_row_s: Mapping[str, float] = field(default_factory=dict)  # a data source's seconds a sample row
+    data_read_s: Mapping[str, float] = field(default_factory=dict)  # and its fixed seconds a read
+
+    def data(self, source: object) -> stage_load.DataCost:
+        """What a read of ``source`` costs a rank here (nothing for a source the profile has no figures of)."""
+        key = stage_load.source_key(source)
+        return stage_load.DataCost(self.data_read_s.get(key, 0.0), self.data_row_s.get(key, 0.0))
 
     def __post_init__(self) -> None:
         if not self.flops_per_s or min(self.flops_per_s.values()) <= 0 or self.mem_bytes_per_s <= 0:
@@ -161,6 +168,7 @@ class DeviceProfile:
     def to_json(self) -> str:
         body = asdict(self)
         body["flops_per_s"], body["data_row_s"] = dict(self.flops_per_s), dict(self.data_row_s)
+        body["data_read_s"] = dict(self.data_read_s)
         body["links"] = {k: asdict(v) for k, v in self.links.items()}
         return json.dumps(body, indent=2, sort_keys=True) + "\n"
 
@@ -181,6 +189,7 @@ class DeviceProfile:
                 host_cores=int(body.get("host_cores", 0)),
                 threads=int(body.get("threads", 0)),
                 data_row_s={k: float(v) for k, v in body.get("data_row_s", {}).items()},
+                data_read_s={k: float(v) for k, v in body.get("data_read_s", {}).items()},
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ProfileError(
@@ -311,7 +320,7 @@ def estimate(
         calls[name] = calls.get(name, 0) + 1
     by_op = tuple(_times(costs[n], k) for n, k in calls.items())
     loads = stage_load.loads(
-        state, lay, by_op, profile.data_row_s, profile.mem_bytes_per_s, profile.op_overhead_s
+        state, lay, by_op, profile.data(state.job.data), profile.mem_bytes_per_s, profile.op_overhead_s
     )
     bounds = [
         host_bounds(

@@ -12,9 +12,11 @@ shared machine):
 * **per-act overhead**: the CPU the runtime spends on an act of a tiny kernel (register hand-offs, the
   engine's bookkeeping), from a real in-process run of a chain of tiny kernels for two step counts: the
   difference of CPU time over the acts it adds (:func:`act_overhead`);
-* **data loading**: a batch of each synthetic source kind the examples read (``SyntheticSource``
-  ``regression`` and ``tokens``), per sample row: its per-row generator is Python, and costs far more
-  than the bytes it makes;
+* **data loading**: each synthetic source kind the examples read (``SyntheticSource`` ``regression``,
+  ``tokens`` and ``clicks``, :data:`SOURCES`), a read of one row and of a batch fitted to a cost a
+  read and a cost a row (:func:`read_cost`): its per-row generator is Python, and costs far more than
+  the bytes it makes, and a read has fixed work besides (the search times the job's own source the same
+  way, ``auto_plan.pricer``);
 * **links**: each collective of the boxing table on each CPU transport, two ranks, a small and a large
   array fitted to ``hops * latency + bytes / bandwidth`` (``cpu_links.py``: ``inprocess``, ``shm``,
   ``tcp``), once; on ``inprocess`` also the thread CPU a rank spends in a call.
@@ -33,7 +35,7 @@ import numpy as np
 from sbpflow.actor_workers.runtime.threads import limited
 from sbpflow.control_plane.compiler.cost_model import DeviceProfile
 from sbpflow.control_plane.compiler.cpu_links import measure_links
-from sbpflow.control_plane.compiler.stage_load import source_key
+from sbpflow.control_plane.compiler.stage_load import DataCost, source_key
 from sbpflow.data import SyntheticSource
 from sbpflow.dtype import DType
 from sbpflow.graph import Graph, OpNode, TensorDecl
@@ -41,6 +43,9 @@ from sbpflow.job import Job, JobConfig
 from sbpflow.placement import placement
 from sbpflow.sbp import B
 from sbpflow.tensor_meta import TensorMeta
+
+ROUNDS = 3  # each figure's rounds, its best kept
+ROWS = 16  # a data source's batch for its cost a row
 
 
 def _best(fn: Callable[[], object], budget: float, least: int = 3) -> float:
@@ -127,16 +132,34 @@ def _chain(n: int, steps: int) -> Job:
     return Job("act-overhead", g, loss="loss", config=JobConfig(steps=steps))
 
 
-def data_row_seconds(budget: float) -> dict[str, float]:
-    """Seconds per sample row of each synthetic source kind the examples read, from a small batch."""
-    kinds = {
-        "regression": {"in": 16, "out": 4},
-        "tokens": {"seq_len": 16, "vocab": 64},
-    }
+def read_cost(source: Any, budget: float, rows: int = ROWS) -> DataCost:
+    """What a read of ``source`` costs here: the fastest read of 1 row and of ``rows`` rows (at most its
+    batch) within ``budget``, taken in turns, fitted to ``read_s + rows * row_s``. The fixed part is real:
+    a source draws fixed-size things per read (the click source's teacher weights: ~1.5 ms a read of
+    vocabulary 4,096) and runs its Python per call, which a per-row figure alone charges to no one."""
+    n = max(2, min(rows, int(getattr(source, "batch_size", rows))))
+    best = {1: float("inf"), n: float("inf")}
+    for _ in range(ROUNDS):
+        for k in best:
+            best[k] = min(best[k], _best(partial(source.read, 0, slice(0, k)), budget / 2 / ROUNDS))
+    row = max((best[n] - best[1]) / (n - 1), 0.0)
+    return DataCost(max(best[1] - row, 0.0), row)
+
+
+# the synthetic source kinds the examples read, with their default parameters
+SOURCES: dict[str, dict[str, float]] = {
+    "regression": {"in": 16, "out": 4},
+    "tokens": {"seq_len": 16, "vocab": 64},
+    "clicks": {"dense": 4, "fields": 4, "vocab": 128},
+}
+
+
+def data_seconds(budget: float) -> dict[str, DataCost]:
+    """Each synthetic source kind of :data:`SOURCES` by ``source_key``: its cost a read and a row."""
     out = {}
-    for kind, params in kinds.items():
+    for kind, params in SOURCES.items():
         src = SyntheticSource(batch_size=ROWS, kind=kind, params=params, seed=0)
-        out[source_key(src)] = _best(partial(src.read, ROWS), budget / len(kinds)) / ROWS
+        out[source_key(src)] = read_cost(src, budget / len(SOURCES))
     return out
 
 
@@ -145,13 +168,11 @@ def measure_cpu_profile(seconds: float = 1.0, threads: int = 1) -> DeviceProfile
     CPU rank's; 0: the process's setting), in rounds that keep each figure's best (module docstring)."""
     share = max(seconds, 0.1) / 8 / ROUNDS
     best: dict[str, float] = {}
-    rows: dict[str, float] = {}
     with limited(threads):
         for _ in range(ROUNDS):
             for name, fn in _RATES.items():
                 best[name] = max(best.get(name, 0.0), fn(share))
-            for key, s in data_row_seconds(share).items():
-                rows[key] = min(rows.get(key, float("inf")), s)
+        data = data_seconds(share * ROUNDS)
     f32 = best["float32"]
     return DeviceProfile(
         name="cpu",
@@ -165,12 +186,11 @@ def measure_cpu_profile(seconds: float = 1.0, threads: int = 1) -> DeviceProfile
         "cpu_profile.measure_cpu_profile",
         host_cores=_cores(),
         threads=threads,
-        data_row_s=rows,
+        data_row_s={k: c.row_s for k, c in data.items()},
+        data_read_s={k: c.read_s for k, c in data.items()},
     )
 
 
-ROUNDS = 3
-ROWS = 16
 _RATES: dict[str, Callable[[float], float]] = {
     "float32": lambda budget: gemm_flops(np.float32, budget),
     "float64": lambda budget: gemm_flops(np.float64, budget),

@@ -1,6 +1,6 @@
 """What one rank of each pipeline stage holds and does beyond its ops' kernels and messages, for the cost
 model (``cost_model.py``): its shards (``local_meta``, at mesh coordinate 0, the largest of an uneven
-split), its data loading and the acts of its plan that are no op of the graph (``loads``), the ranks of
+split), its data loading (where its inputs are placed: ``data_seconds``) and the acts of its plan that are no op of the graph (``loads``), the ranks of
 each stage (``ranks_of``), a kernel call's key (``call_key``) and the memory figure when the plan has no
 estimate (``peak_memory``: an upper bound).
 """
@@ -8,6 +8,7 @@ estimate (``peak_memory``: an upper bound).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 from sbpflow.control_plane.compiler.lowering.tasks import shard_shape
@@ -27,41 +28,73 @@ def loads(
     state: CompileState,
     lay: Layout,
     by_op: Sequence[OpCost],
-    data_row_s: Mapping[str, float],
+    data: DataCost,
     mem_bytes_per_s: float,
     act_s: float,
 ) -> dict[int, Load]:
     """Each stage's :class:`~.step_sim.Load` on one rank: its ops' compute (``by_op``, a step's), the
-    acts outside the graph at ``act_s`` each, and its data loading (each micro-batch's local rows at the
-    source's cost a row, ``data_row_s[source_key]``, and their bytes at memory bandwidth)."""
-    g, first = state.graph, _first_reader_stage(state)
-    row_s = data_row_s.get(source_key(state.job.data), 0.0)
-    rows: dict[int, int] = {}
-    nbytes: dict[int, int] = {}
-    for t in g.of_kind(TensorKind.input):
-        stage = first.get(t.name, 0)
-        local = local_meta(t)
-        rows[stage] = max(rows.get(stage, 0), local.shape[0] if local.shape else 1)
-        nbytes[stage] = nbytes.get(stage, 0) + local.nbytes
-    tail = _plan_acts(state, lay, first)
+    acts outside the graph at ``act_s`` each, and its data loading (:func:`data_seconds`)."""
+    where = input_stage(state)
+    tail = _plan_acts(state, lay, where)
+    data_s = data_seconds(state, lay, data, mem_bytes_per_s, where)
     per_stage: dict[int, list[OpCost]] = {}
     for c in by_op:
         per_stage.setdefault(c.stage, []).append(c)
     out = {}
-    for stage in sorted(set(per_stage) | set(rows)):
+    for stage in sorted(set(per_stage) | set(data_s)):
         mine = per_stage.get(stage, [])
-        data = lay.micro_batches * (rows.get(stage, 0) * row_s + nbytes.get(stage, 0) / mem_bytes_per_s)
         extra = tail.get(stage, 0) * act_s
         out[stage] = Load(
             compute_s=sum(c.seconds for c in mine if not c.comm) + extra,
-            python_s=sum(c.python_s for c in mine) + data + extra,
-            data_s=data,
+            python_s=sum(c.python_s for c in mine) + data_s.get(stage, 0.0) + extra,
+            data_s=data_s.get(stage, 0.0),
             tail_s=extra,
         )
     return out
 
 
-def _plan_acts(state: CompileState, lay: Layout, first: Mapping[str, int]) -> dict[int, int]:
+@dataclass(frozen=True)
+class DataCost:
+    """What reading a batch of the job's source costs one rank: a fixed ``read_s`` a read (the source's
+    per-call work: its draws of fixed size, its Python) and ``row_s`` a sample row."""
+
+    read_s: float = 0.0
+    row_s: float = 0.0
+
+
+def data_seconds(
+    state: CompileState, lay: Layout, data: DataCost, mem_bytes_per_s: float, where: Mapping[str, int]
+) -> dict[int, float]:
+    """Per stage, one rank's data loading a step. Inputs load where they are placed (``where``: the
+    search's pipelines place them all on stage 0, which sends the last stage its labels). A rank's
+    loaders share one read of the source per row range (``RankContext.read_rows``), so each distinct
+    local row count a stage's inputs take costs a read per micro-batch, its rows at ``data.row_s``; the
+    inputs' bytes at memory bandwidth."""
+    ranges: dict[int, set[int]] = {}
+    nbytes: dict[int, int] = {}
+    for t in state.graph.of_kind(TensorKind.input):
+        stage, local = where.get(t.name, 0), local_meta(t)
+        ranges.setdefault(stage, set()).add(local.shape[0] if local.shape else 1)
+        nbytes[stage] = nbytes.get(stage, 0) + local.nbytes
+    m = lay.micro_batches
+    return {
+        s: m * (sum(data.read_s + n * data.row_s for n in rows) + nbytes[s] / mem_bytes_per_s)
+        for s, rows in ranges.items()
+    }
+
+
+def input_stage(state: CompileState) -> dict[str, int]:
+    """Each tensor -> the stage that holds it: an input the stage whose ranks its placement's first rank
+    is among (the runtime loads an input where it is placed), any other its earliest reader's."""
+    out = _first_reader_stage(state)
+    stage_of = {r: s for s, ranks in ranks_of(state).items() for r in ranks}
+    for t in state.graph.of_kind(TensorKind.input):
+        if t.placement is not None and t.placement.ranks[0] in stage_of:
+            out[t.name] = stage_of[t.placement.ranks[0]]
+    return out
+
+
+def _plan_acts(state: CompileState, lay: Layout, where: Mapping[str, int]) -> dict[int, int]:
     """Per stage, the acts of a step that run no op of the graph: each variable's write-back, each input's
     load and each accumulation per micro-batch (when there are several), the fetches."""
     g = state.graph
@@ -70,7 +103,7 @@ def _plan_acts(state: CompileState, lay: Layout, first: Mapping[str, int]) -> di
 
     def add(tensor: str, n: int) -> None:
         op = producer.get(tensor)
-        stage = first.get(tensor, 0) if op is None else op.stage
+        stage = where.get(tensor, 0) if op is None else op.stage
         out[stage] = out.get(stage, 0) + n
 
     m = lay.micro_batches
@@ -96,7 +129,7 @@ def _first_reader_stage(state: CompileState) -> dict[str, int]:
 
 
 def source_key(source: object) -> str:
-    """A data source's key in ``DeviceProfile.data_row_s``: its class, and a synthetic source's kind."""
+    """A data source's key in ``DeviceProfile.data_row_s`` and ``data_read_s``: its class, and a synthetic source's kind."""
     kind = getattr(source, "kind", None)
     return type(source).__name__ + (f":{kind}" if isinstance(kind, str) else "")
 
@@ -149,9 +182,9 @@ def peak_memory(state: CompileState, memory: Mapping[int, DeviceMemory], lay: La
         for out in o.outputs:
             many = lay.schedule.in_flight(o.stage) if o.name in per_mb else 1
             held[o.stage] = held.get(o.stage, 0) + local_meta(g.tensors[out]).nbytes * many
-    first = _first_reader_stage(state)
+    where = input_stage(state)
     for t in g.tensors.values():
-        stage = first.get(t.name, 0)
+        stage = where.get(t.name, 0)
         if t.kind in (TensorKind.parameter, TensorKind.optimizer_state):
             held[stage] = held.get(stage, 0) + local_meta(t).nbytes
         elif t.kind == TensorKind.input:  # the loader's buffer and its prefetch copy

@@ -145,13 +145,16 @@ def test_a_budget_is_given_in_bytes() -> None:
 
 
 def test_a_cpu_profile_prices_each_plan_with_its_kernels_timed() -> None:
-    """On a profile of this machine (it has ``host_cores``) a candidate's kernels are timed here (cached a
-    process, so pricing twice gives the same figures); a device of its own (a GPU profile) is priced by
+    """On a profile of this machine (it has ``host_cores``) a candidate's kernels and the job's data
+    source are timed here (cached a process, so pricing twice gives the same figures); a device of its own (a GPU profile) is priced by
     rooflines alone; the link priced is the one asked for."""
     c = pipeline.compile(mlp())
     cpu = dataclasses.replace(PROFILE, host_cores=2, threads=1)
     kernels = measure_kernels(c.state, 1)
-    assert auto_plan.pricer(cpu)(c) == cost_model.estimate(c, cpu, kernels=kernels)
+    here = auto_plan.with_source(cpu, c.state.job.data)
+    assert auto_plan.pricer(cpu)(c) == cost_model.estimate(c, here, kernels=kernels)
+    cost = here.data(c.state.job.data)  # the job's own source timed here, beside the profile's figures
+    assert cost.read_s + cost.row_s > 0 and here.data_read_s.keys() == {"SyntheticSource:regression"}
     assert auto_plan.pricer(PROFILE)(c) == cost_model.estimate(c, PROFILE)
     two = dataclasses.replace(PROFILE, links={**PROFILE.links, "inprocess": PROFILE.link()})
     assert auto_plan.pricer(two, "inprocess")(c).link == "inprocess"

@@ -17,6 +17,7 @@ import pytest
 from sbpflow.boxing import Collective, plan_boxing
 from sbpflow.client.cli import main
 from sbpflow.control_plane.compiler import pipeline
+from sbpflow.control_plane.compiler.auto_layouts import Layout, relayout
 from sbpflow.control_plane.compiler.cost_model import (
     DeviceProfile,
     LinkProfile,
@@ -28,7 +29,8 @@ from sbpflow.control_plane.compiler.cost_model import (
 )
 from sbpflow.control_plane.compiler.cpu_profile import measure_cpu_profile
 from sbpflow.control_plane.compiler.kernel_probe import measure_kernels, probe_array
-from sbpflow.control_plane.compiler.stage_load import call_key
+from sbpflow.control_plane.compiler.micro_batching import layout
+from sbpflow.control_plane.compiler.stage_load import call_key, data_seconds, input_stage
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.dtype import DType
 from sbpflow.errors import SbpflowError
@@ -49,7 +51,8 @@ FIXED = DeviceProfile(
     links={"shm": LinkProfile(latency_s=1e-5, bytes_per_s=1e9), "slow": LinkProfile(1e-5, 1e8)},
     op_overhead_s=0.0,
 )
-# a CPU host of 2 cores, one BLAS thread a rank, whose regression data costs 0.1 ms a sample row
+# a CPU host of 2 cores, one BLAS thread a rank, whose regression data costs 0.1 ms a sample row and
+# 0.5 ms a read
 HOST = replace(
     FIXED,
     name="host",
@@ -60,6 +63,7 @@ HOST = replace(
     host_cores=2,
     threads=1,
     data_row_s={"SyntheticSource:regression": 1e-4},
+    data_read_s={"SyntheticSource:regression": 5e-4},
 )
 F32 = DType.float32
 
@@ -171,6 +175,13 @@ def test_the_measured_cpu_profile_is_positive_everywhere() -> None:
     assert set(held) == {"all-reduce", *p.links["inprocess"].collectives}
     assert all(s > 0 and bw > 0 for s, bw in held.values())
     assert not p.links["shm"].interpreter and not p.links["tcp"].interpreter
+    # each synthetic kind the examples read: a cost a read and a cost a row
+    kinds = {f"SyntheticSource:{k}" for k in ("regression", "tokens", "clicks")}
+    assert set(p.data_read_s) == set(p.data_row_s) == kinds
+    assert all(
+        p.data_read_s[k] >= 0 and p.data_row_s[k] >= 0 and p.data_read_s[k] + p.data_row_s[k] > 0
+        for k in kinds
+    )
 
 
 # ---- communication -------------------------------------------------------------------------------------
@@ -310,13 +321,30 @@ def test_pipeline_stages_overlap() -> None:
 
 
 def test_data_loading_costs_its_rows_and_bounds_the_step() -> None:
-    """x [32, 16] and y [32, 4] float32 a step: 32 rows at 0.1 ms and their bytes at memory bandwidth;
-    the loader runs ahead, so a step that computes for less is as long as its loading."""
+    """x [32, 16] and y [32, 4] float32 a step: one read (both inputs' rows at once) at 0.5 ms, 32 rows
+    at 0.1 ms and their bytes at memory bandwidth; the loader runs ahead, so a step that computes for less
+    is as long as its loading."""
     e = estimate(compiled("mlp", ranks=1, batch_size=32), HOST)
-    assert e.data_s == pytest.approx(32 * 1e-4 + 32 * (16 + 4) * 4 / 1e11)
+    assert e.data_s == pytest.approx(5e-4 + 32 * 1e-4 + 32 * (16 + 4) * 4 / 1e11)
     assert e.compute_s < e.data_s and e.step_s == pytest.approx(e.data_s)
     assert e.bound == "data loading"
     assert estimate(compiled("mlp", ranks=1, batch_size=64), HOST).data_s > e.data_s
+
+
+def test_each_micro_batch_is_a_read_where_the_inputs_are_placed() -> None:
+    """Two pipeline stages, the inputs placed on stage 0 (as the search lays them out): stage 0's ranks
+    load x and y, the last stage, which reads y, loads nothing (it receives y); each micro-batch is a read
+    of its own, so twice the micro-batches of half the rows cost two more reads a step."""
+    job = load("mlp").make_job(ranks=2, batch_size=32)
+    one, two = (pipeline.compile(relayout(job, Layout(pp=2, micro_batches=m))) for m in (2, 4))
+    for c in (one, two):
+        y = c.state.graph.tensors["y"]
+        assert any(o.stage == 1 and "y" in o.inputs for o in c.state.graph.ops) and y.placement is not None
+        assert set(
+            data_seconds(c.state, layout(c.state), HOST.data(c.state.job.data), 1e11, input_stage(c.state))
+        ) == {0}
+    e1, e2 = estimate(one, HOST), estimate(two, HOST)
+    assert e2.data_s - e1.data_s == pytest.approx(2 * 5e-4)
 
 
 def test_ranks_in_one_interpreter_take_turns() -> None:
