@@ -29,7 +29,8 @@ ordered communication stream, every op starting once its stream is free and its 
 lowering's order (``pre``, the schedule's micro-batches, the update). So a gradient's all-reduce overlaps
 the backward still to run, a tensor-parallel all-reduce in the forward does not, and pipeline stages
 overlap as the schedule lets them. A CPU profile adds what a host shares: its ranks' work over its cores,
-one interpreter for ranks that are threads of one process (the ``inprocess`` link), and data loading
+one interpreter for ranks that are threads of one process (the ``inprocess`` link; with each register a
+rank hands between its streams at ``handoff_s``, the CPU of a woken thread), and data loading
 (``data_read_s`` and ``data_row_s``: a source's seconds a read and a sample row, each rank reading its
 rows of each micro-batch where the inputs are placed), which runs ahead and so bounds the step; the step is
 the largest bound, and ``StepEstimate.bound`` names it. ``exposed_comm_s`` is ``step_s`` less the same
@@ -133,6 +134,7 @@ class DeviceProfile:
     threads: int = 0  # the BLAS threads one rank's rates were measured with (0: every core of the host)
     data_row_s: Mapping[str, float] = field(default_factory=dict)  # a data source's seconds a sample row
     data_read_s: Mapping[str, float] = field(default_factory=dict)  # and its fixed seconds a read
+    handoff_s: float = 0.0  # CPU a register handed between a rank's streams costs (a thread woken)
 
     def data(self, source: object) -> stage_load.DataCost:
         """What a read of ``source`` costs a rank here (nothing for a source the profile has no figures of)."""
@@ -190,6 +192,7 @@ class DeviceProfile:
                 threads=int(body.get("threads", 0)),
                 data_row_s={k: float(v) for k, v in body.get("data_row_s", {}).items()},
                 data_read_s={k: float(v) for k, v in body.get("data_read_s", {}).items()},
+                handoff_s=float(body.get("handoff_s", 0.0)),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ProfileError(
@@ -320,7 +323,13 @@ def estimate(
         calls[name] = calls.get(name, 0) + 1
     by_op = tuple(_times(costs[n], k) for n, k in calls.items())
     loads = stage_load.loads(
-        state, lay, by_op, profile.data(state.job.data), profile.mem_bytes_per_s, profile.op_overhead_s
+        state,
+        lay,
+        by_op,
+        profile.data(state.job.data),
+        profile.mem_bytes_per_s,
+        (profile.op_overhead_s, profile.handoff_s),
+        calls,
     )
     bounds = [
         host_bounds(

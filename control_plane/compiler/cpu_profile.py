@@ -11,7 +11,8 @@ shared machine):
   arrays' bytes over the time: the memory bandwidth of the roofline;
 * **per-act overhead**: the CPU the runtime spends on an act of a tiny kernel (register hand-offs, the
   engine's bookkeeping), from a real in-process run of a chain of tiny kernels for two step counts: the
-  difference of CPU time over the acts it adds (:func:`act_overhead`);
+  difference of CPU time over the acts it adds (:func:`act_overhead`); and a register's hand-off between
+  two streams' threads, from the same chain over two ranks in turn (:func:`handoff_overhead`);
 * **data loading**: each synthetic source kind the examples read (``SyntheticSource`` ``regression``,
   ``tokens`` and ``clicks``, :data:`SOURCES`), a read of one row and of a batch fitted to a cost a
   read and a cost a row (:func:`read_cost`): its per-row generator is Python, and costs far more than
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from sbpflow.actor_workers.runtime.threads import limited
+from sbpflow.boxing import Collective
 from sbpflow.control_plane.compiler.cost_model import DeviceProfile
 from sbpflow.control_plane.compiler.cpu_links import measure_links
 from sbpflow.control_plane.compiler.stage_load import DataCost, source_key
@@ -79,10 +81,28 @@ def act_overhead(threads: int, n: int = 100, short: int = 4, long: int = 24, run
     which the in-process ranks of a step do one after the other (``step_sim.host_bounds``), and which
     other processes on a shared machine stretch in wall time but not in CPU time. The same chain at two
     step counts: building its actors costs the same in both and cancels."""
+    return max(_cpu_a_step(_chain(n, long), threads, short, long, runs) / (n + 2), 1e-7)
+
+
+def handoff_overhead(threads: int, act_s: float, p2p_s: float, n: int = 40, runs: int = 3) -> float:
+    """The CPU seconds of a register handed from one stream's thread to another's (the reader's thread
+    woken: ``stage_load.handoffs``): the chain of :func:`act_overhead` with its kernels on ranks 0 and 1
+    in turn, so each link is a kernel, a send and a receive (``act_s`` each), the transport's call
+    (``p2p_s``) and two hand-offs, compute to communication and back; what a link costs beyond its acts
+    and its call, halved. In-process ranks' plans hand off between their compute, communication and data
+    streams at every boxing and load; on a loaded 2-core machine a hand-off measured 18-28 us against
+    an act's 5-7."""
+    link = _cpu_a_step(_chain(n, 24, hop=True), threads, 4, 24, runs) / n
+    return max((link - 3 * act_s - p2p_s) / 2, 0.0)
+
+
+def _cpu_a_step(job: Job, threads: int, short: int, long: int, runs: int) -> float:
+    """The process's CPU seconds a step of ``job`` in process: ``long`` steps less ``short``, each
+    length's least of ``runs`` runs in turns after a warm-up run."""
     from sbpflow.control_plane.compiler.pipeline import compile as compile_job
     from sbpflow.control_plane.launcher import run
 
-    plan = compile_job(_chain(n, long))
+    plan = compile_job(job)
 
     def cpu(steps: int) -> float:
         t = time.process_time()
@@ -94,7 +114,7 @@ def act_overhead(threads: int, n: int = 100, short: int = 4, long: int = 24, run
     for _ in range(runs):
         for steps in best:
             best[steps] = min(best[steps], cpu(steps))
-    return max((best[long] - best[short]) / ((n + 2) * (long - short)), 1e-7)
+    return (best[long] - best[short]) / (long - short)
 
 
 WARM, WINDOW = 3, 4  # step_time's warm-up steps, and its window
@@ -119,16 +139,21 @@ def step_time(compiled: Any, threads: int) -> float:
     return min(windows) if windows else float("nan")
 
 
-def _chain(n: int, steps: int) -> Job:
-    pl, meta = placement("cpu", [0]), TensorMeta((8,), DType.float32)
+def _chain(n: int, steps: int, hop: bool = False) -> Job:
+    """A chain of ``n`` tiny kernels on rank 0, or (``hop``) on ranks 0 and 1 in turn."""
+    pls, meta = (placement("cpu", [0]), placement("cpu", [1])), TensorMeta((8,), DType.float32)
+
+    def on(i: int) -> Any:
+        return pls[i % 2] if hop else pls[0]
+
     g = Graph()
-    g.add_tensor(TensorDecl("x0", meta, placement=pl, sbp=(B,)))
-    g.add_op(OpNode("fill", "full", (), ("x0",), {"shape": (8,), "dtype": DType.float32}, pl))
+    g.add_tensor(TensorDecl("x0", meta, placement=on(0), sbp=(B,)))
+    g.add_op(OpNode("fill", "full", (), ("x0",), {"shape": (8,), "dtype": DType.float32}, on(0)))
     for i in range(n):
-        g.add_tensor(TensorDecl(f"x{i + 1}", meta, placement=pl, sbp=(B,)))
-        g.add_op(OpNode(f"step{i}", "add_scalar", (f"x{i}",), (f"x{i + 1}",), {"value": 1.0}, pl))
-    g.add_tensor(TensorDecl("loss", TensorMeta((), DType.float32), placement=pl, sbp=(B,)))
-    g.add_op(OpNode("total", "sum", (f"x{n}",), ("loss",), {}, pl))
+        g.add_tensor(TensorDecl(f"x{i + 1}", meta, placement=on(i + 1), sbp=(B,)))
+        g.add_op(OpNode(f"step{i}", "add_scalar", (f"x{i}",), (f"x{i + 1}",), {"value": 1.0}, on(i + 1)))
+    g.add_tensor(TensorDecl("loss", TensorMeta((), DType.float32), placement=on(n), sbp=(B,)))
+    g.add_op(OpNode("total", "sum", (f"x{n}",), ("loss",), {}, on(n)))
     return Job("act-overhead", g, loss="loss", config=JobConfig(steps=steps))
 
 
@@ -174,12 +199,16 @@ def measure_cpu_profile(seconds: float = 1.0, threads: int = 1) -> DeviceProfile
                 best[name] = max(best.get(name, 0.0), fn(share))
         data = data_seconds(share * ROUNDS)
     f32 = best["float32"]
+    links = measure_links(share * ROUNDS)
+    act_s = act_overhead(threads)
+    p2p_s = links["inprocess"].cpu_seconds(Collective.p2p, 2, 32)
     return DeviceProfile(
         name="cpu",
         flops_per_s={"float32": f32, "float64": best["float64"], "bfloat16": f32, "float16": f32},
         mem_bytes_per_s=best["memory"],
-        links=measure_links(share * ROUNDS),
-        op_overhead_s=act_overhead(threads),
+        links=links,
+        op_overhead_s=act_s,
+        handoff_s=handoff_overhead(threads, act_s, p2p_s),
         memory_bytes=_memory_bytes(),
         default_link="shm",
         source=f"measured on this machine ({_cores()} cores, {threads or 'all'} BLAS thread(s) a rank) by "

@@ -30,12 +30,17 @@ def loads(
     by_op: Sequence[OpCost],
     data: DataCost,
     mem_bytes_per_s: float,
-    act_s: float,
+    act_handoff_s: tuple[float, float],
+    calls: Mapping[str, int],
 ) -> dict[int, Load]:
-    """Each stage's :class:`~.step_sim.Load` on one rank: its ops' compute (``by_op``, a step's), the
-    acts outside the graph at ``act_s`` each, and its data loading (:func:`data_seconds`)."""
+    """Each stage's :class:`~.step_sim.Load` on one rank: its ops' compute (``by_op``, a step's; ``calls``:
+    each op's calls a step), the acts outside the graph and the hand-offs between its streams at
+    ``act_handoff_s`` each (:func:`handoffs`: CPU, the interpreter's), and its data loading
+    (:func:`data_seconds`)."""
     where = input_stage(state)
     tail = _plan_acts(state, lay, where)
+    handed = handoffs(state, calls)
+    act_s, handoff_s = act_handoff_s
     data_s = data_seconds(state, lay, data, mem_bytes_per_s, where)
     per_stage: dict[int, list[OpCost]] = {}
     for c in by_op:
@@ -44,9 +49,10 @@ def loads(
     for stage in sorted(set(per_stage) | set(data_s)):
         mine = per_stage.get(stage, [])
         extra = tail.get(stage, 0) * act_s
+        woken = handed.get(stage, 0) * handoff_s
         out[stage] = Load(
-            compute_s=sum(c.seconds for c in mine if not c.comm) + extra,
-            python_s=sum(c.python_s for c in mine) + data_s.get(stage, 0.0) + extra,
+            compute_s=sum(c.seconds for c in mine if not c.comm) + extra + woken,
+            python_s=sum(c.python_s for c in mine) + data_s.get(stage, 0.0) + extra + woken,
             data_s=data_s.get(stage, 0.0),
             tail_s=extra,
         )
@@ -81,6 +87,26 @@ def data_seconds(
         s: m * (sum(data.read_s + n * data.row_s for n in rows) + nbytes[s] / mem_bytes_per_s)
         for s, rows in ranges.items()
     }
+
+
+def handoffs(state: CompileState, calls: Mapping[str, int]) -> dict[int, int]:
+    """Per stage, one rank's registers a step handed from one stream to another (a thread woken): a
+    boxing's messages run on the communication stream, an input's load on the data stream, every other
+    op on compute, so each read across them, once a call of the reader (``calls``: an op's calls a
+    step), wakes the reader's thread. On one thread an act costs the profile's ``op_overhead_s``; a
+    hand-off costs several times that in CPU (the notify, the woken thread's wait for the lock and the
+    GIL: ``DeviceProfile.handoff_s``), and a plan's count of them is what its task order implies."""
+    g = state.graph
+    stream = {t.name: "data" for t in g.of_kind(TensorKind.input)}
+    for o in g.ops:
+        stream.update(dict.fromkeys(o.outputs, "comm" if o.op_type == BOXING else "compute"))
+    out: dict[int, int] = {}
+    for o in g.ops:
+        mine = "comm" if o.op_type == BOXING else "compute"
+        n = sum(1 for i in set(o.inputs) if stream.get(i, "compute") != mine)
+        if n:
+            out[o.stage] = out.get(o.stage, 0) + n * calls.get(o.name, 0)
+    return out
 
 
 def input_stage(state: CompileState) -> dict[str, int]:

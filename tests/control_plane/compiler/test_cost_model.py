@@ -30,8 +30,9 @@ from sbpflow.control_plane.compiler.cost_model import (
 from sbpflow.control_plane.compiler.cpu_profile import measure_cpu_profile
 from sbpflow.control_plane.compiler.kernel_probe import measure_kernels, probe_array
 from sbpflow.control_plane.compiler.micro_batching import layout
-from sbpflow.control_plane.compiler.stage_load import call_key, data_seconds, input_stage
+from sbpflow.control_plane.compiler.stage_load import call_key, data_seconds, handoffs, input_stage, ranks_of
 from sbpflow.control_plane.compiler.state import CompileState
+from sbpflow.control_plane.compiler.step_sim import order
 from sbpflow.dtype import DType
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Precision
@@ -64,6 +65,7 @@ HOST = replace(
     threads=1,
     data_row_s={"SyntheticSource:regression": 1e-4},
     data_read_s={"SyntheticSource:regression": 5e-4},
+    handoff_s=0.0,
 )
 F32 = DType.float32
 
@@ -122,7 +124,7 @@ def test_attention_flops_are_exact_in_a_compiled_gpt() -> None:
 
 
 def test_profile_json_round_trips(tmp_path: Path) -> None:
-    for p in (FIXED, HOST, load_profile("h200")):
+    for p in (FIXED, HOST, replace(HOST, handoff_s=2e-5), load_profile("h200")):
         assert DeviceProfile.from_json(p.to_json()) == p
         file = tmp_path / f"{p.name}.json"
         file.write_text(p.to_json())
@@ -165,6 +167,7 @@ def test_a_malformed_profile_file_says_what_it_needs(tmp_path: Path) -> None:
 def test_the_measured_cpu_profile_is_positive_everywhere() -> None:
     p = measure_cpu_profile(0.2)
     assert min(p.flops_per_s.values()) > 0 and p.mem_bytes_per_s > 0 and p.op_overhead_s > 0
+    assert p.handoff_s > 0  # a thread woken costs CPU beyond an act's
     assert set(p.links) == {"inprocess", "shm", "tcp"}
     assert all(x.latency_s > 0 and x.bytes_per_s > 0 for x in p.links.values())
     for link in p.links.values():  # each collective of the boxing table measured apart
@@ -345,6 +348,43 @@ def test_each_micro_batch_is_a_read_where_the_inputs_are_placed() -> None:
         ) == {0}
     e1, e2 = estimate(one, HOST), estimate(two, HOST)
     assert e2.data_s - e1.data_s == pytest.approx(2 * 5e-4)
+
+
+@pytest.mark.parametrize(
+    "kw", [{"ranks": 1}, {"ranks": 2, "tp": True}, {"ranks": 2, "pp": 2, "micro_batches": 2}]
+)
+def test_hand_offs_between_streams_are_counted_as_the_plan_has_them(kw: dict[str, Any]) -> None:
+    """The registers a rank's plan hands from one stream to another a step (data to compute, compute to
+    communication and back), counted from the graph, are each rank's plan's within two (the plan's
+    fetch and loop edges the graph does not show)."""
+    c = compiled("mlp", **kw)
+    calls: dict[str, int] = {}
+    for name, _ in order(layout(c.state)):
+        calls[name] = calls.get(name, 0) + 1
+    modelled = handoffs(c.state, calls)
+    assert c.plan is not None
+    for d in c.plan.devices:
+        stream = {t.id: t.stream for t in d.tasks}
+        crossing = sum(
+            stream[t] != stream[r.producer_task]
+            for r in d.registers
+            for t in r.consumer_tasks
+            if t in stream and r.producer_task in stream
+        )
+        stage = next(s for s, ranks in ranks_of(c.state).items() if d.rank in ranks)
+        assert abs(modelled[stage] - crossing) <= 2
+
+
+def test_each_hand_off_costs_the_interpreter_its_cpu() -> None:
+    """In-process ranks share one interpreter: each hand-off of each rank adds ``handoff_s`` to it."""
+    c = compiled("mlp", ranks=2, tp=True)
+    calls: dict[str, int] = {}
+    for name, _ in order(layout(c.state)):
+        calls[name] = calls.get(name, 0) + 1
+    n = sum(handoffs(c.state, calls).values()) * 2  # both ranks of the one stage
+    base, woken = (estimate(c, replace(HOST, handoff_s=h), "inprocess") for h in (0.0, 1e-3))
+    assert woken.bound == base.bound == "one interpreter (the GIL)"
+    assert woken.step_s - base.step_s == pytest.approx(n * 1e-3)
 
 
 def test_ranks_in_one_interpreter_take_turns() -> None:
