@@ -11,8 +11,8 @@ shared machine):
   arrays' bytes over the time: the memory bandwidth of the roofline;
 * **per-act overhead**: the CPU the runtime spends on an act of a tiny kernel (register hand-offs, the
   engine's bookkeeping), from a real in-process run of a chain of tiny kernels for two step counts: the
-  difference of CPU time over the acts it adds (:func:`act_overhead`); and a register's hand-off between
-  two streams' threads, from the same chain over two ranks in turn (:func:`handoff_overhead`);
+  difference of CPU time over the acts it adds; and a register's hand-off between two streams' threads,
+  from the same chain over two ranks in turn (both :func:`act_overhead`);
 * **data loading**: each synthetic source kind the examples read (``SyntheticSource`` ``regression``,
   ``tokens`` and ``clicks``, :data:`SOURCES`), a read of one row and of a batch fitted to a cost a
   read and a cost a row (:func:`read_cost`): its per-row generator is Python, and costs far more than
@@ -73,48 +73,44 @@ def elementwise_bandwidth(budget: float, n: int = 1 << 23) -> float:
     return 3 * a.nbytes / _best(lambda: np.add(a, b, out=out), budget)
 
 
-def act_overhead(threads: int, n: int = 100, short: int = 4, long: int = 24, runs: int = 3) -> float:
-    """The runtime's CPU seconds an act: one rank in-process running a chain of ``n`` tiny
-    ``add_scalar`` kernels (8 floats) for ``short`` and for ``long`` steps, the difference of the
-    process's CPU time over the acts the long run adds; each length's least of ``runs`` runs, taken in
-    turns after a warm-up run. CPU time, not wall time: an act's bookkeeping is the interpreter's work,
-    which the in-process ranks of a step do one after the other (``step_sim.host_bounds``), and which
-    other processes on a shared machine stretch in wall time but not in CPU time. The same chain at two
-    step counts: building its actors costs the same in both and cancels."""
-    return max(_cpu_a_step(_chain(n, long), threads, short, long, runs) / (n + 2), 1e-7)
+def act_overhead(threads: int, p2p_s: float = 0.0, n: int = 40, runs: int = 3) -> tuple[float, float]:
+    """The runtime's CPU seconds an act, and a register's hand-off between two streams' threads.
+
+    An act: one rank in-process running a chain of ``n`` tiny ``add_scalar`` kernels (8 floats), the
+    difference of the process's CPU time between a run of 24 steps and one of 4 over the acts it adds.
+    CPU time, not wall time: an act's bookkeeping is the interpreter's work, which the in-process ranks
+    of a step do one after the other (``step_sim.host_bounds``), and which other processes on a shared
+    machine stretch in wall time but not in CPU time; building the actors costs the same in both runs
+    and cancels. A hand-off (the reader's thread woken, ``stage_load.handoffs``): the same chain with its
+    kernels on ranks 0 and 1 in turn, so each link is a kernel, a send and a receive (an act each), the
+    transport's call (``p2p_s``) and two hand-offs, compute to communication and back: what a link costs
+    beyond its acts and its call, halved (on this loaded 2-core machine 13-28 us against an act's 2-8).
+    Both chains' runs in turns, each figure the least of ``runs``, so a change of load moves both."""
+    one, hop = _cpu_a_step((_chain(n, 24), _chain(n, 24, hop=True)), threads, 4, 24, runs)
+    act = max(one / (n + 2), 1e-7)
+    return act, max((hop / n - 3 * act - p2p_s) / 2, 0.0)
 
 
-def handoff_overhead(threads: int, act_s: float, p2p_s: float, n: int = 40, runs: int = 3) -> float:
-    """The CPU seconds of a register handed from one stream's thread to another's (the reader's thread
-    woken: ``stage_load.handoffs``): the chain of :func:`act_overhead` with its kernels on ranks 0 and 1
-    in turn, so each link is a kernel, a send and a receive (``act_s`` each), the transport's call
-    (``p2p_s``) and two hand-offs, compute to communication and back; what a link costs beyond its acts
-    and its call, halved. In-process ranks' plans hand off between their compute, communication and data
-    streams at every boxing and load; on a loaded 2-core machine a hand-off measured 18-28 us against
-    an act's 5-7."""
-    link = _cpu_a_step(_chain(n, 24, hop=True), threads, 4, 24, runs) / n
-    return max((link - 3 * act_s - p2p_s) / 2, 0.0)
-
-
-def _cpu_a_step(job: Job, threads: int, short: int, long: int, runs: int) -> float:
-    """The process's CPU seconds a step of ``job`` in process: ``long`` steps less ``short``, each
-    length's least of ``runs`` runs in turns after a warm-up run."""
+def _cpu_a_step(jobs: tuple[Job, ...], threads: int, short: int, long: int, runs: int) -> list[float]:
+    """Each job's process CPU seconds a step in process: ``long`` steps less ``short``, each (job,
+    length)'s least of ``runs`` runs, all of them in turns after a warm-up run."""
     from sbpflow.control_plane.compiler.pipeline import compile as compile_job
     from sbpflow.control_plane.launcher import run
 
-    plan = compile_job(job)
+    plans = [compile_job(job) for job in jobs]
 
-    def cpu(steps: int) -> float:
+    def cpu(plan: Any, steps: int) -> float:
         t = time.process_time()
         run(plan, steps=steps, backend="inprocess", threads=threads, timeout=60)
         return time.process_time() - t
 
-    cpu(short)  # warm: later runs reuse what the first one starts
-    best = {short: float("inf"), long: float("inf")}
+    for plan in plans:
+        cpu(plan, short)  # warm: later runs reuse what the first one starts
+    best = {(i, k): float("inf") for i in range(len(plans)) for k in (short, long)}
     for _ in range(runs):
-        for steps in best:
-            best[steps] = min(best[steps], cpu(steps))
-    return (best[long] - best[short]) / (long - short)
+        for i, steps in best:
+            best[(i, steps)] = min(best[(i, steps)], cpu(plans[i], steps))
+    return [(best[(i, long)] - best[(i, short)]) / (long - short) for i in range(len(plans))]
 
 
 WARM, WINDOW = 3, 4  # step_time's warm-up steps, and its window
@@ -200,15 +196,14 @@ def measure_cpu_profile(seconds: float = 1.0, threads: int = 1) -> DeviceProfile
         data = data_seconds(share * ROUNDS)
     f32 = best["float32"]
     links = measure_links(share * ROUNDS)
-    act_s = act_overhead(threads)
-    p2p_s = links["inprocess"].cpu_seconds(Collective.p2p, 2, 32)
+    act_s, handoff_s = act_overhead(threads, links["inprocess"].cpu_seconds(Collective.p2p, 2, 32))
     return DeviceProfile(
         name="cpu",
         flops_per_s={"float32": f32, "float64": best["float64"], "bfloat16": f32, "float16": f32},
         mem_bytes_per_s=best["memory"],
         links=links,
         op_overhead_s=act_s,
-        handoff_s=handoff_overhead(threads, act_s, p2p_s),
+        handoff_s=handoff_s,
         memory_bytes=_memory_bytes(),
         default_link="shm",
         source=f"measured on this machine ({_cores()} cores, {threads or 'all'} BLAS thread(s) a rank) by "
