@@ -92,8 +92,12 @@ def test_a_failing_loader_in_a_worker_names_the_rank_and_the_op(tmp_path: Path) 
     shape = job.graph.tensors[target].meta.shape
 
     def corrupt(m: Any) -> None:
+        # written aside and renamed over the old file: np.save in place would let a loader read a torn
+        # file (an EOFError, not the wrong shape this test is about)
         if m.step == 1:
-            np.save(paths[target], np.zeros((64, *shape[1:], 2), dtype=np.float32))
+            aside = tmp_path / "aside.npy"
+            np.save(aside, np.zeros((64, *shape[1:], 2), dtype=np.float32))
+            os.replace(aside, paths[target])
 
     with pytest.raises(RuntimeFailure) as info:
         sf.run(job, steps=100_000, timeout=120, on_step=corrupt)
