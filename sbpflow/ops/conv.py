@@ -16,15 +16,13 @@ With groups, a channel split would have to fall on group boundaries, which an un
 
 from __future__ import annotations
 
-import importlib
-from functools import cache
 from types import ModuleType
 from typing import Any
 
 from sbpflow.errors import ShapeError
 from sbpflow.ops.base import Attrs, AttrValue, KernelContext, Metas, NoGrad, Signature, defop, sig
 from sbpflow.ops.rows import all_broadcast
-from sbpflow.ops.rowwise import jit_rows
+from sbpflow.ops.rowwise import jit_loops
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import TensorMeta
 
@@ -39,21 +37,6 @@ def check_float(op: str, **tensors: TensorMeta) -> None:
     if len({m.dtype for m in tensors.values()}) > 1:
         listed = ", ".join(f"{n} {m}" for n, m in tensors.items())
         raise ShapeError(f"op {op!r} needs one dtype for {listed}; cast them to one dtype")
-
-
-@cache
-def _compiled(module: str) -> ModuleType | None:
-    try:  # numba compiles the loops at first call; an install without it keeps the numpy kernels
-        return importlib.import_module(f"sbpflow.ops.{module}")
-    except ImportError:
-        return None
-
-
-def jit_loops(module: str, xp: Any, *arrays: Any) -> ModuleType | None:
-    """The numba loops of ``sbpflow.ops.<module>`` (conv_jit, pool_jit), where they may run a kernel on
-    ``arrays``: where ``rowwise.jit_rows`` would take them (numpy, C-contiguous, non-empty, one dtype,
-    float32 or float64). None otherwise: the numpy kernel runs, the reference and cupy's path."""
-    return _compiled(module) if jit_rows(xp, *arrays) is not None else None
 
 
 def pair(op: str, attrs: Attrs, key: str, low: int) -> tuple[int, int]:

@@ -12,7 +12,7 @@ vectorised. ``add_rows_back`` is the adjoint, for the input gradient of a stride
 rows are built a block of samples at a time (``BLOCK_BYTES``) and consumed by the GEMM while in cache.
 
 They are the fast path only: conv.py's numpy kernels stay the reference and the path for cupy, for
-grouped convolutions and for arrays these do not take (``conv.jit_loops``);
+grouped convolutions and for arrays these do not take (``rowwise.jit_loops``);
 ``tests/sbpflow/ops/test_conv_jit.py`` checks the convolutions they serve against them. Copies only, no
 arithmetic but the adjoint's sums, which add a position's contributions in window order.
 """

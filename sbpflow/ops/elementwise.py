@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import cache
-from types import ModuleType
 from typing import Any, Literal
 
 from sbpflow.dtype import DType, as_dtype
@@ -28,7 +27,7 @@ from sbpflow.ops.base import (
     Signature,
     defop,
 )
-from sbpflow.ops.rowwise import jit_rows
+from sbpflow.ops.rowwise import jit_loops, jit_rows
 from sbpflow.tensor_meta import TensorMeta
 
 Grads = list[Any]
@@ -293,15 +292,6 @@ defop(
 # ---- activations and unary math ---------------------------------------------------------------------------
 
 
-@cache
-def _loops() -> ModuleType | None:
-    try:  # as rowwise._rows_jit: an install without numba keeps the numpy kernels
-        from sbpflow.ops import elementwise_jit
-    except ImportError:
-        return None
-    return elementwise_jit
-
-
 _ROW_LOOPS = frozenset({"add_rows"})  # the loops that take rows and a bias
 
 
@@ -311,7 +301,7 @@ def jit_elementwise(ctx: KernelContext, loop: str, *inputs: Any) -> Any:
     float32 or float64) and the numpy kernel runs. The inputs are of one shape, flattened for the loop,
     or (a row loop) x and a bias of x's trailing shape, x and the output as rows of the bias's size."""
     shape: tuple[int, ...] = getattr(inputs[0], "shape", ())
-    if jit_rows(ctx.xp, *inputs) is None or (loops := _loops()) is None:
+    if (loops := jit_loops("elementwise_jit", ctx.xp, *inputs)) is None:
         return None
     bias = any(a.shape != shape for a in inputs)
     if bias and (

@@ -22,8 +22,9 @@ from sbpflow.ops.base import (
     defop,
     sig,
 )
-from sbpflow.ops.conv import check_float, jit_loops, out_size, pair, scatter_windows, tap_slices, windows
+from sbpflow.ops.conv import check_float, out_size, pair, scatter_windows, tap_slices, windows
 from sbpflow.ops.rows import all_broadcast
+from sbpflow.ops.rowwise import jit_loops
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import TensorMeta
 

@@ -14,6 +14,7 @@ C-contiguous, float32 or float64. It runs on every call of those kernels, so it 
 
 from __future__ import annotations
 
+import importlib
 from functools import cache
 from types import ModuleType
 from typing import Any
@@ -50,12 +51,20 @@ _JIT_DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 
 
 @cache
-def _rows_jit() -> ModuleType | None:
-    try:  # numba compiles the module's loops at first call; an install without it keeps numpy's kernels
-        from sbpflow.ops import rows_jit
+def jit_module(name: str) -> ModuleType | None:
+    """``sbpflow.ops.<name>``, a module of numba loops (compiled at first call), or None on an install
+    without numba, which keeps the numpy kernels."""
+    try:
+        return importlib.import_module(f"sbpflow.ops.{name}")
     except ImportError:
         return None
-    return rows_jit
+
+
+def jit_loops(name: str, xp: Any, *arrays: Any) -> ModuleType | None:
+    """The numba loops of ``sbpflow.ops.<name>`` (conv_jit, pool_jit, elementwise_jit), where
+    :func:`jit_rows` would take ``arrays``; None otherwise: the numpy kernel runs, the reference and
+    cupy's path."""
+    return jit_module(name) if jit_rows(xp, *arrays) is not None else None
 
 
 def jit_rows(xp: Any, *arrays: Any) -> ModuleType | None:
@@ -72,4 +81,4 @@ def jit_rows(xp: Any, *arrays: Any) -> ModuleType | None:
             return None
         if not a.flags.c_contiguous:
             return None
-    return _rows_jit()
+    return jit_module("rows_jit")

@@ -2,7 +2,7 @@
 replace.
 
 Each convolution op runs twice on the same values: on C-contiguous inputs, which take conv_jit's loops
-and the row-layout GEMM, and on a strided view of them, which ``conv.jit_loops`` refuses, so the numpy
+and the row-layout GEMM, and on a strided view of them, which ``rowwise.jit_loops`` refuses, so the numpy
 kernel runs. Odd sizes, strides, padding, dilation and 1x1 kernels, in one block of samples and a sample
 a block; float64 to rounding, float32 to its precision (the GEMMs add in another order). Grouped convolutions keep the numpy kernel on both.
 """
@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sbpflow.ops  # noqa: F401  (registers every op family)
-from sbpflow.ops.conv import jit_loops, out_size
+from sbpflow.ops.conv import out_size
 from sbpflow.ops.eager import EagerBuilder
+from sbpflow.ops.rowwise import jit_loops
 
 pytest.importorskip("numba")
 from sbpflow.ops import conv_jit  # noqa: E402  (needs numba)

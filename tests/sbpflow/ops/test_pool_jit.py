@@ -3,7 +3,7 @@ they replace, gather's included (and gather_grad's scatter through rows_jit.add_
 ``add.at``).
 
 The same op runs twice on the same values: on C-contiguous inputs, which take the numba loops, and on a
-strided view of them, which ``conv.jit_loops`` refuses, so the numpy kernel runs. Odd sizes, strides
+strided view of them, which ``rowwise.jit_loops`` refuses, so the numpy kernel runs. Odd sizes, strides
 and padding; ties, -inf and nan where the max pool and top-k must resolve them as the numpy kernels do
 (the first maximum, the lower index, nan last): those compare exactly.
 """
@@ -18,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import sbpflow.ops  # noqa: F401  (registers every op family)
-from sbpflow.ops.conv import jit_loops
 from sbpflow.ops.eager import EagerBuilder
+from sbpflow.ops.rowwise import jit_loops
 from tests.sbpflow.ops.test_conv_jit import DTYPES, SETTINGS, strided
 
 pytest.importorskip("numba")
