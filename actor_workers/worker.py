@@ -32,7 +32,7 @@ from typing import Any
 
 from sbpflow.actor_workers import reporting as progress
 from sbpflow.actor_workers.reporter import Reporter
-from sbpflow.actor_workers.runtime import threads
+from sbpflow.actor_workers.runtime import heap, threads
 from sbpflow.device import asnumpy
 from sbpflow.numerics import non_finite_parameters
 from sbpflow.v1 import plan_pb2 as pp
@@ -218,7 +218,8 @@ class Worker:
 
         try:
             try:
-                result = self._engine.run(timeout)
+                with heap.frozen():  # the collector walks what the steps make (heap.py)
+                    result = self._engine.run(timeout)
             except RuntimeFailure:
                 close_all(self._writers, raise_errors=False)
                 raise

@@ -97,8 +97,11 @@ def run_once(plan: pipeline.Compiled, steps: int, threads: int) -> tuple[list[fl
 def measure(job: Any, lays: list[Layout], steps: int, repeat: int, threads: int) -> dict[Layout, Measured]:
     """Each layout trained in process ``repeat`` times, the layouts in turn and each first in turn, with
     ``threads`` BLAS threads a rank (the profile's: its rates were measured so; the process's default
-    gives each of the 4 rank threads every core, and their GEMMs then fight over them)."""
+    gives each of the 4 rank threads every core, and their GEMMs then fight over them), after a warm-up
+    run of each."""
     plans = {lay: pipeline.compile(relayout(job, lay)) for lay in lays}
+    for lay in lays:  # what a plan's first run pays once (numba's loops for a new signature) is no step's
+        run_once(plans[lay], 2, threads)
     walls: dict[Layout, list[float]] = {lay: [] for lay in lays}
     cpus: dict[Layout, list[float]] = {lay: [] for lay in lays}
     for r in range(repeat):

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from sbpflow import wire
-from sbpflow.actor_workers.runtime import boxing_tasks, plan_tables, tasks
+from sbpflow.actor_workers.runtime import boxing_tasks, heap, plan_tables, tasks
 from sbpflow.actor_workers.runtime import executor_analysis as analysis
 from sbpflow.actor_workers.runtime.actor import ActorSpec
 from sbpflow.actor_workers.runtime.bypass import bypass
@@ -275,9 +275,11 @@ def execute(
 ) -> dict[int, RunResult]:
     """Run every rank's engine together until all actors are done; the first failure stops all of them
     (and calls ``abort_hooks``, e.g. the transports' abort) and is raised as a RuntimeFailure. Setting
-    ``cancel`` stops them all the same way."""
+    ``cancel`` stops them all the same way. The heap as it stands is left out of the cycle collector's
+    walks while they run (``heap.frozen``)."""
     engines = [engine(rp, trace) for _, rp in sorted(program.ranks.items())]
-    return EngineGroup(engines, abort_hooks).run(timeout, cancel)
+    with heap.frozen():  # the collector walks what the steps make, not the plan (heap.py)
+        return EngineGroup(engines, abort_hooks).run(timeout, cancel)
 
 
 # ---- results -----------------------------------------------------------------------------------------
