@@ -21,6 +21,7 @@ from sbpflow.errors import ShapeError
 from sbpflow.ops import rows
 from sbpflow.ops.base import REQUIRED, Attrs, KernelContext, Metas, NoGrad, defop
 from sbpflow.ops.elementwise import check_kind, same_shape_rows
+from sbpflow.ops.rowwise import jit_loops
 
 SCHEDULE_ATTRS: dict[str, Any] = {
     "schedule": "constant",
@@ -142,6 +143,21 @@ def _adamw_kernel(ctx: KernelContext, param: Any, grad: Any, m: Any, v: Any) -> 
     a, t, xp = ctx.attrs, param.dtype.type, ctx.xp
     lr, b1, b2 = lr_at(a, ctx.step), float(a["beta1"]), float(a["beta2"])
     n = ctx.step + 1  # bias correction counts the steps taken, this one included
+    loops = jit_loops("optim_jit", xp, param, grad, m, v)
+    if loops is not None and param.shape == grad.shape == m.shape == v.shape:
+        # the same operations in one pass, bit for bit (optim_jit.py), into the arrays numpy's would use
+        outs = (
+            out_buffer(ctx, 0, param),
+            m if donated(ctx, 2, m) else None,
+            v if donated(ctx, 3, v) else None,
+        )
+        p2, m2, v2 = (o if o is not None and o.flags.c_contiguous else xp.empty_like(param) for o in outs)
+        loops.adamw_all(
+            param.reshape(-1), grad.reshape(-1), m.reshape(-1), v.reshape(-1), b1, b2, 1.0 - b1**n,
+            1.0 - b2**n, lr, float(a["eps"]), 1.0 - lr * float(a["weight_decay"]),
+            p2.reshape(-1), m2.reshape(-1), v2.reshape(-1),
+        )  # fmt: skip
+        return p2, m2, v2
     scratch = xp.multiply(grad, t(1.0 - b1))
     new_m = xp.multiply(m, t(b1), out=m if donated(ctx, 2, m) else None)
     new_m = _iadd(xp, new_m, scratch)  # b1 * m + (1 - b1) * grad
