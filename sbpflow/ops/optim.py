@@ -145,17 +145,16 @@ def _adamw_kernel(ctx: KernelContext, param: Any, grad: Any, m: Any, v: Any) -> 
     n = ctx.step + 1  # bias correction counts the steps taken, this one included
     loops = jit_loops("optim_jit", xp, param, grad, m, v)
     if loops is not None and param.shape == grad.shape == m.shape == v.shape:
-        # the same operations in one pass, bit for bit (optim_jit.py), into the arrays numpy's would use
-        outs = (
-            out_buffer(ctx, 0, param),
-            m if donated(ctx, 2, m) else None,
-            v if donated(ctx, 3, v) else None,
-        )
-        p2, m2, v2 = (o if o is not None and o.flags.c_contiguous else xp.empty_like(param) for o in outs)
+        # the same operations in one pass, bit for bit (optim_jit.py): the moments in place, on copies
+        # of those not donated, the parameter into the runtime's lent buffer or a new array
+        m2 = m if donated(ctx, 2, m) else m.copy()
+        v2 = v if donated(ctx, 3, v) else v.copy()
+        p2 = out_buffer(ctx, 0, param)
+        if p2 is None or not p2.flags.c_contiguous or any(p2 is x for x in (grad, m2, v2)):
+            p2 = xp.empty_like(param)
         loops.adamw_all(
-            param.reshape(-1), grad.reshape(-1), m.reshape(-1), v.reshape(-1), b1, b2, 1.0 - b1**n,
-            1.0 - b2**n, lr, float(a["eps"]), 1.0 - lr * float(a["weight_decay"]),
-            p2.reshape(-1), m2.reshape(-1), v2.reshape(-1),
+            param.reshape(-1), grad.reshape(-1), m2.reshape(-1), v2.reshape(-1), b1, b2, 1.0 - b1**n,
+            1.0 - b2**n, lr, float(a["eps"]), 1.0 - lr * float(a["weight_decay"]), p2.reshape(-1),
         )  # fmt: skip
         return p2, m2, v2
     scratch = xp.multiply(grad, t(1.0 - b1))

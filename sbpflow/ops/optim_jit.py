@@ -9,8 +9,10 @@ operation, as each numpy pass is, so the result is the numpy kernel's bit for bi
 (``tests/sbpflow/ops/test_optim_jit.py``), and a layout's shards update exactly as the whole would.
 
 ``nogil``: the loop releases the GIL, as numpy's passes do. The arrays are flat, of one float dtype,
-C-contiguous (``rowwise.jit_loops`` decides); an output may be its own input (a donated moment, a
-recycled parameter): each element is read before it is written.
+C-contiguous (``rowwise.jit_loops`` decides). The moments are updated in place (the runtime donates
+them; the kernel copies those it was not given) and the parameter goes to an array of its own: an
+output passed as a separate argument that is the same array as an input makes LLVM's overlap check
+fail at run time, and the loop then runs unvectorised (190 against 14 us for 65,536 float32).
 """
 
 from __future__ import annotations
@@ -35,10 +37,9 @@ def adamw_all(
     eps: float,
     decay: float,
     new_param: Any,
-    new_m: Any,
-    new_v: Any,
 ) -> None:  # pragma: no cover - compiled
-    """optim._adamw_kernel's operations an element: b1, b2 the betas, bias1 and bias2 the bias
+    """optim._adamw_kernel's operations an element, the moments ``m`` and ``v`` updated in place and the
+    parameter written to ``new_param`` (another array): b1, b2 the betas, bias1 and bias2 the bias
     corrections' 1 - beta**n, decay 1 - lr * weight_decay; every constant in the arrays' dtype."""
     f = param.dtype.type
     c1, c2, k1, k2 = f(1.0 - b1), f(1.0 - b2), f(b1), f(b2)
@@ -47,8 +48,6 @@ def adamw_all(
         g = grad[i]
         mi = m[i] * k1 + g * c1
         vi = v[i] * k2 + (g * g) * c2
-        num = (mi / d1) * step
-        den = np.sqrt(vi / d2) + e
-        new_param[i] = param[i] * keep - num / den
-        new_m[i] = mi
-        new_v[i] = vi
+        m[i] = mi
+        v[i] = vi
+        new_param[i] = param[i] * keep - ((mi / d1) * step) / (np.sqrt(vi / d2) + e)
