@@ -146,7 +146,12 @@ def shard_offsets(xp: Any, logical_shape: Shape, index: Index | None) -> Array:
 
 def random_words(xp: Any, key: RandomKey, logical_shape: Shape, index: Index | None) -> Words:
     """The four Philox words of each element of the shard; every draw below is a function of these."""
-    off = shard_offsets(xp, logical_shape, index)
+    return words_at(xp, key, shard_offsets(xp, logical_shape, index))
+
+
+def words_at(xp: Any, key: RandomKey, off: Array) -> Words:
+    """The four Philox words of the elements at global row-major flat offsets ``off`` (uint64, any
+    shape): those elements of any draw of ``key``, whatever the rest of the tensor."""
     lo = (off & xp.uint64(_MASK32)).astype(xp.uint32)
     hi = (off >> xp.uint64(32)).astype(xp.uint32)
     step = xp.full(lo.shape, key.step, dtype=xp.uint32)
@@ -184,7 +189,17 @@ def normal(
 ) -> Array:
     """N(0, 1) by Box-Muller from two uniforms of the same element (so it stays layout-independent)."""
     dt = _float_dtype(dtype)
-    w = random_words(xp, key, logical_shape, index)
+    return _box_muller(xp, random_words(xp, key, logical_shape, index), dt)
+
+
+def normal_at(xp: Any, key: RandomKey, offsets: Array, dtype: Any = np.float32) -> Array:
+    """The elements at flat ``offsets`` (uint64, any shape) of :func:`normal`'s draw of ``key``, bit for
+    bit, without drawing the rest: a gather from a table too large to draw whole each time."""
+    dt = _float_dtype(dtype)
+    return _box_muller(xp, words_at(xp, key, offsets), dt)
+
+
+def _box_muller(xp: Any, w: Words, dt: np.dtype) -> Array:
     u1 = 1 - _unit(xp, w[0], w[1], dt)  # in (0, 1]: log never sees 0
     u2 = _unit(xp, w[2], w[3], dt)
     return (xp.sqrt(-2 * xp.log(u1)) * xp.cos((2 * math.pi) * u2)).astype(dt)

@@ -198,8 +198,8 @@ _READS: dict[str, DataCost] = {}  # a source's repr -> its cost a read and a row
 
 def with_source(profile: DeviceProfile, source: object) -> DeviceProfile:
     """``profile`` with ``source`` itself timed here (``cpu_profile.read_cost``, once a process): what a
-    read costs depends on the source's parameters (the click source's draws grow with its vocabulary),
-    which the profile's figures for the examples' defaults do not know."""
+    read costs depends on the source's parameters (a click source's fields and dense features, a token
+    source's sequence), which the profile's figures for the examples' defaults do not know."""
     if source is None:
         return profile
     if repr(source) not in _READS:

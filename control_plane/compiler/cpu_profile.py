@@ -73,11 +73,16 @@ def elementwise_bandwidth(budget: float, n: int = 1 << 23) -> float:
     return 3 * a.nbytes / _best(lambda: np.add(a, b, out=out), budget)
 
 
+LONG = 124  # the act's long run, steps
+
+
 def act_overhead(threads: int, p2p_s: float = 0.0, n: int = 40, runs: int = 3) -> tuple[float, float]:
     """The runtime's CPU seconds an act, and a register's hand-off between two streams' threads.
 
     An act: one rank in-process running a chain of ``n`` tiny ``add_scalar`` kernels (8 floats), the
-    difference of the process's CPU time between a run of 24 steps and one of 4 over the acts it adds.
+    difference of the process's CPU time between a run of ``LONG`` steps and one of 4 over the acts it
+    adds (a run's fixed CPU varies by a few ms: over 20 steps the act read 1-16 us from process to
+    process on a quiet machine, over 120 steps 5-7 us).
     CPU time, not wall time: an act's bookkeeping is the interpreter's work, which the in-process ranks
     of a step do one after the other (``step_sim.host_bounds``), and which other processes on a shared
     machine stretch in wall time but not in CPU time; building the actors costs the same in both runs
@@ -86,7 +91,7 @@ def act_overhead(threads: int, p2p_s: float = 0.0, n: int = 40, runs: int = 3) -
     transport's call (``p2p_s``) and two hand-offs, compute to communication and back: what a link costs
     beyond its acts and its call, halved (on this loaded 2-core machine 13-28 us against an act's 2-8).
     Both chains' runs in turns, each figure the least of ``runs``, so a change of load moves both."""
-    one, hop = _cpu_a_step((_chain(n, 24), _chain(n, 24, hop=True)), threads, 4, 24, runs)
+    one, hop = _cpu_a_step((_chain(n, LONG), _chain(n, LONG, hop=True)), threads, 4, LONG, runs)
     act = max(one / (n + 2), 1e-7)
     return act, max((hop / n - 3 * act - p2p_s) / 2, 0.0)
 
@@ -156,8 +161,8 @@ def _chain(n: int, steps: int, hop: bool = False) -> Job:
 def read_cost(source: Any, budget: float, rows: int = ROWS) -> DataCost:
     """What a read of ``source`` costs here: the fastest read of 1 row and of ``rows`` rows (at most its
     batch) within ``budget``, taken in turns, fitted to ``read_s + rows * row_s``. The fixed part is real:
-    a source draws fixed-size things per read (the click source's teacher weights: ~1.5 ms a read of
-    vocabulary 4,096) and runs its Python per call, which a per-row figure alone charges to no one."""
+    a source runs its Python and its generator's fixed work per call (the click source's five Philox
+    draws: ~0.6 ms a read here), which a per-row figure alone charges to no one."""
     n = max(2, min(rows, int(getattr(source, "batch_size", rows))))
     best = {1: float("inf"), n: float("inf")}
     for _ in range(ROUNDS):
