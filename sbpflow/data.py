@@ -23,7 +23,7 @@ from sbpflow.data_clicks import click_shapes, read_clicks
 from sbpflow.data_mlm import mlm_shapes, read_mlm
 from sbpflow.dtype import DType, as_dtype
 from sbpflow.errors import SbpflowError
-from sbpflow.random import RandomKey, normal, tensor_rng_id, uniform
+from sbpflow.random import RandomKey, normal, normal_at, row_offsets, tensor_rng_id, uniform_at
 
 
 class DataError(SbpflowError, ValueError):
@@ -226,17 +226,15 @@ class SyntheticSource(_Common):
         )
 
     def _draw(self, f: DataField, ids: np.ndarray) -> np.ndarray:
-        shape = (self.num_samples, *f.sample_shape)
+        """Rows ``ids`` of field ``f``'s logical draw of shape (num_samples, *sample_shape), all in one
+        generator call (each element is a function of its offset alone: the same values as a draw of
+        each row, bit for bit)."""
         key = RandomKey(self.seed, tensor_rng_id(f.name))
-        rows = [self._rows(key, shape, int(i), f) for i in ids]
-        return np.stack(rows) if rows else np.zeros((0, *f.sample_shape), f.dtype.to_numpy())
-
-    def _rows(self, key: RandomKey, shape: tuple[int, ...], i: int, f: DataField) -> np.ndarray:
-        index = (slice(i, i + 1), *(slice(0, d) for d in f.sample_shape))
+        offsets = row_offsets(ids, f.sample_shape)
         if f.dtype.is_floating:
-            return normal(np, key, shape, index, np.float64)[0].astype(f.dtype.to_numpy())
+            return normal_at(np, key, offsets, np.float64).astype(f.dtype.to_numpy())
         vocab = int(self.params.get("vocab", 2))
-        return (uniform(np, key, shape, index, np.float64)[0] * vocab).astype(f.dtype.to_numpy())
+        return (uniform_at(np, key, offsets, np.float64) * vocab).astype(f.dtype.to_numpy())
 
     def read(self, batch: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
         ids = self._sample_ids(self.num_samples, batch, rows)

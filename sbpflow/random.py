@@ -184,6 +184,21 @@ def uniform(
     return _unit(xp, w[0], w[1], dt)
 
 
+def uniform_at(xp: Any, key: RandomKey, offsets: Array, dtype: Any = np.float32) -> Array:
+    """The elements at flat ``offsets`` (uint64, any shape) of :func:`uniform`'s draw of ``key``, bit for
+    bit, without drawing the rest (rows of a dataset that are not one slice)."""
+    dt = _float_dtype(dtype)
+    w = words_at(xp, key, offsets)
+    return _unit(xp, w[0], w[1], dt)
+
+
+def row_offsets(ids: Array, row_shape: Shape) -> Array:
+    """The flat offsets of rows ``ids`` of a tensor of rows of ``row_shape``: shape (len(ids), *row_shape)."""
+    size = int(np.prod(row_shape, dtype=np.int64))
+    base = np.asarray(ids, dtype=np.uint64).reshape(-1, *([1] * len(row_shape))) * np.uint64(size)
+    return base + np.arange(size, dtype=np.uint64).reshape(row_shape)
+
+
 def normal(
     xp: Any, key: RandomKey, logical_shape: Shape, index: Index | None, dtype: Any = np.float32
 ) -> Array:
