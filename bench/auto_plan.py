@@ -10,8 +10,9 @@ Per model (each traced data parallel, then re-laid out by the search): the searc
 best of the hand layouts {DP, TP, DP x TP, PP x DP, ZeRO-1/2/3} (and the example's own, Wide & Deep's
 tables split by rows), the target being at most 1.0x; then the measured step time of the winner, the
 hand layouts and the next fastest candidates, trained in process (``sf.run(backend="inprocess")``, with
-the profile's BLAS threads a rank; the median step's wall time after 2 warm-up steps and the process's
-CPU time a step, the layouts run in turn ``--repeat`` times, each first in turn), and Spearman's rank
+the profile's BLAS threads a rank, after a warm-up run of each; the median step's wall time after 2
+warm-up steps and the process's CPU time a step over ``--steps`` (32), the layouts run in turn
+``--repeat`` times, each first in turn), and Spearman's rank
 correlation of modelled against measured (target >= 0.8): of the medians, and of each repetition (its
 spread). The model prices the ``--link`` the runs use (``inprocess``: ranks as threads sharing one
 interpreter). Benchmark, not a test: this shared 2-core machine's step times are noisy.
@@ -181,7 +182,7 @@ def main() -> None:
         help="the link the model prices (default inprocess: what the measured runs use; shm, tcp, nccl)",
     )
     ap.add_argument("--memory", type=int, default=80 * 10**9, help="the budget per device, bytes")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-measure", action="store_true", help="modelled figures only")
     ap.add_argument("--scale", action="store_true", help="time the 1,024-device GPT-175B search instead")
