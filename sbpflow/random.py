@@ -151,7 +151,25 @@ def random_words(xp: Any, key: RandomKey, logical_shape: Shape, index: Index | N
 
 def words_at(xp: Any, key: RandomKey, off: Array) -> Words:
     """The four Philox words of the elements at global row-major flat offsets ``off`` (uint64, any
-    shape): those elements of any draw of ``key``, whatever the rest of the tensor."""
+    shape): those elements of any draw of ``key``, whatever the rest of the tensor. On numpy with numba,
+    random_jit.py's one-pass loop (bit for bit; tested against this function's numpy rounds)."""
+    if xp is np and off.size:
+        try:
+            from sbpflow import random_jit
+        except ImportError:  # an install without numba draws with numpy
+            pass
+        else:
+            flat = np.ascontiguousarray(off, dtype=np.uint64).reshape(-1)
+            words = [np.empty(flat.size, np.uint32) for _ in range(4)]
+            keys = _round_keys(key.philox_key)
+            random_jit.words_at(flat, np.uint32(key.step), np.uint32(key.tensor_id), keys, *words)
+            w0, w1, w2, w3 = (w.reshape(off.shape) for w in words)
+            return w0, w1, w2, w3
+    return _xp_words_at(xp, key, off)
+
+
+def _xp_words_at(xp: Any, key: RandomKey, off: Array) -> Words:
+    """:func:`words_at` in ``xp``'s whole-array operations: the reference, and cupy's path."""
     lo = (off & xp.uint64(_MASK32)).astype(xp.uint32)
     hi = (off >> xp.uint64(32)).astype(xp.uint32)
     step = xp.full(lo.shape, key.step, dtype=xp.uint32)

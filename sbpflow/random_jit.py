@@ -1,4 +1,5 @@
-"""random.py's Philox4x32-10 as a numba loop, fused with dropout's scaling, for numpy arrays.
+"""random.py's Philox4x32-10 as numba loops for numpy arrays: fused with dropout's scaling
+(``dropout_rows``), and the four words at given offsets (``words_at``: every numpy draw of random.py).
 
 numpy runs each of Philox's ten rounds as ~12 whole-array passes (widen, multiply, shift, mask, narrow,
 xor), ~60 us a 1000 elements; this loop keeps an element's four words in registers through the rounds
@@ -46,3 +47,23 @@ def dropout_rows(
                     np.uint32(p0 & _LOW),
                 )
             out[r, j] = x[r, j] * (scale if np.uint64(c0) < threshold else zero)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def words_at(offsets: Any, step: Any, tid: Any, keys: Any, w0: Any, w1: Any, w2: Any, w3: Any) -> None:
+    """w0..w3[i] = the four Philox words of the element at global offset offsets[i] (uint64, flat),
+    counter (offset lo, offset hi, step, tid), round keys ``keys`` [10, 2]: random.words_at's, bit for
+    bit, in one pass where numpy makes ~60 (a data source's read of a few hundred draws)."""
+    for i in range(offsets.size):
+        off = offsets[i]
+        c0, c1, c2, c3 = np.uint32(off & _LOW), np.uint32(off >> _32), step, tid
+        for k in range(10):
+            p0 = np.uint64(c0) * _M0
+            p1 = np.uint64(c2) * _M1
+            c0, c1, c2, c3 = (
+                np.uint32(p1 >> _32) ^ c1 ^ keys[k, 0],
+                np.uint32(p1 & _LOW),
+                np.uint32(p0 >> _32) ^ c3 ^ keys[k, 1],
+                np.uint32(p0 & _LOW),
+            )
+        w0[i], w1[i], w2[i], w3[i] = c0, c1, c2, c3

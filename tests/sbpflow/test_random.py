@@ -361,3 +361,25 @@ def test_dropout_jit_leaves_what_it_does_not_take_to_numpy() -> None:
     for other in (x[:, ::2], x.astype(np.float16), np.float32(1.0), np.ones((), np.float32)):
         assert dropout_jit(other, KEY, np.shape(other), None, 0.9) is None
     assert dropout_jit(x, KEY, (4, 6), (slice(0, 2), slice(0, 6)), 0.9) is None  # not the shard's shape
+
+
+@pytest.mark.parametrize("step", [0, 1, 2**32 - 1])
+@pytest.mark.parametrize(
+    "offsets",
+    [
+        np.arange(7, dtype=np.uint64),
+        np.arange(12, dtype=np.uint64).reshape(3, 4) * np.uint64(2**31 + 3),  # high words set
+        np.array([2**64 - 1, 0, 2**32], dtype=np.uint64),
+        np.zeros(0, dtype=np.uint64),
+    ],
+    ids=["run", "2-d, high words", "extremes", "empty"],
+)
+def test_the_one_pass_words_are_the_numpy_rounds_bit_for_bit(offsets: Any, step: int) -> None:
+    pytest.importorskip("numba")
+    from sbpflow.random import _xp_words_at, words_at
+
+    key = RandomKey(0xDEADBEEF, tensor_rng_id("w"), step=step)
+    got, want = words_at(np, key, offsets), _xp_words_at(np, key, offsets)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == offsets.shape and g.dtype == np.uint32
+        np.testing.assert_array_equal(g, w)
