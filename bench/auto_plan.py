@@ -183,7 +183,7 @@ def main() -> None:
     )
     ap.add_argument("--memory", type=int, default=80 * 10**9, help="the budget per device, bytes")
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-measure", action="store_true", help="modelled figures only")
     ap.add_argument("--scale", action="store_true", help="time the 1,024-device GPT-175B search instead")
     args = ap.parse_args()
