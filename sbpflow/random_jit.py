@@ -23,6 +23,23 @@ _LOW = np.uint64(0xFFFFFFFF)
 _32 = np.uint64(32)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _philox(off: Any, step: Any, tid: Any, keys: Any) -> Any:  # pragma: no cover - compiled
+    """The four Philox words of the element at global offset ``off``: counter (offset lo, offset hi,
+    step, tid), round keys ``keys`` [10, 2] (random.philox4x32's schedule)."""
+    c0, c1, c2, c3 = np.uint32(off & _LOW), np.uint32(off >> _32), step, tid
+    for k in range(10):
+        p0 = np.uint64(c0) * _M0
+        p1 = np.uint64(c2) * _M1
+        c0, c1, c2, c3 = (
+            np.uint32(p1 >> _32) ^ c1 ^ keys[k, 0],
+            np.uint32(p1 & _LOW),
+            np.uint32(p0 >> _32) ^ c3 ^ keys[k, 1],
+            np.uint32(p0 & _LOW),
+        )
+    return c0, c1, c2, c3
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def dropout_rows(
     x: Any, bases: Any, step: Any, tid: Any, keys: Any, threshold: Any, scale: Any, out: Any
@@ -35,18 +52,8 @@ def dropout_rows(
     for r in range(rows):
         base = bases[r]
         for j in range(n):
-            off = base + np.uint64(j)
-            c0, c1, c2, c3 = np.uint32(off & _LOW), np.uint32(off >> _32), step, tid
-            for k in range(10):
-                p0 = np.uint64(c0) * _M0
-                p1 = np.uint64(c2) * _M1
-                c0, c1, c2, c3 = (
-                    np.uint32(p1 >> _32) ^ c1 ^ keys[k, 0],
-                    np.uint32(p1 & _LOW),
-                    np.uint32(p0 >> _32) ^ c3 ^ keys[k, 1],
-                    np.uint32(p0 & _LOW),
-                )
-            out[r, j] = x[r, j] * (scale if np.uint64(c0) < threshold else zero)
+            w0 = _philox(base + np.uint64(j), step, tid, keys)[0]
+            out[r, j] = x[r, j] * (scale if np.uint64(w0) < threshold else zero)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -55,15 +62,4 @@ def words_at(offsets: Any, step: Any, tid: Any, keys: Any, w0: Any, w1: Any, w2:
     counter (offset lo, offset hi, step, tid), round keys ``keys`` [10, 2]: random.words_at's, bit for
     bit, in one pass where numpy makes ~60 (a data source's read of a few hundred draws)."""
     for i in range(offsets.size):
-        off = offsets[i]
-        c0, c1, c2, c3 = np.uint32(off & _LOW), np.uint32(off >> _32), step, tid
-        for k in range(10):
-            p0 = np.uint64(c0) * _M0
-            p1 = np.uint64(c2) * _M1
-            c0, c1, c2, c3 = (
-                np.uint32(p1 >> _32) ^ c1 ^ keys[k, 0],
-                np.uint32(p1 & _LOW),
-                np.uint32(p0 >> _32) ^ c3 ^ keys[k, 1],
-                np.uint32(p0 & _LOW),
-            )
-        w0[i], w1[i], w2[i], w3[i] = c0, c1, c2, c3
+        w0[i], w1[i], w2[i], w3[i] = _philox(offsets[i], step, tid, keys)
