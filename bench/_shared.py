@@ -21,12 +21,9 @@ def load_example(name: str) -> ModuleType:
 
 
 def blas_kernel() -> str:
-    """numpy's OpenBLAS core (threadpoolctl, where installed): OPENBLAS_CORETYPE picks an older one."""
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "threadpoolctl not installed"
+    """numpy's OpenBLAS core (threadpoolctl): OPENBLAS_CORETYPE picks an older one."""
     import numpy
+    from threadpoolctl import threadpool_info
 
     numpy.ones((2, 2)) @ numpy.ones((2, 2))  # numpy's BLAS is loaded
     return ", ".join(

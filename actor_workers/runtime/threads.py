@@ -7,9 +7,9 @@ rank, whose kernels run on the device). The in-process backend leaves the proces
 the run asks (``RunOptions.threads``).
 
 The thread count is set two ways: the environment variables (for libraries loaded later and child
-processes) and, since numpy's BLAS is loaded by then, threadpoolctl's limits on the loaded pools —
-where threadpoolctl is installed (it is not a dependency; without it only the variables are set, and
-Ray's own ``OMP_NUM_THREADS`` for an actor of ``num_cpus`` CPUs already bounds OpenBLAS).
+processes) and, since numpy's BLAS is loaded by then, threadpoolctl's limits on the loaded pools (a
+dependency: the variables alone do not reach a pool already loaded, so an in-process run's rank threads
+each ran OpenBLAS on every core, twice the CPU a step on this 2-core machine's small GEMMs).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+
+from threadpoolctl import threadpool_info, threadpool_limits
 
 ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -27,11 +28,7 @@ def slot_threads(cpus: float | None) -> int:
     return max(1, int(cpus or 0))
 
 
-def _limits(n: int) -> Any:
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return None
+def _limits(n: int) -> threadpool_limits:
     return threadpool_limits(limits=n)  # applies now, on every loaded pool (BLAS and OpenMP)
 
 
@@ -54,10 +51,6 @@ def limited(n: int | None) -> Iterator[None]:
 
 
 def blas_threads() -> int | None:
-    """numpy's BLAS threads now (None without threadpoolctl)."""
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return None
+    """numpy's BLAS threads now (None where no BLAS pool is loaded)."""
     counts = [i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"]
     return max(counts) if counts else None

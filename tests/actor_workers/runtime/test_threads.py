@@ -13,7 +13,6 @@ def test_a_worker_runs_one_thread_per_cpu_it_holds_and_at_least_one() -> None:
 
 
 def test_the_in_process_switch_holds_within_the_run_only() -> None:
-    pytest.importorskip("threadpoolctl")
     before = threads.blas_threads()
     with threads.limited(1):
         assert threads.blas_threads() == 1
@@ -33,7 +32,6 @@ def _blas_threads(worker: object) -> int | None:
 
 
 def test_a_ray_worker_pins_its_blas_to_its_one_cpu_over_an_inherited_setting(ray_local: str) -> None:
-    pytest.importorskip("threadpoolctl")
     import ray
 
     from sbpflow.actor_workers.worker import remote_class
