@@ -28,9 +28,10 @@ not per hop), which the step's interpreter bound adds up over the ranks.
 ordered communication stream, every op starting once its stream is free and its inputs are made, in
 lowering's order (``pre``, the schedule's micro-batches, the update). So a gradient's all-reduce overlaps
 the backward still to run, a tensor-parallel all-reduce in the forward does not, and pipeline stages
-overlap as the schedule lets them. A CPU profile adds what a host shares: its ranks' work over its cores,
-one interpreter for ranks that are threads of one process (the ``inprocess`` link; with each register a
-rank hands between its streams at ``handoff_s``, the CPU of a woken thread), and data loading
+overlap as the schedule lets them. A CPU profile adds what a host shares: its ranks' work over its cores
+(with each register a rank hands between its streams at ``handoff_s``, the CPU of a woken thread), one
+interpreter for ranks that are threads of one process (the ``inprocess`` link: their kernels whole, their
+collectives' CPU, data loading and the acts outside the graph, one rank at a time), and data loading
 (``data_read_s`` and ``data_row_s``: a source's seconds a read and a sample row, each rank reading its
 rows of each micro-batch where the inputs are placed), which runs ahead and so bounds the step; the step is
 the largest bound, and ``StepEstimate.bound`` names it. ``exposed_comm_s`` is ``step_s`` less the same

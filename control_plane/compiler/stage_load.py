@@ -35,8 +35,10 @@ def loads(
 ) -> dict[int, Load]:
     """Each stage's :class:`~.step_sim.Load` on one rank: its ops' compute (``by_op``, a step's; ``calls``:
     each op's calls a step), the acts outside the graph and the hand-offs between its streams at
-    ``act_handoff_s`` each (:func:`handoffs`: CPU, the interpreter's), and its data loading
-    (:func:`data_seconds`)."""
+    ``act_handoff_s`` each (:func:`handoffs`: the rank's own, not the interpreter in-process ranks share),
+    and its data loading (:func:`data_seconds`); what it holds of a shared interpreter is its kernels
+    whole, its collectives' CPU (an op's ``python_s`` on the communication stream), its data loading and
+    the acts outside the graph (``step_sim``'s docstring)."""
     where = input_stage(state)
     tail = _plan_acts(state, lay, where)
     handed = handoffs(state, calls)
@@ -52,7 +54,9 @@ def loads(
         woken = handed.get(stage, 0) * handoff_s
         out[stage] = Load(
             compute_s=sum(c.seconds for c in mine if not c.comm) + extra + woken,
-            python_s=sum(c.python_s for c in mine) + data_s.get(stage, 0.0) + extra + woken,
+            interpreter_s=sum(c.python_s if c.comm else c.seconds for c in mine)
+            + data_s.get(stage, 0.0)
+            + extra,
             data_s=data_s.get(stage, 0.0),
             tail_s=extra,
         )
@@ -95,7 +99,8 @@ def handoffs(state: CompileState, calls: Mapping[str, int]) -> dict[int, int]:
     op on compute, so each read across them, once a call of the reader (``calls``: an op's calls a
     step), wakes the reader's thread. On one thread an act costs the profile's ``op_overhead_s``; a
     hand-off costs several times that in CPU (the notify, the woken thread's wait for the lock and the
-    GIL: ``DeviceProfile.handoff_s``), and a plan's count of them is what its task order implies."""
+    GIL: ``DeviceProfile.handoff_s``), and a plan's count of them is what its task order implies. It is
+    the rank's busy time, not the interpreter's that in-process ranks share (``step_sim``)."""
     g = state.graph
     stream = {t.name: "data" for t in g.of_kind(TensorKind.input)}
     for o in g.ops:

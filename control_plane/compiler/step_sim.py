@@ -11,10 +11,17 @@ schedule lets them. One rank stands for its stage: coordinate 0, whose shard is 
 **What a host shares** (:func:`host_bounds`). A CPU profile's rates are one rank's (its BLAS threads) on
 a host of ``host_cores`` cores, so the ranks placed on one host cannot together run more than the host
 does: the step is at least their busy seconds times their threads over the cores. Ranks that are threads
-of one process (the ``inprocess`` link) also share one interpreter, so their per-act bookkeeping, their
-kernels' time beyond the roofline (numpy's per-call cost), their collectives' CPU (the rendezvous and its
-numpy work, ``LinkProfile.interpreter``) and their data loading (Python loops) run one at a time: the
-step is at least the sum of those. Data loading runs
+of one process (the ``inprocess`` link) also share one interpreter, and they take it in turns for
+everything they run: their kernels whole, not only the per-call work beyond the roofline, their
+collectives' CPU (the rendezvous and its numpy work, ``LinkProfile.interpreter``), their data loading
+(Python loops) and the acts outside the graph; the step is at least the sum of those (``Load.interpreter_s``).
+A kernel's GIL-free part (a BLAS call, a numpy loop) is meant to overlap another rank's Python, but at
+these jobs' sizes it is too short to: on this 2-core machine the in-process runs of GPT's, the MLP's and
+Wide & Deep's layouts spend 1.0-1.2x their wall time in CPU (``bench/auto_plan.py``), one core's worth.
+A rank's hand-offs between its streams (a thread woken) are its own latency, not the shared
+interpreter's: while one rank waits for a woken thread the others run (a fit of the MLP's and Wide &
+Deep's measured CPU a step against their plans' acts, hand-offs, kernels and collectives gave a hand-off
+0-16 us, against the 59 us of the profile's probe, whose chain waits at every link). Data loading runs
 ahead of compute (the loader prefetches a step), so it bounds the step rather than adding to it.
 The step is the largest of these bounds; :attr:`Bounds.name` says which one it is.
 """
@@ -74,12 +81,13 @@ def simulate(steps: Order, ops: Mapping[str, OpNode], costs: Mapping[str, OpCost
 
 @dataclass(frozen=True)
 class Load:
-    """What one rank of a stage does in a step: its seconds busy computing, its interpreter's share
-    (per-act bookkeeping and data loading), its data loading alone, and the acts of its plan that are no
-    op of the graph (they are in ``compute_s`` and ``python_s`` too)."""
+    """What one rank of a stage does in a step: its seconds busy computing (its kernels, the acts of its
+    plan that are no op of the graph, and its hand-offs between streams), what it holds of the
+    interpreter its in-process peers share (``interpreter_s``: :func:`host_bounds`), its data loading
+    alone, and those acts outside the graph (in ``compute_s`` and ``interpreter_s`` too)."""
 
     compute_s: float
-    python_s: float
+    interpreter_s: float
     data_s: float
     tail_s: float = 0.0  # acts outside the graph's ops (variable writes, loads, fetches), run serially
 
@@ -125,6 +133,6 @@ def host_bounds(
         h = r // ranks_per_host if ranks_per_host > 0 else 0
         hosts[h] = hosts.get(h, 0.0) + loads[s].compute_s + loads[s].data_s
     host_s = max(hosts.values(), default=0.0) * (threads or host_cores) / host_cores if host_cores else 0.0
-    shared = sum(loads[s].python_s for s in stage_of.values()) if one_interpreter else 0.0
+    shared = sum(loads[s].interpreter_s for s in stage_of.values()) if one_interpreter else 0.0
     critical_s += max((x.tail_s for x in loads.values()), default=0.0)
     return Bounds(critical_s, max((x.data_s for x in loads.values()), default=0.0), host_s, shared)

@@ -375,16 +375,36 @@ def test_hand_offs_between_streams_are_counted_as_the_plan_has_them(kw: dict[str
         assert abs(modelled[stage] - crossing) <= 2
 
 
-def test_each_hand_off_costs_the_interpreter_its_cpu() -> None:
-    """In-process ranks share one interpreter: each hand-off of each rank adds ``handoff_s`` to it."""
+def test_a_hand_off_is_its_ranks_busy_time_not_the_shared_interpreters() -> None:
+    """Each hand-off of a rank adds ``handoff_s`` to the rank's busy seconds (its compute, which the
+    host's cores bound); ranks in one interpreter hide each other's hand-offs, so the interpreter they
+    share holds none of them (step_sim's docstring)."""
     c = compiled("mlp", ranks=2, tp=True)
     calls: dict[str, int] = {}
     for name, _ in order(layout(c.state)):
         calls[name] = calls.get(name, 0) + 1
-    n = sum(handoffs(c.state, calls).values()) * 2  # both ranks of the one stage
-    base, woken = (estimate(c, replace(HOST, handoff_s=h), "inprocess") for h in (0.0, 1e-3))
-    assert woken.bound == base.bound == "one interpreter (the GIL)"
-    assert woken.step_s - base.step_s == pytest.approx(n * 1e-3)
+    n = sum(handoffs(c.state, calls).values())  # one rank's: the plan's one stage
+    roomy = replace(HOST, host_cores=64)  # the host's cores bound nothing
+    base, woken = (estimate(c, replace(roomy, handoff_s=h), "inprocess") for h in (0.0, 1e-3))
+    assert n > 0 and woken.compute_s - base.compute_s == pytest.approx(n * 1e-3)
+    assert woken.bound == base.bound == "one interpreter (the GIL)" and woken.step_s == base.step_s
+    one_core = replace(HOST, host_cores=1)
+    base, woken = (estimate(c, replace(one_core, handoff_s=h), "shm") for h in (0.0, 1e-3))
+    assert woken.bound == "the host's cores" and woken.step_s - base.step_s == pytest.approx(2 * n * 1e-3)
+
+
+def test_in_process_ranks_hold_the_interpreter_for_their_kernels_whole() -> None:
+    """A kernel's GIL-free part is too short at these sizes to overlap another rank's Python, so the
+    shared interpreter's bound is the ranks' kernels whole (plus their collectives' CPU, data and acts):
+    twice the kernels' time, twice that bound."""
+    c = compiled("mlp", ranks=2, tp=True)
+    timed = {call_key(c.state, o): 1e-3 for o in c.state.graph.ops if o.op_type != "boxing"}
+    slow = {k: 2 * t for k, t in timed.items()}
+    quiet = replace(HOST, data_row_s={}, data_read_s={}, host_cores=64)
+    one, two = (estimate(c, quiet, "inprocess", kernels=k) for k in (timed, slow))
+    kernels = sum(x.seconds for x in one.by_op if not x.comm)
+    assert one.bound == two.bound == "one interpreter (the GIL)"
+    assert two.step_s - one.step_s == pytest.approx(2 * kernels, rel=1e-6)  # both ranks' kernels
 
 
 def test_ranks_in_one_interpreter_take_turns() -> None:
