@@ -17,7 +17,8 @@ collectives' CPU (the rendezvous and its numpy work, ``LinkProfile.interpreter``
 (Python loops) and the acts outside the graph; the step is at least the sum of those (``Load.interpreter_s``).
 A kernel's GIL-free part (a BLAS call, a numpy loop) is meant to overlap another rank's Python, but at
 these jobs' sizes it is too short to: on this 2-core machine the in-process runs of GPT's, the MLP's and
-Wide & Deep's layouts spend 1.0-1.2x their wall time in CPU (``bench/auto_plan.py``), one core's worth.
+Wide & Deep's layouts spend 1.0-1.4x their wall time in CPU (``bench/auto_plan.py``), little more
+than one core's worth.
 A rank's hand-offs between its streams (a thread woken) are its own latency, not the shared
 interpreter's: while one rank waits for a woken thread the others run (a fit of the MLP's and Wide &
 Deep's measured CPU a step against their plans' acts, hand-offs, kernels and collectives gave a hand-off
