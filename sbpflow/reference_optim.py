@@ -86,9 +86,12 @@ def update(
 
 
 def clip(grads: Arrays, max_norm: float, builder: EagerBuilder) -> Arrays:
-    """Every gradient times ``min(1, max_norm / (global norm + 1e-6))``."""
+    """Every gradient times ``min(1, max_norm / (global norm + 1e-6))``. Each gradient's sum of squares
+    is the op library's (``pow_scalar``, ``sum``), as the compiled plan's: its sum of a whole array adds
+    in vector lanes, and numpy's pairwise sum gives other last bits (which a clipped step then carries
+    into every parameter)."""
     xp = builder.xp
-    squares = [xp.sum(xp.square(g)) for g in grads.values()]
+    squares = [builder.call("sum", builder.call("pow_scalar", g, exponent=2.0)[0])[0] for g in grads.values()]
     wide = max((s.dtype for s in squares), key=lambda d: d.itemsize)
     total = squares[0].astype(wide)
     for s in squares[1:]:
