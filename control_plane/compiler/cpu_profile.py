@@ -11,13 +11,14 @@ shared machine):
   arrays' bytes over the time: the memory bandwidth of the roofline;
 * **per-act overhead**: the CPU the runtime spends on an act of a tiny kernel (register hand-offs, the
   engine's bookkeeping), from a real in-process run of a chain of tiny kernels for two step counts: the
-  difference of CPU time over the acts it adds; and a register's hand-off between two streams' threads,
-  from the same chain over two ranks in turn (both :func:`act_overhead`);
+  difference of CPU time over the acts it adds (the median of five runs, not the best: see
+  :func:`_cpu_a_step`); and a register's hand-off between two streams' threads, from the same chain over
+  two ranks in turn (both :func:`act_overhead`);
 * **data loading**: each synthetic source kind the examples read (``SyntheticSource`` ``regression``,
-  ``tokens`` and ``clicks``, :data:`SOURCES`), a read of one row and of a batch fitted to a cost a
-  read and a cost a row (:func:`read_cost`): its per-row generator is Python, and costs far more than
-  the bytes it makes, and a read has fixed work besides (the search times the job's own source the same
-  way, ``auto_plan.pricer``);
+  ``tokens`` and ``clicks``, :data:`SOURCES`), a read of one row and of a batch, each of a step not
+  read before, fitted to a cost a read and a cost a row (:func:`read_cost`): its per-row generator is
+  Python, and costs far more than the bytes it makes, and a read has fixed work besides (the search
+  times the job's own source the same way, on the job's batch, ``auto_plan.pricer``);
 * **links**: each collective of the boxing table on each CPU transport, two ranks, a small and a large
   array fitted to ``hops * latency + bytes / bandwidth`` (``cpu_links.py``: ``inprocess``, ``shm``,
   ``tcp``), once; on ``inprocess`` also the thread CPU a rank spends in a call.
@@ -25,10 +26,11 @@ shared machine):
 
 from __future__ import annotations
 
+import itertools
 import os
+import statistics
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -47,7 +49,8 @@ from sbpflow.sbp import B
 from sbpflow.tensor_meta import TensorMeta
 
 ROUNDS = 3  # each figure's rounds, its best kept
-ROWS = 16  # a data source's batch for its cost a row
+ROWS = 128  # the batch of the profile's own sources, for their cost a row
+MAX_ROWS = 1024  # the most rows a read is timed with (a source's batch, or this)
 
 
 def _best(fn: Callable[[], object], budget: float, least: int = 3) -> float:
@@ -76,7 +79,7 @@ def elementwise_bandwidth(budget: float, n: int = 1 << 23) -> float:
 LONG = 124  # the act's long run, steps
 
 
-def act_overhead(threads: int, p2p_s: float = 0.0, n: int = 40, runs: int = 3) -> tuple[float, float]:
+def act_overhead(threads: int, p2p_s: float = 0.0, n: int = 40, runs: int = 5) -> tuple[float, float]:
     """The runtime's CPU seconds an act, and a register's hand-off between two streams' threads.
 
     An act: one rank in-process running a chain of ``n`` tiny ``add_scalar`` kernels (8 floats), the
@@ -90,7 +93,7 @@ def act_overhead(threads: int, p2p_s: float = 0.0, n: int = 40, runs: int = 3) -
     kernels on ranks 0 and 1 in turn, so each link is a kernel, a send and a receive (an act each), the
     transport's call (``p2p_s``) and two hand-offs, compute to communication and back: what a link costs
     beyond its acts and its call, halved (on this loaded 2-core machine 13-28 us against an act's 2-8).
-    Both chains' runs in turns, each figure the least of ``runs``, so a change of load moves both."""
+    Both chains' runs in turns, each figure the median of ``runs``, so a change of load moves both."""
     one, hop = _cpu_a_step((_chain(n, LONG), _chain(n, LONG, hop=True)), threads, 4, LONG, runs)
     act = max(one / (n + 2), 1e-7)
     return act, max((hop / n - 3 * act - p2p_s) / 2, 0.0)
@@ -98,7 +101,10 @@ def act_overhead(threads: int, p2p_s: float = 0.0, n: int = 40, runs: int = 3) -
 
 def _cpu_a_step(jobs: tuple[Job, ...], threads: int, short: int, long: int, runs: int) -> list[float]:
     """Each job's process CPU seconds a step in process: ``long`` steps less ``short``, each (job,
-    length)'s least of ``runs`` runs, all of them in turns after a warm-up run."""
+    length)'s median of ``runs`` runs, all of them in turns after a warm-up run. The median, not the
+    least: the same run's CPU a step moves between spells of this machine (the act read 3.8-11 us from
+    one run to the next in one process), and the least of a few is a rare spell's, read 4.2-8.4 us from
+    process to process where the median of five read 8.1-10.4."""
     from sbpflow.control_plane.compiler.pipeline import compile as compile_job
     from sbpflow.control_plane.launcher import run
 
@@ -111,11 +117,12 @@ def _cpu_a_step(jobs: tuple[Job, ...], threads: int, short: int, long: int, runs
 
     for plan in plans:
         cpu(plan, short)  # warm: later runs reuse what the first one starts
-    best = {(i, k): float("inf") for i in range(len(plans)) for k in (short, long)}
+    got: dict[tuple[int, int], list[float]] = {(i, k): [] for i in range(len(plans)) for k in (short, long)}
     for _ in range(runs):
-        for i, steps in best:
-            best[(i, steps)] = min(best[(i, steps)], cpu(plans[i], steps))
-    return [(best[(i, long)] - best[(i, short)]) / (long - short) for i in range(len(plans))]
+        for i, steps in got:
+            got[(i, steps)].append(cpu(plans[i], steps))
+    mid = {key: statistics.median(xs) for key, xs in got.items()}
+    return [(mid[(i, long)] - mid[(i, short)]) / (long - short) for i in range(len(plans))]
 
 
 WARM, WINDOW = 3, 4  # step_time's warm-up steps, and its window
@@ -158,16 +165,24 @@ def _chain(n: int, steps: int, hop: bool = False) -> Job:
     return Job("act-overhead", g, loss="loss", config=JobConfig(steps=steps))
 
 
-def read_cost(source: Any, budget: float, rows: int = ROWS) -> DataCost:
-    """What a read of ``source`` costs here: the fastest read of 1 row and of ``rows`` rows (at most its
-    batch) within ``budget``, taken in turns, fitted to ``read_s + rows * row_s``. The fixed part is real:
-    a source runs its Python and its generator's fixed work per call (the click source's five Philox
-    draws: ~0.6 ms a read here), which a per-row figure alone charges to no one."""
+def read_cost(source: Any, budget: float, rows: int = MAX_ROWS) -> DataCost:
+    """What a read of ``source`` costs here: the fastest read of 1 row and of its batch (at most ``rows``
+    rows) within ``budget``, taken in turns, each read a step not read before (as training reads them),
+    fitted to ``read_s + rows * row_s``. The fixed part is real: a source runs its Python and its
+    generator's fixed work per call (the click source's five Philox draws: ~0.6 ms a read here), which a
+    per-row figure alone charges to no one. The batch, not a few rows: a rank reads its share of the
+    batch or all of it, and a fit over 1 and 16 rows read the MLP's row 0.5-1.3 us from one process to
+    the next where 256 rows cost 1.9 us a row."""
     n = max(2, min(rows, int(getattr(source, "batch_size", rows))))
     best = {1: float("inf"), n: float("inf")}
+    step = itertools.count()
+
+    def reader(k: int) -> Callable[[], object]:
+        return lambda: source.read(next(step), slice(0, k))
+
     for _ in range(ROUNDS):
         for k in best:
-            best[k] = min(best[k], _best(partial(source.read, 0, slice(0, k)), budget / 2 / ROUNDS))
+            best[k] = min(best[k], _best(reader(k), budget / 2 / ROUNDS))
     row = max((best[n] - best[1]) / (n - 1), 0.0)
     return DataCost(max(best[1] - row, 0.0), row)
 

@@ -7,7 +7,7 @@ bench/plan_quality.py's business, not a test's.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from sbpflow.control_plane.compiler.cost_model import (
     load_profile,
     step_seconds,
 )
-from sbpflow.control_plane.compiler.cpu_profile import measure_cpu_profile
+from sbpflow.control_plane.compiler.cpu_profile import MAX_ROWS, measure_cpu_profile, read_cost
 from sbpflow.control_plane.compiler.kernel_probe import measure_kernels, probe_array
 from sbpflow.control_plane.compiler.micro_batching import layout
 from sbpflow.control_plane.compiler.stage_load import call_key, data_seconds, handoffs, input_stage, ranks_of
@@ -185,6 +185,29 @@ def test_the_measured_cpu_profile_is_positive_everywhere() -> None:
         p.data_read_s[k] >= 0 and p.data_row_s[k] >= 0 and p.data_read_s[k] + p.data_row_s[k] > 0
         for k in kinds
     )
+
+
+@dataclass(frozen=True)
+class _Recording:
+    """A source that reads nothing and keeps each read's (step, rows)."""
+
+    batch_size: int
+    seen: list[tuple[int, int]]
+
+    def read(self, step: int, rows: slice) -> dict[str, Any]:
+        self.seen.append((step, rows.stop - rows.start))
+        return {}
+
+
+@pytest.mark.parametrize(("batch", "timed"), [(300, 300), (10**6, MAX_ROWS)])
+def test_a_read_is_timed_on_the_batch_and_on_steps_not_read_before(batch: int, timed: int) -> None:
+    """A rank reads its share of the batch or all of it, each step a new one: the fit is over 1 row and
+    the whole batch (at most MAX_ROWS), and no read repeats a step, whose draws would be in the caches."""
+    src = _Recording(batch, [])
+    cost = read_cost(src, 0.01)
+    assert {n for _, n in src.seen} == {1, timed}
+    assert len({step for step, _ in src.seen}) == len(src.seen)
+    assert cost.read_s >= 0 and cost.row_s >= 0
 
 
 # ---- communication -------------------------------------------------------------------------------------
