@@ -15,6 +15,8 @@ a call is fitted too, to ``seconds + bytes / bandwidth`` a call (``LinkProfile.i
 the ranks are threads of one process, so what a collective costs a step is the interpreter time every
 rank spends in it, one after the other, more than its latency. Both ranks share this process's interpreter,
 which makes the ``shm`` and ``tcp`` figures a little pessimistic against two processes.
+The whole measurement runs ``TIMES`` times in turn, and each figure is the median of them
+(:func:`median_link`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from sbpflow.control_plane.compiler.cost_model import HOPS, LinkProfile
 
 SMALL, LARGE = 16, 1 << 20  # float32 elements of the latency and the bandwidth calls
 ROUNDS = 3  # each size's blocks of calls, the least of them kept
+TIMES = 3  # each link's measurements, the median of each figure kept
 GROUP = (0, 1)
 P = len(GROUP)
 
@@ -60,11 +63,17 @@ def _p2p(t: Any, a: np.ndarray, tag: str) -> object:
     return t.send(a, 1, tag) if t.rank == 0 else t.recv(0, tag)
 
 
-def measure_links(budget: float, collectives: bool = True) -> dict[str, LinkProfile]:
+def measure_links(budget: float, collectives: bool = True, times: int = TIMES) -> dict[str, LinkProfile]:
     """Every CPU transport's :class:`LinkProfile`, each in about ``budget / 3`` seconds; ``collectives``
     False times the all-reduce alone (the link's own figures, no per-collective ones). The ``inprocess``
     link also gets each collective's interpreter seconds (``LinkProfile.interpreter``): its ranks are
-    threads of one interpreter, which their calls hold in turn."""
+    threads of one interpreter, which their calls hold in turn. Every link is measured ``times`` times
+    in turn, each figure the median of them (:func:`median_link`)."""
+    runs = [_measure_once(budget / times, collectives) for _ in range(times)]
+    return {name: median_link([r[name] for r in runs]) for name in runs[0]}
+
+
+def _measure_once(budget: float, collectives: bool) -> dict[str, LinkProfile]:
     kinds = (Collective.all_reduce, *(k for k in CALLS if k is not Collective.all_reduce and collectives))
     out = {}
     for name, opener in OPENERS.items():
@@ -75,6 +84,28 @@ def measure_links(budget: float, collectives: bool = True) -> dict[str, LinkProf
         by = {k.value: f.wall for k, f in fits.items() if k is not Collective.all_reduce}
         out[name] = LinkProfile(lat, bw, by, held)
     return out
+
+
+def median_link(runs: Sequence[LinkProfile]) -> LinkProfile:
+    """Each figure of ``runs`` (one link measured several times) its median. A measurement's figures
+    move together with a spell of the threads' scheduling (a small in-process all-gather's CPU read
+    11-38 us a call from one process to the next, and a start-up that met a slow spell priced every
+    ZeRO and pipeline layout ~1.6x), and the median of a few measurements leaves such a spell out."""
+
+    def mid(xs: Sequence[float]) -> float:
+        return statistics.median(xs)
+
+    def pairs(
+        of: Callable[[LinkProfile], Mapping[str, tuple[float, float]]],
+    ) -> dict[str, tuple[float, float]]:
+        return {k: (mid([of(r)[k][0] for r in runs]), mid([of(r)[k][1] for r in runs])) for k in of(runs[0])}
+
+    return LinkProfile(
+        mid([r.latency_s for r in runs]),
+        mid([r.bytes_per_s for r in runs]),
+        pairs(lambda r: r.collectives),
+        pairs(lambda r: r.interpreter),
+    )
 
 
 ONE_INTERPRETER = frozenset({"inprocess"})  # the links whose ranks are threads of one process

@@ -21,7 +21,8 @@ shared machine):
   times the job's own source the same way, on the job's batch, ``auto_plan.pricer``);
 * **links**: each collective of the boxing table on each CPU transport, two ranks, a small and a large
   array fitted to ``hops * latency + bytes / bandwidth`` (``cpu_links.py``: ``inprocess``, ``shm``,
-  ``tcp``), once; on ``inprocess`` also the thread CPU a rank spends in a call.
+  ``tcp``), three times, each figure the median; on ``inprocess`` also the thread CPU a rank spends in
+  a call.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from sbpflow.control_plane.compiler.cost_model import (
     load_profile,
     step_seconds,
 )
+from sbpflow.control_plane.compiler.cpu_links import median_link
 from sbpflow.control_plane.compiler.cpu_profile import MAX_ROWS, measure_cpu_profile, read_cost
 from sbpflow.control_plane.compiler.kernel_probe import measure_kernels, probe_array
 from sbpflow.control_plane.compiler.micro_batching import layout
@@ -185,6 +186,18 @@ def test_the_measured_cpu_profile_is_positive_everywhere() -> None:
         p.data_read_s[k] >= 0 and p.data_row_s[k] >= 0 and p.data_read_s[k] + p.data_row_s[k] > 0
         for k in kinds
     )
+
+
+def test_a_links_figures_are_the_medians_of_its_measurements() -> None:
+    """One slow spell in three measurements moves no figure: each is its median, the pairs element by
+    element."""
+    runs = [
+        LinkProfile(1e-5, 1e9, {"all-gather": (2e-5, 4e9)}, {"all-reduce": (3e-5, 2e9)}),
+        LinkProfile(9e-5, 1e8, {"all-gather": (9e-5, 1e8)}, {"all-reduce": (9e-4, 1e8)}),  # the slow spell
+        LinkProfile(2e-5, 2e9, {"all-gather": (1e-5, 5e9)}, {"all-reduce": (4e-5, 3e9)}),
+    ]
+    got = median_link(runs)
+    assert got == LinkProfile(2e-5, 1e9, {"all-gather": (2e-5, 4e9)}, {"all-reduce": (4e-5, 2e9)})
 
 
 @dataclass(frozen=True)
