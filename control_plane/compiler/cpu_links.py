@@ -63,13 +63,13 @@ def _p2p(t: Any, a: np.ndarray, tag: str) -> object:
     return t.send(a, 1, tag) if t.rank == 0 else t.recv(0, tag)
 
 
-def measure_links(budget: float, collectives: bool = True, times: int = TIMES) -> dict[str, LinkProfile]:
+def measure_links(budget: float, collectives: bool = True) -> dict[str, LinkProfile]:
     """Every CPU transport's :class:`LinkProfile`, each in about ``budget / 3`` seconds; ``collectives``
     False times the all-reduce alone (the link's own figures, no per-collective ones). The ``inprocess``
     link also gets each collective's interpreter seconds (``LinkProfile.interpreter``): its ranks are
-    threads of one interpreter, which their calls hold in turn. Every link is measured ``times`` times
+    threads of one interpreter, which their calls hold in turn. Every link is measured ``TIMES`` times
     in turn, each figure the median of them (:func:`median_link`)."""
-    runs = [_measure_once(budget / times, collectives) for _ in range(times)]
+    runs = [_measure_once(budget / TIMES, collectives) for _ in range(TIMES)]
     return {name: median_link([r[name] for r in runs]) for name in runs[0]}
 
 
@@ -91,9 +91,7 @@ def median_link(runs: Sequence[LinkProfile]) -> LinkProfile:
     move together with a spell of the threads' scheduling (a small in-process all-gather's CPU read
     11-38 us a call from one process to the next, and a start-up that met a slow spell priced every
     ZeRO and pipeline layout ~1.6x), and the median of a few measurements leaves such a spell out."""
-
-    def mid(xs: Sequence[float]) -> float:
-        return statistics.median(xs)
+    mid = statistics.median
 
     def pairs(
         of: Callable[[LinkProfile], Mapping[str, tuple[float, float]]],
