@@ -197,7 +197,7 @@ def _slice_grad_infer(metas: Metas, attrs: Attrs) -> Metas:
 
 
 def _slice_grad_kernel(ctx: KernelContext, dy: Any) -> Any:
-    out = ctx.xp.zeros(ctx.out_shape(0), dtype=dy.dtype)
+    out = ctx.out_zeros(0, dy.dtype)
     out[_cut(ctx.out_metas[0].shape, ctx.attrs["starts"], ctx.in_metas[0].shape)] = dy  # type: ignore[arg-type]
     return out
 
@@ -427,7 +427,7 @@ def _scatter_add(xp: Any, out: Any, index: Any, values: Any) -> None:
 
 def _embedding_grad_kernel(ctx: KernelContext, dy: Any, ids: Any) -> Any:
     xp = ctx.xp
-    out = xp.zeros(ctx.out_shape(0), dtype=dy.dtype)
+    out = ctx.out_zeros(0, dy.dtype)
     rows_dy = dy.reshape(-1, dy.shape[-1]) if dy.ndim else dy.reshape(1, 1)
     fits = ids.size == len(rows_dy) and out.shape[1:] == rows_dy.shape[1:]  # rows_jit does not bounds-check
     if fits and (jit := jit_rows(xp, rows_dy, out)) is not None:
