@@ -93,7 +93,7 @@ def step_s(c: pipeline.Compiled, steps: int) -> float:
 
 def modelled(c: pipeline.Compiled, cpu: DeviceProfile) -> tuple[StepEstimate, StepEstimate]:
     """The plan's modelled step by the roofline alone, and with its kernels timed on this machine."""
-    kernels = measure_kernels(c.state, THREADS)
+    kernels = measure_kernels(c.state, THREADS, LINK == "inprocess")
     return estimate(c, cpu, LINK), estimate(c, cpu, LINK, kernels=kernels)
 
 

@@ -121,7 +121,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from sbpflow.control_plane.compiler.kernel_probe import measure_kernels
 
         profile = load_profile(args.profile)
-        kernels = measure_kernels(compiled.state, profile.threads) if args.profile == "cpu" else None
+        together = (args.link or profile.default_link) == "inprocess"  # ranks as threads of one process
+        kernels = (
+            measure_kernels(compiled.state, profile.threads, together) if args.profile == "cpu" else None
+        )
         say(str(estimate(compiled, profile, args.link, kernels=kernels)))
     if args.out:
         if compiled.plan is None:

@@ -179,14 +179,17 @@ def search(
 def pricer(profile: DeviceProfile, link: str | None = None) -> Price:
     """``cost_model.estimate`` on ``profile`` over ``link`` (default: the profile's); on a CPU profile
     (one with ``host_cores``: this machine) with each plan's kernels timed here
-    (``kernel_probe.measure_kernels``, cached a process, so candidates share their layers' timings): a
+    (``kernel_probe.measure_kernels``, cached a process, so candidates share their layers' timings; on
+    the ``inprocess`` link with the plan's ranks in threads at once, as its runs make them): a
     small shard's kernel is mostly numpy's per-call cost, which holds the interpreter and which no
     roofline sees, and that decides how in-process ranks share it."""
     if not profile.host_cores:
         return lambda compiled: cost_model.estimate(compiled, profile, link)
 
     def price(compiled: pipeline.Compiled) -> StepEstimate:
-        kernels = measure_kernels(compiled.state, profile.threads)
+        kernels = measure_kernels(
+            compiled.state, profile.threads, (link or profile.default_link) == "inprocess"
+        )
         here = with_source(profile, compiled.state.job.data)
         return cost_model.estimate(compiled, here, link, kernels=kernels)
 

@@ -36,9 +36,9 @@ def loads(
     """Each stage's :class:`~.step_sim.Load` on one rank: its ops' compute (``by_op``, a step's; ``calls``:
     each op's calls a step), the acts outside the graph and the hand-offs between its streams at
     ``act_handoff_s`` each (:func:`handoffs`: the rank's own, not the interpreter in-process ranks share),
-    and its data loading (:func:`data_seconds`); what it holds of a shared interpreter is its kernels
-    whole, its collectives' CPU (an op's ``python_s`` on the communication stream), its data loading and
-    the acts outside the graph (``step_sim``'s docstring)."""
+    and its data loading (:func:`data_seconds`); what it holds of a shared interpreter is every op's
+    ``python_s`` (a kernel's act and what its roofline does not explain, a collective's CPU), its data
+    loading and the acts outside the graph (``step_sim``'s docstring)."""
     where = input_stage(state)
     tail = _plan_acts(state, lay, where)
     handed = handoffs(state, calls)
@@ -54,9 +54,7 @@ def loads(
         woken = handed.get(stage, 0) * handoff_s
         out[stage] = Load(
             compute_s=sum(c.seconds for c in mine if not c.comm) + extra + woken,
-            interpreter_s=sum(c.python_s if c.comm else c.seconds for c in mine)
-            + data_s.get(stage, 0.0)
-            + extra,
+            interpreter_s=sum(c.python_s for c in mine) + data_s.get(stage, 0.0) + extra,
             data_s=data_s.get(stage, 0.0),
             tail_s=extra,
         )
