@@ -2,11 +2,11 @@
 
 A job is untrusted input at Submit: anything the compiler or a worker does in proportion to a number
 the user chose (a stage, a step count, a shape, a name written into every store row and metric label)
-must be bounded before that work starts. :class:`Limits` is the table; :func:`check_job` walks a
-:class:`~sbpflow.job.Job` and raises :class:`LimitError` at the first value outside it, naming the
-field, the value, the limit and the fix. ``sbpflow.wire`` calls the same helpers while it converts a
-protobuf (a shape is checked before numpy multiplies it out), ``control_plane/validation.py`` and
-``sf.run`` call :func:`check_job` (it is part of ``Job.verify``).
+must be bounded before that work starts. :class:`Limits` is the table; :func:`check_graph` and
+:func:`check_data` walk a job's graph and data source and raise :class:`LimitError` at the first value
+outside it, naming the field, the value, the limit and the fix (``sbpflow.job.check_job`` walks the rest of
+a job with the same helpers, as part of ``Job.verify``). ``sbpflow.wire`` calls the same helpers while it
+converts a protobuf (a shape is checked before numpy multiplies it out).
 
 Every check here is cheap: linear in the size of the job message, never in a number inside it.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sbpflow.errors import SbpflowError
@@ -23,7 +23,6 @@ from sbpflow.errors import SbpflowError
 if TYPE_CHECKING:
     from sbpflow.data import DataSource
     from sbpflow.graph import Graph
-    from sbpflow.job import Job
     from sbpflow.placement import Placement
 
 
@@ -186,28 +185,7 @@ def check_attr(where: str, value: Any, limits: Limits = LIMITS) -> None:
             check_attr(f"{where}[{i}]", v, limits)
 
 
-# ---- the job ---------------------------------------------------------------------------------------
-
-
-def check_job(job: Job, limits: Limits = LIMITS) -> None:
-    """Raise :class:`LimitError` at the first field of ``job`` outside ``limits``."""
-    check_name("job.name", job.name, limits, empty=True)
-    check_graph(job.graph, limits)
-    check_count("job.parameters", job.parameters, limits)
-    for i, p in enumerate(job.parameters):
-        check_name(f"job.parameters[{i}].tensor", p.tensor, limits)
-        for f in fields(p.init):  # type: ignore[arg-type]
-            check_float(f"job.parameters[{i}].init.{f.name}", getattr(p.init, f.name))
-    check_count("job.fetches", job.fetches, limits)
-    for i, name in enumerate(job.fetches):
-        check_name(f"job.fetches[{i}]", name, limits)
-    check_name("job.loss", job.loss, limits, empty=True)
-    _check_config(job, limits)
-    _check_optimizer(job, limits)
-    if job.data is not None:
-        check_data(job.data, limits)
-    if job.eval_data is not None:
-        check_data(job.eval_data, limits)
+# ---- the graph and the data ------------------------------------------------------------------------
 
 
 def check_graph(g: Graph, limits: Limits = LIMITS) -> None:
@@ -233,72 +211,6 @@ def check_graph(g: Graph, limits: Limits = LIMITS) -> None:
             check_attr(f"{where}.attrs[{key!r}]", value, limits)
         if node.placement is not None:
             check_placement(f"{where}.placement", node.placement, limits)
-
-
-def _check_config(job: Job, limits: Limits) -> None:
-    c = job.config
-    check_int("job.config.steps", c.steps, 1, limits.steps)
-    check_int(
-        "job.config.checkpoint_every", c.checkpoint_every, 0, limits.steps, "give 0 (never) or a step count"
-    )
-    check_int("job.config.eval_every", c.eval_every, 0, limits.steps, "give 0 (never) or a step count")
-    check_int("job.config.eval_batches", c.eval_batches, 1, limits.steps)
-    m = limits.micro_batches
-    check_int("job.config.gradient_accumulation_steps", c.gradient_accumulation_steps, 1, m)
-    check_int("job.config.micro_batches", c.micro_batches, 1, m)
-    total = c.gradient_accumulation_steps * c.micro_batches
-    if total > m:
-        raise refuse(
-            "job.config.gradient_accumulation_steps x micro_batches",
-            total,
-            f"is over the limit of {m}",
-            "cut each step's batch into fewer micro-batches",
-        )
-    check_float(
-        "job.config.loss_scale",
-        c.loss_scale,
-        0.0,
-        limits.magnitude,
-        "give 0 (none/dynamic) or a positive scale",
-    )
-    check_int("job.config.seed", c.seed, 0, (1 << 64) - 1)
-    check_int("job.config.grad_bucket_bytes", c.grad_bucket_bytes, 0, 1 << 40, "give 0 (off) or a byte count")
-    if not isinstance(c.fusion, bool):
-        raise refuse("job.config.fusion", c.fusion, "must be a bool", "give True or False")
-
-
-def _check_optimizer(job: Job, limits: Limits) -> None:
-    from sbpflow.job import SGD, WarmupCosine
-
-    o = job.optimizer
-    if o is None:
-        return
-    check_count("job.optimizer.parameters", o.parameters, limits)
-    check_float(
-        "job.optimizer.clip_grad_norm",
-        o.clip_grad_norm,
-        0.0,
-        limits.magnitude,
-        "give 0 (no clipping) or a norm",
-    )
-    a = o.algorithm
-    name = "sgd" if isinstance(a, SGD) else "adamw"
-    bounds = {"lr": (0.0, limits.magnitude), "momentum": (0.0, 1.0), "weight_decay": (0.0, limits.magnitude)}
-    bounds |= {"beta1": (0.0, 1.0), "beta2": (0.0, 1.0), "eps": (0.0, limits.magnitude)}
-    for f in fields(a):
-        if f.name in bounds:
-            check_float(f"job.optimizer.{name}.{f.name}", getattr(a, f.name), *bounds[f.name])
-    check_count("job.optimizer.groups", o.groups, limits)
-    for i, g in enumerate(o.groups):
-        check_count(f"job.optimizer.groups[{i}].parameters", g.parameters, limits)
-        for key, value in g.overrides().items():
-            check_float(f"job.optimizer.groups[{i}].{key}", value, *bounds[key])
-    s = o.schedule
-    if isinstance(s, WarmupCosine):
-        where = "job.optimizer.schedule.warmup_cosine"
-        check_int(f"{where}.warmup_steps", s.warmup_steps, 0, limits.steps)
-        check_int(f"{where}.total_steps", s.total_steps, 0, limits.steps)
-        check_float(f"{where}.min_lr_ratio", s.min_lr_ratio, 0.0, 1.0)
 
 
 def check_data(d: DataSource, limits: Limits = LIMITS) -> None:

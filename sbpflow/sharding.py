@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -17,10 +17,7 @@ from sbpflow.device import asnumpy
 from sbpflow.errors import SbpError
 from sbpflow.placement import Placement
 from sbpflow.sbp import Broadcast, NdSbp, PartialSum, Split, format_nd
-from sbpflow.tensor_meta import Shape
-
-if TYPE_CHECKING:
-    from sbpflow.graph import TensorDecl
+from sbpflow.tensor_meta import Shape, TensorMeta
 
 Index = tuple[slice, ...]
 
@@ -145,7 +142,18 @@ def _close(xp: ModuleType, a: Any, b: Any, rtol: float, atol: float) -> bool:
     return bool(xp.array_equal(a, b))
 
 
-def assemble_value(decl: TensorDecl, values: dict[int, Any], xp: Any = np) -> Any:
+class Declared(Protocol):
+    """What :func:`assemble_value` reads of a tensor's declaration (``sbpflow.graph.TensorDecl`` has it)."""
+
+    @property
+    def meta(self) -> TensorMeta: ...
+    @property
+    def placement(self) -> Placement | None: ...
+    @property
+    def sbp(self) -> NdSbp | None: ...
+
+
+def assemble_value(decl: Declared, values: dict[int, Any], xp: Any = np) -> Any:
     """The logical value of ``decl`` from each rank's shard (splits concatenated, partials summed,
     broadcast copies checked equal)."""
     assert decl.placement is not None and decl.sbp is not None
