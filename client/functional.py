@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from sbpflow.client.tensor import Tensor, _tracer_of, emit
+from sbpflow.client.tensor import Tensor, _tracer_of, contract, emit
 from sbpflow.dtype import DType, as_dtype
 from sbpflow.errors import ShapeError
 from sbpflow.random import tensor_rng_id
@@ -32,15 +32,7 @@ def linear(x: Tensor, weight: Any, bias: Any = None) -> Tensor:
 
 def matmul(a: Tensor, b: Any, transpose_a: bool = False, transpose_b: bool = False) -> Tensor:
     """``a @ b``: ``matmul`` for a 2-d ``b`` (a weight shared by every row), else ``batch_matmul``."""
-    b_ndim = len(b.shape)
-    if b_ndim == 2:
-        return _op("matmul", a, b, transpose_a=transpose_a, transpose_b=transpose_b)
-    if b_ndim != len(a.shape):
-        raise ShapeError(
-            f"matmul of {getattr(a, 'name', a)!r} {list(a.shape)} and {getattr(b, 'name', b)!r} "
-            f"{list(b.shape)}: b must be 2-d or have a's batch axes; reshape or broadcast_to first"
-        )
-    return _op("batch_matmul", a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    return contract(a, b, transpose_a, transpose_b)
 
 
 # ---- activations and normalisation ----------------------------------------------------------------------

@@ -1,20 +1,46 @@
 """``tensor[...]`` with basic indexing: step-1 slices, ints, ``...`` and ``None``.
 
-Lowered to at most one ``slice`` op (the box of kept elements) and one ``reshape`` (dropping the axes an
+Worked out here as plain data (:class:`Box`) from the tensor's name and metadata; ``Tensor.__getitem__``
+lowers it to at most one ``slice`` op (the box of kept elements) and one ``reshape`` (dropping the axes an
 int indexed, inserting the ``None`` axes). Strided and advanced (tensor) indexing are refused with the fix.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from sbpflow.errors import ShapeError
-
-if TYPE_CHECKING:
-    from sbpflow.client.tensor import Tensor
+from sbpflow.tensor_meta import Shape, TensorMeta
 
 
-def _expand(t: Tensor, index: Any) -> list[Any]:
+class Indexed(Protocol):
+    """What basic indexing reads of a tensor: its name (for messages), metadata and shape."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def meta(self) -> TensorMeta: ...
+    @property
+    def shape(self) -> Shape: ...
+    @property
+    def ndim(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Box:
+    """``t[index]`` as a box of kept elements ``[starts, stops)`` and the result's shape."""
+
+    starts: tuple[int, ...]
+    stops: tuple[int, ...]
+    shape: Shape
+
+    def whole(self, shape: Shape) -> bool:
+        """Whether the box keeps every element of a tensor of ``shape`` (no slice op needed)."""
+        return (self.starts, self.stops) == ((0,) * len(shape), shape)
+
+
+def _expand(t: Indexed, index: Any) -> list[Any]:
     """The index as one entry per axis (plus the ``None`` entries), ``...`` expanded to full slices."""
     items = list(index) if isinstance(index, tuple) else [index]
     if sum(i is Ellipsis for i in items) > 1:
@@ -31,7 +57,8 @@ def _expand(t: Tensor, index: Any) -> list[Any]:
     return items + fill
 
 
-def getitem(t: Tensor, index: Any) -> Tensor:
+def box(t: Indexed, index: Any) -> Box:
+    """The box ``t[index]`` keeps, or a :class:`ShapeError` naming the index and the fix."""
     starts, stops, out_shape = [], [], []
     axis = 0
     for item in _expand(t, index):
@@ -63,9 +90,4 @@ def getitem(t: Tensor, index: Any) -> Tensor:
         starts.append(lo)
         stops.append(hi)
         axis += 1
-    out = t
-    if (tuple(starts), tuple(stops)) != ((0,) * t.ndim, t.shape):
-        from sbpflow.client.tensor import emit
-
-        (out,) = emit("slice", t, starts=tuple(starts), stops=tuple(stops))
-    return out.reshape(*out_shape)
+    return Box(tuple(starts), tuple(stops), tuple(out_shape))

@@ -13,6 +13,7 @@ from typing import Any
 
 from sbpflow.client import context
 from sbpflow.client.context import TracingError
+from sbpflow.client.indexing import box
 from sbpflow.dtype import DType, as_dtype
 from sbpflow.errors import ShapeError
 from sbpflow.placement import Placement
@@ -127,9 +128,7 @@ class Tensor:
         return _op("neg", self)
 
     def __matmul__(self, other: Tensor) -> Tensor:
-        from sbpflow.client.functional import matmul
-
-        return matmul(self, other)
+        return contract(self, other)
 
     def __eq__(self, other: object) -> Tensor:  # type: ignore[override]
         if isinstance(other, Tensor):
@@ -177,9 +176,9 @@ class Tensor:
         return self.permute(1, 0)
 
     def __getitem__(self, index: Any) -> Tensor:
-        from sbpflow.client.indexing import getitem
-
-        return getitem(self, index)
+        kept = box(self, index)
+        out = self if kept.whole(self.shape) else _op("slice", self, starts=kept.starts, stops=kept.stops)
+        return out.reshape(*kept.shape)
 
     # ---- reductions and elementwise functions -------------------------------------------------------
 
@@ -246,6 +245,19 @@ def emit(op_type: str, *inputs: Any, **attrs: Any) -> tuple[Tensor, ...]:
 def _op(op_type: str, *inputs: Any, **attrs: Any) -> Tensor:
     (out,) = emit(op_type, *inputs, **attrs)
     return out
+
+
+def contract(a: Tensor, b: Any, transpose_a: bool = False, transpose_b: bool = False) -> Tensor:
+    """``a @ b``: ``matmul`` for a 2-d ``b`` (a weight shared by every row), else ``batch_matmul``."""
+    b_ndim = len(b.shape)
+    if b_ndim == 2:
+        return _op("matmul", a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    if b_ndim != len(a.shape):
+        raise ShapeError(
+            f"matmul of {getattr(a, 'name', a)!r} {list(a.shape)} and {getattr(b, 'name', b)!r} "
+            f"{list(b.shape)}: b must be 2-d or have a's batch axes; reshape or broadcast_to first"
+        )
+    return _op("batch_matmul", a, b, transpose_a=transpose_a, transpose_b=transpose_b)
 
 
 def _binary(op_type: str, a: Tensor, b: Any) -> Tensor:
