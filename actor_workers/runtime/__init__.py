@@ -1,3 +1,3 @@
-"""The actor runtime: actors exchanging registers by req/ack on stream threads (``engine``, ``actor``,
-``register``, ``linking``, ``group``), and the executor that turns a Plan into them (``executor``,
+"""The actor runtime: actors exchanging registers by req/ack on stream threads (``engine``, ``actors``,
+``linking``, ``group``), and the executor that turns a Plan into them (``executor``,
 ``tasks``, ``boxing_tasks``, ``variables``)."""

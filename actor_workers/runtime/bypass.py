@@ -22,8 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Sequence
 
-from sbpflow.actor_workers.runtime.actor import ActorSpec
-from sbpflow.actor_workers.runtime.register import RegisterSpec
+from sbpflow.actor_workers.runtime.actors import ActorSpec, RegisterSpec
 
 
 def bypass(

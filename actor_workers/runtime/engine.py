@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from heapq import heappop, heappush
 from typing import Any
 
-from sbpflow.actor_workers.runtime.actor import Actor, ActorSpec
+from sbpflow.actor_workers.runtime.actors import Actor, ActorSpec, RegisterSpec
 from sbpflow.actor_workers.runtime.errors import RuntimeAborted, RuntimeFailure, RuntimeTimeout
 from sbpflow.actor_workers.runtime.linking import link
-from sbpflow.actor_workers.runtime.register import RegisterSpec
 from sbpflow.actor_workers.runtime.trace import ActEvent
 
 AbortHook = Callable[[str], None]  # e.g. Transport.abort: unblocks acts waiting on peers

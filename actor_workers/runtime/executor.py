@@ -33,13 +33,12 @@ import numpy as np
 from sbpflow import wire
 from sbpflow.actor_workers.runtime import boxing_tasks, heap, plan_tables, tasks
 from sbpflow.actor_workers.runtime import executor_analysis as analysis
-from sbpflow.actor_workers.runtime.actor import ActorSpec
+from sbpflow.actor_workers.runtime.actors import ActorSpec, RegisterSpec
 from sbpflow.actor_workers.runtime.bypass import bypass
 from sbpflow.actor_workers.runtime.engine import AbortHook, Engine, RunResult
 from sbpflow.actor_workers.runtime.executor_analysis import KIND, ExecutorError
 from sbpflow.actor_workers.runtime.group import EngineGroup
 from sbpflow.actor_workers.runtime.plan_tables import PlanTables
-from sbpflow.actor_workers.runtime.register import RegisterSpec
 from sbpflow.actor_workers.runtime.tasks import Act, RankContext
 from sbpflow.actor_workers.runtime.trace import task_args
 from sbpflow.actor_workers.runtime.variables import StoreSource, init_store

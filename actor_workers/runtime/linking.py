@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sbpflow.actor_workers.runtime.actor import Actor, ActorSpec
+from sbpflow.actor_workers.runtime.actors import Actor, ActorSpec, Register, RegisterSpec
 from sbpflow.actor_workers.runtime.errors import ActorGraphError
-from sbpflow.actor_workers.runtime.register import Register, RegisterSpec
 
 
 def link(

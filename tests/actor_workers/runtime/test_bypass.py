@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from sbpflow.actor_workers.runtime.actor import ActorSpec
+from sbpflow.actor_workers.runtime.actors import ActorSpec, RegisterSpec
 from sbpflow.actor_workers.runtime.bypass import bypass
 from sbpflow.actor_workers.runtime.engine import Engine
-from sbpflow.actor_workers.runtime.register import RegisterSpec
 
 STEPS = 5
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sbpflow.actor_workers.runtime.actor import ActorSpec
+from sbpflow.actor_workers.runtime.actors import ActorSpec, RegisterSpec
 from sbpflow.actor_workers.runtime.engine import Engine
 from sbpflow.actor_workers.runtime.errors import (
     ActorGraphError,
@@ -19,7 +19,6 @@ from sbpflow.actor_workers.runtime.errors import (
     RuntimeTimeout,
 )
 from sbpflow.actor_workers.runtime.group import EngineGroup
-from sbpflow.actor_workers.runtime.register import RegisterSpec
 
 
 @pytest.fixture(autouse=True)

@@ -14,9 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sbpflow.actor_workers.runtime.actor import ActorSpec
+from sbpflow.actor_workers.runtime.actors import ActorSpec, RegisterSpec
 from sbpflow.actor_workers.runtime.engine import Engine
-from sbpflow.actor_workers.runtime.register import RegisterSpec
 from sbpflow.actor_workers.runtime.tasks import OutputReuse
 
 STEPS = 6

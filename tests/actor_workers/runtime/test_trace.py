@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from sbpflow.actor_workers.runtime.actor import ActorSpec
+from sbpflow.actor_workers.runtime.actors import ActorSpec, RegisterSpec
 from sbpflow.actor_workers.runtime.engine import Engine
 from sbpflow.actor_workers.runtime.group import EngineGroup
-from sbpflow.actor_workers.runtime.register import RegisterSpec
 from sbpflow.actor_workers.runtime.trace import chrome_trace, write_chrome_trace
 
 
