@@ -27,16 +27,37 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from sbpflow.actor_workers.transport.base import Array, Group, TransportError, check_broadcast, part
 from sbpflow.actor_workers.transport.cpu.links import as_bytes, encode_dtype
+from sbpflow.actor_workers.transport.cpu.mailbox import Message, Posted
+from sbpflow.actor_workers.transport.pool import BufferPool
 from sbpflow.sharding import split_range
 
-if TYPE_CHECKING:
-    from sbpflow.actor_workers.transport.cpu.transport import CpuTransport
+
+class Messenger(Protocol):
+    """What a collective asks of its rank's transport (``transport.CpuTransport``): its mailboxes, the
+    sequence number of a group's next call and the buffers large results come from."""
+
+    rank: int
+    timeout: float
+    pool: BufferPool
+
+    def next_seq(self, group: Group) -> int: ...
+    def post_send(
+        self, dst: int, key: str, array: np.ndarray, extra: dict[str, Any] | None = None
+    ) -> None: ...
+    def take(self, src: int, key: str, what: str, deadline: float) -> Message: ...
+    def post(
+        self, src: int, key: str, dest: np.ndarray, base: np.ndarray | None, dtype: np.dtype[Any]
+    ) -> Posted: ...
+    def unpost(self, posted: Posted) -> None: ...
+    def collect(self, posted: Posted, what: str, deadline: float) -> dict[str, Any]: ...
+    def check_members(self, kind: str, tag: str, group: Group) -> int: ...
+
 
 DIRECT_BYTES = 1 << 20  # bytes a member sends in a direct exchange: (p - 1) x |T|; above it, the ring
 NOTHING = np.empty(0, np.uint8)
@@ -96,7 +117,7 @@ def describe(desc: dict[str, Any]) -> str:
 class _Call:
     """This member's side of one round."""
 
-    t: CpuTransport
+    t: Messenger
     desc: dict[str, Any]
     group: Group
     pos: int
@@ -159,7 +180,7 @@ class _Call:
 
 
 def _start(
-    t: CpuTransport, kind: str, tag: str, group: Group, meta: tuple[int, ...], a: np.ndarray | None
+    t: Messenger, kind: str, tag: str, group: Group, meta: tuple[int, ...], a: np.ndarray | None
 ) -> _Call:
     pos = t.check_members(kind, tag, group)
     desc = {
@@ -173,7 +194,7 @@ def _start(
     return _Call(t, desc, group, pos, t.next_seq(tuple(sorted(group))), time.monotonic() + t.timeout)
 
 
-def _axis(t: CpuTransport, a: np.ndarray, axis: int, tag: str) -> int:
+def _axis(t: Messenger, a: np.ndarray, axis: int, tag: str) -> int:
     if not -a.ndim <= axis < a.ndim:
         raise TransportError(
             f"rank {t.rank}: tag {tag!r}: axis {axis} is out of range for an array of shape {a.shape}"
@@ -181,7 +202,7 @@ def _axis(t: CpuTransport, a: np.ndarray, axis: int, tag: str) -> int:
     return axis % a.ndim
 
 
-def _sum_in_order(t: CpuTransport, arrays: list[np.ndarray], like: np.ndarray) -> np.ndarray:
+def _sum_in_order(t: Messenger, arrays: list[np.ndarray], like: np.ndarray) -> np.ndarray:
     out = t.pool.empty(like.shape, like.dtype)
     if len(arrays) == 1:
         np.copyto(out, arrays[0])
@@ -231,7 +252,7 @@ def _ring_reduce_scatter(call: _Call, x: np.ndarray, out: np.ndarray, bounds: li
 # -- the collectives --------------------------------------------------------------------------------
 
 
-def all_reduce(t: CpuTransport, array: Array, group: Group, tag: str) -> np.ndarray:
+def all_reduce(t: Messenger, array: Array, group: Group, tag: str) -> np.ndarray:
     a = contiguous(array)
     call = _start(t, "all_reduce", tag, group, (), a)
     n = len(group)
@@ -253,7 +274,7 @@ def all_reduce(t: CpuTransport, array: Array, group: Group, tag: str) -> np.ndar
     return out.reshape(a.shape)
 
 
-def reduce_scatter(t: CpuTransport, array: Array, group: Group, axis: int, tag: str) -> np.ndarray:
+def reduce_scatter(t: Messenger, array: Array, group: Group, axis: int, tag: str) -> np.ndarray:
     a = contiguous(array)
     axis = _axis(t, a, axis, tag)
     call = _start(t, "reduce_scatter", tag, group, (axis,), a)
@@ -281,7 +302,7 @@ def reduce_scatter(t: CpuTransport, array: Array, group: Group, axis: int, tag: 
     return result
 
 
-def all_gather(t: CpuTransport, array: Array, group: Group, axis: int, tag: str) -> np.ndarray:
+def all_gather(t: Messenger, array: Array, group: Group, axis: int, tag: str) -> np.ndarray:
     a = contiguous(array)
     axis = _axis(t, a, axis, tag)
     call = _start(t, "all_gather", tag, group, (axis,), a)
@@ -293,7 +314,7 @@ def all_gather(t: CpuTransport, array: Array, group: Group, axis: int, tag: str)
 
 
 def all_to_all(
-    t: CpuTransport, array: Array, group: Group, split_axis: int, concat_axis: int, tag: str
+    t: Messenger, array: Array, group: Group, split_axis: int, concat_axis: int, tag: str
 ) -> np.ndarray:
     a = contiguous(array)
     meta = (_axis(t, a, split_axis, tag), _axis(t, a, concat_axis, tag))
@@ -304,7 +325,7 @@ def all_to_all(
     return np.concatenate(parts, axis=meta[1])
 
 
-def broadcast(t: CpuTransport, array: Array | None, root: int, group: Group, tag: str) -> np.ndarray:
+def broadcast(t: Messenger, array: Array | None, root: int, group: Group, tag: str) -> np.ndarray:
     group = check_broadcast(t.rank, array, root, group, tag)
     a = contiguous(array) if root == t.rank else None  # type: ignore[arg-type]
     call = _start(t, "broadcast", tag, group, (root,), a)
