@@ -21,14 +21,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from sbpflow.checkpoint.read import latest
 from sbpflow.control_plane import resume as resuming
+from sbpflow.control_plane.running import Manager, RunningJob
 from sbpflow.errors import SbpflowError
-
-if TYPE_CHECKING:
-    from sbpflow.control_plane.jobs import JobManager, RunningJob
 
 DRAINED = "CONTROL_PLANE_DRAINED"
 STOP_SECONDS = 10.0  # after the grace period: how long the stopped runs' threads get to unwind
@@ -56,17 +53,17 @@ class Drained:
     seconds: float
 
 
-def _checkpoint_step(manager: JobManager, job_id: str, r: RunningJob) -> int | None:
+def _checkpoint_step(manager: Manager, job_id: str, r: RunningJob) -> int | None:
     """The step of the job's latest complete checkpoint in its own folder (0: none yet); None when the
     job cannot checkpoint at all."""
-    root = manager.config.checkpoint_root
+    root = manager.checkpoint_root
     if root is None or r.job.config.checkpoint_every <= 0:
         return None
     found = latest(resuming.job_dir(root, job_id))
     return 0 if found is None else found.step
 
 
-def drain(manager: JobManager, grace: float, poll: float = POLL_SECONDS) -> Drained:
+def drain(manager: Manager, grace: float, poll: float = POLL_SECONDS) -> Drained:
     """Stop admitting, let each running job reach its next checkpoint within ``grace`` seconds, then stop
     every run that is left without ending its job (see the module's rules)."""
     if grace < 0:
@@ -103,7 +100,7 @@ def drain(manager: JobManager, grace: float, poll: float = POLL_SECONDS) -> Drai
     return Drained(saved, unsaved, tuple(ended), time.monotonic() - t0)
 
 
-def _stop(manager: JobManager, job_id: str, r: RunningJob, step: int) -> None:
+def _stop(manager: Manager, job_id: str, r: RunningJob, step: int) -> None:
     """Stop one job's run, its record left in flight for the next server."""
     if step:
         note = f"the control plane drained; the next one resumes the job from its checkpoint at step {step}"

@@ -42,7 +42,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sbpflow.checkpoint.read import CorruptCheckpoint, corrupt_note
@@ -54,6 +54,7 @@ from sbpflow.control_plane.job_checkpoints import resumable, run_checkpoints
 from sbpflow.control_plane.job_feed import JobFeed
 from sbpflow.control_plane.job_options import for_run, job_options
 from sbpflow.control_plane.run_listeners import RunListeners
+from sbpflow.control_plane.running import RunningJob
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
 from sbpflow.control_plane.validation import ValidationError, compile_submit, describe_cluster
@@ -118,20 +119,6 @@ def cluster_capacity(config: ManagerConfig) -> int:
 STORE_FLUSH_SECONDS = 60.0  # at a run's end, how long its held store writes are retried
 
 
-@dataclass
-class RunningJob:
-    """A job being run: its slots, its thread, how to stop it, and its live per-worker rows."""
-
-    job: Job
-    slots: int
-    compiled: Compiled | None = None  # Submit's compile (graph passes); None after a restart re-queued it
-    cancel: threading.Event = field(default_factory=threading.Event)
-    cancel_message: str = ""
-    workers: dict[int, WorkerRecord] = field(default_factory=dict)
-    thread: threading.Thread | None = None
-    drained: bool = False  # stopped by a drain: the job stays in flight for the next server (drain.py)
-
-
 class JobManager:
     """Admission, queue, runner threads and cancellation over one ``JobStore``."""
 
@@ -182,7 +169,7 @@ class JobManager:
                 self._queue.append(rec.id)
             self.ready = True
         self._schedule()
-        self._notify()
+        self.notify()
         return reconciled
 
     def begin_drain(self) -> dict[str, RunningJob]:
@@ -289,7 +276,7 @@ class JobManager:
         if fresh and resumed_from:  # not again for a retried (deduplicated) Resume
             self.store.append_log(rec.id, -1, "INFO", f"resumes job {resumed_from} from {resume_checkpoint}")
         self._schedule()
-        self._notify(rec.id)
+        self.notify(rec.id)
         return self.store.get(rec.id)
 
     def cancel(self, job_id: str, reason: str = "") -> JobRecord:
@@ -307,7 +294,7 @@ class JobManager:
                 self._running[rec.id].cancel_message = message
                 self._running[rec.id].cancel.set()
         self._schedule()
-        self._notify(job_id)
+        self.notify(job_id)
         return self.store.get(job_id)
 
     @contextmanager
@@ -369,13 +356,28 @@ class JobManager:
                 self.feed.wait(job_id, seen, poll)
 
     @property
+    def backend(self) -> str:
+        return self.config.run.backend
+
+    @property
+    def checkpoint_root(self) -> str | None:
+        return self.config.checkpoint_root
+
+    def resize(self, running: RunningJob, slots: int) -> None:
+        """``running`` holds ``slots`` device slots from its next attempt on: an elastic re-plan onto fewer
+        ranks gives the rest to queued jobs (``elastic.py``); growing back takes them again."""
+        with self._lock:
+            running.slots = slots
+        self._schedule()
+
+    @property
     def used_slots(self) -> int:
         with self._lock:
             return sum(r.slots for r in self._running.values())
 
     # ---- scheduling -------------------------------------------------------------------------------
 
-    def _notify(self, job_id: str | None = None) -> None:
+    def notify(self, job_id: str | None = None) -> None:
         """After a store write about ``job_id`` (None: one that may concern any job)."""
         self.feed.notify(job_id)
 
@@ -403,7 +405,7 @@ class JobManager:
                     f"needs {slots} of the cluster's {self.capacity} slot(s); waits for running or "
                     "earlier jobs to finish",
                 )
-                self._notify(job_id)
+                self.notify(job_id)
 
     def _start(self, job_id: str, job: Job, slots: int, compiled: Compiled | None = None) -> None:
         r = RunningJob(job, slots, compiled)
@@ -487,4 +489,4 @@ class JobManager:
             with self._lock:
                 del self._running[job_id]
             self._schedule()
-            self._notify(job_id)
+            self.notify(job_id)

@@ -20,15 +20,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from sbpflow.control_plane.running import Manager, RunningJob
 from sbpflow.control_plane.store.db import StoreUnavailable
 from sbpflow.control_plane.store.schema import WorkerRecord
 from sbpflow.run_state import JobState, WorkerState
 from sbpflow.v1 import service_pb2 as sp
-
-if TYPE_CHECKING:
-    from sbpflow.control_plane.jobs import JobManager, RunningJob
 
 # What each kind of WorkerReport payload says about the worker's state (None: leaves it as it is).
 _WORKER_STATE: dict[str, WorkerState | None] = {
@@ -49,7 +47,7 @@ RETRY_SECONDS = 0.5  # between two tries of a flush at the run's end
 class RunListeners:
     """``run``'s listeners for one job: each turns what the run says into store writes."""
 
-    def __init__(self, manager: JobManager, job_id: str, running: RunningJob, first_step: int = 0) -> None:
+    def __init__(self, manager: Manager, job_id: str, running: RunningJob, first_step: int = 0) -> None:
         self.m, self.job_id, self.r = manager, job_id, running
         self.first_step = first_step  # the run's steps count from here (it resumes a checkpoint)
         self._state_since = time.monotonic()
@@ -67,8 +65,8 @@ class RunListeners:
         self._state_since = now
         self.write(self.m.store.transition, self.job_id, new)
         if new == JobState.STARTING:
-            self._log(f"compiled; starting {self.r.slots} worker(s) on backend {self.m.config.run.backend}")
-        self.m._notify(self.job_id)
+            self._log(f"compiled; starting {self.r.slots} worker(s) on backend {self.m.backend}")
+        self.m.notify(self.job_id)
 
     def on_step(self, s: sp.StepMetrics) -> None:
         step = self.first_step + s.step  # the run numbers its steps from its start
@@ -78,13 +76,13 @@ class RunListeners:
         )
         if self.m.metrics is not None:
             self.m.metrics.step_seconds.observe(s.step_seconds)
-        self.m._notify(self.job_id)
+        self.m.notify(self.job_id)
 
     def on_eval(self, step: int, loss: float) -> None:
         """An evaluation on the held-out split at ``step`` (numbered from the job's start already)."""
         self.write(self.m.store.record_eval, self.job_id, step, loss)
         self.write(self.m.store.append_log, self.job_id, -1, "INFO", f"step {step}: held-out loss {loss:.4f}")
-        self.m._notify(self.job_id)
+        self.m.notify(self.job_id)
 
     def on_attempt(self, attempt: int, first_step: int, reason: str, message: str) -> None:
         """A restart: the job goes back to STARTING as attempt ``attempt`` from step ``first_step``; the
@@ -97,14 +95,12 @@ class RunListeners:
         self.write(
             self.m.store.append_log, self.job_id, -1, "WARNING", f"attempt {attempt}: {reason}: {message}"
         )
-        self.m._notify(self.job_id)
+        self.m.notify(self.job_id)
 
     def on_resize(self, slots: int) -> None:
         """The run holds ``slots`` device slots from its next attempt on: an elastic re-plan onto fewer ranks
         gives the rest to queued jobs (``elastic.py``); growing back takes them again."""
-        with self.m._lock:
-            self.r.slots = slots
-        self.m._schedule()
+        self.m.resize(self.r, slots)
 
     def write(self, fn: Callable[..., Any], *args: Any) -> None:
         """``fn(*args)`` on the store, in order behind every write still queued; never raises
@@ -187,7 +183,7 @@ class RunListeners:
             text = f"{where}{e.cause}\n{e.traceback}".rstrip()
             self.write(self.m.store.append_log, self.job_id, rep.rank, "ERROR", text)
         if kind in ("log", "error", "done"):
-            self.m._notify(self.job_id)
+            self.m.notify(self.job_id)
 
     def _log(self, text: str) -> None:
         self.write(self.m.store.append_log, self.job_id, -1, "INFO", text)

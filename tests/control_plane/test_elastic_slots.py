@@ -7,9 +7,10 @@ import dataclasses
 from pathlib import Path
 
 from sbpflow import wire
-from sbpflow.control_plane.jobs import WAITING, JobManager, ManagerConfig, RunningJob
+from sbpflow.control_plane.jobs import WAITING, JobManager, ManagerConfig
 from sbpflow.control_plane.run_context import LaunchContext
 from sbpflow.control_plane.run_listeners import RunListeners
+from sbpflow.control_plane.running import RunningJob
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.run_options import MANAGER_DEFAULTS
 from sbpflow.run_state import JobState

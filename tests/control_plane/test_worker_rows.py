@@ -12,7 +12,8 @@ import pytest
 
 from sbpflow import wire
 from sbpflow.control_plane import worker_rows
-from sbpflow.control_plane.jobs import JobManager, ManagerConfig, RunningJob
+from sbpflow.control_plane.jobs import JobManager, ManagerConfig
+from sbpflow.control_plane.running import RunningJob
 from sbpflow.control_plane.server import JobServicer
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import WorkerRecord
