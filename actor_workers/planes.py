@@ -14,21 +14,11 @@ everyone's addresses (a table from device type to plane, not a branch per type).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from sbpflow.actor_workers.transport.nccl.uids import UidBook
-
-
-class DataPlane(Protocol):
-    xp: ModuleType
-    transport: Any  # a Transport once connected (the CPU plane's exists from the start)
-
-    def address(self) -> Any: ...
-
-    def connect(self, addresses: Sequence[Any], ranks: Sequence[int], uids: Any, timeout: float) -> Any: ...
 
 
 class CpuPlane:

@@ -7,8 +7,8 @@ node, naming it, and is run after every compiler pass in tests.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from sbpflow.errors import GraphError, ShapeError, UnknownOpError
@@ -196,15 +196,3 @@ def _verify_op(g: Graph, node: OpNode, produced: set[str]) -> None:
         raise GraphError(
             f"op {node.name!r} ({node.op_type}) declares outputs {list(declared)}, inference gives {list(outs)}"
         )
-
-
-def rename_tensors(nodes: Iterable[OpNode], mapping: Mapping[str, str]) -> list[OpNode]:
-    """The nodes with tensor names replaced through ``mapping`` (used by rewrites)."""
-    return [
-        replace(
-            n,
-            inputs=tuple(mapping.get(i, i) for i in n.inputs),
-            outputs=tuple(mapping.get(o, o) for o in n.outputs),
-        )
-        for n in nodes
-    ]

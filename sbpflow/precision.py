@@ -5,8 +5,9 @@ op by op in the dtype :func:`compute_dtype` gives, a floating input of another d
 and the backward follows through the casts' gradients, so every parameter's gradient comes back fp32.
 The policy is torch.autocast's, with fp16 flowing:
 
-* ``FP32_OPS`` compute in fp32: sums of many terms lose their small addends in fp16, exp overflows it
-  past 11, normalisations divide by those sums, and a running statistic is an fp32 variable's next value;
+* ``FP32_OPS``, the ops declared ``defop(..., fp32=True)``, compute in fp32: sums of many terms lose their
+  small addends in fp16, exp overflows it past 11, normalisations divide by those sums, and a running
+  statistic is an fp32 variable's next value (each declaration says which);
 * a ``cast`` is left as its user wrote it;
 * any other op that reads a parameter or a low-precision tensor computes in low precision (a weight's
   matmul, then the bias add, the activation, the residual add, ... until the next fp32 op);
@@ -24,12 +25,11 @@ from collections.abc import Sequence
 
 from sbpflow.dtype import DType
 from sbpflow.job import Precision
+from sbpflow.ops.base import OPS  # its package's __init__ registers every op family first
 
 LOW: dict[Precision, DType] = {Precision.fp16: DType.float16, Precision.bf16: DType.bfloat16}
 
-FP32_OPS = frozenset(
-    {"softmax", "log_softmax", "cross_entropy", "layer_norm", "exp", "log", "sum", "mean", "running_stat"}
-)
+FP32_OPS = frozenset(name for name, op in OPS.items() if op.fp32)
 KEEP_OPS = frozenset({"cast"})
 
 

@@ -12,7 +12,7 @@ figures); ``cpu`` is this machine measured at first use (:func:`measure_cpu_prof
 ``cpu_profile.py``; about a second).
 
 **Compute** per op is a roofline on one rank's shards: ``max(flops / peak[dtype], bytes / bandwidth)``
-plus the per-op overhead, the flops and bytes from the op library's table (``sbpflow/ops/flops.py``) on
+plus the per-op overhead, the flops and bytes from each op's ``defop(..., flops=)`` (``sbpflow/ops/flops.py``) on
 the local shapes of the op's tensors at mesh coordinate 0, whose shard is the largest of an uneven split.
 
 **Communication** comes from the plan's boxing nodes (``state.boxings``): each step of a ``BoxingPlan``

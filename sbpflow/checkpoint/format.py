@@ -251,12 +251,6 @@ def write_safetensors(
     return 8 + len(raw) + offset
 
 
-def read_safetensors_header(path: str | Path) -> tuple[dict[str, Any], int]:
-    """The JSON header of a safetensors file and the offset where its data begins."""
-    header, base, _ = _read_header(path)
-    return header, base
-
-
 def _read_header(path: str | Path) -> tuple[dict[str, Any], int, int]:
     """The header, the offset of the data and the CRC-32 of the header's bytes (length included)."""
     with open(path, "rb") as f:

@@ -63,6 +63,7 @@ defop(
     kernel=lambda ctx, x: sigmoid(ctx.xp, x),
     grad=_sigmoid_grad,
     doc="1 / (1 + exp(-x)), in a form that overflows for no x",
+    flops=4,  # transcendental: fvcore counts a handful
 )
 
 
@@ -122,6 +123,7 @@ defop(
     kernel=_gelu_kernel,
     grad=lambda g: [g.call("gelu_grad", g.dy, g.inputs[0])],
     doc="GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))",
+    flops=8,
 )
 defop(  # gelu's derivative reads its input x
     "gelu_grad",
@@ -131,6 +133,7 @@ defop(  # gelu's derivative reads its input x
     kernel=_gelu_grad_kernel,
     grad=NoGrad("backward op of gelu"),
     doc="dy times the derivative of gelu",
+    flops=12,
 )
 
 
@@ -181,6 +184,7 @@ defop(
     kernel=_gelu_erf_kernel,
     grad=lambda g: [g.call("gelu_erf_grad", g.dy, g.inputs[0])],
     doc="exact GELU, x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)) (PyTorch's default; `gelu` is the tanh form)",
+    flops=8,
 )
 defop(
     "gelu_erf_grad",
@@ -190,6 +194,7 @@ defop(
     kernel=_gelu_erf_grad_kernel,
     grad=NoGrad("backward op of gelu_erf"),
     doc="dy (Phi(x) + x phi(x)): dy times the derivative of exact GELU",
+    flops=12,
 )
 
 
@@ -258,4 +263,5 @@ defop(
     grad=_bce_grad,
     attrs={"reduction": "mean"},
     doc="-(t log sigmoid(x) + (1 - t) log(1 - sigmoid(x))), stable form; reduction mean, sum or none",
+    flops=5,
 )

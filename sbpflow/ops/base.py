@@ -10,6 +10,10 @@ autodiff and SBP inference, the runtime, the tests) reads the declaration throug
 * ``kernel(ctx, *arrays)`` computes one rank's local outputs with ``ctx.xp`` (numpy or cupy).
 * ``grad(g)`` emits the backward ops through ``g`` and returns one gradient per input (``None`` where an
   input takes none); ops that are themselves backward ops say so with :class:`NoGrad`.
+* ``flops`` is the op's work for the cost model (``ops/flops.py``'s :func:`~sbpflow.ops.flops.work`): FLOPs
+  per element of its largest operand (an int), or ``flops(ins, outs, attrs)`` for an exact count (a
+  contraction, a convolution); ``view=True`` says its output is an input's bytes, so it moves none.
+* ``fp32=True``: under mixed precision it computes in fp32 (``sbpflow/precision.py``'s ``FP32_OPS``).
 """
 
 from __future__ import annotations
@@ -122,9 +126,6 @@ class KernelContext:
     def in_offset(self, i: int, axis: int) -> int:
         return self.in_index[i][axis].start
 
-    def out_offset(self, i: int, axis: int) -> int:
-        return self.out_index[i][axis].start
-
 
 # What a kernel remembers per shape (functools.lru_cache's maxsize): bounded, since a long-lived server
 # compiles job after job, each with shapes of its own.
@@ -190,6 +191,7 @@ InferFn = Callable[[Metas, Attrs], Metas]
 RowsFn = Callable[[Metas, Attrs], Sequence[Signature]]
 KernelFn = Callable[..., Any]
 GradFn = Callable[[GradContext], Sequence[Any]]
+FlopFn = Callable[[Metas, Metas, Attrs], int]  # (input metas, output metas, attrs) -> FLOPs of one call
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,10 @@ class OpDef:
     even_splits: bool = False  # splits must divide evenly (reshape-like ops whose local shape is fixed)
     random: bool = False  # draws from the counter-based generator keyed by (seed, rng_id, step)
     doc: str = ""
+    # FLOPs per element of the largest operand, or a function of the metas for an exact count (ops/flops.py)
+    flops: int | FlopFn | None = None
+    view: bool = False  # the output is (a view of) an input's bytes: the cost model counts no bytes moved
+    fp32: bool = False  # computes in fp32 under mixed precision (sbpflow/precision.py)
 
     def normalize_attrs(self, attrs: Attrs) -> dict[str, AttrValue]:
         unknown = sorted(set(attrs) - set(self.attrs))
@@ -287,6 +293,9 @@ def defop(
     even_splits: bool = False,
     random: bool = False,
     doc: str = "",
+    flops: int | FlopFn | None = None,
+    view: bool = False,
+    fp32: bool = False,
 ) -> OpDef:
     """Declare and register an op; a second op of the same name is refused."""
     op = OpDef(
@@ -301,6 +310,9 @@ def defop(
         even_splits,
         random,
         doc,
+        flops,
+        view,
+        fp32,
     )
     return OPS.register(name, op)
 

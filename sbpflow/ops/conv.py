@@ -16,6 +16,7 @@ With groups, a channel split would have to fall on group boundaries, which an un
 
 from __future__ import annotations
 
+from math import prod
 from types import ModuleType
 from typing import Any
 
@@ -224,6 +225,11 @@ def _conv_kernel(ctx: KernelContext, x: Any, w: Any) -> Any:
     return _conv(ctx.xp, x, w, ctx.attrs)
 
 
+def _conv_flops(ins: Metas, outs: Metas, attrs: Attrs) -> int:
+    # w [C_out, C_in/groups, kh, kw]: one multiply-add per tap of every output
+    return 2 * outs[0].numel * prod(ins[1].shape[1:])
+
+
 defop(
     "conv2d",
     inputs=("x", "weight"),
@@ -236,6 +242,7 @@ defop(
     ],
     attrs=_CONV_ATTRS,
     doc="2-d cross-correlation of x [N, C, H, W] with weight [O, C/groups, KH, KW] (no bias), as torch",
+    flops=_conv_flops,
 )
 
 
@@ -303,6 +310,11 @@ def _grad_input_kernel(ctx: KernelContext, dy: Any, w: Any) -> Any:
     return col2im(xp, cols, (n, cg * g, h, wd), ctx.attrs)
 
 
+def _grad_input_flops(ins: Metas, outs: Metas, attrs: Attrs) -> int:
+    # dx = conv_transpose(dy, w): every tap of every dy element again
+    return 2 * ins[0].numel * prod(ins[1].shape[1:])
+
+
 defop(
     "conv2d_grad_input",
     inputs=("dy", "weight"),
@@ -313,6 +325,7 @@ defop(
     grad=NoGrad("backward op of conv2d"),
     attrs={**_CONV_ATTRS, "input_hw": (1, 1)},
     doc="gradient of conv2d w.r.t. its input x [N, C, *input_hw] (a transposed convolution of dy)",
+    flops=_grad_input_flops,
 )
 
 
@@ -365,6 +378,11 @@ def _grad_weight_kernel(ctx: KernelContext, dy: Any, x: Any) -> Any:
     return _grouped(xp, g, parts, 0).reshape(o, c // g, kh, kw)
 
 
+def _grad_weight_flops(ins: Metas, outs: Metas, attrs: Attrs) -> int:
+    # dw = correlate(x, dy): one multiply-add per (dy element, tap of dw's input channels)
+    return 2 * ins[0].numel * prod(outs[0].shape[1:])
+
+
 defop(
     "conv2d_grad_weight",
     inputs=("dy", "x"),
@@ -375,4 +393,5 @@ defop(
     grad=NoGrad("backward op of conv2d"),
     attrs={**_CONV_ATTRS, "kernel_hw": (1, 1)},
     doc="gradient of conv2d w.r.t. its weight [O, C/groups, *kernel_hw]: dy contracted with x's windows",
+    flops=_grad_weight_flops,
 )

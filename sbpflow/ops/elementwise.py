@@ -200,6 +200,7 @@ for _name, (_fn, _linear, _sum_partial, _kind, _grad, _doc) in _BINARY.items():
         kernel=_binary_kernel(_fn, _UFUNC[_name]),
         grad=_grad,
         doc=f"{_doc}, with numpy broadcasting",
+        flops=1,
     )
 
 
@@ -236,6 +237,7 @@ for _name, (_sfn, _lin, _kind, _grad, _doc) in _SCALAR.items():
         kernel=lambda ctx, x, fn=_sfn: fn(x, scalar_of(x.dtype, ctx.attrs["value"])),
         grad=_grad,
         doc=f"{_doc}, in x's dtype",
+        flops=1,
     )
 
 
@@ -286,6 +288,7 @@ defop(
     kernel=lambda ctx, x: power(ctx.xp, x, float(ctx.attrs["exponent"])),
     grad=_pow_grad,
     doc="x ** exponent (nan for negative x and a non-integral exponent, as in numpy)",
+    flops=1,
 )
 
 
@@ -327,14 +330,16 @@ def _y(g: GradContext) -> Any:
     return g.outputs[0]
 
 
-# name: (kernel(ctx, x), input kind, linear, grad, doc)
-_UNARY: dict[str, tuple[Callable[[KernelContext, Any], Any], Kind, bool, Any, str]] = {
+# name: (kernel(ctx, x), input kind, linear, grad, doc, flops per element, fp32 under mixed precision)
+_UNARY: dict[str, tuple[Callable[[KernelContext, Any], Any], Kind, bool, Any, str, int, bool]] = {
     "relu": (
         lambda ctx, x: ctx.xp.maximum(x, zero_of(x.dtype)),
         "numeric",
         False,
         lambda g: [g.call("relu_grad", g.dy, _y(g))],
         "max(x, 0)",
+        1,
+        False,
     ),
     "tanh": (  # d tanh = 1 - y^2
         lambda ctx, x: ctx.xp.tanh(x),
@@ -342,6 +347,8 @@ _UNARY: dict[str, tuple[Callable[[KernelContext, Any], Any], Kind, bool, Any, st
         False,
         lambda g: [g.call("mul", g.dy, g.call("rsub_scalar", g.call("mul", _y(g), _y(g)), value=1.0))],
         "tanh(x)",
+        4,  # transcendental: fvcore counts a handful
+        False,
     ),
     "exp": (
         lambda ctx, x: ctx.xp.exp(x),
@@ -349,6 +356,8 @@ _UNARY: dict[str, tuple[Callable[[KernelContext, Any], Any], Kind, bool, Any, st
         False,
         lambda g: [g.call("mul", g.dy, _y(g))],
         "e ** x",
+        1,
+        True,  # overflows fp16 past x = 11
     ),
     "log": (
         lambda ctx, x: ctx.xp.log(x),
@@ -356,6 +365,8 @@ _UNARY: dict[str, tuple[Callable[[KernelContext, Any], Any], Kind, bool, Any, st
         False,
         lambda g: [g.call("div", g.dy, g.inputs[0])],
         "ln x",
+        1,
+        True,  # fp16 loses the small arguments a loss takes the log of
     ),
     "sqrt": (  # d sqrt = 0.5 / y
         lambda ctx, x: ctx.xp.sqrt(x),
@@ -363,12 +374,13 @@ _UNARY: dict[str, tuple[Callable[[KernelContext, Any], Any], Kind, bool, Any, st
         False,
         lambda g: [g.call("div", g.call("mul_scalar", g.dy, value=0.5), _y(g))],
         "sqrt(x)",
+        1,
+        False,
     ),
-    "neg": (lambda ctx, x: -x, "numeric", True, lambda g: [g.call("neg", g.dy)], "-x"),
-    "identity": (lambda ctx, x: x.copy(), "any", True, lambda g: [g.dy], "x (a copy)"),
+    "neg": (lambda ctx, x: -x, "numeric", True, lambda g: [g.call("neg", g.dy)], "-x", 1, False),
 }
 
-for _name, (_ufn, _kind, _lin, _grad, _doc) in _UNARY.items():
+for _name, (_ufn, _kind, _lin, _grad, _doc, _flops, _fp32) in _UNARY.items():
     defop(
         _name,
         inputs=("x",),
@@ -377,7 +389,21 @@ for _name, (_ufn, _kind, _lin, _grad, _doc) in _UNARY.items():
         kernel=_ufn,
         grad=_grad,
         doc=_doc,
+        flops=_flops,
+        fp32=_fp32,
     )
+
+defop(
+    "identity",
+    inputs=("x",),
+    infer=_unary_infer("identity", "any"),
+    rows=same_shape_rows((True,)),
+    kernel=lambda ctx, x: x.copy(),
+    grad=lambda g: [g.dy],
+    doc="x (a copy)",
+    flops=0,
+    view=True,  # the same bytes as x: the cost model counts none moved
+)
 
 
 def grad_infer(op: str, other_name: str) -> InferFn:
@@ -401,6 +427,7 @@ defop(  # relu's derivative reads its output y, kept for backward anyway
     kernel=_relu_grad_kernel,
     grad=NoGrad("backward op of relu"),
     doc="dy times the derivative of relu",
+    flops=1,
 )
 
 
@@ -442,6 +469,7 @@ defop(
     kernel=lambda ctx, x: x.astype(ctx.out_dtype()),
     grad=_cast_grad,
     doc="x converted to dtype (float -> int truncates toward zero, as numpy does)",
+    flops=0,
 )
 
 for _name, _cmp in (("ne_scalar", lambda x, v: x != v), ("eq_scalar", lambda x, v: x == v)):
@@ -455,4 +483,5 @@ for _name, _cmp in (("ne_scalar", lambda x, v: x != v), ("eq_scalar", lambda x, 
         kernel=lambda ctx, x, cmp=_cmp: cmp(x, ctx.attrs["value"]),
         grad=NoGrad("boolean result"),
         doc=f"x {'!=' if _name == 'ne_scalar' else '=='} value, as a bool tensor (e.g. to count labels)",
+        flops=1,
     )

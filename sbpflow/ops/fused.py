@@ -278,6 +278,17 @@ def _grad(g: GradContext) -> list[Any]:
     return [grads.get(f"in{i}") for i in range(len(g.inputs))]
 
 
+def _flops(ins: Metas, outs: Metas, attrs: Attrs) -> int:
+    """The steps' FLOPs per element (each fusable op declares a factor), on the output's elements."""
+    per_element = 0
+    for s in parse(str(attrs["chain"])):
+        factor = get_op(s.op).flops
+        if not isinstance(factor, int):
+            raise ShapeError(f"op 'fused_elementwise' fuses {s.op!r}: declare its defop(..., flops=<an int>)")
+        per_element += factor
+    return per_element * outs[0].numel
+
+
 defop(
     "fused_elementwise",
     inputs=("*xs",),
@@ -288,4 +299,5 @@ defop(
     grad=_grad,
     doc="a chain of elementwise ops as one kernel (attrs['chain']: JSON steps [op, attrs, refs]); made by "
     "the compiler's fusion pass",
+    flops=_flops,
 )

@@ -95,6 +95,7 @@ defop(
     ],
     attrs={"axis": 0},
     doc="x's slices at indices (in [0, n)) along `axis`: [*x[:axis], *indices.shape, *x[axis+1:]]",
+    flops=0,
 )
 
 
@@ -156,6 +157,7 @@ defop(
     grad=NoGrad("backward op of gather"),
     attrs={"axis": 0, "size": REQUIRED},
     doc="dx: dy's slices added at their indices along `axis` of a table of `size` there",
+    flops=0,
 )
 
 
@@ -192,6 +194,7 @@ defop(
     attrs={"depth": REQUIRED, "dtype": DType.float32},
     doc="1 at [..., indices[...]] and 0 elsewhere, [*indices.shape, depth]; an index outside [0, depth) "
     "gives a row of zeros",
+    flops=0,
 )
 
 
@@ -242,6 +245,7 @@ defop(
     grad=_topk_grad,
     attrs={"k": REQUIRED},
     doc="the k largest of each last-axis row, descending, and their int64 positions (ties: lower first)",
+    flops=0,
 )
 
 
@@ -292,4 +296,5 @@ defop(
     grad=NoGrad("backward op of topk"),
     attrs={"size": REQUIRED},
     doc="dx [..., size]: zeros with dy written at the top-k positions of each row",
+    flops=0,
 )

@@ -45,6 +45,13 @@ def _swap_last(x: Any, transpose: bool, xp: Any) -> Any:
     return xp.swapaxes(x, -1, -2) if transpose else x
 
 
+def _contraction_flops(ins: Metas, outs: Metas, attrs: Attrs) -> int:
+    # a multiply and an add per term of every output: 2 * numel(y) * k
+    a = ins[0].shape
+    k = a[-2] if attrs.get("transpose_a") and len(a) >= 2 else a[-1]
+    return 2 * outs[0].numel * k
+
+
 # ---- matmul: a [..., m, k] @ b [k, n] -----------------------------------------------------------------
 
 
@@ -139,6 +146,7 @@ defop(
     grad=_matmul_grad,
     attrs={"transpose_a": False, "transpose_b": False},
     doc="a [..., m, k] @ b [k, n] (a weight shared by every batch row); transposes swap the last two axes",
+    flops=_contraction_flops,
 )
 
 
@@ -209,4 +217,5 @@ defop(
     grad=_batch_matmul_grad,
     attrs={"transpose_a": False, "transpose_b": False},
     doc="a [..., m, k] @ b [..., k, n] with equal batch axes (attention scores and values)",
+    flops=_contraction_flops,
 )

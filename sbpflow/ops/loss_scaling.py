@@ -80,6 +80,7 @@ defop(
     grad=NoGrad("loss scaling"),
     doc="the loss scale a variable holds (init where it is still 0), or with inverse=True 1 / it in float64 "
     "rounded to float32 (torch's inv_scale): the loss gradient's seed, and what unscales each gradient",
+    flops=1,
 )
 
 
@@ -109,6 +110,7 @@ defop(
     kernel=_count_kernel,
     grad=NoGrad("a count"),
     doc="how many elements of x are inf or NaN, as a float32 scalar",
+    flops=1,
 )
 
 UPDATE_ATTRS = {"init": REQUIRED, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
@@ -153,6 +155,7 @@ defop(
     grad=NoGrad("loss scaling"),
     doc="GradScaler's update: found > 0: scale *= backoff, good = 0, skipped += 1; else good += 1 and at "
     "growth_interval scale *= growth (kept where it would overflow fp32), good = 0",
+    flops=1,
 )
 
 
@@ -193,6 +196,7 @@ def _gated(plain: str, scalars: tuple[str, ...]) -> None:
         grad=NoGrad("optimizer update"),
         doc=f"{plain} where found == 0; on a step whose gradients are not finite, its inputs unchanged"
         + (" (AdamW's bias correction counts the steps taken: step - skipped)" if len(scalars) > 1 else ""),
+        flops=base.flops,  # a skipped step costs the update's count too: the model prices the worst case
     )
 
 

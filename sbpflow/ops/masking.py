@@ -53,6 +53,7 @@ defop(
     kernel=lambda ctx, x, mask: ctx.xp.where(mask, fill_value(ctx.xp, x.dtype, ctx.attrs["value"]), x),
     grad=lambda g: [g.call("masked_fill", g.dy, g.inputs[1], value=0.0), None],
     doc="x with value where mask (broadcast to x) is True",
+    flops=1,
 )
 
 
@@ -86,6 +87,7 @@ defop(
     kernel=_causal_kernel,
     grad=lambda g: [g.call("causal_mask", g.dy, value=0.0)],
     doc="x [..., Tq, Tk] with value where key index > query index",
+    flops=1,
 )
 
 
@@ -116,6 +118,7 @@ defop(
     kernel=lambda ctx, cond, a, b: ctx.xp.where(cond, a, b),
     grad=_where_grad,
     doc="a where cond else b, with numpy broadcasting",
+    flops=1,
 )
 
 
@@ -158,6 +161,7 @@ defop(
     grad=lambda g: [g.call("dropout", g.dy, **g.attrs)],  # regenerates the forward's mask
     random=True,
     doc="x * keep / (1 - rate), keep ~ Bernoulli(1 - rate) from (seed, rng_id, step)",
+    flops=4,  # a Philox draw, a compare and a scale
 )
 
 
@@ -192,4 +196,5 @@ defop(
     kernel=_full_kernel,
     grad=lambda g: [],  # no inputs, so no input gradients (it is differentiable: nothing flows back)
     doc="a tensor of shape and dtype filled with value",
+    flops=0,
 )

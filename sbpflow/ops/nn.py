@@ -185,6 +185,8 @@ for _op, (_fwd, _bwd) in _SOFTMAXES.items():
         grad=_forward_grad(_op),
         attrs={"axis": -1},
         doc=f"{_op} along `axis`, shifted by the max for stability",
+        flops=5,  # max, subtract, exp, sum, divide
+        fp32=True,  # exp overflows fp16, and the sum of exps loses its small terms
     )
     defop(
         f"{_op}_grad",
@@ -196,6 +198,7 @@ for _op, (_fwd, _bwd) in _SOFTMAXES.items():
         grad=NoGrad(f"backward op of {_op}"),
         attrs={"axis": -1},
         doc=f"gradient of {_op} from its output y and the output gradient dy",
+        flops=5,
     )
 
 
@@ -261,6 +264,8 @@ defop(
     grad=lambda g: list(g.call_n("layer_norm_grad", g.dy, g.inputs[0], g.inputs[1], eps=g.attrs["eps"])),
     attrs={"eps": 1e-5},
     doc="normalise over the last axis, then scale by weight [D] and shift by bias [D]",
+    flops=8,
+    fp32=True,  # a mean and a variance over the row: sums
 )
 
 
@@ -313,6 +318,7 @@ defop(
     grad=NoGrad("backward op of layer_norm"),
     attrs={"eps": 1e-5},
     doc="gradients of layer_norm w.r.t. x, weight and bias; recomputes the statistics from x",
+    flops=12,
 )
 
 
@@ -399,6 +405,8 @@ defop(
     ],
     attrs={"ignore_index": -100},
     doc="per-position loss -log softmax(logits)[label]; 0 where label == ignore_index",
+    flops=5,  # a softmax's max, subtract, exp, sum, divide
+    fp32=True,  # a log of a sum of exps
 )
 
 
@@ -452,4 +460,5 @@ defop(
     grad=NoGrad("backward op of cross_entropy"),
     attrs={"ignore_index": -100},
     doc="(softmax(logits) - onehot(labels)) * dy[..., None], zero at ignored positions",
+    flops=5,
 )

@@ -57,4 +57,6 @@ defop(
     grad=NoGrad("a running statistic is state carried between steps, not on any path to the loss"),
     attrs={"momentum": REQUIRED, "scale": 1.0},
     doc="(1 - momentum) * running + momentum * scale * batch_stat: batch norm's running statistics",
+    flops=3,
+    fp32=True,  # an fp32 variable's next value
 )

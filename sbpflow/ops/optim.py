@@ -134,6 +134,7 @@ defop(
     grad=NoGrad("optimizer update"),
     doc="SGD with momentum and L2 weight decay (torch.optim.SGD, dampening 0): d = grad + wd * param, "
     "buf = momentum * buf + d, param -= lr(step) * (d + momentum * buf if nesterov else buf)",
+    flops=4,
 )
 
 
@@ -195,6 +196,7 @@ defop(
     grad=NoGrad("optimizer update"),
     doc="AdamW (torch.optim.AdamW): param *= 1 - lr * wd; m, v = moving averages of grad, grad^2; "
     "param -= lr(step) * m_hat / (sqrt(v_hat) + eps) with bias correction at step + 1",
+    flops=14,
 )
 
 
@@ -221,4 +223,5 @@ defop(
     kernel=_clip_coef_kernel,
     grad=NoGrad("optimizer update (gradient clipping)"),
     doc="min(1, max_norm / (sqrt(norm_sq) + 1e-6)): the factor that clips gradients to a global norm",
+    flops=1,
 )

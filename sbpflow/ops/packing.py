@@ -111,6 +111,8 @@ defop(
     kernel=_pack_kernel,
     grad=_pack_grad,
     doc="the inputs flattened and joined into one 1-d array (a gradient bucket); linear, so P passes",
+    flops=0,
+    view=True,
 )
 
 defop(
@@ -123,4 +125,6 @@ defop(
     grad=_unpack_grad,
     attrs={"ndims": REQUIRED, "dims": REQUIRED},
     doc="a 1-d array cut into consecutive parts of the shapes ndims/dims spell, each a view (pack's inverse)",
+    flops=0,
+    view=True,
 )

@@ -8,6 +8,7 @@ max(a + b)), but its backward op is linear in dy.
 
 from __future__ import annotations
 
+from math import prod
 from typing import Any
 
 from sbpflow.errors import ShapeError
@@ -51,6 +52,13 @@ def _pool_shape(op: str, x: TensorMeta, attrs: Attrs) -> tuple[int, ...]:
     if oh < 1 or ow < 1:
         raise ShapeError(f"op {op!r}: the kernel {list(g['kernel'])} is larger than the padded input {x}")
     return (*x.shape[:2], oh, ow)
+
+
+def _window_flops(ins: Metas, outs: Metas, attrs: Attrs) -> int:
+    # a window's taps per element of the larger side (the windowed input, or a backward op's dx)
+    kernel = attrs.get("kernel_size", (1, 1))
+    taps = prod(kernel) if isinstance(kernel, tuple) else 1
+    return max(outs[0].numel, ins[0].numel) * max(int(taps), 1)
 
 
 def _planes_rows(n_in: int, linear: tuple[Signature, ...] = ()) -> list[Signature]:
@@ -149,6 +157,7 @@ defop(
     grad=lambda g: [g.call("max_pool2d_grad", g.inputs[0], g.dy, **g.attrs)],
     attrs=_POOL_ATTRS,
     doc="max over each kernel window of x [N, C, H, W] (padding counts as -inf)",
+    flops=_window_flops,
 )
 defop(
     "max_pool2d_grad",
@@ -160,6 +169,7 @@ defop(
     grad=NoGrad("backward op of max_pool2d"),
     attrs=_POOL_ATTRS,
     doc="gradient of max_pool2d: dy routed to each window's (first) maximum",
+    flops=_window_flops,
 )
 
 
@@ -198,6 +208,7 @@ defop(
     grad=lambda g: [g.call("avg_pool2d_grad", g.dy, input_hw=_input_hw(g), **g.attrs)],
     attrs=_POOL_ATTRS,
     doc="mean over each kernel window of x [N, C, H, W], zero padding included in the count",
+    flops=_window_flops,
 )
 defop(
     "avg_pool2d_grad",
@@ -209,6 +220,7 @@ defop(
     grad=NoGrad("backward op of avg_pool2d"),
     attrs={**_POOL_ATTRS, "input_hw": (1, 1)},
     doc="gradient of avg_pool2d: each dy spread evenly over its window",
+    flops=_window_flops,
 )
 
 
@@ -263,6 +275,7 @@ defop(
     ],
     attrs={"output_size": (1, 1)},
     doc="mean over torch's adaptive bins of x [N, C, H, W] to [N, C, *output_size]",
+    flops=1,
 )
 defop(
     "adaptive_avg_pool2d_grad",
@@ -274,4 +287,5 @@ defop(
     grad=NoGrad("backward op of adaptive_avg_pool2d"),
     attrs={"output_size": (1, 1), "input_hw": (1, 1)},
     doc="gradient of adaptive_avg_pool2d: each dy spread evenly over its bin",
+    flops=1,
 )

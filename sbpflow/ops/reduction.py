@@ -161,21 +161,25 @@ def _unreduce_grad(op: str) -> Callable[[GradContext], list[Any]]:
     return grad
 
 
-_REDUCTIONS = {  # op -> (linear, kernel, doc)
-    "sum": (True, _sum_kernel, "sum over axes (None = all); S on a reduced axis gives P"),
+# op -> (linear, fp32, kernel, doc); fp32: computes in fp32 under mixed precision, since a sum of many
+# terms loses its small addends in fp16
+_REDUCTIONS = {
+    "sum": (True, True, _sum_kernel, "sum over axes (None = all); S on a reduced axis gives P"),
     "mean": (
+        True,
         True,
         _mean_kernel,
         "mean over axes (None = all); divides by the logical count, so S(reduced) gives P",
     ),
     "max": (
         False,
+        False,
         _max_kernel,
         "max over axes (None = all); no P: a max of partial sums is not the max of the sum",
     ),
 }
 
-for _op, (_linear, _kernel_fn, _doc) in _REDUCTIONS.items():
+for _op, (_linear, _fp32, _kernel_fn, _doc) in _REDUCTIONS.items():
     defop(
         _op,
         inputs=("x",),
@@ -185,6 +189,8 @@ for _op, (_linear, _kernel_fn, _doc) in _REDUCTIONS.items():
         grad=_unreduce_grad(_op),
         attrs={"axes": None, "keepdims": False},
         doc=_doc,
+        flops=1,
+        fp32=_fp32,
     )
 
 
@@ -257,6 +263,7 @@ for _op, _kernel in (("sum_grad", _sum_grad_kernel), ("mean_grad", _mean_grad_ke
         grad=NoGrad(f"backward op of {_op[:-5]}"),
         attrs={"shape": REQUIRED, "axes": None, "keepdims": False},
         doc=f"gradient of {_op[:-5]}: re-insert the reduced axes of dy and broadcast to `shape`",
+        flops=1,
     )
 
 
@@ -301,6 +308,7 @@ defop(
     grad=NoGrad("backward op of max"),
     attrs={"axes": None, "keepdims": False},
     doc="gradient of max: dy goes to the maxima of x, split evenly among ties",
+    flops=1,
 )
 
 
@@ -374,6 +382,7 @@ defop(
     grad=lambda g: [g.call("broadcast_to", g.dy, shape=g.in_metas[0].shape)],
     attrs={"shape": REQUIRED},
     doc="sum x down to `shape` (the inverse of numpy broadcasting); the gradient of broadcasting ops",
+    flops=1,
 )
 
 
@@ -436,4 +445,6 @@ defop(
     grad=lambda g: [g.call("sum_to", g.dy, shape=g.in_metas[0].shape)],
     attrs={"shape": REQUIRED},
     doc="numpy broadcast of x to `shape`; on numpy a read-only view of x, as PyTorch's expand",
+    flops=0,
+    view=True,
 )

@@ -87,17 +87,3 @@ def einsum(spec: str) -> list[Signature]:
     rows.append(all_broadcast(len(operands), 1))
     rows += _partial_rows(len(operands), 1, [True] * len(operands))
     return rows
-
-
-def keep_axes(
-    metas: Metas, axes: Sequence[int], n_out: int = 1, out_axis_map: dict[int, int] | None = None
-) -> list[Signature]:
-    """Split any input axis not in ``axes`` (those the op works along); outputs split the mapped axis."""
-    rows = []
-    for i in range(metas[0].ndim):
-        if i in axes:
-            continue
-        j = out_axis_map.get(i, i) if out_axis_map else i
-        rows.append(Signature((Split(i),) + (B,) * (len(metas) - 1), (Split(j),) * n_out))
-    rows.append(all_broadcast(len(metas), n_out))
-    return rows

@@ -107,6 +107,8 @@ defop(
     attrs={"shape": REQUIRED},
     even_splits=True,  # a rank's local shape must be the local reshape of its input
     doc="x viewed with a new shape of the same element count (row-major); one size may be -1",
+    flops=0,
+    view=True,
 )
 
 
@@ -136,6 +138,7 @@ defop(
     grad=lambda g: [g.call("transpose", g.dy, perm=tuple(np.argsort(g.attrs["perm"]).tolist()))],
     attrs={"perm": REQUIRED},
     doc="permute the axes: output axis j is input axis perm[j]",
+    flops=0,
 )
 
 
@@ -185,6 +188,7 @@ defop(
     grad=lambda g: [g.call("slice_grad", g.dy, shape=g.in_metas[0].shape, starts=g.attrs["starts"])],
     attrs={"starts": REQUIRED, "stops": REQUIRED},
     doc="x[starts[0]:stops[0], starts[1]:stops[1], ...] (step 1, one bound pair per axis)",
+    flops=0,
 )
 
 
@@ -211,6 +215,7 @@ defop(
     grad=NoGrad("backward op of slice"),
     attrs={"shape": REQUIRED, "starts": REQUIRED},
     doc="zeros of `shape` with dy written at `starts`: the gradient of slice",
+    flops=0,
 )
 
 
@@ -280,6 +285,7 @@ defop(
     grad=_concat_grad,
     attrs={"axis": REQUIRED},
     doc="join the inputs along `axis`",
+    flops=0,
 )
 
 
@@ -328,6 +334,7 @@ defop(
     grad=_split_grad,
     attrs={"axis": REQUIRED, "sizes": REQUIRED},
     doc="cut x along `axis` into parts of the given sizes (one output each)",
+    flops=0,
 )
 
 
@@ -397,6 +404,7 @@ defop(
     kernel=_embedding_kernel,
     grad=lambda g: [g.call("embedding_grad", g.dy, g.inputs[1], num_embeddings=g.in_metas[0].shape[0]), None],
     doc="weight[ids]: rows of weight [V, D] for ids of any shape -> [*ids.shape, D]",
+    flops=0,
 )
 
 
@@ -459,4 +467,5 @@ defop(
     grad=NoGrad("backward op of embedding"),
     attrs={"num_embeddings": REQUIRED},
     doc="dweight [V, D]: dy rows added at their ids (repeated ids add up)",
+    flops=0,
 )

@@ -155,6 +155,7 @@ defop(
     attrs={"chunks": REQUIRED},
     even_splits=True,
     doc="max of each of `chunks` equal slices of the last axis: [..., V] -> [..., chunks]",
+    flops=5,
 )
 
 
@@ -200,6 +201,7 @@ defop(
     ],
     attrs={"ignore_index": -100},
     doc="per row: sum(exp(logits - max(chunk_max))) and logits[label] (0 where ignored)",
+    flops=5,
 )
 
 
@@ -232,6 +234,7 @@ defop(
     grad=NoGrad("backward op of vocab_terms"),
     attrs={"ignore_index": -100},
     doc="dlogits = exp(logits - max(chunk_max)) * dsum + onehot(labels) * dtarget",
+    flops=5,
 )
 
 
@@ -279,6 +282,7 @@ defop(
     ],
     attrs={"ignore_index": -100},
     doc="per-position max(chunk_max) + log(sum_exp) - target (0 where ignored): vocab_terms' cross entropy",
+    flops=5,
 )
 
 
@@ -318,4 +322,5 @@ defop(
     grad=NoGrad("backward op of vocab_cross_entropy"),
     attrs={"ignore_index": -100},
     doc="the loss's gradients w.r.t. sum_exp (dy / sum_exp) and target (-dy), 0 where ignored",
+    flops=5,
 )

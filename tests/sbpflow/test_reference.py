@@ -23,8 +23,8 @@ from sbpflow.data import ArraySource, SyntheticSource
 from sbpflow.dtype import DType
 from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.job import SGD, AdamW, Job, JobConfig, LossScaling, OptimizerSpec, ParameterSpec, WarmupCosine
-from sbpflow.ops.base import get_op
-from sbpflow.precision import compute_dtype
+from sbpflow.ops.base import OPS, get_op
+from sbpflow.precision import FP32_OPS, compute_dtype
 from sbpflow.random import Normal, RandomKey, kaiming_uniform, tensor_rng_id
 from sbpflow.tensor_meta import TensorMeta
 from tests.sbpflow.ops.cases_optim import lr_factor
@@ -442,6 +442,11 @@ def test_autocast_policy() -> None:
     assert compute_dtype("layer_norm", [f16, f32, f32], reads_parameter=True, low=f16) == f32
     assert compute_dtype("div", [f32, f32], reads_parameter=False, low=f16) == f32  # fp32 glue stays
     assert compute_dtype("cast", [f32], reads_parameter=True, low=f16) is None  # as its user wrote it
+
+
+def test_the_fp32_ops_are_the_ops_declared_fp32() -> None:
+    assert FP32_OPS == {name for name, op in OPS.items() if op.fp32}
+    assert {"softmax", "layer_norm", "sum", "exp"} <= FP32_OPS and not {"matmul", "add"} & FP32_OPS
 
 
 def test_fp16_trains_close_to_fp32_with_fp32_master_weights_and_state() -> None:

@@ -1,4 +1,4 @@
-"""The cost model (control_plane/compiler/cost_model.py) and the op library's flop table (sbpflow/ops/flops.py).
+"""The cost model (control_plane/compiler/cost_model.py) and the ops' flop counts (sbpflow/ops/flops.py).
 
 Deterministic properties only, on a fixed hand-made profile (or the saved H200 one): the measured CPU
 profile is timed once, for its shape. How well the model ranks measured step times is
@@ -46,10 +46,12 @@ from sbpflow.control_plane.compiler.step_sim import order
 from sbpflow.dtype import DType
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Precision
-from sbpflow.ops.base import OPS
-from sbpflow.ops.flops import FLOPS, PER_ELEMENT, work
+from sbpflow.ops import flops
+from sbpflow.ops.base import OPS, get_op
+from sbpflow.ops.flops import work
 from sbpflow.ops.fused import FUSABLE
 from sbpflow.placement import placement
+from sbpflow.registry import Registry
 from sbpflow.sbp import B, P, S
 from sbpflow.tensor_meta import TensorMeta
 from tests.client.test_examples import EXAMPLES, load
@@ -88,12 +90,12 @@ def compiled(example: str, **kwargs: Any) -> pipeline.Compiled:
     return pipeline.compile(load(example).make_job(**kwargs))
 
 
-# ---- the flop table ------------------------------------------------------------------------------------
+# ---- the ops' flop counts ------------------------------------------------------------------------------
 
 
-def test_every_op_has_a_flop_count() -> None:
-    missing = sorted(set(OPS) - set(FLOPS))
-    assert not missing, f"add a row to sbpflow/ops/flops.py for {missing}"
+def test_every_op_declares_its_flops() -> None:
+    missing = sorted(name for name, op in OPS.items() if op.flops is None)
+    assert not missing, f"declare flops= in the defop of {missing}"
 
 
 @pytest.mark.parametrize("transpose_a", [False, True])
@@ -105,17 +107,22 @@ def test_matmul_flops_are_two_per_multiply_add(transpose_a: bool) -> None:
 
 
 def test_every_fusable_op_counts_per_element() -> None:
-    """A fused chain's flops are its steps' per-element counts (flops.py's _fused)."""
-    assert FUSABLE <= set(PER_ELEMENT)
+    """A fused chain's flops are its steps' per-element counts (fused.py's _flops)."""
+    assert all(isinstance(get_op(name).flops, int) for name in FUSABLE)
     chain = '[["mul", {}, ["in0", "in1"]], ["gelu", {}, ["s0"]]]'
     w = work("fused_elementwise", (meta(4, 8), meta(4, 8)), (meta(4, 8),), {"chain": chain})
     assert w.flops == (1 + 8) * 32 and w.bytes == 3 * 32 * 4
 
 
-def test_views_move_nothing_and_unknown_ops_are_refused() -> None:
+def test_views_move_nothing_and_ops_without_a_count_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     assert work("reshape", (meta(4, 8),), (meta(32),), {"shape": (32,)}).bytes == 0
-    with pytest.raises(KeyError, match="no flop count; add a row for it to sbpflow/ops/flops.py"):
+    with pytest.raises(KeyError, match="no flop count; declare it in the op's defop: flops="):
         work("no_such_op", (), (), {})
+    undeclared: Registry[Any] = Registry("op")
+    undeclared.register("add", replace(get_op("add"), flops=None))
+    monkeypatch.setattr(flops, "OPS", undeclared)
+    with pytest.raises(KeyError, match="op 'add' has no flop count; declare it in the op's defop"):
+        work("add", (meta(4),), (meta(4),), {})
 
 
 def test_attention_flops_are_exact_in_a_compiled_gpt() -> None:

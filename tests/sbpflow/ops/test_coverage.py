@@ -141,7 +141,7 @@ def test_op_has_a_row_other_than_broadcast(name: str) -> None:
             return
     pytest.fail(
         f"op {name!r}: on none of {len(found)} drawn examples do its rows offer anything but all-B, so it "
-        "can only run replicated; add S rows (rows.elementwise / keep_axes / einsum) or P rows where linear"
+        "can only run replicated; add S rows (rows.elementwise / rows.broadcasting / rows.einsum) or P rows where linear"
     )
 
 
