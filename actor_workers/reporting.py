@@ -3,7 +3,7 @@ hooks that turn a rank's SINK acts into one ``StepReport`` per completed step.
 
 A rank that holds the loss reports its share of it when it fetches it; any other rank reports a step
 once the last variable it assigns has come in. The control plane assembles the shares into the step's
-loss (:mod:`sbpflow.control_plane.step_tracker`).
+loss (:mod:`sbpflow.control_plane.launch.step_tracker`).
 """
 
 from __future__ import annotations

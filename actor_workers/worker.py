@@ -1,6 +1,6 @@
 """The worker: one process per device, a Ray actor that runs its rank's part of a plan.
 
-The scheduler (:mod:`sbpflow.control_plane.scheduler`) creates one :class:`Worker` per rank inside a
+The scheduler (:mod:`sbpflow.control_plane.launch.ray_backend`) creates one :class:`Worker` per rank inside a
 placement group, then drives it in three calls:
 
 1. ``endpoint()`` — where this rank's data plane listens (the scheduler gathers every rank's);
@@ -69,7 +69,7 @@ class WorkerOutcome:
 
 
 class Worker:
-    """One rank of one job attempt; a warm pool's worker (``control_plane/worker_pool.py``) serves one job
+    """One rank of one job attempt; a warm pool's worker (``control_plane/launch/worker_pool.py``) serves one job
     attempt after another: ``release`` after a run, ``assign`` before the next."""
 
     def __init__(

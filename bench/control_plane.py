@@ -56,7 +56,7 @@ def via_server(client: Any, job: Any) -> float:
 
 
 def direct(job: Any, backend: str) -> float:
-    from sbpflow.control_plane.launcher import run
+    from sbpflow.control_plane.launch.launcher import run
 
     first: list[float] = []
     t0 = time.perf_counter()
@@ -66,7 +66,7 @@ def direct(job: Any, backend: str) -> float:
 
 def latency(backend: str, runs: int, tmp: Path, warm_workers: int = 0) -> None:
     from sbpflow.client.client import Client
-    from sbpflow.control_plane.server import ControlPlane, ServerConfig
+    from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
     from sbpflow.run_options import MANAGER_DEFAULTS
 
     job = load_mlp().make_job(steps=3)
@@ -108,7 +108,7 @@ def fill(store: Any, n: int) -> list[str]:
 
 def gets(seconds: float, tmp: Path) -> None:
     from sbpflow.client.client import Client
-    from sbpflow.control_plane.server import ControlPlane, ServerConfig
+    from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
     from sbpflow.run_options import MANAGER_DEFAULTS
 
     plane = ControlPlane(

@@ -134,10 +134,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from sbpflow import wire
-    from sbpflow.control_plane.jobs import RunningJob
-    from sbpflow.control_plane.run_listeners import RunListeners
-    from sbpflow.control_plane.server import ControlPlane, ServerConfig
-    from sbpflow.control_plane.step_tracker import StepTracker
+    from sbpflow.control_plane.launch.step_tracker import StepTracker
+    from sbpflow.control_plane.service.jobs import RunningJob
+    from sbpflow.control_plane.service.run_listeners import RunListeners
+    from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
     from sbpflow.run_options import MANAGER_DEFAULTS
     from sbpflow.run_state import JobState
 

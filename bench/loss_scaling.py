@@ -24,7 +24,7 @@ from dataclasses import replace
 from _shared import load_example, repeat_args
 
 import sbpflow as sf
-from sbpflow.control_plane.run_context import RunResult
+from sbpflow.control_plane.launch.run_context import RunResult
 from sbpflow.job import Job, LossScaling
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from _shared import load_example
 
 from sbpflow import wire
-from sbpflow.control_plane.server import ControlPlane, ServerConfig
+from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
 from sbpflow.run_options import MANAGER_DEFAULTS
 from sbpflow.v1 import service_pb2 as sp
 

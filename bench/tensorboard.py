@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import sbpflow as sf  # noqa: E402
 from bench._shared import load_example  # noqa: E402
-from sbpflow.control_plane.tensorboard_scalars import ScalarBoard  # noqa: E402
+from sbpflow.control_plane.launch.tensorboard_scalars import ScalarBoard  # noqa: E402
 from sbpflow.v1 import service_pb2 as sp  # noqa: E402
 
 

@@ -57,7 +57,7 @@ def _ended(status: Any) -> int:
 
 def server_config(args: argparse.Namespace) -> Any:
     """The ServerConfig of ``sbpflow server``'s flags."""
-    from sbpflow.control_plane.server import ServerConfig
+    from sbpflow.control_plane.service.server import ServerConfig
 
     return ServerConfig(
         host=args.host,
@@ -86,7 +86,7 @@ def server_config(args: argparse.Namespace) -> Any:
 
 def cmd_server(args: argparse.Namespace) -> int:
     """Run the control plane until interrupted."""
-    from sbpflow.control_plane.server import serve
+    from sbpflow.control_plane.service.server import serve
 
     serve(server_config(args), announce=lambda line: print(line, flush=True))
     return 0
@@ -196,8 +196,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sbpflow import wire
     from sbpflow.client.cli import _job_from_args
     from sbpflow.client.progress_bar import ProgressBar
-    from sbpflow.control_plane.data_policy import DataPolicy
-    from sbpflow.control_plane.jobs import JobManager, ManagerConfig, job_ranks
+    from sbpflow.control_plane.service.data_policy import DataPolicy
+    from sbpflow.control_plane.service.jobs import JobManager, ManagerConfig, job_ranks
     from sbpflow.control_plane.store.job_store import JobStore
 
     job = _job_from_args(args)

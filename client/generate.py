@@ -83,7 +83,7 @@ def generate(
     """``prompt`` followed by ``sampling.max_new_tokens`` tokens the model draws, each from a run of
     the model (keywords ``run``: ``sf.run``'s, default the in-process backend) under ``placement``."""
     from sbpflow.control_plane.compiler import pipeline
-    from sbpflow.control_plane.launcher import launch
+    from sbpflow.control_plane.launch.launcher import launch
 
     if not prompt:
         raise SbpflowError("the prompt is empty: give at least one character to continue from")

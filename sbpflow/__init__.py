@@ -38,7 +38,7 @@ __version__ = "0.1.0"
 
 # Loaded on first use, not at ``import sbpflow`` (the runtime, the compiler, Ray, gRPC): name -> module.
 _LAZY = {
-    "run": "sbpflow.control_plane.launcher",
+    "run": "sbpflow.control_plane.launch.launcher",
     "RunCancelled": "sbpflow.actor_workers.runtime.errors",
     "Client": "sbpflow.client.client",
 }

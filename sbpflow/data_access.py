@@ -1,5 +1,5 @@
 """Which files a data source may open, checked on the file as opened: the read-time half of the server's
-data policy (``control_plane/data_policy.py`` is the Submit-time half).
+data policy (``control_plane/service/data_policy.py`` is the Submit-time half).
 
 The control plane checks a job's paths at Submit and again before its run starts, but a path is only a
 name: a symlink swapped after the check would lead a worker to ``/etc/passwd``. So a file-backed source

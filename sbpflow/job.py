@@ -181,7 +181,7 @@ class JobConfig:
     # held-out split, from that step's checkpoint (so a multiple of checkpoint_every)
     eval_every: int = 0
     eval_batches: int = 1
-    # elastic resume (control_plane/elastic.py): the rank counts, largest first, the job may go on with
+    # elastic resume (control_plane/launch/elastic.py): the rank counts, largest first, the job may go on with
     # when a lost worker's capacity is not back within ``elastic_grace`` seconds; () = the same ranks only
     elastic: tuple[int, ...] = ()
     elastic_grace: float = ELASTIC_GRACE

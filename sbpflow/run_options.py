@@ -5,7 +5,7 @@ the wire (``sbpflow.v1.RunOptions``) and the CLI flags (``--backend``, ``--ray-a
     RunOptions(max_restarts=-1)   # RunOptionsError: max_restarts=-1: ... give 0 (never restart) or more
 
 What a job trains (its steps, checkpoints, the file it starts from) and the state of one attempt live
-with the launcher (``control_plane/run_context.py``); these are the knobs an operator or a user turns.
+with the launcher (``control_plane/launch/run_context.py``); these are the knobs an operator or a user turns.
 Each field's ``metadata["help"]`` is its documentation, reused for the CLI's help text; different
 contexts start from different defaults (``sf.run`` waits 600 s, the job manager a day:
 ``MANAGER_DEFAULTS``).

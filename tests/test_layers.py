@@ -117,7 +117,7 @@ def test_the_contract_sees_every_kind_of_import(tmp_path: Path) -> None:
         "from sbpflow.control_plane import scheduler\n"
         "if TYPE_CHECKING:\n    from sbpflow.client.tensor import Tensor\n"
         "def f():\n    import sbpflow.actor_workers.worker\n"
-        "    importlib.import_module('sbpflow.control_plane.launcher')\n"
+        "    importlib.import_module('sbpflow.control_plane.launch.launcher')\n"
     )
     try:
         found = [u for u in upward() if "_layers_probe_for_test" in u]

@@ -107,7 +107,7 @@ def _cpu_a_step(jobs: tuple[Job, ...], threads: int, short: int, long: int, runs
     one run to the next in one process), and the least of a few is a rare spell's, read 4.2-8.4 us from
     process to process where the median of five read 8.1-10.4."""
     from sbpflow.control_plane.compiler.pipeline import compile as compile_job
-    from sbpflow.control_plane.launcher import run
+    from sbpflow.control_plane.launch.launcher import run
 
     plans = [compile_job(job) for job in jobs]
 
@@ -133,7 +133,7 @@ def step_time(compiled: Any, threads: int) -> float:
     """One in-process run of ``compiled`` (a ``pipeline.Compiled``): its fastest ``WINDOW``-step window's
     mean step after ``WARM`` steps. The runtime runs a step ahead, so single step gaps come in pairs; a
     window's mean is not fooled by that, and its fastest is the least disturbed on a shared machine."""
-    from sbpflow.control_plane.launcher import run
+    from sbpflow.control_plane.launch.launcher import run
 
     marks: list[float] = []
     run(

@@ -14,7 +14,7 @@ import pytest
 from sbpflow.actor_workers import reporter as reporting
 from sbpflow.actor_workers.reporter import Reporter
 from sbpflow.actor_workers.reporting import step_report
-from sbpflow.control_plane.reports import ReportHub
+from sbpflow.control_plane.launch.report_hub import ReportHub
 from sbpflow.v1 import service_pb2 as sp
 
 

@@ -24,7 +24,7 @@ from sbpflow.actor_workers.runtime import executor
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.checkpoint.format import MANIFEST, CheckpointError, step_dir
 from sbpflow.checkpoint.read import CheckpointReader, export, list_checkpoints, read_logical
-from sbpflow.control_plane.launcher import compile_for_run
+from sbpflow.control_plane.launch.launcher import compile_for_run
 from sbpflow.job import Job
 from tests.actor_workers.test_equivalence import mlp_dp2xtp2, mlp_job
 from tests.control_plane.compiler.test_autodiff import as_float64
@@ -284,7 +284,7 @@ def test_resuming_a_root_whose_latest_checkpoint_is_corrupt_goes_on_from_the_pre
         sf.run(
             f64(mlp_job(ranks=4), checkpoint_every=2), backend="inprocess", resume_from=str(step_dir(root, 4))
         )
-    with caplog.at_level("WARNING", logger="sbpflow.control_plane.launcher"):
+    with caplog.at_level("WARNING", logger="sbpflow.control_plane.launch.launcher"):
         got = sf.run(
             f64(mlp_job(ranks=4), checkpoint_every=2), backend="inprocess", resume_from=str(root), timeout=60
         )

@@ -19,7 +19,7 @@ import pytest
 from sbpflow.client import cli_json
 from sbpflow.client.cli_exit import UsageError
 from sbpflow.client.set_values import param_types, parse_set
-from sbpflow.control_plane.server import ControlPlane, ServerConfig
+from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
 from sbpflow.run_options import MANAGER_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import pytest
 
 from sbpflow.client.cli import main
 from sbpflow.client.client import Client, ClientError
-from sbpflow.control_plane.server import ControlPlane, ServerConfig
+from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
 from sbpflow.run_options import MANAGER_DEFAULTS
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

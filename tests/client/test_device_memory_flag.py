@@ -16,7 +16,7 @@ from sbpflow.client.byte_sizes import parse_bytes
 from sbpflow.client.cli import build_parser
 from sbpflow.client.cli_jobs import server_config
 from sbpflow.client.client import Client, ClientError
-from sbpflow.control_plane.server import ControlPlane
+from sbpflow.control_plane.service.server import ControlPlane
 from sbpflow.v1 import service_pb2 as sp
 from tests.client.test_examples import load
 

@@ -61,7 +61,7 @@ def test_greedy_text_is_the_models_likeliest_token_each_time_on_one_rank_and_und
     tp = generate(model, prompt, greedy, str(trained), where, sbp)
     assert one[: len(prompt)] == prompt and len(one) == len(prompt) + 3 and tp == one
     # the first new token, from the oracle on the checkpoint's values
-    from tests.control_plane.test_run_outputs import Logits
+    from tests.control_plane.launch.test_run_outputs import Logits
 
     values = read_logical(resolve(trained))
     job = Logits(sf.nn.GPT(_model(charlm, 1, False)[0].config)).trace(

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from sbpflow.client.client import Client, JobHandle
-from sbpflow.control_plane.server import ControlPlane, ServerConfig
+from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
 from sbpflow.job import Job
 from sbpflow.run_options import MANAGER_DEFAULTS
 

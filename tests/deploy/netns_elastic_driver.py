@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from sbpflow.client.client import Client
-from sbpflow.control_plane.elastic import ELASTIC_RESUME
+from sbpflow.control_plane.launch.elastic import ELASTIC_RESUME
 from sbpflow.v1 import job_pb2
 from tests.deploy.netns import IP
 

@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from sbpflow.client.cli import build_parser
-from sbpflow.control_plane.auth import OPEN_HTTP_PATHS
+from sbpflow.control_plane.status.auth import OPEN_HTTP_PATHS
 from sbpflow.run_options import MANAGER_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -277,7 +277,7 @@ def test_ports_store_and_service_match_the_server_flags(name: str) -> None:
 
 
 def test_probes_hit_open_paths_that_answer_on_a_live_server(tmp_path: Path) -> None:
-    from sbpflow.control_plane.server import ControlPlane, ServerConfig
+    from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
 
     c = container(one(rendered("cpu"), "Deployment", "sbpflow-control-plane"))
     args, _ = server_args(c)

@@ -14,7 +14,7 @@ checkpoints on volumes (:mod:`tests.deploy.pod_cluster`). From the host:
 
 Every step of the long job has its loss: when the drain's checkpoint lies past the last step whose
 loss reached the store (reports lag the workers), the next control plane resumes from the checkpoint
-before it (``control_plane/job_checkpoints.py``). Slow (about 2 minutes here on 2 busy cores, the image
+before it (``control_plane/service/job_checkpoints.py``). Slow (about 2 minutes here on 2 busy cores, the image
 cached); skips where podman cannot run.
 """
 

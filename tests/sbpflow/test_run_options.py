@@ -54,14 +54,14 @@ def test_every_field_has_help_text() -> None:
 
 
 def test_the_backend_names_are_the_launchers_backends() -> None:
-    from sbpflow.control_plane.launcher import BACKENDS
+    from sbpflow.control_plane.launch.launcher import BACKENDS
 
     assert BACKEND_NAMES == tuple(BACKENDS)
 
 
 def test_the_defaults_of_each_context_are_todays() -> None:
-    from sbpflow.control_plane.jobs import ManagerConfig
-    from sbpflow.control_plane.server import ServerConfig
+    from sbpflow.control_plane.service.jobs import ManagerConfig
+    from sbpflow.control_plane.service.server import ServerConfig
 
     assert (RunOptions().timeout, RunOptions().return_parameters) == (600.0, False)  # sf.run's
     manager = ManagerConfig().run

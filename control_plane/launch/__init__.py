@@ -1,0 +1,1 @@
+"""Launching a compiled job: ``sf.run`` (launcher), the Ray backend and its warm worker pool, the report hub workers report to, step tracking, evaluation, TensorBoard scalars, start values and elastic resume."""

@@ -1,0 +1,382 @@
+"""``sf.run(job)``: compile a job and train it on the actor runtime, returning what the reference returns.
+
+    result = sf.run(job, return_parameters=True)
+    result.losses        # one float per step (the loss averaged over the step's micro-batches)
+    result.parameters    # logical (gathered) parameter values after the last step, by name
+    result.outputs       # per step, the value of each tensor build() returned (a forward-only job)
+
+Backends (:data:`BACKENDS`):
+
+- ``"ray"`` (the default): one Ray worker process per rank of the job's placement, on a local Ray
+  started on demand or on the cluster at ``ray_address``; registers move through the CPU data plane and
+  every worker reports to the control plane in ``WorkerReport`` protobufs over gRPC
+  (:mod:`sbpflow.control_plane.launch.ray_backend`).
+- ``"inprocess"``: every rank is threads of this process over the in-process transport; the test vehicle
+  and the fastest embedded mode.
+
+Both call the same listeners as the run gets on: ``on_state(JobState.COMPILING | STARTING | RUNNING)``,
+``on_step(StepMetrics)`` once per completed step, ``on_report(WorkerReport)`` for every worker report,
+and ``on_attempt(attempt, first_step, reason, message)`` when a restart begins attempt ``attempt`` from
+the checkpoint at ``first_step`` (then ``on_state`` says ``"STARTING"`` and ``"RUNNING"`` again), with
+``on_resize(slots)`` the device slots that attempt holds (fewer after an elastic re-plan).
+Setting ``cancel`` stops every rank promptly and raises :class:`RunCancelled`. A NaN or infinite loss
+stops every rank the same way and raises :class:`~sbpflow.numerics.NonFiniteLoss` naming the step (the
+step tracker checks each assembled loss); finite losses but non-finite final parameters (each rank checks
+its shards) raise :class:`~sbpflow.numerics.NonFiniteParameters` naming them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from typing import Any
+
+from sbpflow.actor_workers import snapshots as checkpointing
+from sbpflow.actor_workers.reporting import Scaling, StepDone, step_report, watch_steps
+from sbpflow.actor_workers.runtime import executor, threads
+from sbpflow.actor_workers.runtime.errors import RunCancelled, RuntimeFailure
+from sbpflow.actor_workers.transport.inprocess import InProcessWorld
+from sbpflow.checkpoint.read import CheckpointReader, CorruptCheckpoint, corrupt_note, resolve
+from sbpflow.control_plane.compiler import pipeline
+from sbpflow.control_plane.compiler.pipeline import Compiled
+from sbpflow.control_plane.launch.evaluation import EvalListener, evaluating
+from sbpflow.control_plane.launch.ray_backend import run_on_ray
+from sbpflow.control_plane.launch.report_hub import ReportHub
+from sbpflow.control_plane.launch.run_context import (
+    AttemptListener,
+    LaunchContext,
+    ResizeListener,
+    RunResult,
+    assemble_outputs,
+    loss_scaling_fields,
+    output_names,
+)
+from sbpflow.control_plane.launch.start_values import start_file
+from sbpflow.control_plane.launch.step_tracker import (
+    ReportListener,
+    StateListener,
+    StepListener,
+    StepTracker,
+    fail_on_non_finite,
+    skip_overflow,
+)
+from sbpflow.control_plane.launch.tensorboard_scalars import open_board
+from sbpflow.device import array_module
+from sbpflow.errors import SbpflowError
+from sbpflow.job import Job
+from sbpflow.numerics import NonFiniteParameters, non_finite_parameters
+from sbpflow.ops.loss_scaling import VARIABLES
+from sbpflow.run_options import FIELD_NAMES, RunOptions
+from sbpflow.run_state import JobState
+from sbpflow.v1 import job_pb2 as jp
+from sbpflow.v1 import plan_pb2 as pp
+from sbpflow.v1 import service_pb2 as sp
+
+__all__ = ["BACKENDS", "RunCancelled", "launch", "run"]
+
+Backend = Callable[[Compiled, LaunchContext, StepTracker], RunResult]
+log = logging.getLogger(__name__)
+
+
+# the in-process transport's own timeout, past the run's: the run's timeout (and its stall report) ends a
+# run that outlives it, not a collective timing out first on a loaded machine (a race of the two)
+HANG_GRACE = 10.0
+
+
+def run(
+    job: Job | Compiled,
+    *,
+    steps: int | None = None,
+    options: RunOptions | None = None,
+    on_state: StateListener | None = None,
+    on_step: StepListener | None = None,
+    on_report: ReportListener | None = None,
+    on_attempt: AttemptListener | None = None,
+    on_resize: ResizeListener | None = None,
+    cancel: threading.Event | None = None,
+    report_hub: ReportHub | None = None,
+    job_id: str = "",
+    attempt: int = 1,
+    checkpoint_dir: str | None = None,
+    resume_from: str | None = None,
+    init_from: str | None = None,
+    layout: str | None = None,
+    strict: bool = True,
+    tensorboard_dir: str | None = None,
+    on_eval: EvalListener | None = None,
+    **option_fields: Any,
+) -> RunResult:
+    """Compile ``job`` and train it for ``steps`` (default ``job.config.steps``). A ``job`` compiled already
+    (:func:`launch`) is only lowered, on its own state. How it runs is a
+    :class:`~sbpflow.run_options.RunOptions`: ``options``, with any of its fields given as keywords on
+    top (``sf.run(job, backend="inprocess", timeout=60, return_parameters=True)``).
+
+    A failing kernel, a shape error, a transport failure or a lost worker on any rank stops every rank and
+    raises :class:`~sbpflow.actor_workers.runtime.RuntimeFailure` (rank, op, cause); a run past ``timeout``
+    raises its RuntimeTimeout naming the stalled actors; a set ``cancel`` raises :class:`RunCancelled`.
+
+    Checkpoints (:mod:`sbpflow.checkpoint`): with ``checkpoint_dir`` and ``job.config.checkpoint_every``
+    each rank saves its shards every that many steps; ``resume_from`` (a checkpoint, or a directory of
+    them: the latest) starts every variable from it and trains the steps left of ``steps``; ``init_from``
+    starts the parameters from a safetensors/.npz file or a checkpoint that holds every parameter in its
+    shape and dtype, and nothing else unless ``strict=False`` (``layout="torch"``: a PyTorch state dict,
+    :mod:`sbpflow.client.torch_layout`). A job traced in this process starts from its modules' values and
+    gives them the trained ones (:mod:`sbpflow.bound_values`). On Ray, a lost worker restarts the job from
+    its last checkpoint up to ``max_restarts`` times. ``config.eval_every``: the held-out split is
+    evaluated at those steps (:mod:`~sbpflow.control_plane.launch.evaluation`: ``on_eval(step, loss)``,
+    ``RunResult.evals``). ``tensorboard_dir``: TensorBoard scalars (``tensorboard_scalars``).
+    """
+    how = _run_options(options, option_fields)
+    job_ = job.state.job if isinstance(job, Compiled) else job
+    bound, steps = job_.bound, job_.config.steps if steps is None else steps  # bound: wants trained values
+    if steps < 1:
+        raise SbpflowError(f"steps={steps}: a run trains for at least one step")
+    resume_from, first_step = _resume_point(resume_from, steps)
+    starts = nullcontext(None) if resume_from is not None else start_file(job_, init_from, layout, strict)
+    board = open_board(tensorboard_dir, job_, job_id, first_step, on_step, on_eval, on_report)
+    evals = evaluating(job_, checkpoint_dir, first_step, board.on_step, board.on_eval, _evaluator(how))
+    with board, starts as init_path, evals as ev:
+        result = _run(
+            job,
+            how.replace(return_parameters=True) if bound is not None else how,
+            LaunchContext(
+                steps=steps - first_step,
+                run=how,
+                on_state=on_state,
+                on_report=board.on_report,
+                on_attempt=on_attempt,
+                on_resize=on_resize,
+                cancel=_Stop(cancel),  # set by a cancel, or by the tracker at a non-finite loss
+                report_hub=report_hub,
+                job_id=job_id,
+                attempt=attempt,
+                first_step=first_step,
+                checkpoint_dir=ev.checkpoint_dir if ev is not None else checkpoint_dir,
+                resume_from=resume_from,
+                init_from=init_path,
+            ),
+            ev.on_step if ev is not None else board.on_step,
+            cancel,
+        )
+    if ev is not None:
+        result = dataclasses.replace(result, evals=tuple(ev.results))
+    if bound is not None and result.parameters is not None:
+        bound.write_back(result.parameters)
+    return result if how.return_parameters else dataclasses.replace(result, parameters=None)
+
+
+def _run(
+    job: Job | Compiled,
+    how: RunOptions,
+    context: LaunchContext,
+    on_step: StepListener | None,
+    cancel: threading.Event | None,
+) -> RunResult:
+    """Compile and run under ``context`` (its run options replaced by ``how``); raise what stopped it."""
+    runner = BACKENDS[how.backend]
+    context = dataclasses.replace(context, run=how)
+    given = job if isinstance(job, Compiled) else None
+    job = job.state.job if isinstance(job, Compiled) else job
+    first_step, stop = context.first_step, context.cancel
+    assert isinstance(stop, _Stop)
+    context.state(JobState.COMPILING)
+    compiled = compile_for_run(given or job)
+    graph = compiled.state.graph
+    loss = graph.tensors[job.loss] if job.loss else None
+    samples = job.data.batch_size if job.data is not None else 0
+    policy = skip_overflow if job.config.dynamic_loss_scaling else fail_on_non_finite
+    tracker = StepTracker(
+        loss, samples, on_step, job=job.name, first_step=first_step, stop=stop.set, on_non_finite=policy
+    )
+    try:
+        result = runner(compiled, context, tracker)
+    except RuntimeFailure as failure:
+        if tracker.non_finite is not None:
+            raise tracker.non_finite from failure
+        if cancel is not None and cancel.is_set():
+            raise RunCancelled(f"job {job.name!r} was cancelled at step {len(tracker.losses)}") from failure
+        raise
+    if tracker.non_finite is not None:  # at the last step, or found only in the outcome
+        raise tracker.non_finite
+    if result.non_finite:
+        raise NonFiniteParameters(job.name, result.first_step + len(result.losses), result.non_finite)
+    return result
+
+
+class _Stop(threading.Event):
+    """The run's stop event: set by the tracker (a non-finite loss), or read as set once ``cancel`` is."""
+
+    def __init__(self, cancel: threading.Event | None) -> None:
+        super().__init__()
+        self._cancel = cancel
+
+    def is_set(self) -> bool:
+        return super().is_set() or (self._cancel is not None and self._cancel.is_set())
+
+
+def _evaluator(how: RunOptions) -> Callable[..., RunResult]:
+    """``run`` for the held-out evaluations: they read files too, under the same data roots."""
+    return functools.partial(run, options=RunOptions(data_roots=how.data_roots))
+
+
+def launch(compiled: Compiled, **kwargs: Any) -> RunResult:
+    """Train a job compiled already — Submit's validation compile, its graph passes done — with
+    :func:`run`'s keywords: its lowering is finished on the same state (``pipeline.finish``), no pass runs
+    again. ``run(job, ...)`` is ``launch(pipeline.compile(job, lower="none"), ...)``."""
+    return run(compiled, **kwargs)
+
+
+def _run_options(options: RunOptions | None, fields: dict[str, Any]) -> RunOptions:
+    """``options`` (default ``RunOptions()``) with ``run``'s keywords that name its fields on top."""
+    unknown = sorted(set(fields) - set(FIELD_NAMES))
+    if unknown:
+        raise TypeError(
+            f"run() got unexpected keyword(s) {unknown}; RunOptions' fields are {list(FIELD_NAMES)}"
+        )
+    return (options or RunOptions()).replace(**fields)
+
+
+def _resume_point(resume_from: str | None, steps: int) -> tuple[str | None, int]:
+    """The checkpoint a run resumes from (a directory of them: its latest intact one, each corrupt one
+    passed over logged) and its step (0: none)."""
+    if resume_from is None:
+        return None, 0
+    passed: list[CorruptCheckpoint] = []
+    resume_from = str(resolve(resume_from, passed.append))
+    first_step = CheckpointReader(resume_from).step
+    for c in passed:
+        log.warning("%s", corrupt_note(c, first_step))
+    if first_step >= steps:
+        raise SbpflowError(
+            f"the checkpoint {resume_from} is at step {first_step} and the job trains {steps} steps: "
+            "nothing is left to train; pass a larger steps="
+        )
+    return resume_from, first_step
+
+
+def compile_for_run(job: Job | Compiled) -> Compiled:
+    """``job`` compiled (a Compiled: lowered on its own state), or a clear error when it cannot run (no
+    plan, a lowering skipped). A big job is lowered on demand: ``plan`` is None, ``lazy`` is set."""
+    compiled = pipeline.finish(job) if isinstance(job, Compiled) else pipeline.compile(job)
+    skipped = [n for n in compiled.notes if "lowering skipped" in n]
+    if (compiled.plan is None and compiled.lazy is None) or skipped:
+        raise SbpflowError(
+            f"job {compiled.state.job.name!r} cannot run: "
+            + "; ".join(skipped or compiled.notes or ["no plan was made"])
+        )
+    return compiled
+
+
+def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker) -> RunResult:
+    job, plan = compiled.state.job, compiled.plan or _whole_plan(compiled)
+    loss = job.loss
+
+    def on_step(rank: int) -> StepDone:
+        def done(step: int, value: float | None, times: Mapping[str, float], scale: Scaling | None) -> None:
+            if value is not None:
+                tracker.add(rank, step - ctx.first_step, value, scaling=scale)
+            ctx.report(rank, step=step_report(step, value, times, scale))
+
+        return done
+
+    devices = {d.rank: d for d in plan.devices}
+    ranks = list(devices)
+    xp = _array_module(plan)
+    ctx.state(JobState.STARTING)
+    with InProcessWorld(ranks, timeout=ctx.run.timeout + HANG_GRACE) as world:
+        program = executor.build(
+            plan,
+            ctx.steps,
+            {r: world.transport(r) for r in ranks},
+            xp=xp,
+            first_step=ctx.first_step,
+            source=checkpointing.source_for(ctx.resume_from, ctx.init_from),
+            data_roots=ctx.run.data_roots,
+        )
+        for rank, rp in program.ranks.items():
+            watch_steps(rp.context, devices[rank], loss, on_step(rank))
+        writers = checkpointing.attach_all(
+            checkpointing.options_for(job, ctx.checkpoint_dir, plan, ctx.attempt),
+            program,
+            plan,
+            range(ctx.first_step, ctx.first_step + ctx.steps),
+        )
+        ctx.state(JobState.RUNNING)
+        tracker.restart_clock()
+        try:
+            with threads.limited(ctx.run.threads):
+                results = executor.execute(program, ctx.run.timeout, ctx.run.trace, [world.abort], ctx.cancel)
+            checkpointing.close_all(writers)
+        except RuntimeFailure as failure:
+            checkpointing.close_all(writers, raise_errors=False)
+            cause = f"{type(failure.cause).__name__}: {failure.cause}"
+            ctx.report(
+                failure.rank if failure.rank is not None else -1,
+                error=sp.ErrorReport(op_name=failure.actor or "", op_type=failure.op or "", cause=cause),
+            )
+            raise
+    for rank in ranks:
+        ctx.report(rank, done=sp.Done())
+    first = ctx.first_step
+    losses = [float(x) for x in executor.fetched(program, loss, ctx.steps, first_step=first)] if loss else []
+    bad = {
+        n
+        for rp in program.ranks.values()
+        for n in non_finite_parameters(rp.context.tables.tensors, rp.context.store)
+    }
+    parameters = None
+    if ctx.run.return_parameters:
+        parameters = executor.variables(program, [p.tensor for p in job.parameters])
+    scaling = executor.variables(program, [n for n in VARIABLES if n in program.tensors])
+    events = None
+    if ctx.run.trace:
+        events = sorted((e for r in results.values() for e in r.trace), key=lambda e: e.start)
+    seconds = max((r.seconds for r in results.values()), default=0.0)
+    outputs = assemble_outputs(
+        program.tensors,
+        output_names(loss, job.fetches),
+        {r: rp.context.fetched for r, rp in program.ranks.items()},
+        range(first, first + ctx.steps),
+    )
+    # Engines, transports and their closures form reference cycles that hold every register and the
+    # store; free a finished run's memory now rather than whenever the cycle collector next runs.
+    del program, results, world
+    gc.collect()
+    result = RunResult(
+        losses, parameters, events, seconds, first_step=first, non_finite=tuple(sorted(bad)), outputs=outputs
+    )
+    return dataclasses.replace(result, **loss_scaling_fields(scaling))
+
+
+def _whole_plan(compiled: Compiled) -> pp.Plan:
+    """Every rank's tasks in one Plan: the whole header (a rank plan has only its own tensors) and every
+    rank plan's DevicePlan and communicators, of a job lowered on demand."""
+    plan, seen = compiled.header(), set[str]()
+    for _, data in compiled.rank_plans(list(compiled.device_types())):
+        one = pp.Plan.FromString(data)
+        plan.devices.extend(one.devices)
+        plan.communicators.extend(c for c in one.communicators if c.id not in seen)
+        seen.update(c.id for c in one.communicators)
+    return plan
+
+
+def _array_module(plan: Any) -> Any:
+    """numpy for cpu placements; cupy for cuda ones (a clear error without it). The in-process
+    transport moves numpy arrays, so a cuda job on it has one rank; more run on Ray, a GPU per worker."""
+    kinds = {d.device_type for d in plan.devices}
+    if jp.DEVICE_TYPE_CUDA not in kinds:
+        return array_module("cpu")
+    if len(plan.devices) > 1:
+        raise SbpflowError(
+            f"a cuda job on {len(plan.devices)} ranks runs on backend='ray' (one GPU per worker process, NCCL "
+            "between them); the in-process backend runs a cuda job on one rank only"
+        )
+    return array_module("cuda")
+
+
+BACKENDS: dict[str, Backend] = {"ray": run_on_ray, "inprocess": _run_inprocess}

@@ -1,0 +1,1 @@
+"""The control plane's services: gRPC JobService (server, rpc_contract), the job manager (jobs, running, run_listeners), Submit-time validation, drain, resume, per-job options, checkpoints, Watch feeds, the data policy and isolation."""

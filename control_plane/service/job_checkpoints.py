@@ -1,0 +1,57 @@
+"""The checkpoints a job of the job manager goes on from: after a control-plane restart
+(:func:`resumable`) and at the start of each run (:func:`run_checkpoints`).
+
+A job's own latest intact checkpoint (an earlier attempt's) comes first, then the one a Resume started
+it from (:func:`sbpflow.control_plane.service.resume.start_checkpoint`); a corrupt one is passed over, saying so.
+Its own are taken no later than the job's last stored step (``rec.step``): a control plane that stopped
+with reports in flight never stored the losses of the steps after it, so those steps train again and
+the job's loss history stays whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sbpflow.checkpoint.read import CorruptCheckpoint, corrupt_note
+from sbpflow.control_plane.service import resume as resuming
+from sbpflow.control_plane.store.job_store import JobStore, Resumable
+from sbpflow.control_plane.store.schema import JobRecord
+
+CHECKPOINT_CORRUPT = "CHECKPOINT_CORRUPT"  # a corrupt checkpoint was passed over for an earlier one
+
+
+def resumable(root: str | None, rec: JobRecord) -> Resumable | None:
+    """How a job left in flight by a previous control plane goes on: from its checkpoint, if it has one
+    with steps left after it."""
+    passed: list[CorruptCheckpoint] = []
+    found = resuming.start_checkpoint(root, rec, passed.append, rec.step) if root is not None else None
+    if found is None or found.step >= rec.total_steps:
+        return None
+    return Resumable(
+        found.step,
+        f"the job was {rec.state.name} at step {rec.step} when the control plane stopped; attempt "
+        f"{rec.attempt + 1} resumes from its checkpoint {found.path} (step {found.step})"
+        + "".join(f"; {corrupt_note(c, found.step)}" for c in passed),
+    )
+
+
+def run_checkpoints(root: str | None, store: JobStore, rec: JobRecord) -> tuple[dict[str, Any], int]:
+    """``run``'s checkpoint arguments for a job — where it checkpoints, and the checkpoint it goes on
+    from: its own latest (an earlier attempt's, before a control-plane restart re-queued it), else the
+    one a Resume started it from — and the step that checkpoint is at (0: none). Each corrupt checkpoint
+    passed over gets a log line and a "reason" event."""
+    if root is None:
+        return {}, 0
+    passed: list[CorruptCheckpoint] = []
+    found = resuming.start_checkpoint(root, rec, passed.append, rec.step)
+    if found is not None and found.step >= rec.total_steps:
+        found = None
+    for c in passed:
+        note = corrupt_note(c, 0 if found is None else found.step)
+        store.append_log(rec.id, -1, "WARNING", note)
+        store.set_reason(rec.id, CHECKPOINT_CORRUPT, note)
+    kwargs = {
+        "checkpoint_dir": str(resuming.job_dir(root, rec.id)),
+        "resume_from": None if found is None else str(found.path),
+    }
+    return kwargs, 0 if found is None else found.step

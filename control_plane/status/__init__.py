@@ -1,0 +1,1 @@
+"""What a person or a scraper sees: the HTTP status endpoint and its pages, charts, Prometheus metrics, the store's records as protobuf and JSON, worker rows, the plan view, and the bearer-token auth both servers use."""

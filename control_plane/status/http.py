@@ -1,0 +1,375 @@
+"""The HTTP status endpoint of the control plane (standard library ``http.server``, one thread per request).
+
+| path | answers |
+|---|---|
+| ``/healthz`` | 200 ``ok`` while the process serves (open: no token needed) |
+| ``/readyz`` | 200 ``ready`` once the store is reconciled and jobs are admitted, else 503 (open) |
+| ``/v1/jobs`` | JSON ``{"jobs": [JobStatus...]}``, newest first; ``?state=RUNNING&limit=N`` |
+| ``/v1/jobs/{id}`` | JSON JobStatus with its workers, plus ``losses`` (the loss history) |
+| ``/metrics`` | Prometheus exposition format (``metrics.py``) |
+| ``/`` | the jobs page: every job with its state, times and loss curve (``web.py``) |
+| ``/jobs/{id}`` | a job's page: failure, curves, workers, checkpoints, events, log, configuration, plan |
+| ``/jobs/{id}/plan`` | the job's plan picture on a page of its own (``compiler/render.py``) |
+| ``/login`` | GET: the sign-in form (open); POST ``token=...&next=/path``: the session cookie, then ``next`` |
+| ``/logout`` | POST: the session cookie cleared |
+
+JSON is ``google.protobuf.json_format`` of the same messages gRPC returns (proto field names, enums by
+name). With a token, the JSON paths and ``/metrics`` need ``Authorization: Bearer <token>`` (401
+otherwise); the pages take the bearer token or the session cookie that ``/login`` sets (``auth.py``),
+and without either answer 401 with the sign-in form. With a certificate and key the endpoint speaks
+HTTPS and the cookie is ``Secure``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import ssl
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from sbpflow.checkpoint.read import list_checkpoints
+from sbpflow.control_plane.service.jobs import JobManager
+from sbpflow.control_plane.service.resume import job_dir
+from sbpflow.control_plane.status import records, web, web_job
+from sbpflow.control_plane.status.auth import COOKIE, OPEN_HTTP_PATHS, SESSION_SECONDS, TokenCheck
+from sbpflow.control_plane.status.metrics import CONTENT_TYPE
+from sbpflow.control_plane.status.plan_view import PlanCache
+from sbpflow.control_plane.store.db import StoreError, UnknownJobError
+from sbpflow.run_state import JobState
+
+JSON = "application/json"
+HTML = "text/html; charset=utf-8"
+PAGE_JOBS = 50
+MAX_LIMIT = 1000  # ?limit= on /v1/jobs
+MAX_ID = 256  # characters of a job id in a path
+MAX_FORM = 8192  # bytes of a POSTed form
+log = logging.getLogger("sbpflow.control_plane.status.http")
+
+
+@dataclass(frozen=True)
+class Reply:
+    code: int
+    ctype: str
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    query: Mapping[str, list[str]]
+    authorization: str | None = None
+    cookie: str | None = None
+    form: Mapping[str, list[str]] | None = None  # a POST's url-encoded body
+
+
+def _json(code: int, obj: Any) -> Reply:
+    return Reply(code, JSON, json.dumps(obj, indent=1).encode())
+
+
+def _error(code: int, message: str) -> Reply:
+    return _json(code, {"error": message})
+
+
+def _html(text: str, code: int = 200, headers: tuple[tuple[str, str], ...] = ()) -> Reply:
+    return Reply(code, HTML, text.encode(), headers)
+
+
+def _redirect(to: str, *headers: tuple[str, str]) -> Reply:
+    return Reply(303, "text/plain", f"see {to}\n".encode(), (("Location", to), *headers))
+
+
+def _is_page(path: str) -> bool:
+    return path == "/" or path.startswith("/jobs/")
+
+
+def _safe_next(path: str) -> str:
+    """A local path to go to after sign-in: never another site (``//host``, ``https://...``)."""
+    return path if path.startswith("/") and not path.startswith("//") and "\\" not in path else "/"
+
+
+class StatusEndpoint:
+    """The status endpoint of one ``JobManager``; ``start()`` returns the bound port."""
+
+    def __init__(
+        self,
+        manager: JobManager,
+        check: TokenCheck,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        open_paths: frozenset[str] = OPEN_HTTP_PATHS,
+        unready: Callable[[], str] = lambda: "",
+    ) -> None:
+        self.manager, self.store, self.check = manager, manager.store, check
+        self.unready = unready  # why the server cannot take calls now ("" when it can): /readyz
+        self.open_paths = open_paths | {"/login"}  # answered without the token: the probes, sign-in
+        self.secure = bool(tls_cert and tls_key)
+        self.plans = PlanCache()
+        self._server = ThreadingHTTPServer((host, port), _handler_class(self))
+        self._server.daemon_threads = True
+        if tls_cert and tls_key:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(tls_cert, tls_key)
+            self._server.socket = ctx.wrap_socket(self._server.socket, server_side=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="sbpflow-http", daemon=True)
+        # exact paths; "/v1/jobs/{id}" and "/jobs/{id}[/plan]" are matched by prefix in ``answer``
+        self.routes: dict[str, Callable[[Request], Reply]] = {
+            "/healthz": lambda q: Reply(200, "text/plain", b"ok\n"),
+            "/readyz": self.readyz,
+            "/v1/jobs": self.jobs,
+            "/metrics": self.metrics,
+            "/": self.page,
+            "/login": self.login_form,
+        }
+        self.posts: dict[str, Callable[[Request], Reply]] = {"/login": self.login, "/logout": self.logout}
+
+    def start(self) -> int:
+        self._thread.start()
+        return int(self._server.server_address[1])
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    # ---- routes -----------------------------------------------------------------------------------
+
+    def answer(self, req: Request) -> Reply:
+        path = req.path.rstrip("/") or "/"
+        if req.method == "POST":
+            post = self.posts.get(path)
+            if post is None:
+                return _error(405, f"POST {path[:80]!r} is not served: the status endpoint is read-only")
+            return post(req)
+        if path not in self.open_paths and not self.allowed(req, path):
+            if _is_page(path):  # a person: the sign-in form, coming back here after it
+                return _html(web.login(_safe_next(req.path), self._problem(req)), 401)
+            return _error(401, self.check.problem(req.authorization))
+        try:
+            return self._route(path, req)
+        except UnknownJobError as e:
+            return _error(404, str(e)[:4000])
+        except (StoreError, ValueError) as e:
+            return _error(400, str(e)[:4000])
+        except Exception as e:  # the contract: a status and a JSON body, never a dropped connection
+            log.exception("internal error answering %s", path[:200])
+            return _error(500, f"internal error ({type(e).__name__}); the server's log has the traceback")
+
+    def _route(self, path: str, req: Request) -> Reply:
+        if path.startswith("/v1/jobs/"):
+            return self.job(_job_id(path.removeprefix("/v1/jobs/")))
+        if path.startswith("/jobs/"):
+            rest = path.removeprefix("/jobs/")
+            if rest.endswith("/plan"):
+                return self.plan_page(_job_id(rest.removesuffix("/plan")))
+            return self.job_page(_job_id(rest))
+        route = self.routes.get(path)
+        if route is None:
+            known = sorted(self.routes) + ["/v1/jobs/ID", "/jobs/ID"]
+            return _error(404, f"no page {path[:80]!r}; try one of {known}")
+        return route(req)
+
+    def allowed(self, req: Request, path: str) -> bool:
+        """The bearer token on every path; the session cookie too on the pages (never the JSON API)."""
+        if self.check.check(req.authorization):
+            return True
+        return _is_page(path) and self.check.check_cookie(req.cookie)
+
+    def _problem(self, req: Request) -> str:
+        return "your sign-in has expired or the token changed: sign in again" if req.cookie else ""
+
+    def readyz(self, req: Request) -> Reply:
+        if not self.manager.ready:
+            return _json(503, {"ready": False, "reason": "starting or shutting down"})
+        self.store.count()  # the store answers
+        reason = self.unready()  # the store cannot write, or every unary handler is busy
+        if reason:
+            return _json(503, {"ready": False, "reason": reason})
+        return Reply(200, "text/plain", b"ready\n")
+
+    def jobs(self, req: Request) -> Reply:
+        states = [_state(s) for v in req.query.get("state", []) for s in v.split(",")] or None
+        limit = _int(req.query, "limit", 100, 1, MAX_LIMIT)
+        recs = self.store.list(states, limit=limit)
+        return _json(200, {"jobs": [records.as_json(records.job_status(r)) for r in recs]})
+
+    def job(self, job_id: str) -> Reply:
+        rec = self.store.get(job_id)
+        body = records.as_json(records.job_status(rec, self.manager.workers(job_id)))
+        body["losses"] = [records.json_float(p.loss) for p in self.store.losses(job_id)]
+        return _json(200, body)
+
+    def metrics(self, req: Request) -> Reply:
+        assert self.manager.metrics is not None
+        return Reply(200, CONTENT_TYPE, self.manager.metrics.exposition())
+
+    # ---- pages ------------------------------------------------------------------------------------
+
+    def page(self, req: Request) -> Reply:
+        recs = self.store.list(limit=PAGE_JOBS)
+        losses = {r.id: self.store.losses(r.id) for r in recs}
+        return _html(web.job_list(recs, losses, signed_in=self.check.enabled))
+
+    def job_page(self, job_id: str) -> Reply:
+        rec = self.store.get(job_id)
+        job = _stored_job(rec.job_proto)
+        plan = self.plans.get(job_id, job)
+        root = self.manager.config.checkpoint_root
+        view = web_job.JobView(
+            rec=rec,
+            job=job,
+            workers=self.manager.workers(job_id),
+            losses=self.store.losses(job_id),
+            events=self.store.events(job_id),
+            logs=self.store.logs(job_id),
+            checkpoints=list_checkpoints(job_dir(root, job_id)) if root else [],
+            plan_summary=plan.summary,
+            plan_picture=plan.picture,
+        )
+        return _html(web_job.page(view, signed_in=self.check.enabled))
+
+    def plan_page(self, job_id: str) -> Reply:
+        rec = self.store.get(job_id)
+        plan = self.plans.get(job_id, _stored_job(rec.job_proto))
+        return _html(plan.page or f"<!doctype html><p>{web.esc(plan.summary)}</p>")
+
+    def login_form(self, req: Request) -> Reply:
+        nxt = _safe_next(req.query.get("next", ["/"])[0])
+        return _redirect(nxt) if not self.check.enabled else _html(web.login(nxt))
+
+    def login(self, req: Request) -> Reply:
+        form = req.form or {}
+        nxt = _safe_next(form.get("next", ["/"])[0])
+        if not self.check.enabled:
+            return _redirect(nxt)
+        token = form.get("token", [""])[0]
+        if not token or not self.check.check(f"Bearer {token}"):
+            problem = (
+                "the token is wrong: use the one the server was started with" if token else "give the token"
+            )
+            return _html(web.login(nxt, problem), 401)
+        return _redirect(nxt, ("Set-Cookie", self._cookie(self.check.session(), SESSION_SECONDS)))
+
+    def logout(self, req: Request) -> Reply:
+        return _redirect("/login" if self.check.enabled else "/", ("Set-Cookie", self._cookie("", 0)))
+
+    def _cookie(self, value: str, max_age: int) -> str:
+        secure = "; Secure" if self.secure else ""
+        return f"{COOKIE}={value}; Max-Age={max_age}; Path=/; HttpOnly; SameSite=Strict{secure}"
+
+
+def _job_id(text: str) -> str:
+    if not text or len(text) > MAX_ID or not text.isprintable() or "/" in text:
+        raise ValueError(f"{text[:40]!r} is not a job id; use an id from /v1/jobs")
+    return text
+
+
+def _stored_job(data: bytes) -> Any:
+    """The stored Job, or None when it no longer decodes."""
+    from sbpflow import wire
+    from sbpflow.v1 import job_pb2
+
+    try:
+        return wire.job_from_proto(job_pb2.Job.FromString(data))
+    except Exception:  # noqa: BLE001 - an old or damaged record: the page says so
+        log.warning("a stored job does not decode", exc_info=True)
+        return None
+
+
+def _int(query: Mapping[str, list[str]], name: str, default: int, lo: int, hi: int) -> int:
+    """The query parameter ``name`` as an int in ``lo .. hi`` (ValueError naming it otherwise)."""
+    text = query.get(name, [str(default)])[0].strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 12 and lo <= int(text) <= hi):
+        raise ValueError(f"{name}={text[:40]!r}: give an integer in {lo}..{hi}")
+    return int(text)
+
+
+def _state(name: str) -> JobState:
+    key = name.strip().upper().removeprefix("JOB_STATE_")
+    if key not in JobState.__members__:
+        raise ValueError(f"state={name[:40]!r} is unknown; use one of {', '.join(JobState.__members__)}")
+    return JobState[key]
+
+
+def _handler_class(endpoint: StatusEndpoint) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "sbpflow"
+        default_request_version = "HTTP/1.0"  # so even an unparsable request line gets a status line
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self._serve(None)
+
+        def do_POST(self) -> None:  # noqa: N802
+            size = self.headers.get("Content-Length", "0")
+            if not (size.isascii() and size.isdigit() and int(size) <= MAX_FORM):
+                self._reply(_error(413, f"a form of at most {MAX_FORM} bytes, with its Content-Length"))
+                return
+            raw = self.rfile.read(int(size)).decode("utf-8", errors="replace")
+            try:
+                form = parse_qs(raw, max_num_fields=16)
+            except ValueError as e:
+                self._reply(_error(400, f"malformed form: {str(e)[:200]}; send token=...&next=/path"))
+                return
+            self._serve(form)
+
+        def _serve(self, form: dict[str, list[str]] | None) -> None:
+            try:
+                url = urlsplit(self.path)
+                query = parse_qs(url.query, max_num_fields=64)
+            except ValueError as e:
+                self._reply(_error(400, f"malformed request target: {str(e)[:200]}"))
+                return
+            req = Request(
+                self.command,
+                url.path,
+                query,
+                self.headers.get("Authorization"),
+                self.headers.get("Cookie"),
+                form,
+            )
+            self._reply(endpoint.answer(req))
+
+        def do_HEAD(self) -> None:  # noqa: N802
+            self._reply(_error(405, "HEAD is not served; use GET"), allow=True)
+
+        def _refuse_method(self) -> None:
+            self._reply(
+                _error(405, f"{self.command} is not served: the status endpoint is read-only; use GET"),
+                allow=True,
+            )
+
+        do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse_method  # noqa: N815
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """http.server's own refusals (a malformed request line, over-long headers) as JSON too."""
+            self.close_connection = True
+            self._reply(_error(code, message or explain or "malformed request"))
+
+        def _reply(self, r: Reply, allow: bool = False) -> None:
+            self.send_response(r.code)
+            self.send_header("Content-Type", r.ctype)
+            self.send_header("Content-Length", str(len(r.body)))
+            if r.ctype == HTML:  # the pages run only their own inline script, and no one frames them
+                self.send_header("X-Frame-Options", "DENY")
+                self.send_header("Cache-Control", "no-store")
+            for name, value in r.headers:
+                self.send_header(name, value)
+            if r.code == 401:
+                self.send_header("WWW-Authenticate", 'Bearer realm="sbpflow"')
+            if allow:
+                self.send_header("Allow", "GET" if self.command != "POST" else "GET, POST")
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(r.body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # no access log on stderr
+
+    return Handler

@@ -1,0 +1,196 @@
+"""A job's own status page (``/jobs/{id}``): what went wrong first, then the curves, the workers, the
+checkpoints, the events and the log, then what the job is (its configuration and its plan).
+
+:class:`JobView` is everything the page shows, gathered by the HTTP endpoint from the store, the job
+manager and the plan cache; :func:`page` only formats it. The parts that change while a job runs carry
+``data-live`` (``web.py`` refreshes them); the configuration and the plan picture do not, so a block
+opened in the picture stays open.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sbpflow.checkpoint.read import CheckpointInfo
+from sbpflow.control_plane.status.charts import Series, fmt, line_chart
+from sbpflow.control_plane.status.web import (
+    TERMINAL,
+    badge,
+    esc,
+    frame,
+    held_out,
+    loss_chart,
+    ran_for,
+    table,
+    when,
+)
+from sbpflow.control_plane.store.schema import JobEvent, JobRecord, LogRecord, LossPoint, WorkerRecord
+from sbpflow.job import Job
+from sbpflow.run_state import JobState
+
+LOG_TAIL = 60  # log lines on the page (the whole log: sbpflow logs ID)
+EVENT_TAIL = 100  # state and reason events on the page
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What a job's page shows."""
+
+    rec: JobRecord
+    job: Job | None  # None when the stored Job no longer decodes (an older format)
+    workers: Sequence[WorkerRecord]
+    losses: Sequence[LossPoint]
+    events: Sequence[JobEvent]
+    logs: Sequence[LogRecord]
+    checkpoints: Sequence[CheckpointInfo]
+    plan_summary: str  # Compiled.summary(), or why there is none
+    plan_picture: str  # an HTML fragment (plan_picture.picture), or ""
+
+
+def page(v: JobView, signed_in: bool) -> str:
+    r = v.rec
+    body = (
+        f"<h1>{esc(r.name)} <small>{esc(r.id)}</small></h1>"
+        f"<div id='overview' data-live>{_overview(v)}</div>"
+        f"<div id='failure' data-live>{_failure(v)}</div>"
+        f"<h2>Curves</h2><div id='curves' class='charts' data-live>{_curves(v)}</div>"
+        f"<h2>Workers</h2><div id='workers' data-live>{_workers(v.workers)}</div>"
+        f"<h2>Checkpoints</h2><div id='checkpoints' data-live>{_checkpoints(v.checkpoints)}</div>"
+        f"<h2>Events</h2><div id='events' data-live>{_events(v.events)}</div>"
+        f"<h2>Log</h2><div id='log' data-live>{_log(v.logs)}</div>"
+        f"<h2>Configuration</h2>{_configuration(v.job)}"
+        f"<h2>Plan</h2><pre id='plan-summary'>{esc(v.plan_summary)}</pre>{v.plan_picture}"
+        f"<p>JSON: <a href='/v1/jobs/{esc(r.id)}'>/v1/jobs/{esc(r.id)}</a> · the plan alone: "
+        f"<a href='/jobs/{esc(r.id)}/plan'>/jobs/{esc(r.id)}/plan</a></p>"
+    )
+    return frame(f"sbpflow: {r.name} {r.id}", body, final=r.state in TERMINAL, signed_in=signed_in)
+
+
+def _overview(v: JobView) -> str:
+    r = v.rec
+    cells = [
+        ("state", f"{badge(r.state)} {esc(r.reason)}"),
+        ("step", f"{r.step} of {r.total_steps}"),
+        ("loss", "" if r.loss is None else esc(fmt(r.loss))),
+        ("held-out loss", held_out(r)),
+        ("samples/s", "" if not r.samples_per_second else esc(fmt(r.samples_per_second))),
+        ("attempt", str(r.attempt)),
+        ("created", esc(when(r.created))),
+        ("started", esc(when(r.started))),
+        ("finished", esc(when(r.finished))),
+        ("ran for", esc(ran_for(r))),
+        ("message", esc(r.message)),
+    ]
+    if r.resumed_from:
+        cells.append(("resumed from", f"<a href='/jobs/{esc(r.resumed_from)}'>{esc(r.resumed_from)}</a>"))
+    return table(("", ""), [(f"<b>{k}</b>", val) for k, val in cells])
+
+
+def _failure(v: JobView) -> str:
+    """The failure text: the job's message and every ERROR line of its log (tracebacks whole)."""
+    if v.rec.state != JobState.FAILED:
+        return ""
+    errors = [
+        f"[{'control plane' if e.rank < 0 else f'rank {e.rank}'}] {e.text}"
+        for e in v.logs
+        if e.level == "ERROR"
+    ]
+    return (
+        f"<div class='failure'><h2>Failed: {esc(v.rec.reason)}</h2><pre id='failure-text'>"
+        f"{esc(v.rec.message)}{chr(10) * 2 if errors else ''}{esc(chr(10).join(errors))}</pre></div>"
+    )
+
+
+def _curves(v: JobView) -> str:
+    started = v.rec.started if v.rec.started is not None else (v.losses[0].time if v.losses else 0.0)
+    step_seconds = tuple(
+        (float(e.data["step"]), float(e.data.get("step_seconds", 0.0)))  # type: ignore[arg-type]
+        for e in v.events
+        if e.kind == "step"
+    )
+    return "".join(
+        (
+            loss_chart(v.losses),
+            line_chart(
+                [Series("samples/s", tuple((p.time - started, p.samples_per_second) for p in v.losses))],
+                x_label="seconds since the job started",
+                y_label="samples/s",
+                title="throughput over time",
+            ),
+            line_chart(
+                [Series("step time (s)", step_seconds)],
+                x_label="step",
+                y_label="seconds",
+                title="step time",
+            ),
+        )
+    )
+
+
+def _workers(workers: Sequence[WorkerRecord]) -> str:
+    rows = [
+        (
+            str(w.rank),
+            esc(w.state.name),
+            esc(w.host),
+            esc(w.worker_id),
+            str(w.step),
+            esc(when(w.last_heartbeat)),
+        )
+        for w in sorted(workers, key=lambda w: w.rank)
+    ]
+    return table(("rank", "state", "host", "worker", "step", "last heard"), rows, "no workers yet")
+
+
+def _checkpoints(found: Sequence[CheckpointInfo]) -> str:
+    rows = [(str(c.step), esc(c.path), esc(f"{c.bytes:,} B")) for c in found]
+    return table(
+        ("step", "path", "size"), rows, "no checkpoints (the job has checkpoint_every=0, or none yet)"
+    )
+
+
+def _events(events: Sequence[JobEvent]) -> str:
+    shown = [e for e in events if e.kind != "step"][-EVENT_TAIL:]
+    steps = [e for e in events if e.kind == "step"]
+    rows = [(esc(when(e.time)), esc(e.kind), esc(e.state.name), esc(e.reason), esc(e.message)) for e in shown]
+    note = f"<p>and {len(steps)} step events (the curves above)</p>" if steps else ""
+    return table(("time", "kind", "state", "reason", "message"), rows) + note
+
+
+def _log(logs: Sequence[LogRecord]) -> str:
+    if not logs:
+        return "<p class='nodata'>no log lines yet</p>"
+    tail = logs[-LOG_TAIL:]
+    lines = "\n".join(
+        f"{when(e.time)} {'cp' if e.rank < 0 else f'r{e.rank}'} {e.level}: {e.text}" for e in tail
+    )
+    more = (
+        f"<p>the last {LOG_TAIL} of {len(logs)} lines; all: sbpflow logs ID</p>"
+        if len(logs) > LOG_TAIL
+        else ""
+    )
+    return f"<pre>{esc(lines)}</pre>{more}"
+
+
+def _configuration(job: Job | None) -> str:
+    if job is None:
+        return "<p class='nodata'>the stored job does not decode with this version of sbpflow</p>"
+    rows = [(esc(f.name), esc(getattr(job.config, f.name))) for f in dataclasses.fields(job.config)]
+    if job.optimizer is not None:
+        o = job.optimizer
+        rows += [
+            ("optimizer", esc(o.algorithm)),
+            ("lr schedule", esc(o.schedule)),
+            ("clip_grad_norm", esc(o.clip_grad_norm)),
+        ]
+    if job.data is not None:
+        rows.append(("data", esc(job.data)))
+    count = sum(job.graph.tensors[p.tensor].meta.numel for p in job.parameters)
+    rows += [
+        ("parameters", esc(f"{len(job.parameters)} tensors, {count:,} values")),
+        ("ops", str(len(job.graph.ops))),
+        ("loss", esc(job.loss)),
+    ]
+    return table(("setting", "value"), rows)

@@ -1,0 +1,162 @@
+"""The status pages in a real headless browser: sign in, open a job, see its loss curve and its plan.
+
+Debian's ``chromium`` and ``chromium-driver`` drive it through selenium (``.ci/run`` installs them);
+the test is skipped, saying so, where they are missing. Set ``SBPFLOW_SCREENSHOTS=DIR`` to keep a
+screenshot of each page.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sbpflow.client.client import JobHandle
+from sbpflow.control_plane.service.server import ControlPlane
+from tests.client.test_examples import load
+from tests.control_plane.serving import serving
+
+CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1400,1000",
+)
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the dev extra")
+pytestmark = pytest.mark.skipif(
+    not (shutil.which(CHROMIUM) and shutil.which(DRIVER)),
+    reason="no Chromium here: apt-get install -y --no-install-recommends chromium chromium-driver",
+)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ControlPlane, JobHandle]]:
+    with serving(tmp_path_factory.mktemp("browser"), [load("gpt").make_job(steps=4)]) as (plane, (h,)):
+        yield plane, h
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in FLAGS:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    driver.set_page_load_timeout(60)
+    driver.implicitly_wait(20)  # a find waits for the page a click or a redirect is loading
+    yield driver
+    driver.quit()
+
+
+def shot(driver: Any, name: str) -> None:
+    where = os.environ.get("SBPFLOW_SCREENSHOTS")
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(Path(where) / f"{name}.png"))
+
+
+def open_signed_in(d: Any, url: str) -> None:
+    """Open ``url``, signing in on the way when the page asks for the token."""
+    from selenium.webdriver.common.by import By
+
+    d.get(url)
+    if "sign in" in d.title:  # the title, not a find: a find of what is absent waits out the implicit wait
+        d.find_element(By.ID, "token").send_keys("tok")
+        d.find_element(By.ID, "signin").click()
+
+
+def test_sign_in_open_a_job_and_see_its_curve(browser: Any, served: tuple[ControlPlane, JobHandle]) -> None:
+    from selenium.webdriver.common.by import By
+
+    plane, h = served
+    d = browser
+    d.get(f"{plane.http_address}/")
+    shot(d, "1-sign-in")
+    d.find_element(By.ID, "token").send_keys("tok")
+    d.find_element(By.ID, "signin").click()
+    link = d.find_element(By.LINK_TEXT, h.job_id)
+    shot(d, "2-jobs")
+    cookies = {c["name"]: c for c in d.get_cookies()}
+    assert cookies["sbpflow_session"]["httpOnly"] is True
+    assert d.execute_script("return document.cookie") == ""  # script cannot read it
+    link.click()
+    assert h.job_id in d.title
+    chart = d.find_element(By.CSS_SELECTOR, "#curves svg.chart")
+    assert chart.size["width"] > 300 and chart.size["height"] > 150  # drawn, not an empty box
+    texts = [t.text for t in chart.find_elements(By.TAG_NAME, "text")]
+    assert "step" in texts and "loss" in texts and len(texts) > 6  # axis titles and tick values
+    points = chart.find_element(By.TAG_NAME, "polyline").get_attribute("points").split()
+    assert len(points) == 4  # one point per step
+    shot(d, "3-job")
+
+
+def test_a_block_of_the_plan_opens_on_click(browser: Any, served: tuple[ControlPlane, JobHandle]) -> None:
+    from selenium.webdriver.common.by import By
+
+    plane, h = served
+    d = browser
+    open_signed_in(d, f"{plane.http_address}/jobs/{h.job_id}")
+    blocks = d.find_elements(By.CSS_SELECTOR, "section.block")
+    assert blocks and not any(b.is_displayed() for b in blocks)
+    target = d.find_element(By.CSS_SELECTOR, "#plan svg a")  # a node's link
+    href = d.execute_script(
+        "return arguments[0].getAttribute('xlink:href') || arguments[0].getAttribute('href')", target
+    )
+    assert href.startswith("#block-")
+    target.find_element(By.TAG_NAME, "text").click()  # a person clicks the node's words
+    assert d.current_url.endswith(href)
+    opened = d.find_element(By.ID, href[1:])
+    assert opened.is_displayed() and opened.find_elements(By.TAG_NAME, "table")
+    shot(d, "4-block")
+
+
+def test_signing_out_locks_the_pages_again(browser: Any, served: tuple[ControlPlane, JobHandle]) -> None:
+    from selenium.webdriver.common.by import By
+
+    plane, _ = served
+    d = browser
+    d.get(f"{plane.http_address}/")
+    d.find_element(By.XPATH, "//button[text()='sign out']").click()
+    assert d.find_elements(By.ID, "token")  # the sign-in form
+    d.get(f"{plane.http_address}/")
+    assert d.find_elements(By.ID, "token")
+
+
+def test_a_running_jobs_page_refreshes_itself(browser: Any, served: tuple[ControlPlane, JobHandle]) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from sbpflow.client.client import Client
+
+    plane, _ = served
+    d = browser
+    with Client(plane.address, token="tok") as c:
+        h = c.submit(load("mlp").make_job(steps=100_000))  # runs until cancelled
+        try:
+            WebDriverWait(h, 60, 0.2).until(lambda h: h.status().step > 0)
+            open_signed_in(d, f"{plane.http_address}/jobs/{h.job_id}")
+            first = d.find_element(By.ID, "overview").text
+            assert (
+                "RUNNING" in first and d.find_element(By.TAG_NAME, "body").get_attribute("data-final") == "0"
+            )
+            # no reload: the page's own script swaps in the new step within a refresh or two
+            swapped = (StaleElementReferenceException,)  # the element read as the script replaced it
+            WebDriverWait(d, 60, 0.5, swapped).until(
+                lambda d: d.find_element(By.ID, "overview").text != first
+            )
+            assert d.find_elements(By.CSS_SELECTOR, "#curves svg.chart polyline")
+        finally:
+            h.cancel("the test has seen the page refresh")
