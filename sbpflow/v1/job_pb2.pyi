@@ -1298,7 +1298,7 @@ class JobConfig(_message.Message):
     @_builtins.property
     def elastic(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Elastic resume: the rank counts, largest first, the job may go on with when a lost worker's capacity
-        is not back within elastic_grace seconds (control_plane/elastic.py); empty = the same ranks only.
+        is not back within elastic_grace seconds (control_plane/launch/elastic.py); empty = the same ranks only.
         """
 
     @_builtins.property
