@@ -1,5 +1,5 @@
 """``bench/auto_plan.py --scale``: the automatic plan search on a GPT-175B-shaped job over 1,024 devices
-(``control_plane/compiler/auto_blocks.py``: one block priced, multiplied), its wall time and peak memory
+(``control_plane/compiler/search/auto_blocks.py``: one block priced, multiplied), its wall time and peak memory
 against the targets (< 60 s, < 8 GB), and its winner beside compile_scale.py's hand layout (TP 8 x PP 16
 x DP 8, 16 micro-batches)."""
 
@@ -11,8 +11,8 @@ import time
 
 import sbpflow as sf
 from bench.compile_scale import LossHead, Shape, TrainGPT
-from sbpflow.control_plane.compiler import auto_blocks
-from sbpflow.control_plane.compiler.auto_layouts import Layout
+from sbpflow.control_plane.compiler.search import auto_blocks
+from sbpflow.control_plane.compiler.search.auto_layouts import Layout
 from sbpflow.data import SyntheticSource
 
 SHAPE = Shape()  # 96 layers, width 12,288, 96 heads, sequence 2,048, vocabulary 50,257

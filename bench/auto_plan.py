@@ -38,9 +38,10 @@ from scipy.stats import spearmanr  # noqa: E402
 
 import sbpflow as sf  # noqa: E402
 from bench._shared import load_example  # noqa: E402
-from sbpflow.control_plane.compiler import auto_plan, pipeline  # noqa: E402
-from sbpflow.control_plane.compiler.auto_layouts import Layout, relayout  # noqa: E402
-from sbpflow.control_plane.compiler.cost_model import DeviceProfile  # noqa: E402
+from sbpflow.control_plane.compiler import pipeline  # noqa: E402
+from sbpflow.control_plane.compiler.cost.cost_model import DeviceProfile  # noqa: E402
+from sbpflow.control_plane.compiler.search import auto_plan
+from sbpflow.control_plane.compiler.search.auto_layouts import Layout, relayout  # noqa: E402
 
 RANKS = 4
 # model -> (example, make_job arguments, its own hand layout where the example has one beside the flags')

@@ -42,10 +42,11 @@ from scipy.stats import spearmanr
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._shared import load_example  # noqa: E402
-from sbpflow.control_plane.compiler import pipeline, sbp_ilp  # noqa: E402
-from sbpflow.control_plane.compiler.cost_model import DeviceProfile, StepEstimate, estimate  # noqa: E402
-from sbpflow.control_plane.compiler.cpu_profile import WARM, WINDOW, measure_cpu_profile, step_time  # noqa: E402
-from sbpflow.control_plane.compiler.kernel_probe import measure_kernels  # noqa: E402
+from sbpflow.control_plane.compiler import pipeline  # noqa: E402
+from sbpflow.control_plane.compiler.cost.cost_model import DeviceProfile, StepEstimate, estimate  # noqa: E402
+from sbpflow.control_plane.compiler.passes import sbp_ilp
+from sbpflow.control_plane.profiling.cpu_profile import WARM, WINDOW, measure_cpu_profile, step_time  # noqa: E402
+from sbpflow.control_plane.profiling.kernel_probe import measure_kernels  # noqa: E402
 from tests.control_plane.compiler.test_plan_bytes import (  # noqa: E402
     MEGATRON_TP4,
     MEGATRON_TP4_VOCAB,

@@ -105,8 +105,8 @@ def _with_config(job: Any, args: argparse.Namespace) -> Any:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Compile an example; print the plan summary and write the Plan protobuf and/or an HTML picture."""
-    from sbpflow.control_plane.compiler import render
     from sbpflow.control_plane.compiler.pipeline import compile
+    from sbpflow.control_plane.render import graph_page
 
     compiled = compile(_job_from_args(args))
     if args.json:
@@ -117,8 +117,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(compiled.summary())
     say = (lambda text: print(text, file=sys.stderr)) if args.json else print  # stdout holds the JSON
     if args.profile:
-        from sbpflow.control_plane.compiler.cost_model import estimate, load_profile
-        from sbpflow.control_plane.compiler.kernel_probe import measure_kernels
+        from sbpflow.control_plane.compiler.cost.cost_model import estimate, load_profile
+        from sbpflow.control_plane.profiling.kernel_probe import measure_kernels
 
         profile = load_profile(args.profile)
         together = (args.link or profile.default_link) == "inprocess"  # ranks as threads of one process
@@ -133,11 +133,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         Path(args.out).write_bytes(data)
         say(f"wrote {args.out} ({len(data)} bytes)")
     if args.html:
-        page = render.html_page(compiled.state, compiled.memory, compiled.notes)
+        page = graph_page.html_page(compiled.state, compiled.memory, compiled.notes)
         Path(args.html).write_text(page, encoding="utf-8")
         say(f"wrote {args.html}")
     if args.dot:
-        Path(args.dot).write_text(render.dot(compiled.state), encoding="utf-8")
+        Path(args.dot).write_text(graph_page.dot(compiled.state), encoding="utf-8")
         say(f"wrote {args.dot} (render with: dot -Tsvg {args.dot} -o plan.svg)")
     return 0
 

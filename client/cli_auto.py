@@ -1,5 +1,5 @@
 """``sbpflow plan --auto`` and ``sbpflow run --auto``: the example's job laid out as the automatic plan
-search's winner (``control_plane/compiler/auto_plan.py``), after printing the candidates it weighed and
+search's winner (``control_plane/compiler/search/auto_plan.py``), after printing the candidates it weighed and
 why the winner won."""
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def auto_job(job: Job, args: argparse.Namespace) -> Job:
         return job
     if getattr(args, "tp", False) or getattr(args, "dp", None):
         raise UsageError("--auto chooses the layout itself: drop --tp and --dp (give --ranks)")
-    from sbpflow.control_plane.compiler import auto_plan  # the compiler loads only for --auto
-    from sbpflow.control_plane.compiler.auto_layouts import relayout
+    from sbpflow.control_plane.compiler.search import auto_plan  # the compiler loads only for --auto
+    from sbpflow.control_plane.compiler.search.auto_layouts import relayout
 
     profile = getattr(args, "profile", None) or "cpu"
     found = auto_plan.search(job, budget, profile=profile)

@@ -71,7 +71,7 @@ class GraphConfig:
     eval_every: int = 0  # the held-out loss every this many steps (trace(..., eval_data=...)); 0 = never
     eval_batches: int = 1  # batches of the held-out split per evaluation
     # trace() lays the job out as the automatic plan search's winner on its placement's ranks
-    # (control_plane/compiler/auto_plan.py), within memory_per_device bytes (0: the profile's device)
+    # (control_plane/compiler/search/auto_plan.py), within memory_per_device bytes (0: the profile's device)
     auto_parallel: bool = False
     memory_per_device: int = 0
     auto_profile: str = "cpu"  # the cost model's device profile: cpu (measured), h200 or a file
@@ -183,7 +183,7 @@ class Graph:
         )
         job.verify()
         if self.config.auto_parallel:
-            from sbpflow.control_plane.compiler.auto_plan import choose
+            from sbpflow.control_plane.compiler.search.auto_plan import choose
 
             job = choose(job, self.config.memory_per_device or None, self.config.auto_profile)
         return job

@@ -174,9 +174,9 @@ class JobConfig:
     seed: int = 0
     checkpoint_every: int = 0
     # gradient all-reduces packed into buckets of about this many bytes, in backward order (DDP's 25 MiB);
-    # 0 = one all-reduce per gradient (control_plane/compiler/grad_buckets.py)
+    # 0 = one all-reduce per gradient (control_plane/compiler/passes/grad_buckets.py)
     grad_bucket_bytes: int = GRAD_BUCKET_BYTES
-    fusion: bool = False  # chains of elementwise ops as one kernel (control_plane/compiler/fusion.py)
+    fusion: bool = False  # chains of elementwise ops as one kernel (control_plane/compiler/passes/fusion.py)
     # every this many steps (0: never) the loss over ``eval_batches`` batches of ``Job.eval_data``, a
     # held-out split, from that step's checkpoint (so a multiple of checkpoint_every)
     eval_every: int = 0

@@ -34,21 +34,20 @@ from types import ModuleType
 from typing import Literal, TypeVar
 
 from sbpflow import wire
-from sbpflow.control_plane.compiler import (
-    boxing_pass,
-    comm_order,
-    fusion,
-    grad_buckets,
-    memory,
-    micro_batching,
-    sbp_inference,
-)
+from sbpflow.control_plane.compiler import comm_order, memory
 from sbpflow.control_plane.compiler.lowering import lower as lowering
 from sbpflow.control_plane.compiler.lowering.boxing import Memo
 from sbpflow.control_plane.compiler.lowering.on_demand import LAZY_ABOVE, check_order, estimate_tasks
 from sbpflow.control_plane.compiler.lowering.tasks import LoweringError
 from sbpflow.control_plane.compiler.memory import DeviceMemory
-from sbpflow.control_plane.compiler.rewrites import REWRITES
+from sbpflow.control_plane.compiler.passes import (
+    boxing_pass,
+    fusion,
+    grad_buckets,
+    micro_batching,
+    sbp_inference,
+)
+from sbpflow.control_plane.compiler.passes.rewrites import REWRITES
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.control_plane.compiler.verify import verify_compiled
 from sbpflow.errors import PlacementError

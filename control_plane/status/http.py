@@ -9,7 +9,7 @@
 | ``/metrics`` | Prometheus exposition format (``metrics.py``) |
 | ``/`` | the jobs page: every job with its state, times and loss curve (``web.py``) |
 | ``/jobs/{id}`` | a job's page: failure, curves, workers, checkpoints, events, log, configuration, plan |
-| ``/jobs/{id}/plan`` | the job's plan picture on a page of its own (``compiler/render.py``) |
+| ``/jobs/{id}/plan`` | the job's plan picture on a page of its own (``control_plane/render/graph_page.py``) |
 | ``/login`` | GET: the sign-in form (open); POST ``token=...&next=/path``: the session cookie, then ``next`` |
 | ``/logout`` | POST: the session cookie cleared |
 

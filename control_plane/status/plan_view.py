@@ -11,8 +11,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from sbpflow.control_plane.compiler import plan_picture, render
 from sbpflow.control_plane.compiler.pipeline import compile
+from sbpflow.control_plane.render import graph_page, plan_picture
 from sbpflow.job import Job
 
 KEEP = 8  # plans kept
@@ -22,7 +22,7 @@ KEEP = 8  # plans kept
 class PlanView:
     summary: str  # Compiled.summary(), or why there is no plan
     picture: str  # the block picture (plan_picture.picture), "" without a plan
-    page: str  # the whole plan page (render.html_page), "" without a plan
+    page: str  # the whole plan page (graph_page.html_page), "" without a plan
 
 
 class PlanCache:
@@ -53,4 +53,6 @@ def _view(job: Job | None) -> PlanView:
         c = compile(job)
     except Exception as e:  # noqa: BLE001 - a page says why, it never fails for it
         return PlanView(f"no plan: the job does not compile now: {type(e).__name__}: {e}", "", "")
-    return PlanView(c.summary(), plan_picture.picture(c.state), render.html_page(c.state, c.memory, c.notes))
+    return PlanView(
+        c.summary(), plan_picture.picture(c.state), graph_page.html_page(c.state, c.memory, c.notes)
+    )

@@ -1,7 +1,7 @@
 """The work of one op call: floating-point operations and bytes moved, from its shapes and its declaration.
 
 :func:`work` gives an :class:`OpWork` for a call from its input and output metas (local shards, when the
-caller prices one rank) and its attributes; the cost model (``control_plane/compiler/cost_model.py``)
+caller prices one rank) and its attributes; the cost model (``control_plane/compiler/cost/cost_model.py``)
 turns it into time with a roofline, ``max(flops / peak, bytes / bandwidth)``. Each op declares its count
 in its ``defop`` (``flops=``, ``view=``), beside its kernel:
 
@@ -16,7 +16,7 @@ in its ``defop`` (``flops=``, ``view=``), beside its kernel:
 * **Bytes** are every input and output once; a *view* (``view=True``: reshape, identity, ...) moves
   nothing.
 
-Every op of the library must declare its count: ``tests/control_plane/compiler/test_cost_model.py`` fails
+Every op of the library must declare its count: ``tests/control_plane/compiler/cost/test_cost_model.py`` fails
 on one without, and :func:`work` refuses it, naming what to add.
 """
 

@@ -1,6 +1,6 @@
 """``pack`` and ``unpack``: several tensors as one flat array and back (a gradient bucket).
 
-The compiler's gradient bucketing pass (control_plane/compiler/grad_buckets.py) packs the partial-sum
+The compiler's gradient bucketing pass (control_plane/compiler/passes/grad_buckets.py) packs the partial-sum
 gradients of a bucket into one 1-d array, all-reduces it once, and unpacks the whole gradients again:
 one collective instead of one per gradient, as PyTorch DDP's buckets do.
 

@@ -26,7 +26,7 @@ from sbpflow import reference
 from sbpflow.job import AdamW, Job, OptimizerSpec
 from sbpflow.sbp import B, S
 from tests.client.test_examples import load
-from tests.control_plane.compiler.test_autodiff import as_float64
+from tests.control_plane.compiler.passes.test_autodiff import as_float64
 
 STEPS = 5
 MLP: dict[str, Any] = {"n_in": 8, "hidden": 16, "n_out": 4, "layers": 1, "batch_size": 8, "steps": STEPS}

@@ -16,7 +16,7 @@ from sbpflow.graph import BOXING
 from sbpflow.job import Job
 from tests.actor_workers.test_equivalence import STEPS, assert_trains_like_one_device
 from tests.client.test_examples import load
-from tests.control_plane.compiler.test_autodiff import as_float64
+from tests.control_plane.compiler.passes.test_autodiff import as_float64
 
 # ---- ResNet-18, data parallel (batch norm synchronised by P -> B of its batch statistics) ----------
 

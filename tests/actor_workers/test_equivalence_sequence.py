@@ -13,7 +13,7 @@ import pytest
 from sbpflow.boxing import Collective
 from sbpflow.control_plane.compiler import pipeline
 from tests.actor_workers.test_equivalence import STEPS, assert_trains_like_one_device, gpt_job
-from tests.control_plane.compiler.test_autodiff import as_float64
+from tests.control_plane.compiler.passes.test_autodiff import as_float64
 
 LAYOUTS = {
     "gpt-tp4-sp": {"ranks": 4, "tp": True, "heads": 4, "sequence_parallel": True},

@@ -27,7 +27,7 @@ from sbpflow.checkpoint.read import CheckpointReader, export, list_checkpoints, 
 from sbpflow.control_plane.launch.launcher import compile_for_run
 from sbpflow.job import Job
 from tests.actor_workers.test_equivalence import mlp_dp2xtp2, mlp_job
-from tests.control_plane.compiler.test_autodiff import as_float64
+from tests.control_plane.compiler.passes.test_autodiff import as_float64
 
 STEPS = 6
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from sbpflow.job import Job
 from tests.client.test_examples import load
-from tests.control_plane.compiler.test_autodiff import as_float64
+from tests.control_plane.compiler.passes.test_autodiff import as_float64
 
 
 def make_job(**kwargs: Any) -> Job:

@@ -43,11 +43,11 @@ import pytest
 
 import sbpflow as sf
 from sbpflow import wire
-from sbpflow.control_plane.compiler import boxing_pass
+from sbpflow.control_plane.compiler.passes import boxing_pass
 from sbpflow.control_plane.compiler.pipeline import compile
 from sbpflow.job import Job
 from tests.client.test_examples import load
-from tests.control_plane.compiler.test_autodiff import as_float64
+from tests.control_plane.compiler.passes.test_autodiff import as_float64
 from tests.deploy import netns
 
 ROOT = Path(__file__).resolve().parents[2]

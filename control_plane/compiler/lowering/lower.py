@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 from sbpflow import wire
 from sbpflow.boxing import BoxingPlan
-from sbpflow.control_plane.compiler import micro_batching
 from sbpflow.control_plane.compiler.lowering.boxing import Lowerer, Memo
 from sbpflow.control_plane.compiler.lowering.tasks import SOURCE_KINDS, K, LoweringError
-from sbpflow.control_plane.compiler.micro_batching import Layout
+from sbpflow.control_plane.compiler.passes import micro_batching
+from sbpflow.control_plane.compiler.passes.micro_batching import Layout
 from sbpflow.control_plane.compiler.schedule import Phase
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.graph import Graph, OpNode, TensorKind

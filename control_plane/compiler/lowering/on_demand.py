@@ -16,10 +16,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from sbpflow.boxing import BoxingPlan, Collective
-from sbpflow.control_plane.compiler import comm_order, micro_batching
+from sbpflow.control_plane.compiler import comm_order
 from sbpflow.control_plane.compiler.comm_order import CommOrder, GroupCall
 from sbpflow.control_plane.compiler.lowering.boxing import Lowerer
 from sbpflow.control_plane.compiler.lowering.tasks import placement_of
+from sbpflow.control_plane.compiler.passes import micro_batching
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.graph import BOXING, Graph, OpNode
 

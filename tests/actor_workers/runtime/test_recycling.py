@@ -20,7 +20,7 @@ from sbpflow.control_plane.compiler import pipeline
 from sbpflow.data import ArraySource
 from sbpflow.random import Normal
 from tests.client.test_examples import load
-from tests.control_plane.compiler.test_autodiff import as_float64
+from tests.control_plane.compiler.passes.test_autodiff import as_float64
 
 
 def test_the_update_gets_the_value_two_steps_back_never_the_first_nor_the_current() -> None:

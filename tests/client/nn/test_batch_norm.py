@@ -17,7 +17,7 @@ from sbpflow.data import DataField, SyntheticSource
 from sbpflow.dtype import DType
 from sbpflow.errors import GraphError, SbpflowError
 from sbpflow.job import Job
-from tests.control_plane.compiler.test_autodiff import as_float64
+from tests.control_plane.compiler.passes.test_autodiff import as_float64
 
 F = sf.nn.functional
 N, C, H, W = 8, 3, 4, 5

@@ -12,7 +12,7 @@ from sbpflow.graph import TensorKind
 from sbpflow.placement import placement
 from sbpflow.sbp import B, P, S
 from sbpflow.v1 import plan_pb2 as pp
-from tests.control_plane.compiler.test_lowering import HandGraph, mlp
+from tests.control_plane.compiler.lowering.test_lower import HandGraph, mlp
 
 AR = pp.COLLECTIVE_KIND_ALL_REDUCE
 

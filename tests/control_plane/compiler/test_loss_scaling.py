@@ -21,7 +21,7 @@ from sbpflow.numerics import NonFiniteLoss
 from sbpflow.ops.loss_scaling import SCALE, SKIPPED
 from sbpflow.reference_scaling import Scaler
 from tests.client.test_examples import load
-from tests.control_plane.compiler.test_recompute import with_config
+from tests.control_plane.compiler.passes.test_recompute import with_config
 
 # 2**20 overflows the MLP's fp16 backward for its first steps, then the scale backs off until it fits,
 # and grows every 3 clean steps until it overflows again: skips, backoffs and growths within 12 steps

@@ -12,7 +12,7 @@ from sbpflow.graph import TensorKind
 from sbpflow.placement import placement
 from sbpflow.sbp import S
 from tests.client.test_examples import load
-from tests.control_plane.compiler.test_lowering import HandGraph, mlp
+from tests.control_plane.compiler.lowering.test_lower import HandGraph, mlp
 
 
 def estimate(state) -> dict[int, DeviceMemory]:

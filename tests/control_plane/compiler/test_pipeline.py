@@ -9,13 +9,14 @@ import xml.dom.minidom
 
 import pytest
 
-from sbpflow.control_plane.compiler import comm_order, pipeline, plan_picture, render
+from sbpflow.control_plane.compiler import comm_order, pipeline
 from sbpflow.control_plane.compiler.pipeline import compile
+from sbpflow.control_plane.render import graph_page, plan_picture
 from sbpflow.errors import GraphError
 from sbpflow.graph import BOXING, OpNode
 from sbpflow.v1 import plan_pb2 as pp
 from tests.client.test_examples import load
-from tests.control_plane.compiler.test_lowering import mlp
+from tests.control_plane.compiler.lowering.test_lower import mlp
 
 CONFIGS = [
     ("mlp", {"ranks": 4}),
@@ -70,7 +71,7 @@ def test_lowering_is_skipped_when_nothing_gives_the_layout(monkeypatch) -> None:
 
 
 def test_a_pass_that_breaks_the_graph_is_caught_right_after_it(monkeypatch) -> None:
-    autodiff = importlib.import_module("sbpflow.control_plane.compiler.autodiff")
+    autodiff = importlib.import_module("sbpflow.control_plane.compiler.passes.autodiff")
 
     def broken(state) -> None:
         state.graph.ops.append(OpNode("bad", "relu", ("nowhere",), ("x",)))
@@ -90,7 +91,7 @@ def test_summary_lists_sbp_boxing_and_memory(compiled) -> None:
 
 def test_html_picture_is_self_contained_svg(compiled) -> None:
     c = compiled[f"mlp{CONFIGS[1][1]}"]
-    page = render.html_page(c.state, c.memory, c.notes)
+    page = graph_page.html_page(c.state, c.memory, c.notes)
     namespaces = re.sub(r'xmlns(:xlink)?="http://www\.w3\.org/[^"]*"', "", page)
     assert page.startswith("<!doctype html>") and "<script" not in page and "http://" not in namespaces
     svg = page[page.index("<svg") : page.index("</svg>") + 6]  # the overview
@@ -106,7 +107,7 @@ def test_html_picture_is_self_contained_svg(compiled) -> None:
 
 def test_dot_text_has_every_op_and_edge(compiled) -> None:
     c = compiled[f"mlp{CONFIGS[0][1]}"]
-    text = render.dot(c.state)
+    text = graph_page.dot(c.state)
     assert text.startswith("digraph plan {") and text.rstrip().endswith("}")
     edges = [line for line in text.splitlines() if re.match(r'^  ".*" -> ".*" \[label=', line)]
     assert len(edges) == sum(len(o.inputs) for o in c.state.graph.ops)

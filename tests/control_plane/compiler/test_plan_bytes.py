@@ -24,7 +24,7 @@ import math
 from typing import Any
 
 from sbpflow.control_plane.compiler import pipeline
-from sbpflow.control_plane.compiler.micro_batching import layout
+from sbpflow.control_plane.compiler.passes.micro_batching import layout
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.graph import BOXING, TensorKind
 from sbpflow.sbp import S

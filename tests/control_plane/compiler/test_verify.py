@@ -7,13 +7,13 @@ from dataclasses import replace
 import pytest
 
 from sbpflow.boxing import plan_boxing
-from sbpflow.control_plane.compiler import boxing_pass, sbp_inference
+from sbpflow.control_plane.compiler.passes import boxing_pass, sbp_inference
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.control_plane.compiler.verify import verify_compiled
 from sbpflow.errors import GraphError
 from sbpflow.graph import BOXING
 from sbpflow.sbp import B
-from tests.control_plane.compiler.test_sbp_inference import CONFIGS, start
+from tests.control_plane.compiler.passes.test_sbp_inference import CONFIGS, start
 
 
 def compiled(config: str = "mlp-tp4") -> CompileState:

@@ -50,7 +50,7 @@ from sbpflow.run_options import MANAGER_DEFAULTS
 from sbpflow.run_state import JobState
 from sbpflow.sbp import S
 from tests.client.test_examples import load
-from tests.control_plane.compiler.test_autodiff import as_float64
+from tests.control_plane.compiler.passes.test_autodiff import as_float64
 from tests.control_plane.service.test_server import until
 
 STEPS, EVERY, KILL_AFTER = (

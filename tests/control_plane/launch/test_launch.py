@@ -21,7 +21,7 @@ from sbpflow.run_options import MANAGER_DEFAULTS
 from sbpflow.run_state import JobState
 from tests.actor_workers.test_equivalence import LAYOUTS
 from tests.client.test_examples import load
-from tests.control_plane.compiler.test_autodiff import as_float64
+from tests.control_plane.compiler.passes.test_autodiff import as_float64
 
 STEPS = 3
 

@@ -24,7 +24,7 @@ from sbpflow.errors import SbpflowError, ShapeError
 from sbpflow.ops.base import OPS, KernelContext, get_op
 from sbpflow.run_state import JobState
 from tests.client.test_examples import load
-from tests.control_plane.compiler.test_autodiff import as_float64
+from tests.control_plane.compiler.passes.test_autodiff import as_float64
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,7 @@ from sbpflow.data import ArrayFileSource
 from sbpflow.graph import TensorKind
 from sbpflow.run_state import JobState
 from tests.actor_workers.test_equivalence import LAYOUTS, mlp_job
-from tests.control_plane.compiler.test_autodiff import as_float64
+from tests.control_plane.compiler.passes.test_autodiff import as_float64
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 STEPS = 3

@@ -18,7 +18,7 @@ from sbpflow.run_options import MANAGER_DEFAULTS
 from sbpflow.run_state import JobState
 from sbpflow.v1 import service_pb2 as sp
 from tests.client.test_examples import load
-from tests.control_plane.compiler.test_recompute import with_config
+from tests.control_plane.compiler.passes.test_recompute import with_config
 
 
 def run(store: JobStore, job: Job) -> str:

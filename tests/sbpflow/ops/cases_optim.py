@@ -1,7 +1,7 @@
 """Cases for sbpflow/ops/optim.py.
 
 References are the textbook update formulas (torch.optim.SGD, torch.optim.AdamW) in plain numpy, at step 0
-(the eager builder's default); tests/control_plane/compiler/test_optimizer.py runs later steps.
+(the eager builder's default); tests/control_plane/compiler/passes/test_optimizer.py runs later steps.
 """
 
 from __future__ import annotations

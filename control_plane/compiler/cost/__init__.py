@@ -1,0 +1,1 @@
+"""The cost model: a compiled plan's modelled step time and memory on a device profile (``cost_model``), the step as the runtime runs it (``step_sim``) and what a stage does beyond its kernels (``stage_load``). Pure: the figures of a profile measured on this machine come from ``control_plane/profiling``."""

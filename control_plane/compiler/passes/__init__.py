@@ -1,0 +1,1 @@
+"""The compiler's passes over the logical graph, each a module with ``run(state)``, in the order ``pipeline.PASSES`` runs them: the graph rewrites (``rewrites.REWRITES``), SBP inference, boxing, fusion, gradient buckets and micro-batching."""

@@ -1,0 +1,145 @@
+"""Elementwise fusion: chains of elementwise ops become one ``fused_elementwise`` op (sbpflow/ops/fused.py).
+
+Every op costs an actor act (~11 µs of engine overhead) and a register, and each simple step of a chain
+allocates its result; one fused op acts once and writes its simple steps into the chain's own dying
+intermediates. ``run(state)`` runs after ``boxing_pass``, so every SBP is fixed, and before
+``micro_batching`` (which re-infers the fused op's metas per micro-batch from its inputs: the chain holds
+no shapes). It walks the ops in order and grows a chain while the next op
+
+* is one of ``fused.FUSABLE``, on the same placement, stage, checkpoint flag and phase (forward,
+  ``grad/`` or ``optimizer/``: micro-batching's layout tells them apart by name), and
+* reads a chain's result that nothing else reads: not a second reader, not a boxing (a chain never spans
+  a change of SBP), not a fetch, the loss, a gradient, an update or a variable.
+
+An intermediate's SBP is the one its reader's signature asked for (boxing inserted nothing there), so the
+fused op's signature is one of its composed rows; ``verify_compiled`` checks it after this pass. A fused
+op is named after its first op with ``.fused`` (keeping the phase prefix, and a name no twin graph of
+micro-batching knows), placed where its last op was, and its intermediates' declarations are dropped.
+
+Off by default: a job turns it on with ``JobConfig.fusion`` (``GraphConfig.fusion``, ``self.config.fusion
+= True`` in a graph's ``__init__``), so a job compiles the same wherever it is compiled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sbpflow.control_plane.compiler.passes.autodiff import GRAD
+from sbpflow.control_plane.compiler.passes.optimizer import PREFIX as OPTIMIZER
+from sbpflow.control_plane.compiler.state import Choice, CompileState
+from sbpflow.graph import OpNode, TensorKind
+from sbpflow.ops.base import NdSignature
+from sbpflow.ops.fused import FUSABLE, encode
+
+FUSED = "fused_elementwise"
+
+
+@dataclass
+class _Chain:
+    ops: list[OpNode] = field(default_factory=list)
+
+    @property
+    def tail(self) -> str:
+        return self.ops[-1].outputs[0]
+
+
+def _phase(o: OpNode) -> str:
+    return GRAD if o.name.startswith(GRAD) else OPTIMIZER if o.name.startswith(OPTIMIZER) else ""
+
+
+def _key(o: OpNode) -> tuple[object, ...]:
+    return (o.placement, o.stage, o.checkpoint, _phase(o))
+
+
+def protected(state: CompileState) -> set[str]:
+    """Tensors that must stay: read by the job or the passes after this one, whatever the graph says."""
+    g, job = state.graph, state.job
+    keep = {*job.fetches, job.loss, *state.grads.values(), *state.updates.values(), *state.state_vars}
+    keep.update(
+        t.name for t in g.tensors.values() if t.kind not in (TensorKind.activation, TensorKind.gradient)
+    )
+    return keep
+
+
+def chains(state: CompileState) -> list[list[OpNode]]:
+    """The chains of two or more ops to fuse, each in program order."""
+    g = state.graph
+    readers: dict[str, int] = {}
+    for o in g.ops:
+        for i in set(o.inputs):
+            readers[i] = readers.get(i, 0) + 1
+    keep = protected(state)
+    open_: dict[str, _Chain] = {}  # a chain's tail tensor -> the chain
+    every: list[_Chain] = []
+    for o in g.ops:
+        if o.op_type not in FUSABLE or len(o.outputs) != 1:
+            continue
+        joined = [
+            open_.pop(i)
+            for i in dict.fromkeys(o.inputs)
+            if i in open_ and readers[i] == 1 and i not in keep and _key(open_[i].ops[-1]) == _key(o)
+        ]
+        chain = _Chain([op for c in joined for op in c.ops] + [o]) if joined else _Chain([o])
+        if joined:
+            for c in joined:
+                every.remove(c)
+        every.append(chain)
+        open_[chain.tail] = chain
+    at = {o.name: i for i, o in enumerate(g.ops)}
+    return [sorted(c.ops, key=lambda o: at[o.name]) for c in every if len(c.ops) > 1]
+
+
+def fuse(state: CompileState, ops: list[OpNode]) -> OpNode:
+    """The fused op for the chain ``ops`` (in program order): its intermediates' declarations and the
+    ops' choices are replaced; the caller puts the node where the last op was (:func:`run`)."""
+    g = state.graph
+    made = {o.outputs[0]: k for k, o in enumerate(ops)}
+    inputs: list[str] = []
+    steps = []
+    for o in ops:
+        refs = []
+        for i in o.inputs:
+            if i in made and made[i] < made[o.outputs[0]]:
+                refs.append(f"s{made[i]}")
+            else:
+                if i not in inputs:
+                    inputs.append(i)
+                refs.append(f"in{inputs.index(i)}")
+        steps.append((o.op_type, dict(o.attrs), refs))
+    last = ops[-1]
+    node = OpNode(
+        f"{ops[0].name}.fused",
+        FUSED,
+        tuple(inputs),
+        last.outputs,
+        {"chain": encode(steps)},
+        last.placement,
+        last.stage,
+        last.checkpoint,
+        last.scope,
+    )
+    for t in list(made)[:-1]:
+        del g.tensors[t]
+    sbp = [g.tensors[t].sbp for t in (*inputs, *last.outputs)]
+    assert all(s is not None for s in sbp)
+    cost = sum(state.choices[o.name].cost for o in ops if o.name in state.choices)
+    for o in ops:
+        state.choices.pop(o.name, None)
+    state.choices[node.name] = Choice(
+        NdSignature(tuple(sbp[: len(inputs)]), tuple(sbp[len(inputs) :])),  # type: ignore[arg-type]
+        cost,
+        "fused: " + " + ".join(o.op_type for o in ops),
+    )
+    return node
+
+
+def run(state: CompileState) -> None:
+    if not state.job.config.fusion:
+        return
+    found = chains(state)
+    if not found:
+        return
+    at_last = {ops[-1].name: fuse(state, ops) for ops in found}
+    gone = {o.name for ops in found for o in ops}
+    g = state.graph
+    g.ops[:] = [at_last.get(o.name, o) for o in g.ops if o.name not in gone or o.name in at_last]

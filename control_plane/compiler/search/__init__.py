@@ -1,0 +1,1 @@
+"""The automatic plan search: the layouts a user could write by hand (``auto_layouts``), each compiled and priced by a price function it is given (``auto_plan``), and the search at scale by blocks (``auto_blocks``)."""

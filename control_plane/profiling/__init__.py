@@ -1,0 +1,1 @@
+"""This machine measured for the cost model, by running real code: its CPU's rates and a run's per-act cost (``cpu_profile``), its transports (``cpu_links``), a plan's kernels (``kernel_probe``), and the search priced with them (``pricing``). Above the compiler and the launcher, which it runs."""

@@ -1,0 +1,1 @@
+"""Pictures of a compiled plan: the block graph (``plan_blocks``), its picture through Graphviz or a layout of its own (``plan_picture``, ``plan_layout``), and a whole graph's HTML page and dot text (``graph_page``)."""

@@ -1,0 +1,143 @@
+"""Elementwise fusion: which chains fuse, which must not, and that the fused graph still verifies."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from sbpflow.control_plane.compiler import pipeline
+from sbpflow.control_plane.compiler.passes import fusion
+from sbpflow.control_plane.compiler.state import CompileState
+from sbpflow.control_plane.compiler.verify import verify_compiled
+from sbpflow.dtype import DType
+from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind
+from sbpflow.job import Job, JobConfig
+from sbpflow.ops.base import get_op
+from sbpflow.ops.fused import encode
+from sbpflow.placement import placement
+from sbpflow.sbp import B, P, S
+from sbpflow.tensor_meta import TensorMeta
+from tests.control_plane.compiler.passes.test_boxing_pass import boxed
+from tests.control_plane.compiler.passes.test_sbp_inference import start
+
+TWO = placement("cpu", [0, 1])
+META = TensorMeta((8, 6), DType.float32)
+
+
+def fused(state: CompileState) -> CompileState:
+    fusion.run(state)
+    verify_compiled(state)
+    return state
+
+
+def chain_ops(node: OpNode) -> list[str]:
+    return [step[0] for step in json.loads(str(node.attrs["chain"]))]
+
+
+def fused_nodes(state: CompileState) -> list[OpNode]:
+    return [o for o in state.graph.ops if o.op_type == fusion.FUSED]
+
+
+def job(
+    ops: list[tuple[str, str, tuple[str, ...], str]],
+    x_sbp: object = (S(0),),
+    fuse: bool = True,
+    **sbps: object,
+) -> Job:
+    """x (an input on two ranks) through ``ops`` (name, op_type, inputs, output), fusion on unless ``fuse``
+    is False; ``sbps`` annotate outputs."""
+    g = Graph()
+    g.add_tensor(TensorDecl("x", META, TensorKind.input, TWO, x_sbp))  # type: ignore[arg-type]
+    for name, op, ins, out in ops:
+        attrs = {"value": 0.5} if op.endswith("_scalar") else {}
+        g.add_tensor(TensorDecl(out, META, placement=TWO, sbp=sbps.get(out)))  # type: ignore[arg-type]
+        g.add_op(OpNode(name, op, ins, (out,), attrs, TWO))
+    return Job("fusion", g, config=JobConfig(fusion=fuse))
+
+
+def fusing(j: Job) -> Job:
+    return replace(j, config=replace(j.config, fusion=True))
+
+
+def test_a_chain_fuses_into_one_op_that_keeps_the_output_name() -> None:
+    state = fused(boxed(CompileState.start(job([
+        ("a", "add_scalar", ("x",), "h1"), ("b", "mul", ("h1", "x"), "h2"), ("c", "relu", ("h2",), "y"),
+    ]))))  # fmt: skip
+    (node,) = fused_nodes(state)
+    assert chain_ops(node) == ["add_scalar", "mul", "relu"]
+    assert node.name == "a.fused" and node.inputs == ("x",) and node.outputs == ("y",)
+    assert "h1" not in state.graph.tensors and "h2" not in state.graph.tensors
+    assert state.choices[node.name].reason == "fused: add_scalar + mul + relu"
+
+
+def test_off_by_default() -> None:
+    assert JobConfig().fusion is False
+    ops = [("a", "relu", ("x",), "h"), ("b", "tanh", ("h",), "y")]
+    assert not fused_nodes(fused(boxed(CompileState.start(job(ops, fuse=False)))))
+    assert fused_nodes(fused(boxed(CompileState.start(job(ops)))))
+
+
+def test_a_chain_never_spans_a_boxing() -> None:
+    # h is annotated B: relu writes h.from_S0 and a boxing all-gathers it before tanh reads it
+    state = fused(
+        boxed(CompileState.start(job([("a", "relu", ("x",), "h"), ("b", "tanh", ("h",), "y")], h=(B,))))
+    )
+    assert any(o.op_type == BOXING for o in state.graph.ops)
+    assert not fused_nodes(state)
+
+
+def test_an_intermediate_read_outside_the_chain_stays() -> None:
+    # h is read by tanh and exp: relu stays; tanh, exp and their add form a chain from h
+    state = fused(boxed(CompileState.start(job([
+        ("a", "relu", ("x",), "h"), ("b", "tanh", ("h",), "t"), ("c", "exp", ("h",), "e"),
+        ("d", "add", ("t", "e"), "y"),
+    ]))))  # fmt: skip
+    (node,) = fused_nodes(state)
+    assert sorted(chain_ops(node)) == ["add", "exp", "tanh"] and node.inputs == ("h",)
+    assert [o.op_type for o in state.graph.ops] == ["relu", fusion.FUSED]
+
+
+def test_a_partial_never_flows_into_a_nonlinear_step() -> None:
+    # x is P: mul_scalar may run on P, tanh may not, so a boxing separates them
+    state = fused(
+        boxed(CompileState.start(job([("a", "mul_scalar", ("x",), "h"), ("b", "tanh", ("h",), "y")], (P,))))
+    )
+    for node in fused_nodes(state):
+        assert state.graph.tensors[node.inputs[0]].sbp != (P,) or "tanh" not in chain_ops(node)
+
+
+@pytest.mark.parametrize(
+    ("steps", "partial"),
+    [
+        ([("mul_scalar", {"value": 2.0}, ["in0"]), ("neg", {}, ["s0"])], True),  # linear all the way
+        ([("mul_scalar", {"value": 2.0}, ["in0"]), ("tanh", {}, ["s0"])], False),  # tanh is not linear
+        ([("mul_scalar", {"value": 2.0}, ["in0"]), ("add_scalar", {"value": 1.0}, ["s0"])], False),  # affine
+    ],
+)
+def test_composed_rows_pass_p_only_through_linear_chains(steps: list, partial: bool) -> None:
+    op = get_op(fusion.FUSED)
+    rows = op.rows((META,), {"chain": encode(steps)})
+    assert any(r.ins == (P,) for r in rows) is partial
+    assert {r.ins for r in rows} >= {(S(0),), (S(1),), (B,)}
+
+
+def test_gpt_fuses_bias_and_residual_but_not_what_backward_reads() -> None:
+    compiled = pipeline.compile(fusing(start("gpt-dp4", layers=1).job))
+    g = compiled.state.graph
+    chains = {o.name: chain_ops(o) for o in g.ops if o.op_type == fusion.FUSED}
+    assert chains["model.blocks.0.attn.c_proj.add_0.fused"] == ["add", "add"]
+    assert chains["model.blocks.0.mlp.c_proj.add_0.fused"] == ["add", "add"]
+    # gelu_grad reads c_fc's bias add: that add and gelu stay apart
+    kinds = {o.name: o.op_type for o in g.ops}
+    assert kinds["model.blocks.0.mlp.c_fc.add_0"] == "add" and kinds["model.blocks.0.mlp.gelu_0"] == "gelu"
+    assert compiled.plan is not None
+
+
+def test_fusion_survives_micro_batching() -> None:
+    j = fusing(start("gpt-dp4", layers=1, batch_size=16).job)
+    compiled = pipeline.compile(replace(j, config=replace(j.config, gradient_accumulation_steps=2)))
+    assert compiled.state.graph.tensors["tokens"].meta.shape[0] * 2 == j.graph.tensors["tokens"].meta.shape[0]
+    assert any(o.op_type == fusion.FUSED for o in compiled.state.graph.ops)
+    assert compiled.plan is not None
