@@ -40,8 +40,9 @@ import sbpflow as sf  # noqa: E402
 from bench._shared import load_example  # noqa: E402
 from sbpflow.control_plane.compiler import pipeline  # noqa: E402
 from sbpflow.control_plane.compiler.cost.cost_model import DeviceProfile  # noqa: E402
-from sbpflow.control_plane.compiler.search import auto_plan
+from sbpflow.control_plane.compiler.search import auto_plan  # noqa: E402
 from sbpflow.control_plane.compiler.search.auto_layouts import Layout, relayout  # noqa: E402
+from sbpflow.control_plane.profiling import pricing  # noqa: E402
 
 RANKS = 4
 # model -> (example, make_job arguments, its own hand layout where the example has one beside the flags')
@@ -137,7 +138,7 @@ def one_model(name: str, args: argparse.Namespace, profile: DeviceProfile) -> No
     example, kwargs, own = MODELS[name]
     job = load_example(example).make_job(ranks=RANKS, steps=args.steps, **kwargs)
     t = time.perf_counter()
-    found = auto_plan.search(job, args.memory, profile=profile, link=args.link)
+    found = pricing.search(job, args.memory, profile=profile, link=args.link)
     took = time.perf_counter() - t
     print(
         f"\n== {name} ({kwargs}) on {RANKS} ranks, {profile.name} profile over {args.link}: "
@@ -193,7 +194,7 @@ def main() -> None:
 
         scale(args.profile if args.profile != "cpu" else "h200")
         return
-    profile = auto_plan.load(args.profile)
+    profile = pricing.device_profile(args.profile)
     for name in args.models.split(","):
         one_model(name, args, profile)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

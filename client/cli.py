@@ -117,10 +117,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(compiled.summary())
     say = (lambda text: print(text, file=sys.stderr)) if args.json else print  # stdout holds the JSON
     if args.profile:
-        from sbpflow.control_plane.compiler.cost.cost_model import estimate, load_profile
+        from sbpflow.control_plane.compiler.cost.cost_model import estimate
         from sbpflow.control_plane.profiling.kernel_probe import measure_kernels
+        from sbpflow.control_plane.profiling.pricing import device_profile
 
-        profile = load_profile(args.profile)
+        profile = device_profile(args.profile)
         together = (args.link or profile.default_link) == "inprocess"  # ranks as threads of one process
         kernels = (
             measure_kernels(compiled.state, profile.threads, together) if args.profile == "cpu" else None

@@ -37,11 +37,11 @@ def auto_job(job: Job, args: argparse.Namespace) -> Job:
         return job
     if getattr(args, "tp", False) or getattr(args, "dp", None):
         raise UsageError("--auto chooses the layout itself: drop --tp and --dp (give --ranks)")
-    from sbpflow.control_plane.compiler.search import auto_plan  # the compiler loads only for --auto
     from sbpflow.control_plane.compiler.search.auto_layouts import relayout
+    from sbpflow.control_plane.profiling import pricing  # the compiler loads only for --auto
 
     profile = getattr(args, "profile", None) or "cpu"
-    found = auto_plan.search(job, budget, profile=profile)
+    found = pricing.search(job, budget, profile=profile)
     out = sys.stderr if getattr(args, "json", False) else sys.stdout
     print(f"--auto on the {profile} profile: {len(found.candidates)} layouts weighed", file=out)
     print(found.table(), found.why(), sep="\n\n", end="\n\n", file=out)

@@ -183,7 +183,7 @@ class Graph:
         )
         job.verify()
         if self.config.auto_parallel:
-            from sbpflow.control_plane.compiler.search.auto_plan import choose
+            from sbpflow.control_plane.profiling.pricing import choose
 
             job = choose(job, self.config.memory_per_device or None, self.config.auto_profile)
         return job

@@ -1,4 +1,4 @@
-"""This CPU as a cost-model profile, measured: ``measure_cpu_profile(seconds, threads)`` (``load_profile("cpu")``).
+"""This CPU as a cost-model profile, measured: ``measure_cpu_profile(seconds, threads)`` (``pricing.device_profile("cpu")``).
 
 A profile is one CPU *rank*: its rates with ``threads`` BLAS threads (1, as a Ray worker runs a CPU
 rank), on a host of ``host_cores`` cores that its ranks share (``step_sim.host_bounds``). What it times,
@@ -18,7 +18,7 @@ shared machine):
   ``tokens`` and ``clicks``, :data:`SOURCES`), a read of one row and of a batch, each of a step not
   read before, fitted to a cost a read and a cost a row (:func:`read_cost`): its per-row generator is
   Python, and costs far more than the bytes it makes, and a read has fixed work besides (the search
-  times the job's own source the same way, on the job's batch, ``auto_plan.pricer``);
+  times the job's own source the same way, on the job's batch, ``pricing.pricer``);
 * **links**: each collective of the boxing table on each CPU transport, two ranks, a small and a large
   array fitted to ``hops * latency + bytes / bandwidth`` (``cpu_links.py``: ``inprocess``, ``shm``,
   ``tcp``), three times, each figure the median; on ``inprocess`` also the thread CPU a rank spends in

@@ -22,7 +22,7 @@ from sbpflow.boxing import BoxingPlan
 from sbpflow.control_plane.compiler.memory import DeviceMemory
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.control_plane.render import plan_picture
-from sbpflow.control_plane.render.plan_picture import boxing_label
+from sbpflow.control_plane.render.plan_blocks import boxing_label
 from sbpflow.graph import BOXING, Graph, OpNode
 from sbpflow.placement import Placement
 from sbpflow.sbp import format_nd

@@ -8,13 +8,18 @@ that edges cross less. Edges between bands are left out (the block tables list w
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING
 
 from sbpflow.control_plane.compiler.state import CompileState
+from sbpflow.control_plane.render.plan_blocks import (
+    BOXING_FILL,
+    BOXING_STROKE,
+    PHASE_FILL,
+    PHASES,
+    BlockGraph,
+    Node,
+    anchor,
+)
 from sbpflow.sbp import format_nd
-
-if TYPE_CHECKING:
-    from sbpflow.control_plane.render.plan_picture import BlockGraph, Node
 
 BOX_W, BOX_H, COL_W, ROW_H, MARGIN, BAND_GAP = 170, 34, 186, 58, 20, 30
 
@@ -57,14 +62,6 @@ def _order(rows: dict[int, list[str]], bg: BlockGraph) -> None:
 
 def overview_svg(bg: BlockGraph) -> str:
     """The overview as an SVG element: a column band per phase, a linked box per node."""
-    from sbpflow.control_plane.render.plan_picture import (
-        BOXING_FILL,
-        BOXING_STROKE,
-        PHASE_FILL,
-        PHASES,
-        anchor,
-    )
-
     ids = {k: i for i, k in enumerate(bg.nodes)}
     pos: dict[str, tuple[float, float]] = {}
     bands, x = [], float(MARGIN)

@@ -1,6 +1,6 @@
 """The cost model: the modelled step time of a compiled plan on a device profile.
 
-    profile = load_profile("h200")            # or "cpu" (this machine, measured once), or a JSON file
+    profile = load_profile("h200")            # or a JSON file ("cpu", measured here: profiling.pricing)
     est = estimate(compiled, profile)          # compiled: pipeline.compile(job), or its CompileState
     print(est)                                 # compute / comm / exposed comm / step, memory, top ops
 
@@ -8,8 +8,8 @@
 fixed cost per op (a kernel launch; on CPU the runtime's per-act work) and, per link kind (``shm``,
 ``tcp``, ``inprocess``, ``nccl``), a :class:`LinkProfile`: a latency per message and a bandwidth per rank
 and direction. Saved profiles are JSON files in ``sbpflow/profiles/`` (``h200.json``: NVIDIA's published
-figures); ``cpu`` is this machine measured at first use (:func:`measure_cpu_profile`, in
-``cpu_profile.py``; about a second).
+figures); ``cpu``, this machine, is measured by running real code, above the compiler
+(``control_plane/profiling/``: ``pricing.device_profile("cpu")``, once a process; about a second).
 
 **Compute** per op is a roofline on one rank's shards: ``max(flops / peak[dtype], bytes / bandwidth)``
 plus the per-op overhead, the flops and bytes from each op's ``defop(..., flops=)`` (``sbpflow/ops/flops.py``) on
@@ -44,8 +44,8 @@ the micro-batches in flight (an upper bound: no register reuse).
 
 Names as issue 15's interface gives them: :class:`DeviceProfile`, :class:`LinkProfile`,
 :func:`load_profile`, :class:`StepEstimate`, :func:`estimate` (``plan`` is a ``pipeline.Compiled`` or a
-``CompileState``; ``ranks_per_host`` places a CPU profile's ranks). :func:`measure_cpu_profile` lives in
-``cpu_profile.py`` (``load_profile("cpu")`` calls it), and :class:`~.step_sim.OpCost` in ``step_sim.py``.
+``CompileState``; ``ranks_per_host`` places a CPU profile's ranks). ``measure_cpu_profile`` lives in
+``control_plane/profiling/cpu_profile.py``, and :class:`~.step_sim.OpCost` in ``step_sim.py``.
 """
 
 from __future__ import annotations
@@ -222,18 +222,14 @@ def builtin_names() -> list[str]:
     return sorted({"cpu", *(Path(f.name).stem for f in files.iterdir() if f.name.endswith(".json"))})
 
 
-_MEASURED: dict[str, DeviceProfile] = {}
-
-
 def load_profile(path_or_name: str) -> DeviceProfile:
-    """A saved profile by name (``h200``), ``cpu`` (this machine, measured once per process), or a JSON
-    file's path; an unknown name is refused naming the known ones."""
+    """A saved profile by name (``h200``) or a JSON file's path; an unknown name is refused naming the
+    known ones. ``cpu``, this machine, is measured, not saved: ``profiling.pricing.device_profile``."""
     if path_or_name == "cpu":
-        if "cpu" not in _MEASURED:
-            from sbpflow.control_plane.profiling.cpu_profile import measure_cpu_profile
-
-            _MEASURED["cpu"] = measure_cpu_profile()
-        return _MEASURED["cpu"]
+        raise ProfileError(
+            "the 'cpu' profile is this machine, measured by running real code: load it with "
+            "sbpflow.control_plane.profiling.pricing.device_profile('cpu') (sbpflow plan --profile cpu does)"
+        )
     saved = resources.files("sbpflow").joinpath("profiles", f"{path_or_name}.json")
     if "/" not in path_or_name and saved.is_file():
         return DeviceProfile.from_json(saved.read_text(encoding="utf-8"), f"profile {path_or_name!r}")
@@ -241,8 +237,8 @@ def load_profile(path_or_name: str) -> DeviceProfile:
     if path.is_file():
         return DeviceProfile.from_json(path.read_text(encoding="utf-8"), str(path))
     raise ProfileError(
-        f"no device profile {path_or_name!r}: name one of {builtin_names()} or give the path of a JSON "
-        "profile file (DeviceProfile.to_json writes one)"
+        f"no device profile {path_or_name!r}: name one of {builtin_names()} (or 'cpu', this machine, "
+        "measured) or give the path of a JSON profile file (DeviceProfile.to_json writes one)"
     )
 
 

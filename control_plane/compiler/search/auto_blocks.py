@@ -34,7 +34,7 @@ from sbpflow.control_plane.compiler.cost import cost_model
 from sbpflow.control_plane.compiler.cost.cost_model import DeviceProfile, StepEstimate
 from sbpflow.control_plane.compiler.lowering.tasks import shard_shape
 from sbpflow.control_plane.compiler.search.auto_layouts import Layout, relayout
-from sbpflow.control_plane.compiler.search.auto_plan import Candidate, NoPlanFits, Search, load
+from sbpflow.control_plane.compiler.search.auto_plan import Candidate, NoPlanFits, Search
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import TensorKind
@@ -146,7 +146,7 @@ def search(
 ) -> Search:
     """The fastest layout of the ``blocks``-block job ``make`` builds (``batch`` sequences a step) on
     ``ranks`` devices whose modelled peak fits ``memory_per_device`` (default: the profile's memory)."""
-    prof = load(profile)
+    prof = profile if isinstance(profile, DeviceProfile) else cost_model.load_profile(profile)
     budget = memory_per_device if memory_per_device is not None else prof.memory_bytes
     if budget <= 0:
         raise SbpflowError(f"memory_per_device={budget}: give each device's memory in bytes, e.g. 80 GB")

@@ -1,7 +1,7 @@
 """The automatic plan search: the layouts a user could write by hand, each compiled and priced, the
 fastest that fits a memory budget per device chosen, and why (issue 15, deliverable 3).
 
-    found = search(job, memory_per_device=80 * 10**9, ranks=4)
+    found = search(job, 80 * 10**9, on_profile(load_profile("h200")), ranks=4)
     print(found.table()); print(found.why())
     compiled = found.compiled  # the winner's plan, as pipeline.compile would give it for that layout
 
@@ -17,8 +17,10 @@ power-of-two degrees (a 1,024-device search).
 **How each is priced.** The candidate job (:func:`auto_layouts.relayout`) is compiled by
 ``pipeline.compile`` like any other, so an illegal layout is refused by the compiler itself (its error
 shown in the table); the plan is priced by the cost model (``cost_model.estimate``: compute, comm,
-exposed comm, step time and the plan's memory estimate; on a CPU profile with the plan's kernels and the job's
-data source timed on this machine, :func:`pricer`). A candidate whose peak per device is over the
+exposed comm, step time and the plan's memory estimate): the search is given its price function, the
+modelled one of a saved profile (:func:`on_profile`), or, on this machine's CPU profile, one that times the
+plan's kernels and the job's data source here (``control_plane/profiling/pricing.py``, which also names a
+profile and its budget for the callers: ``pricing.search``). A candidate whose peak per device is over the
 budget is shown with what it needs; the winner is the fastest that fits (ties: less memory, then the
 simpler layout). When nothing fits, :class:`NoPlanFits` names the smallest peak found and the budget.
 """
@@ -34,11 +36,8 @@ from dataclasses import dataclass, field
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.cost import cost_model
 from sbpflow.control_plane.compiler.cost.cost_model import DeviceProfile, StepEstimate
-from sbpflow.control_plane.compiler.cost.stage_load import DataCost, source_key
 from sbpflow.control_plane.compiler.passes.micro_batching import layout as slots
 from sbpflow.control_plane.compiler.search.auto_layouts import Layout, block_of, relayout, tables, tp_pairs
-from sbpflow.control_plane.profiling.cpu_profile import read_cost
-from sbpflow.control_plane.profiling.kernel_probe import measure_kernels
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
 
@@ -135,29 +134,16 @@ def weigh(job: Job, lay: Layout, price: Price) -> tuple[Candidate, pipeline.Comp
 
 def search(
     job: Job,
-    memory_per_device: int | None = None,
+    memory_per_device: int,
+    price: Price,
     ranks: int | None = None,
-    profile: DeviceProfile | str = "cpu",
-    price: Price | None = None,
     powers_of_two: bool = False,
     only: Sequence[Layout] = (),
-    link: str | None = None,
 ) -> Search:
     """The fastest layout of ``job`` on ``ranks`` devices (default: the ranks it is placed on) whose peak
-    memory per device is at most ``memory_per_device`` bytes (default: the profile's device memory).
-    ``profile`` is a ``cost_model.DeviceProfile`` or the name or file ``cost_model.load_profile`` takes;
-    ``price`` (default: :func:`pricer` under it, over ``link``: the profile's default link unless given,
-    ``inprocess`` for ``sf.run(backend="inprocess")``) prices a compiled plan; ``only`` weighs just
-    those layouts."""
-    if price is None or memory_per_device is None:
-        prof = load(profile)
-        price = price or pricer(prof, link)
-        if memory_per_device is None and not prof.memory_bytes:
-            raise SbpflowError(
-                f"the {prof.name!r} profile does not say how much memory a device has: give the budget "
-                "per device (memory_per_device=, --memory-per-device 80GB)"
-            )
-        memory_per_device = prof.memory_bytes if memory_per_device is None else memory_per_device
+    memory per device is at most ``memory_per_device`` bytes, each candidate priced by ``price`` (a
+    saved profile's: :func:`on_profile`; this machine's: ``profiling.pricing.pricer``); ``only`` weighs
+    just those layouts."""
     if memory_per_device <= 0:
         raise SbpflowError(
             f"memory_per_device={memory_per_device}: give each device's memory in bytes, e.g. 80 GB"
@@ -177,49 +163,21 @@ def search(
     return Search(memory_per_device, tuple(out), best[0], best[1], notes)
 
 
-def pricer(profile: DeviceProfile, link: str | None = None) -> Price:
-    """``cost_model.estimate`` on ``profile`` over ``link`` (default: the profile's); on a CPU profile
-    (one with ``host_cores``: this machine) with each plan's kernels timed here
-    (``kernel_probe.measure_kernels``, cached a process, so candidates share their layers' timings; on
-    the ``inprocess`` link with the plan's ranks in threads at once, as its runs make them): a
-    small shard's kernel is mostly numpy's per-call cost, which holds the interpreter and which no
-    roofline sees, and that decides how in-process ranks share it."""
-    if not profile.host_cores:
-        return lambda compiled: cost_model.estimate(compiled, profile, link)
+def on_profile(profile: DeviceProfile, link: str | None = None) -> Price:
+    """``cost_model.estimate`` on ``profile`` over ``link`` (default: the profile's): the modelled price."""
+    return lambda compiled: cost_model.estimate(compiled, profile, link)
 
-    def price(compiled: pipeline.Compiled) -> StepEstimate:
-        kernels = measure_kernels(
-            compiled.state, profile.threads, (link or profile.default_link) == "inprocess"
+
+def budget(profile: DeviceProfile, memory_per_device: int | None) -> int:
+    """``memory_per_device``, or the profile's device memory where it says; else what to give."""
+    if memory_per_device is not None:
+        return memory_per_device
+    if not profile.memory_bytes:
+        raise SbpflowError(
+            f"the {profile.name!r} profile does not say how much memory a device has: give the budget "
+            "per device (memory_per_device=, --memory-per-device 80GB)"
         )
-        here = with_source(profile, compiled.state.job.data)
-        return cost_model.estimate(compiled, here, link, kernels=kernels)
-
-    return price
-
-
-_READS: dict[str, DataCost] = {}  # a source's repr -> its cost a read and a row here, once a process
-
-
-def with_source(profile: DeviceProfile, source: object) -> DeviceProfile:
-    """``profile`` with ``source`` itself timed here (``cpu_profile.read_cost``, once a process): what a
-    read costs depends on the source's parameters (a click source's fields and dense features, a token
-    source's sequence), which the profile's figures for the examples' defaults do not know."""
-    if source is None:
-        return profile
-    if repr(source) not in _READS:
-        _READS[repr(source)] = read_cost(source, 0.1)
-    cost, key = _READS[repr(source)], source_key(source)
-    return dataclasses.replace(
-        profile,
-        data_read_s={**profile.data_read_s, key: cost.read_s},
-        data_row_s={**profile.data_row_s, key: cost.row_s},
-    )
-
-
-def choose(job: Job, memory_per_device: int | None = None, profile: DeviceProfile | str = "cpu") -> Job:
-    """``job`` laid out as the search's winner on the ranks it is placed on (``GraphConfig.auto_parallel``,
-    ``sbpflow run --auto``)."""
-    return relayout(job, search(job, memory_per_device, profile=profile).winner.layout)
+    return profile.memory_bytes
 
 
 def _weighed(
@@ -234,11 +192,6 @@ def _weighed(
 def _world_size(job: Job) -> int:
     pls = [t.placement for t in job.graph.tensors.values()] + [o.placement for o in job.graph.ops]
     return len({r for pl in pls if pl is not None for r in pl.ranks}) or 1
-
-
-def load(profile: DeviceProfile | str) -> DeviceProfile:
-    """``profile`` itself, or the profile its name or file gives (``cost_model.load_profile``)."""
-    return profile if isinstance(profile, DeviceProfile) else cost_model.load_profile(profile)
 
 
 def _nothing_fits(out: Sequence[Candidate], budget: int) -> str:

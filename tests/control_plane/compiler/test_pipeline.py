@@ -11,7 +11,7 @@ import pytest
 
 from sbpflow.control_plane.compiler import comm_order, pipeline
 from sbpflow.control_plane.compiler.pipeline import compile
-from sbpflow.control_plane.render import graph_page, plan_picture
+from sbpflow.control_plane.render import graph_page, plan_blocks
 from sbpflow.errors import GraphError
 from sbpflow.graph import BOXING, OpNode
 from sbpflow.v1 import plan_pb2 as pp
@@ -99,7 +99,7 @@ def test_html_picture_is_self_contained_svg(compiled) -> None:
     words = html.unescape(svg)  # dot writes a hyphen as &#45;
     for op in c.state.graph.ops:
         if op.op_type == BOXING:
-            assert plan_picture.boxing_label(c.state.boxings.get(op.name)) in words
+            assert plan_blocks.boxing_label(c.state.boxings.get(op.name)) in words
     assert ">S(1)<" in page  # an edge labelled with the SBP of the column-split weight (in its block)
     if c.memory:
         assert "Memory per device" in page

@@ -18,6 +18,7 @@ from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.cost import cost_model
 from sbpflow.control_plane.compiler.search import auto_blocks, auto_plan
 from sbpflow.control_plane.compiler.search.auto_layouts import Layout, relayout, stage_of, tp_pairs
+from sbpflow.control_plane.profiling import pricing
 from sbpflow.control_plane.profiling.kernel_probe import measure_kernels
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import TensorKind
@@ -43,7 +44,7 @@ def mlp(**kw: Any) -> Job:
 
 
 def search(job: Job, budget: int, **kw: Any) -> auto_plan.Search:
-    return auto_plan.search(job, budget, profile=PROFILE, **kw)
+    return pricing.search(job, budget, profile=PROFILE, **kw)
 
 
 def layout_of(job: Job) -> list[tuple[str, Any, Any, int]]:
@@ -143,7 +144,7 @@ def test_a_budget_is_given_in_bytes() -> None:
         search(mlp(), budget=0)
     no_memory = dataclasses.replace(PROFILE, memory_bytes=0)
     with pytest.raises(SbpflowError, match="does not say how much memory a device has"):
-        auto_plan.search(mlp(), None, profile=no_memory)
+        pricing.search(mlp(), None, profile=no_memory)
 
 
 def test_a_cpu_profile_prices_each_plan_with_its_kernels_timed() -> None:
@@ -153,13 +154,13 @@ def test_a_cpu_profile_prices_each_plan_with_its_kernels_timed() -> None:
     c = pipeline.compile(mlp())
     cpu = dataclasses.replace(PROFILE, host_cores=2, threads=1)
     kernels = measure_kernels(c.state, 1)
-    here = auto_plan.with_source(cpu, c.state.job.data)
-    assert auto_plan.pricer(cpu)(c) == cost_model.estimate(c, here, kernels=kernels)
+    here = pricing.with_source(cpu, c.state.job.data)
+    assert pricing.pricer(cpu)(c) == cost_model.estimate(c, here, kernels=kernels)
     cost = here.data(c.state.job.data)  # the job's own source timed here, beside the profile's figures
     assert cost.read_s + cost.row_s > 0 and here.data_read_s.keys() == {"SyntheticSource:regression"}
-    assert auto_plan.pricer(PROFILE)(c) == cost_model.estimate(c, PROFILE)
+    assert pricing.pricer(PROFILE)(c) == cost_model.estimate(c, PROFILE)
     two = dataclasses.replace(PROFILE, links={**PROFILE.links, "inprocess": PROFILE.link()})
-    assert auto_plan.pricer(two, "inprocess")(c).link == "inprocess"
+    assert pricing.pricer(two, "inprocess")(c).link == "inprocess"
 
 
 def test_every_candidate_is_a_legal_plan() -> None:
