@@ -15,7 +15,7 @@ Rules:
   annotations stay, and a tensor split on that axis must still divide (the global batch over the new data
   parallel size), so the job's math — and, in float64, its losses — are those of the old layout;
 - a fallback that cannot re-place (a pipeline's sub-placements, a mesh axis that does not scale, a split
-  that no longer divides) is refused at Submit (:func:`check_fallbacks`); one that fails to compile or to
+  that no longer divides) is refused at Submit (``service/validation.py``'s ``check_fallbacks``); one that fails to compile or to
   be placed is passed over, and the failure names each one and why;
 - a job without fallbacks waits for its own ranks as before (``SETUP_SECONDS``);
 - the job manager counts the slots of the layout a job runs on (the run's ``on_resize``, told with each
@@ -39,7 +39,6 @@ from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.launch.run_context import LaunchContext
 from sbpflow.control_plane.launch.step_tracker import StepTracker
-from sbpflow.control_plane.service.validation import ValidationError
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import Graph
 from sbpflow.job import Job
@@ -121,24 +120,6 @@ def _scale(pl: Placement, ranks: Sequence[int], size: int) -> Placement:
             f"{len(ranks) // pl.shape[0]}"
         )
     return Placement(pl.device_type, tuple(range(size)), (first, *pl.shape[1:]))
-
-
-def check_fallbacks(job: Job) -> None:
-    """Refuse at Submit (``ValidationError``) a fallback rank count the job cannot go on with: one not
-    below its ranks, or one its placements or splits cannot be re-placed on (:func:`replace_world`)."""
-    ranks = len(world(job))
-    for size in job.config.elastic:
-        try:
-            if size >= ranks:
-                raise SbpflowError(f"the job is placed on {ranks} ranks: a fallback goes on with fewer")
-            replace_world(job, size)
-        except SbpflowError as e:
-            raise ValidationError(
-                f"job {job.name!r} cannot fall back to {size} ranks (JobConfig.elastic={job.config.elastic}): "
-                f"{e}",
-                kind="elastic",
-                field="job.config.elastic",
-            ) from None
 
 
 def replan(compiled: Compiled, reserve: Reserve) -> Layout | None:

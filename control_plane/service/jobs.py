@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sbpflow.checkpoint.read import CorruptCheckpoint, corrupt_note
-from sbpflow.control_plane.launch.elastic import check_fallbacks
 from sbpflow.control_plane.service import resume as resuming
 from sbpflow.control_plane.service.data_policy import reason_of
 from sbpflow.control_plane.service.drain import Draining
@@ -55,7 +54,12 @@ from sbpflow.control_plane.service.job_feed import JobFeed
 from sbpflow.control_plane.service.job_options import for_run, job_options
 from sbpflow.control_plane.service.run_listeners import RunListeners
 from sbpflow.control_plane.service.running import RunningJob
-from sbpflow.control_plane.service.validation import ValidationError, compile_submit, describe_cluster
+from sbpflow.control_plane.service.validation import (
+    ValidationError,
+    check_fallbacks,
+    compile_submit,
+    describe_cluster,
+)
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
 from sbpflow.errors import SbpflowError

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
+from sbpflow.control_plane.launch.elastic import replace_world, world
 from sbpflow.data_access import DataAccessDenied
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
@@ -269,3 +270,21 @@ def persistent_bytes(state: CompileState) -> dict[int, int]:
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.3g} GB ({n} bytes)"
+
+
+def check_fallbacks(job: Job) -> None:
+    """Refuse at Submit (``ValidationError``) a fallback rank count the job cannot go on with: one not
+    below its ranks, or one its placements or splits cannot be re-placed on (``elastic.replace_world``)."""
+    ranks = len(world(job))
+    for size in job.config.elastic:
+        try:
+            if size >= ranks:
+                raise SbpflowError(f"the job is placed on {ranks} ranks: a fallback goes on with fewer")
+            replace_world(job, size)
+        except SbpflowError as e:
+            raise ValidationError(
+                f"job {job.name!r} cannot fall back to {size} ranks (JobConfig.elastic={job.config.elastic}): "
+                f"{e}",
+                kind="elastic",
+                field="job.config.elastic",
+            ) from None
