@@ -45,7 +45,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sbpflow.checkpoint.read import CorruptCheckpoint, corrupt_note
+from sbpflow.checkpoint.read import CheckpointInfo, CorruptCheckpoint, corrupt_note, list_checkpoints
 from sbpflow.control_plane.service import resume as resuming
 from sbpflow.control_plane.service.data_policy import reason_of
 from sbpflow.control_plane.service.drain import Draining
@@ -111,9 +111,8 @@ def cluster_capacity(config: ManagerConfig) -> int:
     if config.run.backend == "ray":
         from sbpflow.control_plane.launch.ray_backend import ensure_ray
 
-        ensure_ray(
-            config.run.ray_address, 1
-        )  # before anything imports ray: a local one then advertises 127.0.0.1
+        # before anything imports ray: a local one then advertises 127.0.0.1
+        ensure_ray(config.run.ray_address, 1)
         import ray
 
         return max(1, int(ray.cluster_resources().get("CPU", 0)))
@@ -321,6 +320,11 @@ class JobManager:
                 live = dict(r.workers)  # a restart clears it from the run's thread
                 return [live[k] for k in sorted(live)]
         return self.store.workers(job_id)
+
+    def checkpoints(self, job_id: str) -> list[CheckpointInfo]:
+        """The job's complete checkpoints in its own folder, oldest first (none without a root)."""
+        root = self.config.checkpoint_root
+        return list_checkpoints(resuming.job_dir(root, job_id)) if root else []
 
     def wait_changed(self, seen: int, timeout: float) -> int:
         """Block until ``version`` is no longer ``seen`` (something changed) or ``timeout`` seconds

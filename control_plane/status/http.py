@@ -29,17 +29,17 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
-from sbpflow.checkpoint.read import list_checkpoints
-from sbpflow.control_plane.service.jobs import JobManager
-from sbpflow.control_plane.service.resume import job_dir
+from sbpflow.checkpoint.read import CheckpointInfo
 from sbpflow.control_plane.status import records, web, web_job
 from sbpflow.control_plane.status.auth import COOKIE, OPEN_HTTP_PATHS, SESSION_SECONDS, TokenCheck
-from sbpflow.control_plane.status.metrics import CONTENT_TYPE
+from sbpflow.control_plane.status.metrics import CONTENT_TYPE, Metrics
 from sbpflow.control_plane.status.plan_view import PlanCache
 from sbpflow.control_plane.store.db import StoreError, UnknownJobError
+from sbpflow.control_plane.store.job_store import JobStore
+from sbpflow.control_plane.store.schema import WorkerRecord
 from sbpflow.run_state import JobState
 
 JSON = "application/json"
@@ -94,12 +94,31 @@ def _safe_next(path: str) -> str:
     return path if path.startswith("/") and not path.startswith("//") and "\\" not in path else "/"
 
 
+class Jobs(Protocol):
+    """What the status endpoint reads of the job manager (``service.jobs.JobManager`` has it)."""
+
+    @property
+    def store(self) -> JobStore: ...
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def metrics(self) -> Metrics | None: ...
+
+    def workers(self, job_id: str) -> list[WorkerRecord]:
+        """Per-worker rows: live ones for a running job, else the stored ones."""
+        ...
+
+    def checkpoints(self, job_id: str) -> list[CheckpointInfo]:
+        """The job's complete checkpoints, oldest first."""
+        ...
+
+
 class StatusEndpoint:
-    """The status endpoint of one ``JobManager``; ``start()`` returns the bound port."""
+    """The status endpoint of one job manager; ``start()`` returns the bound port."""
 
     def __init__(
         self,
-        manager: JobManager,
+        manager: Jobs,
         check: TokenCheck,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -221,7 +240,6 @@ class StatusEndpoint:
         rec = self.store.get(job_id)
         job = _stored_job(rec.job_proto)
         plan = self.plans.get(job_id, job)
-        root = self.manager.config.checkpoint_root
         view = web_job.JobView(
             rec=rec,
             job=job,
@@ -229,7 +247,7 @@ class StatusEndpoint:
             losses=self.store.losses(job_id),
             events=self.store.events(job_id),
             logs=self.store.logs(job_id),
-            checkpoints=list_checkpoints(job_dir(root, job_id)) if root else [],
+            checkpoints=self.manager.checkpoints(job_id),
             plan_summary=plan.summary,
             plan_picture=plan.picture,
         )
