@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sbpflow import wire
+from sbpflow.codec import wire
 from sbpflow.device import asnumpy
 from sbpflow.ops.loss_scaling import SCALE, SKIPPED
 from sbpflow.v1 import plan_pb2 as pp

@@ -173,7 +173,7 @@ class RankCheckpointer:
 
 def assigned_variables(device: pp.DevicePlan) -> list[str]:
     """The variables this rank's SINK tasks assign each step."""
-    from sbpflow import wire
+    from sbpflow.codec import wire
 
     return [
         str(wire.attr_from_proto(t.attrs["assign"]))

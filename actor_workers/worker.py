@@ -34,7 +34,7 @@ from sbpflow.actor_workers import reporting as progress
 from sbpflow.actor_workers.reporter import Reporter
 from sbpflow.actor_workers.runtime import heap, threads
 from sbpflow.device import asnumpy
-from sbpflow.numerics import non_finite_parameters
+from sbpflow.runs.numerics import non_finite_parameters
 from sbpflow.v1 import plan_pb2 as pp
 from sbpflow.v1 import service_pb2 as sp
 

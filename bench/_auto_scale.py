@@ -13,7 +13,7 @@ import sbpflow as sf
 from bench.compile_scale import LossHead, Shape, TrainGPT
 from sbpflow.control_plane.compiler.search import auto_blocks
 from sbpflow.control_plane.compiler.search.auto_layouts import Layout
-from sbpflow.data import SyntheticSource
+from sbpflow.data.sources import SyntheticSource
 
 SHAPE = Shape()  # 96 layers, width 12,288, 96 heads, sequence 2,048, vocabulary 50,257
 BATCH = 128  # sequences a step: compile_scale.py's dp * micro_batch * micro_batches

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from sbpflow.checkpoint import write as ck  # noqa: E402
 from sbpflow.checkpoint.read import CheckpointReader  # noqa: E402
 from sbpflow.placement import placement  # noqa: E402
-from sbpflow.run_state import JobState  # noqa: E402
+from sbpflow.runs.states import JobState  # noqa: E402
 from sbpflow.sbp import S  # noqa: E402
 from sbpflow.sharding import shard_index  # noqa: E402
 

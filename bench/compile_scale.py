@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sbpflow as sf  # noqa: E402
 from sbpflow.control_plane.compiler import pipeline  # noqa: E402
-from sbpflow.data import SyntheticSource  # noqa: E402
+from sbpflow.data.sources import SyntheticSource  # noqa: E402
 from sbpflow.sbp import B, S  # noqa: E402
 
 FP32 = 4

@@ -67,7 +67,7 @@ def direct(job: Any, backend: str) -> float:
 def latency(backend: str, runs: int, tmp: Path, warm_workers: int = 0) -> None:
     from sbpflow.client.client import Client
     from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
-    from sbpflow.run_options import MANAGER_DEFAULTS
+    from sbpflow.runs.options import MANAGER_DEFAULTS
 
     job = load_mlp().make_job(steps=3)
     cfg = ServerConfig(store=str(tmp / f"lat{warm_workers}.db"), run=MANAGER_DEFAULTS.replace(backend=backend),
@@ -92,7 +92,7 @@ def latency(backend: str, runs: int, tmp: Path, warm_workers: int = 0) -> None:
 
 
 def fill(store: Any, n: int) -> list[str]:
-    from sbpflow.run_state import JobState
+    from sbpflow.runs.states import JobState
 
     ids = []
     for i in range(n):
@@ -109,7 +109,7 @@ def fill(store: Any, n: int) -> list[str]:
 def gets(seconds: float, tmp: Path) -> None:
     from sbpflow.client.client import Client
     from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
-    from sbpflow.run_options import MANAGER_DEFAULTS
+    from sbpflow.runs.options import MANAGER_DEFAULTS
 
     plane = ControlPlane(
         ServerConfig(

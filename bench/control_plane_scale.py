@@ -133,13 +133,13 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="the measured window")
     args = ap.parse_args()
 
-    from sbpflow import wire
+    from sbpflow.codec import wire
     from sbpflow.control_plane.launch.step_tracker import StepTracker
     from sbpflow.control_plane.service.jobs import RunningJob
     from sbpflow.control_plane.service.run_listeners import RunListeners
     from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
-    from sbpflow.run_options import MANAGER_DEFAULTS
-    from sbpflow.run_state import JobState
+    from sbpflow.runs.options import MANAGER_DEFAULTS
+    from sbpflow.runs.states import JobState
 
     job = load_example("mlp").make_job(ranks=args.ranks, batch_size=2 * args.ranks, steps=10**9)
     ctx = mp.get_context("spawn")

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sbpflow as sf  # noqa: E402
 from bench._ray_timing import run_timed  # noqa: E402
 from bench.overhead import Regression, Train  # noqa: E402
-from sbpflow.data import ArraySource  # noqa: E402
+from sbpflow.data.sources import ArraySource  # noqa: E402
 from sbpflow.sbp import S  # noqa: E402
 
 TARGET = 0.9

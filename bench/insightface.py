@@ -29,7 +29,7 @@ from _shared import load_example
 
 import sbpflow as sf
 from sbpflow.control_plane.compiler.pipeline import compile as compile_job
-from sbpflow.data import DataField, SyntheticSource
+from sbpflow.data.sources import DataField, SyntheticSource
 from sbpflow.dtype import DType
 
 MiB = 1 << 20

@@ -6,7 +6,7 @@
     python bench/overhead.py --breakdown  # and where sbpflow's step goes (slowest acts, engine time)
 
 The model: an MLP 1024 -> 4096 -> 4096 -> 1024 (ReLU), MSE loss, batch 128, float32, one device, one
-BLAS thread, in-memory data (:class:`sbpflow.data.ArraySource`), trained by SGD without momentum and
+BLAS thread, in-memory data (:class:`sbpflow.data.sources.ArraySource`), trained by SGD without momentum and
 with momentum 0.9. sbpflow's step time is ``sf.run`` over N steps, compile excluded (the run's own
 wall time, ``RunResult.seconds``: engine start to last act; compile is timed separately and reported,
 once, beside it). The baseline is a numpy step written by hand: forward, backward, and an in-place SGD
@@ -47,13 +47,13 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sbpflow as sf  # noqa: E402
-from sbpflow import reference  # noqa: E402
 from sbpflow.actor_workers.runtime import executor  # noqa: E402
 from sbpflow.actor_workers.runtime import variables as store_module  # noqa: E402
 from sbpflow.actor_workers.runtime.plan_tables import PlanTables  # noqa: E402
 from sbpflow.actor_workers.runtime.variables import Store  # noqa: E402
 from sbpflow.control_plane.compiler import pipeline  # noqa: E402
-from sbpflow.data import ArraySource  # noqa: E402
+from sbpflow.data.sources import ArraySource  # noqa: E402
+from sbpflow.oracle import reference  # noqa: E402
 
 TARGET = 1.05
 LR = 0.01

@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from _shared import load_example  # noqa: E402
 
 import sbpflow as sf  # noqa: E402
-from sbpflow.data import ArraySource  # noqa: E402
+from sbpflow.data.sources import ArraySource  # noqa: E402
 
 WARMUP = 2
 ROOT = Path(__file__).resolve().parents[1]

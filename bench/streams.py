@@ -18,9 +18,9 @@ import grpc
 import numpy as np
 from _shared import load_example
 
-from sbpflow import wire
+from sbpflow.codec import wire
 from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
-from sbpflow.run_options import MANAGER_DEFAULTS
+from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.v1 import service_pb2 as sp
 
 

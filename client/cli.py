@@ -16,7 +16,7 @@ from sbpflow.client.cli_exit import UsageError, run_command
 from sbpflow.client.cli_jobs import JOB_COMMANDS, RUN_DEFAULTS, RUN_EXCLUDED, _client_flags, cmd_run
 from sbpflow.client.run_flags import add_run_flags
 from sbpflow.errors import SbpflowError
-from sbpflow.run_options import CLIENT_FIELDS
+from sbpflow.runs.options import CLIENT_FIELDS
 
 
 def _load_example(path: str) -> Any:
@@ -38,8 +38,8 @@ def _load_example(path: str) -> Any:
 
 def cmd_trace(args: argparse.Namespace) -> int:
     """Trace an example into a Job; print its graph, or write the protobuf with --out."""
-    from sbpflow import wire
     from sbpflow.client.summary import summarize
+    from sbpflow.codec import wire
 
     job = _load_example(args.example).make_job()
     job.verify()

@@ -22,7 +22,7 @@ from sbpflow.client.cli_exit import UsageError
 from sbpflow.client.generate import cmd_generate, generate_flags
 from sbpflow.client.run_flags import add_run_flags, given_run_flags, run_options_from_args
 from sbpflow.errors import SbpflowError
-from sbpflow.run_options import MANAGER_DEFAULTS
+from sbpflow.runs.options import MANAGER_DEFAULTS
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 # `sbpflow run`: the embedded manager's options, parameters not kept (nothing shows them); its --trace
@@ -193,9 +193,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from sbpflow import wire
     from sbpflow.client.cli import _job_from_args
     from sbpflow.client.progress_bar import ProgressBar
+    from sbpflow.codec import wire
     from sbpflow.control_plane.service.data_policy import DataPolicy
     from sbpflow.control_plane.service.jobs import JobManager, ManagerConfig, job_ranks
     from sbpflow.control_plane.store.job_store import JobStore

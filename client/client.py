@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 
 from sbpflow.errors import SbpflowError
-from sbpflow.run_options import CLIENT_FIELDS, FIELD_NAMES
+from sbpflow.runs.options import CLIENT_FIELDS, FIELD_NAMES
 from sbpflow.v1 import job_pb2
 from sbpflow.v1 import service_pb2 as sp
 from sbpflow.v1 import service_pb2_grpc as sg
@@ -78,7 +78,7 @@ def _job_proto(job: Any) -> job_pb2.Job:
     """A ``sbpflow.Job`` as its protobuf (a protobuf as it is)."""
     if isinstance(job, job_pb2.Job):
         return job
-    from sbpflow.wire import job_to_proto
+    from sbpflow.codec.wire import job_to_proto
 
     return job_to_proto(job)
 
@@ -222,7 +222,7 @@ class Client:
         return self._unary("Cancel", sp.CancelJobRequest(job_id=job_id, reason=reason))  # type: ignore[no-any-return]
 
     def result(self, job_id: str, parameters: builtins.list[str] | None = None) -> JobOutcome:
-        from sbpflow.wire import array_from_proto
+        from sbpflow.codec.wire import array_from_proto
 
         r = self._unary("GetResult", sp.GetResultRequest(job_id=job_id, parameters=parameters or []))
         return JobOutcome(

@@ -46,6 +46,6 @@ def require(what: str) -> Any:
         raise TracingError(
             f"{what} needs a running trace: sbpflow tensors are symbolic and exist only inside "
             "sf.Graph.build(); put this code in build() and call graph.trace(data). To compute values, "
-            "trace a job and run it (sbpflow.reference.forward(job) on one device)"
+            "trace a job and run it (sbpflow.oracle.reference.forward(job) on one device)"
         )
     return tracer

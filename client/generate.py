@@ -27,7 +27,7 @@ from sbpflow.client.cli_exit import UsageError
 from sbpflow.client.nn.module import Module
 from sbpflow.client.static_graph import Graph
 from sbpflow.client.tensor import Tensor
-from sbpflow.data import ArrayFileSource
+from sbpflow.data.sources import ArrayFileSource
 from sbpflow.errors import SbpflowError
 from sbpflow.placement import Placement
 

@@ -1,4 +1,4 @@
-"""The modules of a traced job, as the job's :class:`~sbpflow.bound_values.BoundValues`.
+"""The modules of a traced job, as the job's :class:`~sbpflow.runs.bound_values.BoundValues`.
 
 ``sf.Graph.trace`` puts one on every Job it makes (``Job.bound``): ``sf.run`` starts the parameters
 from the values the modules hold, writes the trained values back into them, and reads files in another

@@ -1,4 +1,4 @@
-"""The command-line flags of :class:`~sbpflow.run_options.RunOptions`, made from its fields: one flag per
+"""The command-line flags of :class:`~sbpflow.runs.options.RunOptions`, made from its fields: one flag per
 field (``ray_address`` -> ``--ray-address``), typed by the field's hint, helped by its ``metadata["help"]``,
 defaulting to the command's own defaults (``sbpflow server`` starts from the job manager's).
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from sbpflow.client.cli_exit import UsageError
 from sbpflow.errors import SbpflowError
-from sbpflow.run_options import FIELD_NAMES, RunOptions, RunOptionsError
+from sbpflow.runs.options import FIELD_NAMES, RunOptions, RunOptionsError
 
 _ADDED = "run_option_flags"  # the parser's default naming the fields it has flags for
 
@@ -52,7 +52,7 @@ def add_run_flags(
             f"{unknown}: RunOptions has no such field(s) to make flags of; it has {list(FIELD_NAMES)}"
         )
     hints = typing.get_type_hints(RunOptions)
-    group = p.add_argument_group("how the job runs (sbpflow.run_options.RunOptions)")
+    group = p.add_argument_group("how the job runs (sbpflow.runs.options.RunOptions)")
     added = [f for f in fields(RunOptions) if f.name in only and f.name not in exclude]
     p.set_defaults(**{_ADDED: tuple(f.name for f in added)})
     for f in added:

@@ -33,7 +33,7 @@ from sbpflow.client.nn.parameter import Parameter
 from sbpflow.client.optim import Optimizer
 from sbpflow.client.tensor import Tensor
 from sbpflow.client.tracing import Tracer
-from sbpflow.data import DataSource
+from sbpflow.data.sources import DataSource
 from sbpflow.dtype import DType
 from sbpflow.graph import TensorKind
 from sbpflow.job import (

@@ -9,7 +9,7 @@ over mesh axis 0 and whole (``B``) over axis 1, where ``sf.nn.bert.tensor_parall
 encoder Megatron's way and the word embedding (tied to the MLM decoder) by vocabulary rows. The loss is
 the cross entropy at the masked positions only (BERT's 15 %: ``predictions`` per sequence).
 
-Data: ``SyntheticSource(kind="mlm")`` (:mod:`sbpflow.data_mlm`): sentence pairs whose second sentence
+Data: ``SyntheticSource(kind="mlm")`` (:mod:`sbpflow.data.mlm`): sentence pairs whose second sentence
 repeats the first, masked 80 / 10 / 10 as BERT does, each sample a pure function of (seed, sample).
 """
 

@@ -10,7 +10,7 @@ The dense tower is data parallel (inputs S(0), weights replicated, gradients all
 part linear (one weight per id, a [V, 1] table, plus a linear term in the dense features), and the loss
 binary cross-entropy with logits. ``sf.run`` returns losses and parameters, not fetched tensors, so
 :func:`evaluate` computes AUC and accuracy from the logits of a one-device forward
-(``sbpflow.reference.forward``) of held-out batches with the trained parameters.
+(``sbpflow.oracle.reference.forward``) of held-out batches with the trained parameters.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 
 import sbpflow as sf
-from sbpflow import reference
 from sbpflow.client.summary import summarize
 from sbpflow.data import SyntheticSource
+from sbpflow.oracle import reference
 from sbpflow.random import Normal, Zeros
 
 

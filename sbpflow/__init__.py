@@ -12,17 +12,18 @@ compiler and the runtime on first use).
 import sys as _sys
 from typing import Any as _Any
 
-from sbpflow import corpus, data, random, sbp
+from sbpflow import data, random, sbp
 from sbpflow.client import functional as _functional
 from sbpflow.client import nn, optim
 from sbpflow.client.context import TracingError
 from sbpflow.client.static_graph import Graph, GraphConfig
 from sbpflow.client.tensor import Tensor
+from sbpflow.data import corpus
 from sbpflow.dtype import DType, bfloat16, float16, float32, float64, int32, int64
 from sbpflow.errors import GraphError, PlacementError, SbpError, SbpflowError, ShapeError
 from sbpflow.job import Job, JobConfig
 from sbpflow.placement import Placement, placement
-from sbpflow.run_options import RunOptions
+from sbpflow.runs.options import RunOptions
 
 bool_ = DType.bool
 

@@ -1,7 +1,7 @@
 """The logical graph: declared tensors and the ops between them, in topological order.
 
 This is the IR that tracing produces, that the compiler's passes rewrite, and that converts losslessly
-to and from the wire ``Job`` (sbpflow/wire.py). ``verify`` rejects a malformed graph at the first bad
+to and from the wire ``Job`` (sbpflow/codec/wire.py). ``verify`` rejects a malformed graph at the first bad
 node, naming it, and is run after every compiler pass in tests.
 """
 

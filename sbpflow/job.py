@@ -1,6 +1,6 @@
 """A job: the logical graph plus everything needed to train it, as plain data (never code).
 
-Tracing a ``sf.Graph`` produces a :class:`Job`; ``sbpflow.wire`` converts it to and from the protobuf
+Tracing a ``sf.Graph`` produces a :class:`Job`; ``sbpflow.codec.wire`` converts it to and from the protobuf
 ``sbpflow.v1.Job`` losslessly, so the control plane can validate and compile it without running user code.
 """
 
@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 
-from sbpflow.bound_values import BoundValues
-from sbpflow.data import DataSource
+from sbpflow.data.sources import DataSource
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import Graph
 from sbpflow.limits import (
@@ -25,6 +24,7 @@ from sbpflow.limits import (
     refuse,
 )
 from sbpflow.random import Initializer
+from sbpflow.runs.bound_values import BoundValues
 
 FORMAT_VERSION = 1
 
@@ -236,7 +236,7 @@ class Job:
     fetches: tuple[str, ...] = ()
     format_version: int = FORMAT_VERSION
     eval_data: DataSource | None = None  # the held-out split config.eval_every evaluates on
-    # the modules of a job traced in this process (sbpflow.bound_values); never on the wire
+    # the modules of a job traced in this process (sbpflow.runs.bound_values); never on the wire
     bound: BoundValues | None = field(default=None, compare=False, repr=False)
 
     def verify(self) -> None:
@@ -278,7 +278,7 @@ class Job:
         """Every input tensor of the graph is fed by a field of the data source with its dtype and shape
         (``[global_batch_size, *sample_shape]``). A file-backed array source declares no fields without
         opening its files, so it is checked when a worker opens them."""
-        from sbpflow.data import ArrayFileSource
+        from sbpflow.data.sources import ArrayFileSource
         from sbpflow.graph import TensorKind
 
         if self.data is None or isinstance(self.data, ArrayFileSource):
@@ -303,7 +303,7 @@ class Job:
 
 def _opens_files(*sources: DataSource) -> bool:
     """Whether a source declares its fields only by opening its files (checked by the workers then)."""
-    from sbpflow.data import ArrayFileSource
+    from sbpflow.data.sources import ArrayFileSource
 
     return any(isinstance(s, ArrayFileSource) for s in sources)
 

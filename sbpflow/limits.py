@@ -5,7 +5,7 @@ the user chose (a stage, a step count, a shape, a name written into every store 
 must be bounded before that work starts. :class:`Limits` is the table; :func:`check_graph` and
 :func:`check_data` walk a job's graph and data source and raise :class:`LimitError` at the first value
 outside it, naming the field, the value, the limit and the fix (``sbpflow.job.check_job`` walks the rest of
-a job with the same helpers, as part of ``Job.verify``). ``sbpflow.wire`` calls the same helpers while it
+a job with the same helpers, as part of ``Job.verify``). ``sbpflow.codec.wire`` calls the same helpers while it
 converts a protobuf (a shape is checked before numpy multiplies it out).
 
 Every check here is cheap: linear in the size of the job message, never in a number inside it.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from sbpflow.errors import SbpflowError
 
 if TYPE_CHECKING:
-    from sbpflow.data import DataSource
+    from sbpflow.data.sources import DataSource
     from sbpflow.graph import Graph
     from sbpflow.placement import Placement
 
@@ -216,7 +216,7 @@ def check_graph(g: Graph, limits: Limits = LIMITS) -> None:
 def check_data(d: DataSource, limits: Limits = LIMITS) -> None:
     """The source's own fields (file paths by length and characters only: whether a path may be read is
     the data-root policy's to say, and its contents the worker's)."""
-    from sbpflow.data import ArrayFileSource, ArraySource, SyntheticSource, TokenFileSource
+    from sbpflow.data.sources import ArrayFileSource, ArraySource, SyntheticSource, TokenFileSource
 
     check_int("job.data.global_batch_size", d.batch_size, 1, limits.batch_size)
     check_int("job.data.seed", d.seed, 0, (1 << 64) - 1)

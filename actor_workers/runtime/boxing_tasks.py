@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow import wire
 from sbpflow.actor_workers.runtime.tasks import Act, RankContext, local_shape
 from sbpflow.boxing import Transfer
+from sbpflow.codec import wire
 from sbpflow.errors import SbpflowError, ShapeError
 from sbpflow.sbp import NdSbp, PartialSum, Split
 from sbpflow.sharding import Index, split_range

@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow import wire
 from sbpflow.actor_workers.runtime import boxing_tasks, heap, plan_tables, tasks
 from sbpflow.actor_workers.runtime import executor_analysis as analysis
 from sbpflow.actor_workers.runtime.actors import ActorSpec, RegisterSpec
 from sbpflow.actor_workers.runtime.bypass import bypass
+from sbpflow.actor_workers.runtime.cuda_streams import for_worker
 from sbpflow.actor_workers.runtime.engine import AbortHook, Engine, RunResult
 from sbpflow.actor_workers.runtime.executor_analysis import KIND, ExecutorError
 from sbpflow.actor_workers.runtime.group import EngineGroup
@@ -42,7 +42,7 @@ from sbpflow.actor_workers.runtime.plan_tables import PlanTables
 from sbpflow.actor_workers.runtime.tasks import Act, RankContext
 from sbpflow.actor_workers.runtime.trace import task_args
 from sbpflow.actor_workers.runtime.variables import StoreSource, init_store
-from sbpflow.cuda_streams import for_worker
+from sbpflow.codec import wire
 from sbpflow.graph import TensorDecl
 from sbpflow.sharding import assemble_value
 from sbpflow.v1 import plan_pb2 as pp

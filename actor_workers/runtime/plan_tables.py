@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sbpflow import wire
-from sbpflow.data import DataSource, with_roots
+from sbpflow.codec import wire
+from sbpflow.data.sources import DataSource, with_roots
 from sbpflow.graph import TensorDecl
 from sbpflow.job import JobConfig, ParameterSpec
 from sbpflow.v1 import plan_pb2 as pp
@@ -36,7 +36,7 @@ class PlanTables:
 def of(plan: pp.Plan, data_roots: tuple[str, ...] | None = None) -> PlanTables:
     """The tables of ``plan``, decoded (a plan from before they existed has none: recompile it);
     ``data_roots`` (``RunOptions.data_roots``, the control plane's): the folders the data source's files
-    must be in, checked on each file as opened (:mod:`sbpflow.data_access`)."""
+    must be in, checked on each file as opened (:mod:`sbpflow.data.access`)."""
     tensors = {t.name: wire.tensor_from_proto(t) for t in plan.tensors}
     return PlanTables(
         name=plan.job_name,

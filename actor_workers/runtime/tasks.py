@@ -15,7 +15,7 @@ an act does no protobuf parsing and little Python.
     SINK assign     writes the new value to the store and passes it on to next step's SOURCE
     SINK fetch      records the value of ``step`` (the loss, a fetch)
 
-Random steps follow :func:`sbpflow.reference.micro_batch_step`: a task of micro-batch ``k`` of ``M`` in
+Random steps follow :func:`sbpflow.oracle.reference.micro_batch_step`: a task of micro-batch ``k`` of ``M`` in
 step ``s`` draws with ``s * M + k``; once-per-step tasks (the update) with ``s``. Boxing, SEND and RECV
 acts are in :mod:`.boxing_tasks`.
 """
@@ -31,14 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow import wire
+from sbpflow.actor_workers.runtime.cuda_streams import ComputeStream
 from sbpflow.actor_workers.runtime.plan_tables import PlanTables
 from sbpflow.actor_workers.runtime.variables import Store, is_partial_elsewhere
-from sbpflow.cuda_streams import ComputeStream
+from sbpflow.codec import wire
 from sbpflow.errors import SbpflowError, ShapeError
 from sbpflow.graph import TensorDecl
 from sbpflow.ops.base import KernelContext, get_op
-from sbpflow.reference import micro_batch_step
+from sbpflow.oracle.reference import micro_batch_step
 from sbpflow.sharding import Index, shard_index
 from sbpflow.v1 import plan_pb2 as pp
 
@@ -55,7 +55,9 @@ class RankContext:
     store: Store
     transport: Any = None  # a Transport; None for a plan without communication
     xp: ModuleType = np
-    compute: ComputeStream | None = None  # a GPU worker's compute stream (sbpflow.cuda_streams)
+    compute: ComputeStream | None = (
+        None  # a GPU worker's compute stream (sbpflow.actor_workers.runtime.cuda_streams)
+    )
     busy: dict[str, float] = field(default_factory=dict)  # stream -> seconds in acts (the engine adds)
     # (tensor, micro-batch or -1) -> step -> this rank's value
     fetched: dict[tuple[str, int], dict[int, Any]] = field(default_factory=dict)
@@ -261,7 +263,7 @@ def data_load_act(rc: RankContext, decl: TensorDecl, micro_batch: int, coord: tu
     of each step's batch.
 
     The plan's tensors are the micro-batch graph's, so ``decl.meta.shape[0]`` is the micro-batch's rows;
-    micro-batch ``k`` is rows ``[k*m, (k+1)*m)`` of the batch (:func:`sbpflow.reference._split_batch`).
+    micro-batch ``k`` is rows ``[k*m, (k+1)*m)`` of the batch (:func:`sbpflow.oracle.reference._split_batch`).
     """
     if rc.tables.data is None:
         raise SbpflowError(f"job {rc.tables.name!r} has no data source to load input {decl.name!r} from")

@@ -1,7 +1,7 @@
 """The persistent per-rank store: this rank's shards of the parameters and the optimizer state.
 
 A rank draws only its own shard of each parameter from the parameter's initializer, keyed by
-(``config.seed``, ``RandomKey.for_tensor(name)``) exactly as :func:`sbpflow.reference.init_parameters`
+(``config.seed``, ``RandomKey.for_tensor(name)``) exactly as :func:`sbpflow.oracle.reference.init_parameters`
 keys the whole tensor, so every layout starts from the same logical values without materialising them.
 Optimizer state starts at zero. A ``P`` (partial-sum) layout keeps the value on the first rank of each
 partial mesh axis and zeros elsewhere, so the shards still sum to the logical value.

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Literal, TypeVar
 
-from sbpflow import wire
+from sbpflow.codec import wire
 from sbpflow.control_plane.compiler import comm_order, memory
 from sbpflow.control_plane.compiler.lowering import lower as lowering
 from sbpflow.control_plane.compiler.lowering.boxing import Memo

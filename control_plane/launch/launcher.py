@@ -20,9 +20,9 @@ and ``on_attempt(attempt, first_step, reason, message)`` when a restart begins a
 the checkpoint at ``first_step`` (then ``on_state`` says ``"STARTING"`` and ``"RUNNING"`` again), with
 ``on_resize(slots)`` the device slots that attempt holds (fewer after an elastic re-plan).
 Setting ``cancel`` stops every rank promptly and raises :class:`RunCancelled`. A NaN or infinite loss
-stops every rank the same way and raises :class:`~sbpflow.numerics.NonFiniteLoss` naming the step (the
+stops every rank the same way and raises :class:`~sbpflow.runs.numerics.NonFiniteLoss` naming the step (the
 step tracker checks each assembled loss); finite losses but non-finite final parameters (each rank checks
-its shards) raise :class:`~sbpflow.numerics.NonFiniteParameters` naming them.
+its shards) raise :class:`~sbpflow.runs.numerics.NonFiniteParameters` naming them.
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ from sbpflow.control_plane.launch.tensorboard_scalars import open_board
 from sbpflow.device import array_module
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
-from sbpflow.numerics import NonFiniteParameters, non_finite_parameters
 from sbpflow.ops.loss_scaling import VARIABLES
-from sbpflow.run_options import FIELD_NAMES, RunOptions
-from sbpflow.run_state import JobState
+from sbpflow.runs.numerics import NonFiniteParameters, non_finite_parameters
+from sbpflow.runs.options import FIELD_NAMES, RunOptions
+from sbpflow.runs.states import JobState
 from sbpflow.v1 import job_pb2 as jp
 from sbpflow.v1 import plan_pb2 as pp
 from sbpflow.v1 import service_pb2 as sp
@@ -113,7 +113,7 @@ def run(
 ) -> RunResult:
     """Compile ``job`` and train it for ``steps`` (default ``job.config.steps``). A ``job`` compiled already
     (:func:`launch`) is only lowered, on its own state. How it runs is a
-    :class:`~sbpflow.run_options.RunOptions`: ``options``, with any of its fields given as keywords on
+    :class:`~sbpflow.runs.options.RunOptions`: ``options``, with any of its fields given as keywords on
     top (``sf.run(job, backend="inprocess", timeout=60, return_parameters=True)``).
 
     A failing kernel, a shape error, a transport failure or a lost worker on any rank stops every rank and
@@ -126,7 +126,7 @@ def run(
     starts the parameters from a safetensors/.npz file or a checkpoint that holds every parameter in its
     shape and dtype, and nothing else unless ``strict=False`` (``layout="torch"``: a PyTorch state dict,
     :mod:`sbpflow.client.torch_layout`). A job traced in this process starts from its modules' values and
-    gives them the trained ones (:mod:`sbpflow.bound_values`). On Ray, a lost worker restarts the job from
+    gives them the trained ones (:mod:`sbpflow.runs.bound_values`). On Ray, a lost worker restarts the job from
     its last checkpoint up to ``max_restarts`` times. ``config.eval_every``: the held-out split is
     evaluated at those steps (:mod:`~sbpflow.control_plane.launch.evaluation`: ``on_eval(step, loss)``,
     ``RunResult.evals``). ``tensorboard_dir``: TensorBoard scalars (``tensorboard_scalars``).

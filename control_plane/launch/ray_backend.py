@@ -51,7 +51,7 @@ from sbpflow.control_plane.launch.worker_failures import WorkerError, WorkerLost
 from sbpflow.control_plane.launch.worker_pool import WarmGroup, destroy, installed, resources_of
 from sbpflow.errors import SbpflowError
 from sbpflow.ops.loss_scaling import VARIABLES
-from sbpflow.run_state import JobState
+from sbpflow.runs.states import JobState
 from sbpflow.sharding import assemble_value
 from sbpflow.v1 import job_pb2 as jp
 from sbpflow.v1 import plan_pb2 as pp

@@ -1,7 +1,7 @@
 """What a run is given and what it gives back, shared by the launcher and the backends it drives.
 
 :class:`LaunchContext` is everything a backend needs besides the compiled job: how the job runs (a core
-:class:`~sbpflow.run_options.RunOptions`), what it trains (steps, checkpoints, the file it starts from)
+:class:`~sbpflow.runs.options.RunOptions`), what it trains (steps, checkpoints, the file it starts from)
 and this attempt's state and listeners; :class:`RunResult` is what every backend returns.
 """
 
@@ -17,8 +17,8 @@ from sbpflow.control_plane.launch.report_hub import ReportHub
 from sbpflow.control_plane.launch.step_tracker import ReportListener, StateListener
 from sbpflow.graph import TensorDecl
 from sbpflow.ops.loss_scaling import SCALE, SKIPPED
-from sbpflow.run_options import RunOptions
-from sbpflow.run_state import JobState
+from sbpflow.runs.options import RunOptions
+from sbpflow.runs.states import JobState
 from sbpflow.sharding import assemble_value
 
 AttemptListener = Callable[[int, int, str, str], None]  # (attempt, first step, reason, message)

@@ -11,7 +11,7 @@ the in-process one from its SINK fetch acts, the Ray one from the workers' ``Ste
 A non-finite loss (NaN, an infinity) is checked here, where each step's loss is assembled, so both
 backends share the check: the step is still reported (the store keeps its NaN), later steps are not, and
 ``on_non_finite`` decides. The run's default (:func:`fail_on_non_finite`) records a
-:class:`~sbpflow.numerics.NonFiniteLoss` in ``non_finite`` and says "stop" (the launcher aborts every
+:class:`~sbpflow.runs.numerics.NonFiniteLoss` in ``non_finite`` and says "stop" (the launcher aborts every
 rank and raises it). Under dynamic loss scaling (issue 18) a non-finite step is an overflow the scaler
 skips: that policy returns True, the step is counted in ``skipped`` and the run goes on.
 """
@@ -29,8 +29,8 @@ import numpy as np
 from sbpflow.actor_workers.reporting import Scaling
 from sbpflow.control_plane.launch.share_assembly import ShareAssembly, ShareLayout
 from sbpflow.graph import TensorDecl
-from sbpflow.numerics import NonFiniteLoss, finite
-from sbpflow.run_state import JobState
+from sbpflow.runs.numerics import NonFiniteLoss, finite
+from sbpflow.runs.states import JobState
 from sbpflow.v1 import service_pb2 as sp
 
 WINDOW = 8  # samples/s is measured over the last WINDOW steps: reports arrive in bursts, steps do not

@@ -37,7 +37,7 @@ from sbpflow.control_plane.launch.evaluation import EvalListener
 from sbpflow.control_plane.launch.step_tracker import ReportListener, StepListener
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
-from sbpflow.reference_optim import learning_rate
+from sbpflow.oracle.optim import learning_rate
 from sbpflow.v1 import service_pb2 as sp
 
 FLUSH_SECONDS = 5  # the writer's own flush period; ``close`` flushes the rest

@@ -41,7 +41,7 @@ from sbpflow.boxing import Collective
 from sbpflow.control_plane.compiler.cost.cost_model import DeviceProfile
 from sbpflow.control_plane.compiler.cost.stage_load import DataCost, source_key
 from sbpflow.control_plane.profiling.cpu_links import measure_links
-from sbpflow.data import SyntheticSource
+from sbpflow.data.sources import SyntheticSource
 from sbpflow.dtype import DType
 from sbpflow.graph import Graph, OpNode, TensorDecl
 from sbpflow.job import Job, JobConfig

@@ -5,14 +5,14 @@ workers would read whatever they name, ``/etc/passwd`` included. :class:`DataPol
 Submit (``validation.compile_submit``) and again before a run starts (a job re-queued after a restart
 was validated under the roots of its day), every path that does not resolve under a root: paths are
 resolved as the server sees them, symlinks followed and ``..`` collapsed, so neither leads out.
-Refusals are :class:`~sbpflow.data_access.DataAccessDenied` (PERMISSION_DENIED), naming the roots and
+Refusals are :class:`~sbpflow.data.access.DataAccessDenied` (PERMISSION_DENIED), naming the roots and
 never a file's bytes.
 
 A path checked is still only a name until it is read. So the policy also travels with the job: ``bind``
 stamps its roots on the job's file sources (``allowed_roots``, for what the control plane itself reads
 while it compiles), and the job manager runs every job with ``RunOptions.data_roots`` (``run_roots``),
 which the workers set on the sources they decode from the plan; each file is then checked as opened
-(:mod:`sbpflow.data_access`), so a symlink swapped after Submit leads nowhere.
+(:mod:`sbpflow.data.access`), so a symlink swapped after Submit leads nowhere.
 
     DataPolicy.under(["/data"])   # `sbpflow server --data-root /data`
     DataPolicy.under([])          # no --data-root: no file data at all (synthetic or inline only)
@@ -26,8 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sbpflow.data import ArrayFileSource, DataSource, TokenFileSource, with_roots
-from sbpflow.data_access import DENIED, MAX_SHOWN, DataAccessDenied, refusal, resolved, within
+from sbpflow.data.access import DENIED, MAX_SHOWN, DataAccessDenied, refusal, resolved, within
+from sbpflow.data.sources import ArrayFileSource, DataSource, TokenFileSource, with_roots
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
 
@@ -57,8 +57,8 @@ class DataPolicy:
 
     @classmethod
     def embedded(cls) -> DataPolicy:
-        """The embedded run's: the working directory and the corpus cache (``sbpflow.corpus``)."""
-        from sbpflow.corpus import cache_dir
+        """The embedded run's: the working directory and the corpus cache (``sbpflow.data.corpus``)."""
+        from sbpflow.data.corpus import cache_dir
 
         return cls(tuple(p for p in (resolved(Path.cwd()), resolved(cache_dir())) if p is not None))
 

@@ -1,7 +1,7 @@
 """Per-job run options: what a client may set for its own job at Submit (``SubmitJobRequest.options``),
 checked against the server's.
 
-The server's :class:`~sbpflow.run_options.RunOptions` say how every job runs; a client may change, for
+The server's :class:`~sbpflow.runs.options.RunOptions` say how every job runs; a client may change, for
 its job, only ``CLIENT_FIELDS``: ``timeout`` and ``max_restarts`` up to the server's own (a shared
 service's limits), ``trace`` and ``return_parameters``. Where jobs run (``backend``, ``ray_address``) and
 the threads they take are the server's: a request that sets one is refused with PERMISSION_DENIED
@@ -16,11 +16,12 @@ an option over a lowered limit brought down to it).
 
 from __future__ import annotations
 
+from sbpflow.codec.run_options import run_options_from_proto
+from sbpflow.codec.wire import WireError
 from sbpflow.control_plane.service.validation import ValidationError
 from sbpflow.errors import SbpflowError
-from sbpflow.run_options import CLIENT_FIELDS, FIELD_NAMES, RunOptions
+from sbpflow.runs.options import CLIENT_FIELDS, FIELD_NAMES, RunOptions
 from sbpflow.v1 import service_pb2 as sp
-from sbpflow.wire import WireError, run_options_from_proto
 
 SERVER_FIELDS: tuple[str, ...] = tuple(n for n in FIELD_NAMES if n not in CLIENT_FIELDS)
 CAPPED: tuple[str, ...] = ("timeout", "max_restarts")  # a job may ask for less than the server's, not more

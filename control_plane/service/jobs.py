@@ -28,7 +28,7 @@ Rules:
   leaves the jobs it stops in flight, for the next control plane to re-queue.
 - A run driven from outside (``bench/control_plane_scale.py``'s simulated workers) is ``adopted``.
 - A run whose loss goes NaN or infinite ends FAILED with ``NON_FINITE_LOSS`` at that step; one whose final
-  parameters are not finite ends FAILED with ``NON_FINITE_PARAMETERS`` (:mod:`sbpflow.numerics`).
+  parameters are not finite ends FAILED with ``NON_FINITE_PARAMETERS`` (:mod:`sbpflow.runs.numerics`).
 - A corrupt latest checkpoint is passed over for the previous intact one (a log line and a reason
   event ``CHECKPOINT_CORRUPT`` say so).
 - Reasons are machine-readable words (service.proto's JobStatus.reason); messages say what happened.
@@ -64,9 +64,9 @@ from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
-from sbpflow.numerics import NonFinite
-from sbpflow.run_options import MANAGER_DEFAULTS, RunOptions
-from sbpflow.run_state import JobState
+from sbpflow.runs.numerics import NonFinite
+from sbpflow.runs.options import MANAGER_DEFAULTS, RunOptions
+from sbpflow.runs.states import JobState
 from sbpflow.v1 import service_pb2 as sp
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ class JobManager:
         """Reconcile the store after a restart (jobs in flight -> PENDING as their next attempt when they
         have a checkpoint to go on from, else FAILED) and re-queue PENDING jobs; returns the reconciled
         records."""
-        from sbpflow import wire
+        from sbpflow.codec import wire
         from sbpflow.v1 import job_pb2
 
         if self.config.run.backend == "ray":  # on the caller's (main) thread: Ray sets signal handlers there

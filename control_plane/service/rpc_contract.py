@@ -26,7 +26,7 @@ from sbpflow.control_plane.service.job_options import OptionRefused
 from sbpflow.control_plane.service.resume import NotResumable
 from sbpflow.control_plane.service.validation import AdmissionError, ValidationError
 from sbpflow.control_plane.store.db import StoreError, StoreUnavailable, UnknownJobError
-from sbpflow.data_access import DataAccessDenied
+from sbpflow.data.access import DataAccessDenied
 from sbpflow.errors import SbpflowError
 
 T = TypeVar("T")

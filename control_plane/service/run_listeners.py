@@ -25,7 +25,7 @@ from typing import Any
 from sbpflow.control_plane.service.running import Manager, RunningJob
 from sbpflow.control_plane.store.db import StoreUnavailable
 from sbpflow.control_plane.store.schema import WorkerRecord
-from sbpflow.run_state import JobState, WorkerState
+from sbpflow.runs.states import JobState, WorkerState
 from sbpflow.v1 import service_pb2 as sp
 
 # What each kind of WorkerReport payload says about the worker's state (None: leaves it as it is).

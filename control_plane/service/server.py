@@ -2,7 +2,7 @@
 WorkerService for Ray workers (on a port of its own, ``reports.py``), and the HTTP status endpoint, all
 over one job store and job manager.
 
-    inprocess = MANAGER_DEFAULTS.replace(backend="inprocess")  # sbpflow.run_options: the manager's defaults
+    inprocess = MANAGER_DEFAULTS.replace(backend="inprocess")  # sbpflow.runs.options: the manager's defaults
     plane = ControlPlane(ServerConfig(port=0, http_port=0, store="jobs.db", run=inprocess, slots=4))
     plane.start()          # binds; plane.address ("127.0.0.1:PORT"), plane.http_address
     ...
@@ -37,6 +37,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from sbpflow.codec.run_options import run_options_to_proto
 from sbpflow.control_plane.launch.worker_pool import PoolConfig, WorkerPool, install, uninstall
 from sbpflow.control_plane.service.data_policy import DataPolicy
 from sbpflow.control_plane.service.drain import Drained
@@ -65,10 +66,9 @@ from sbpflow.control_plane.status.worker_rows import WorkerRows
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import JobRecord
 from sbpflow.errors import SbpflowError
-from sbpflow.run_options import MANAGER_DEFAULTS, RunOptions
-from sbpflow.run_state import JobState
+from sbpflow.runs.options import MANAGER_DEFAULTS, RunOptions
+from sbpflow.runs.states import JobState
 from sbpflow.v1 import service_pb2 as sp
-from sbpflow.wire import run_options_to_proto
 
 T = TypeVar("T")
 SERVICE = "sbpflow.v1.JobService"
@@ -140,7 +140,7 @@ class JobServicer:
         if not req.HasField("job"):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "SubmitJobRequest.job is missing; set it to sbpflow.wire.job_to_proto(job)",
+                "SubmitJobRequest.job is missing; set it to sbpflow.codec.wire.job_to_proto(job)",
             )
         check_keys(context, req)
         blob, options = req.job.SerializeToString(), req.options.SerializeToString()  # job_options.py

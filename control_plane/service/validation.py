@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
+from sbpflow.codec.wire import WireError, job_from_proto
 from sbpflow.control_plane.launch.elastic import replace_world, world
-from sbpflow.data_access import DataAccessDenied
+from sbpflow.data.access import DataAccessDenied
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
 from sbpflow.limits import LimitError
 from sbpflow.v1 import job_pb2
-from sbpflow.wire import WireError, job_from_proto
 
 if TYPE_CHECKING:
     from sbpflow.control_plane.compiler.pipeline import Compiled
@@ -166,7 +166,7 @@ def _parse(job_bytes: bytes, max_bytes: int | None, data_policy: DataPolicy | No
         m.ParseFromString(job_bytes)
     except (DecodeError, ValueError, TypeError) as e:
         raise ValidationError(
-            f"malformed Job protobuf: {_message(e)}; send sbpflow.wire.job_to_proto(job).SerializeToString()",
+            f"malformed Job protobuf: {_message(e)}; send sbpflow.codec.wire.job_to_proto(job).SerializeToString()",
             kind="malformed",
             field="job",
         ) from e
@@ -184,7 +184,7 @@ def _parse(job_bytes: bytes, max_bytes: int | None, data_policy: DataPolicy | No
         raise ValidationError(_message(e), kind="graph", field="job.graph") from e
     if job.data is None:
         raise ValidationError(
-            f"job {job.name!r} has no data source; give the job one (e.g. pass a sbpflow.data source to "
+            f"job {job.name!r} has no data source; give the job one (e.g. pass a sbpflow.data.sources source to "
             "Graph.trace(data, ...)) so that its inputs can be fed",
             kind="missing",
             field="job.data",

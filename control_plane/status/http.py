@@ -40,7 +40,7 @@ from sbpflow.control_plane.status.plan_view import PlanCache
 from sbpflow.control_plane.store.db import StoreError, UnknownJobError
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import WorkerRecord
-from sbpflow.run_state import JobState
+from sbpflow.runs.states import JobState
 
 JSON = "application/json"
 HTML = "text/html; charset=utf-8"
@@ -291,7 +291,7 @@ def _job_id(text: str) -> str:
 
 def _stored_job(data: bytes) -> Any:
     """The stored Job, or None when it no longer decodes."""
-    from sbpflow import wire
+    from sbpflow.codec import wire
     from sbpflow.v1 import job_pb2
 
     try:

@@ -43,7 +43,7 @@ from prometheus_client.registry import Collector
 
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
-from sbpflow.run_state import IN_FLIGHT, JobState, WorkerState
+from sbpflow.runs.states import IN_FLIGHT, JobState, WorkerState
 
 RECENT = 50
 EXPIRE_SECONDS = 300.0  # an ended job's series stay this long

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from sbpflow.control_plane.status.charts import Series, fmt, line_chart
 from sbpflow.control_plane.store.schema import JobRecord, LossPoint
-from sbpflow.run_state import JobState
+from sbpflow.runs.states import JobState
 
 REFRESH_SECONDS = 5
 TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})

@@ -28,7 +28,7 @@ from sbpflow.control_plane.status.web import (
 )
 from sbpflow.control_plane.store.schema import JobEvent, JobRecord, LogRecord, LossPoint, WorkerRecord
 from sbpflow.job import Job
-from sbpflow.run_state import JobState
+from sbpflow.runs.states import JobState
 
 LOG_TAIL = 60  # log lines on the page (the whole log: sbpflow logs ID)
 EVENT_TAIL = 100  # state and reason events on the page

@@ -27,7 +27,7 @@ from sbpflow.control_plane.store.schema import (
     record_from_row,
 )
 from sbpflow.errors import SbpflowError
-from sbpflow.run_state import JobState
+from sbpflow.runs.states import JobState
 
 
 class StoreError(SbpflowError):

@@ -35,7 +35,7 @@ from sbpflow.control_plane.store.schema import (
     record_from_row,
 )
 from sbpflow.control_plane.store.tables import JobSideTables
-from sbpflow.run_state import IN_FLIGHT, TERMINAL, JobState, allowed, legal_next
+from sbpflow.runs.states import IN_FLIGHT, TERMINAL, JobState, allowed, legal_next
 
 RESTART_REASON = "CONTROL_PLANE_RESTARTED"
 RESUMED_REASON = "RESUMED_AFTER_RESTART"

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sbpflow.run_state import JobState, WorkerState
+from sbpflow.runs.states import JobState, WorkerState
 
 SCHEMA_VERSION = 6
 

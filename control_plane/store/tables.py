@@ -14,7 +14,7 @@ import time
 
 from sbpflow.control_plane.store.db import StoreDb
 from sbpflow.control_plane.store.schema import LogRecord, WorkerRecord
-from sbpflow.run_state import WorkerState
+from sbpflow.runs.states import WorkerState
 
 
 class JobSideTables(StoreDb):

@@ -279,8 +279,8 @@ Global___JobStatus: _TypeAlias = JobStatus  # noqa: Y015
 
 @_typing.final
 class RunOptions(_message.Message):
-    """How a job runs; mirrors sbpflow.run_options.RunOptions field for field (a test checks it). Every field
-    has presence: an unset one takes the value of the side that reads it (sbpflow.wire.run_options_from_proto).
+    """How a job runs; mirrors sbpflow.runs.options.RunOptions field for field (a test checks it). Every field
+    has presence: an unset one takes the value of the side that reads it (sbpflow.codec.wire.run_options_from_proto).
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -3,7 +3,7 @@
 An MLP and a 2-layer GPT, dropout off, AdamW, 5 steps, run by ``sf.run(backend="inprocess")`` under
 1 device; DP 4; TP 4; DP2xTP2 (2-d SBP); PP 2 stages x 4 micro-batches; PP2xDP2; ZeRO 1, 2, 3 on DP 4;
 activation checkpointing on DP 4; gradient accumulation 4 on DP 4 — losses and final parameters equal
-:func:`sbpflow.reference.train` within 1e-9 relative in float64 (1e-4 in float32). In float64 a parameter
+:func:`sbpflow.oracle.reference.train` within 1e-9 relative in float64 (1e-4 in float32). In float64 a parameter
 is compared elementwise, relative to its own scale (its largest entry), so entries that are rounding
 noise around zero do not dominate. In float32 the tolerance holds for all parameters together, in norm
 (and 10x it for each tensor), because AdamW divides each gradient entry by its own magnitude: a gradient
@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import reference
 from sbpflow.job import AdamW, Job, OptimizerSpec
+from sbpflow.oracle import reference
 from sbpflow.sbp import B, S
 from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_autodiff import as_float64

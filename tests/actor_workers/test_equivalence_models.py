@@ -1,7 +1,7 @@
 """The paper's case-study models under their parallel layouts train exactly as one device does.
 
 Each model's example, in float64 for 5 steps on the in-process runtime, against
-:func:`sbpflow.reference.train` (losses and final parameters within 1e-9 relative), as
+:func:`sbpflow.oracle.reference.train` (losses and final parameters within 1e-9 relative), as
 ``test_equivalence.py`` does for the MLP and the GPT.
 """
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sbpflow import reference
 from sbpflow.control_plane.compiler import pipeline
+from sbpflow.oracle import reference
 from sbpflow.sbp import S
 from tests.actor_workers.test_equivalence import STEPS, assert_trains_like_one_device, gpt_job
 from tests.control_plane.compiler.passes.test_autodiff import as_float64

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 import sbpflow as sf
-from sbpflow.data import ArraySource
+from sbpflow.data.sources import ArraySource
 
 
 def arrays(batch: int = 4, **shapes: Any) -> ArraySource:

@@ -20,7 +20,7 @@ from sbpflow.client import cli_json
 from sbpflow.client.cli_exit import UsageError
 from sbpflow.client.set_values import param_types, parse_set
 from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
-from sbpflow.run_options import MANAGER_DEFAULTS
+from sbpflow.runs.options import MANAGER_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = str(ROOT / "examples" / "mlp.py")

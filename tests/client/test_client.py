@@ -11,7 +11,7 @@ import pytest
 from sbpflow.client.cli import main
 from sbpflow.client.client import Client, ClientError
 from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
-from sbpflow.run_options import MANAGER_DEFAULTS
+from sbpflow.runs.options import MANAGER_DEFAULTS
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MLP = str(EXAMPLES / "mlp.py")

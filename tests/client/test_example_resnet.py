@@ -10,7 +10,7 @@ import pytest
 
 import sbpflow as sf
 from sbpflow.client.cli import main
-from sbpflow.data import ArrayFileSource, ArraySource
+from sbpflow.data.sources import ArrayFileSource, ArraySource
 from tests.client.test_examples import EXAMPLES, load
 
 

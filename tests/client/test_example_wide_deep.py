@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import wire
+from sbpflow.codec import wire
 from sbpflow.control_plane.compiler.pipeline import compile
 from sbpflow.sbp import B, P, S
 from sbpflow.v1 import job_pb2

@@ -43,7 +43,7 @@ def test_gpt_example(kwargs) -> None:
     "name, kwargs", [("mlp", {"tp": True, "ranks": 4}), ("gpt", {"tp": True, "dp": 2, "ranks": 4})]
 )
 def test_traced_jobs_round_trip_through_the_wire(name: str, kwargs) -> None:
-    from sbpflow import wire
+    from sbpflow.codec import wire
     from sbpflow.v1 import job_pb2
 
     job = load(name).make_job(**kwargs)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import reference
-from sbpflow.data import ArraySource
+from sbpflow.data.sources import ArraySource
+from sbpflow.oracle import reference
 from tests.client.helpers import arrays, trace
 
 F = sf.nn.functional

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import reference
 from sbpflow.checkpoint.read import read_logical, resolve
 from sbpflow.client.cli import main
 from sbpflow.client.generate import Sampling, generate, next_token
+from sbpflow.oracle import reference
 from tests.client.test_examples import load
 
 SMALL = {"layers": 1, "heads": 2, "width": 16, "seq_len": 8}

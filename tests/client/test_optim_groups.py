@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import reference, wire
-from sbpflow.data import ArraySource
+from sbpflow.codec import wire
+from sbpflow.data.sources import ArraySource
+from sbpflow.oracle import reference
 
 CFG = sf.nn.GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, n_embd=8)
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import reference
-from sbpflow.data import ArraySource
+from sbpflow.data.sources import ArraySource
 from sbpflow.graph import TensorKind
+from sbpflow.oracle import reference
 
 
 class Train(sf.Graph):

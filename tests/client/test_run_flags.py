@@ -11,7 +11,7 @@ import pytest
 from sbpflow.client.cli import build_parser
 from sbpflow.client.run_flags import add_run_flags, flag_of, run_options_from_args
 from sbpflow.errors import SbpflowError
-from sbpflow.run_options import FIELD_NAMES, MANAGER_DEFAULTS, RunOptions
+from sbpflow.runs.options import FIELD_NAMES, MANAGER_DEFAULTS, RunOptions
 
 SF_RUN = RunOptions()  # sf.run's defaults
 

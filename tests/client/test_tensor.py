@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import reference
+from sbpflow.oracle import reference
 from tests.client.helpers import arrays, trace
 
 

@@ -19,7 +19,7 @@ import sbpflow as sf
 from sbpflow.checkpoint.format import write_safetensors
 from sbpflow.checkpoint.read import TensorFile
 from sbpflow.client.torch_layout import from_torch, to_torch, torch_rules
-from sbpflow.data import ArraySource
+from sbpflow.data.sources import ArraySource
 
 CFG = sf.nn.GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, n_embd=16)
 
@@ -172,7 +172,7 @@ import sbpflow as sf
 
 def make_job(tp: bool = False) -> sf.Job:
     from tests.client.test_torch_layout import CFG, Logits, batch, sf_gpt
-    from sbpflow.data import ArraySource
+    from sbpflow.data.sources import ArraySource
 
     where = sf.placement("cpu", [0, 1] if tp else [0])
     data = ArraySource(batch_size=4, arrays={"tokens": batch()[0]})

@@ -10,7 +10,7 @@ from typing import Any
 from sbpflow.client.client import Client, JobHandle
 from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
 from sbpflow.job import Job
-from sbpflow.run_options import MANAGER_DEFAULTS
+from sbpflow.runs.options import MANAGER_DEFAULTS
 
 TOKEN = "tok"
 

@@ -33,7 +33,7 @@ import yaml
 
 from sbpflow.client.cli import build_parser
 from sbpflow.control_plane.status.auth import OPEN_HTTP_PATHS
-from sbpflow.run_options import MANAGER_DEFAULTS
+from sbpflow.runs.options import MANAGER_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

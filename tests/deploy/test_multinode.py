@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import wire
+from sbpflow.codec import wire
 from sbpflow.control_plane.compiler.passes import boxing_pass
 from sbpflow.control_plane.compiler.pipeline import compile
 from sbpflow.job import Job

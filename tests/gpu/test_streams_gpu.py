@@ -1,5 +1,5 @@
 """The stream discipline and bf16 on a real GPU: a one-rank NCCL world whose results are handed over to a
-worker's compute stream (sbpflow/cuda_streams.py), the static-shape header round, bf16 through NCCL and
+worker's compute stream (actor_workers/runtime/cuda_streams.py), the static-shape header round, bf16 through NCCL and
 the MLP trained in bf16 on cupy against numpy's bf16 (ml_dtypes). bf16 tests skip, saying why, where the
 installed cupy has no bfloat16 arrays."""
 
@@ -11,9 +11,9 @@ from types import ModuleType
 import numpy as np
 import pytest
 
+from sbpflow.actor_workers.runtime.cuda_streams import ComputeStream
 from sbpflow.actor_workers.transport.base import TransportError
 from sbpflow.actor_workers.transport.nccl.transport import NcclTransport
-from sbpflow.cuda_streams import ComputeStream
 from sbpflow.dtype import DType
 
 

@@ -11,9 +11,9 @@ import pytest
 
 from sbpflow.ops.base import NdSignature, get_op
 from sbpflow.ops.eager import EagerBuilder, meta_of, run_local
+from sbpflow.oracle.reference import init_parameters
 from sbpflow.placement import placement
 from sbpflow.random import RandomKey
-from sbpflow.reference import init_parameters
 from sbpflow.sbp import B, S
 from sbpflow.sharding import assemble, shard, shard_index
 from tests.client.test_examples import load

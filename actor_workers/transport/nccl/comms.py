@@ -7,7 +7,7 @@
   the messages from rank 0 to rank 2). ``uid_for`` must return the same id to every member of ``key``.
   Communicators are made lazily, on a key's first call, and creation waits at most ``timeout``.
 - **Streams.** Each communicator has its own CUDA stream. Work is ordered with events
-  (:mod:`sbpflow.cuda_streams`): the comm stream waits for an event recorded on the caller's current
+  (:mod:`sbpflow.actor_workers.runtime.cuda_streams`): the comm stream waits for an event recorded on the caller's current
   stream (the inputs are ready), runs the NCCL call and its copies, and an event recorded after it says
   the result is ready. On a worker with a compute stream (:meth:`NcclComms.use_compute_stream`) only the
   acts that read the result wait for that event; otherwise the caller's stream waits at once. The host
@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sbpflow.actor_workers.runtime.cuda_streams import ComputeStream, launch_on, record
 from sbpflow.actor_workers.transport.base import TransportAborted, TransportError
-from sbpflow.cuda_streams import ComputeStream, launch_on, record
 from sbpflow.device import INSTALL_HINT
 
 UID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
@@ -162,7 +162,7 @@ class NcclComms:
         """Run ``body()`` (its NCCL calls and cupy work) on ``comm``'s stream after ``ready`` (default: the
         caller's stream's work so far) and after ``inputs`` still being made on other streams; order its
         result before the caller's readers (unless ``wait`` is false: nothing on the caller's side reads a
-        send), at once or through the worker's compute stream (:func:`sbpflow.cuda_streams.launch_on`); keep
+        send), at once or through the worker's compute stream (:func:`sbpflow.actor_workers.runtime.cuda_streams.launch_on`); keep
         ``inputs`` and ``keep`` alive until it is done. Returns the result and its done event."""
         result, done = launch_on(self.cp.cuda, comm.stream, body, inputs, ready, self.compute, wait)
         while comm.inflight and comm.inflight[0][0].done:

@@ -31,8 +31,8 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from sbpflow import wire
 from sbpflow.boxing import BoxingPlan
+from sbpflow.codec import wire
 from sbpflow.control_plane.compiler.lowering.boxing import Lowerer, Memo
 from sbpflow.control_plane.compiler.lowering.tasks import SOURCE_KINDS, K, LoweringError
 from sbpflow.control_plane.compiler.passes import micro_batching
@@ -40,8 +40,8 @@ from sbpflow.control_plane.compiler.passes.micro_batching import Layout
 from sbpflow.control_plane.compiler.schedule import Phase
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.graph import Graph, OpNode, TensorKind
+from sbpflow.oracle.reference import micro_batches
 from sbpflow.placement import Placement
-from sbpflow.reference import micro_batches
 from sbpflow.v1 import plan_pb2 as pp
 
 PLAN_FORMAT_VERSION = 1

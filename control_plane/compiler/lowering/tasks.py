@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from math import prod
 
-from sbpflow import wire
+from sbpflow.codec import wire
 from sbpflow.dtype import DType
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind

@@ -1,14 +1,14 @@
 """Pass 8, micro-batching: gradient accumulation and pipeline stages.
 
 A step's batch is cut into ``M = gradient_accumulation_steps x micro_batches`` micro-batches along axis 0
-(the reference executor's convention, :func:`sbpflow.reference.micro_batches`). ``run(state)``:
+(the reference executor's convention, :func:`sbpflow.oracle.reference.micro_batches`). ``run(state)``:
 
 * **validates the stages** of the user's forward graph (``OpNode.stage``, set by ``Module.set_stage``;
   backward ops inherit their forward op's): numbered ``0 .. S-1`` without gaps, data flowing forward only
   (a reader in an earlier stage than its producer is refused, naming both ops, their stages and the fix),
   and ``M >= S`` under 1F1B;
 * **makes the compiled graph the per-micro-batch graph**: every tensor's meta and every op's attrs become
-  those of :func:`sbpflow.reference.micro_batch_job` traced through the same graph passes (so a backward
+  those of :func:`sbpflow.oracle.reference.micro_batch_job` traced through the same graph passes (so a backward
   ``sum_to``/``reshape`` gets exactly the shapes the reference runs, with no guessing which dims are the
   batch), and every boxing node is re-planned for its new shape. Placements and SBPs are unchanged.
 
@@ -37,7 +37,7 @@ from sbpflow.errors import GraphError, ShapeError
 from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.job import Job, PipelineSchedule
 from sbpflow.ops.base import get_op
-from sbpflow.reference import micro_batch_job, micro_batches
+from sbpflow.oracle.reference import micro_batch_job, micro_batches
 from sbpflow.sbp import Split
 
 PACKAGE = "sbpflow.control_plane.compiler"

@@ -16,7 +16,7 @@ from __future__ import annotations
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.errors import GraphError
 from sbpflow.graph import TensorKind
-from sbpflow.reference import micro_batches
+from sbpflow.oracle.reference import micro_batches
 
 OP = "running_stat"
 

@@ -71,8 +71,8 @@ from sbpflow.errors import GraphError
 from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.job import Job
 from sbpflow.ops.base import NdSignature, get_op
+from sbpflow.oracle.reference import micro_batch_job, micro_batches
 from sbpflow.placement import Placement
-from sbpflow.reference import micro_batch_job, micro_batches
 from sbpflow.sbp import B, NdSbp, Split, format_nd
 from sbpflow.sharding import min_split_size
 from sbpflow.tensor_meta import TensorMeta

@@ -1,7 +1,7 @@
 """A GPU rank's acts run on its compute stream: the executor gives each rank of a cupy run one
-ComputeStream (sbpflow/cuda_streams.py), every stream thread makes it current once, and training is
+ComputeStream (actor_workers/runtime/cuda_streams.py), every stream thread makes it current once, and training is
 unchanged. The hardware is faked: numpy as the array module, under cupy's name, with the logging fake of
-cupy.cuda from tests/sbpflow/test_cuda_streams.py; the executor and the discipline are the real ones."""
+cupy.cuda from tests/actor_workers/runtime/test_cuda_streams.py; the executor and the discipline are the real ones."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import numpy as np
 from sbpflow.actor_workers.runtime import executor
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.control_plane.compiler import pipeline
+from tests.actor_workers.runtime.test_cuda_streams import FakeCuda
 from tests.client.test_examples import load
-from tests.sbpflow.test_cuda_streams import FakeCuda
 
 STEPS = 3
 

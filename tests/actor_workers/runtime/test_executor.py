@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sbpflow import reference
 from sbpflow.actor_workers.runtime import executor, executor_analysis, plan_tables
 from sbpflow.actor_workers.runtime.boxing_tasks import BoxingTaskError, step_of
 from sbpflow.actor_workers.runtime.group import EngineGroup
@@ -29,6 +28,7 @@ from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.dtype import DType
 from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.job import Job, JobConfig, ParameterSpec
+from sbpflow.oracle import reference
 from sbpflow.placement import Placement, placement
 from sbpflow.random import Normal
 from sbpflow.sbp import B, NdSbp, P, S

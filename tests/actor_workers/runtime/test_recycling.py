@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 
 import sbpflow as sf
-from sbpflow import reference
 from sbpflow.actor_workers.runtime import executor_analysis
 from sbpflow.actor_workers.runtime.tasks import Recycler, guard_aliases
 from sbpflow.control_plane.compiler import pipeline
-from sbpflow.data import ArraySource
+from sbpflow.data.sources import ArraySource
+from sbpflow.oracle import reference
 from sbpflow.random import Normal
 from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_autodiff import as_float64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sbpflow.actor_workers.runtime import threads
-from sbpflow.run_options import RunOptions, RunOptionsError
+from sbpflow.runs.options import RunOptions, RunOptionsError
 
 
 def test_a_worker_runs_one_thread_per_cpu_it_holds_and_at_least_one() -> None:

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import reference
 from sbpflow.checkpoint.read import latest_intact, read_logical
-from sbpflow.data import DataField, SyntheticSource
+from sbpflow.data.sources import DataField, SyntheticSource
 from sbpflow.dtype import DType
 from sbpflow.errors import GraphError, SbpflowError
 from sbpflow.job import Job
+from sbpflow.oracle import reference
 from tests.control_plane.compiler.passes.test_autodiff import as_float64
 
 F = sf.nn.functional

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import reference
+from sbpflow.oracle import reference
 from sbpflow.random import tensor_rng_id
 from tests.client.helpers import arrays, trace
 

@@ -8,7 +8,7 @@ import pytest
 
 import sbpflow as sf
 from sbpflow.checkpoint.format import CheckpointError
-from sbpflow.data import ArraySource
+from sbpflow.data.sources import ArraySource
 
 
 class Train(sf.Graph):
@@ -119,7 +119,7 @@ def test_to_float64_casts_the_parameters_and_their_values() -> None:
 
 
 def test_state_dict_after_a_trace_is_what_that_jobs_run_starts_from() -> None:
-    from sbpflow import reference
+    from sbpflow.oracle import reference
 
     net = sf.nn.MLP([8, 16, 4])
     job = trace(net)

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 import sbpflow as sf
-from sbpflow.data import SyntheticSource
+from sbpflow.data.sources import SyntheticSource
 from sbpflow.graph import TensorKind
 
 CFG = sf.nn.GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, n_embd=16)

@@ -12,7 +12,7 @@ import pytest
 
 import sbpflow as sf
 from sbpflow.control_plane.compiler import pipeline
-from sbpflow.data import SyntheticSource
+from sbpflow.data.sources import SyntheticSource
 from sbpflow.errors import GraphError, PlacementError, SbpflowError
 from sbpflow.job import Job
 from sbpflow.sbp import S

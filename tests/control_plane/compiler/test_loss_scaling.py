@@ -1,5 +1,5 @@
 """Dynamic loss scaling (fp16, loss_scale 0): the compiled plan against the numpy GradScaler of
-sbpflow/reference_scaling.py, step by step; skipped steps on every rank under DP and TP; resume."""
+sbpflow/oracle/scaling.py, step by step; skipped steps on every rank under DP and TP; resume."""
 
 from __future__ import annotations
 
@@ -10,16 +10,17 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import reference, wire
 from sbpflow.checkpoint.format import step_dir
 from sbpflow.checkpoint.read import read_logical
+from sbpflow.codec import wire
 from sbpflow.control_plane.compiler import pipeline
-from sbpflow.data import ArraySource, SyntheticSource
+from sbpflow.data.sources import ArraySource, SyntheticSource
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job, JobConfig, LossScaling
-from sbpflow.numerics import NonFiniteLoss
 from sbpflow.ops.loss_scaling import SCALE, SKIPPED
-from sbpflow.reference_scaling import Scaler
+from sbpflow.oracle import reference
+from sbpflow.oracle.scaling import Scaler
+from sbpflow.runs.numerics import NonFiniteLoss
 from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_recompute import with_config
 

@@ -19,7 +19,7 @@ import sbpflow as sf
 from sbpflow.boxing import Collective
 from sbpflow.control_plane.compiler import comm_order, pipeline
 from sbpflow.control_plane.compiler.verify import verify_compiled
-from sbpflow.data import SyntheticSource
+from sbpflow.data.sources import SyntheticSource
 from sbpflow.graph import BOXING
 from sbpflow.job import Job
 from sbpflow.sbp import B, S

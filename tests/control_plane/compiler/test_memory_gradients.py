@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sbpflow as sf
 from sbpflow.control_plane.compiler import pipeline
-from sbpflow.data import SyntheticSource
+from sbpflow.data.sources import SyntheticSource
 from sbpflow.sbp import B, S
 
 

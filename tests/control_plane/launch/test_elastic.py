@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import wire
 from sbpflow.checkpoint import read as ck_read
 from sbpflow.checkpoint.format import step_dir
+from sbpflow.codec import wire
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.launch.elastic import (
@@ -46,8 +46,8 @@ from sbpflow.control_plane.status.metrics import Metrics
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job, JobConfig
-from sbpflow.run_options import MANAGER_DEFAULTS
-from sbpflow.run_state import JobState
+from sbpflow.runs.options import MANAGER_DEFAULTS
+from sbpflow.runs.states import JobState
 from sbpflow.sbp import S
 from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_autodiff import as_float64

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import reference, wire
+from sbpflow.codec import wire
 from sbpflow.control_plane.launch.evaluation import eval_job
-from sbpflow.data import ArraySource
+from sbpflow.data.sources import ArraySource
+from sbpflow.oracle import reference
 from tests.client.nn.test_state import Train
 
 
@@ -99,7 +100,7 @@ def test_a_held_out_file_outside_the_data_roots_is_refused(tmp_path: Path) -> No
     import shutil
 
     from sbpflow.control_plane.service.data_policy import DataPolicy
-    from sbpflow.data_access import DataAccessDenied
+    from sbpflow.data.access import DataAccessDenied
     from tests.client.test_examples import load
 
     j = load("charlm").make_job(ranks=1, steps=2, eval_every=2, width=16, seq_len=16, batch_size=4, layers=1)

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import wire
+from sbpflow.codec import wire
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.launch import launcher
 from sbpflow.control_plane.service.jobs import JobManager, ManagerConfig
 from sbpflow.control_plane.store.job_store import JobStore
-from sbpflow.run_options import MANAGER_DEFAULTS
-from sbpflow.run_state import JobState
+from sbpflow.runs.options import MANAGER_DEFAULTS
+from sbpflow.runs.states import JobState
 from tests.actor_workers.test_equivalence import LAYOUTS
 from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_autodiff import as_float64

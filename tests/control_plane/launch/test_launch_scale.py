@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from sbpflow import wire
+from sbpflow.codec import wire
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.v1 import plan_pb2 as pp
 

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import reference
 from sbpflow.actor_workers.runtime.errors import RuntimeFailure, RuntimeTimeout
 from sbpflow.actor_workers.runtime.trace import chrome_trace
 from sbpflow.actor_workers.transport.base import TransportError
 from sbpflow.control_plane.launch import launcher as api
 from sbpflow.errors import SbpflowError, ShapeError
 from sbpflow.ops.base import OPS, KernelContext, get_op
-from sbpflow.run_state import JobState
+from sbpflow.oracle import reference
+from sbpflow.runs.states import JobState
 from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_autodiff import as_float64
 

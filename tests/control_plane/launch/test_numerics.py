@@ -24,9 +24,9 @@ from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
 from sbpflow.dtype import DType
 from sbpflow.graph import TensorDecl
 from sbpflow.job import Job
-from sbpflow.numerics import NON_FINITE_LOSS, NON_FINITE_PARAMETERS, NonFiniteLoss, NonFiniteParameters
 from sbpflow.placement import placement
-from sbpflow.run_options import MANAGER_DEFAULTS
+from sbpflow.runs.numerics import NON_FINITE_LOSS, NON_FINITE_PARAMETERS, NonFiniteLoss, NonFiniteParameters
+from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.sbp import P
 from sbpflow.tensor_meta import TensorMeta
 from sbpflow.v1 import service_pb2 as sp

@@ -22,9 +22,9 @@ import pytest
 import sbpflow as sf
 from sbpflow.actor_workers.runtime.errors import RuntimeFailure
 from sbpflow.control_plane.launch import ray_backend
-from sbpflow.data import ArrayFileSource
+from sbpflow.data.sources import ArrayFileSource
 from sbpflow.graph import TensorKind
-from sbpflow.run_state import JobState
+from sbpflow.runs.states import JobState
 from tests.actor_workers.test_equivalence import LAYOUTS, mlp_job
 from tests.control_plane.compiler.passes.test_autodiff import as_float64
 

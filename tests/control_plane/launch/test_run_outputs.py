@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import reference
-from sbpflow.data import ArraySource
+from sbpflow.data.sources import ArraySource
+from sbpflow.oracle import reference
 
 
 class Logits(sf.Graph):

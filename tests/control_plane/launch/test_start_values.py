@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import wire
 from sbpflow.checkpoint.format import CheckpointError
+from sbpflow.codec import wire
 from tests.client.nn.test_state import trace
 
 

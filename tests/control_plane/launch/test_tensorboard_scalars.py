@@ -15,7 +15,7 @@ import sbpflow as sf
 from sbpflow.control_plane.launch.tensorboard_scalars import ScalarBoard, run_dir
 from sbpflow.errors import SbpflowError
 from sbpflow.job import WarmupCosine
-from sbpflow.reference_optim import learning_rate
+from sbpflow.oracle.optim import learning_rate
 from sbpflow.v1 import service_pb2 as sp
 from tests.client.test_examples import load
 from tests.control_plane.serving import serving

@@ -22,7 +22,7 @@ from sbpflow.client.client import Client
 from sbpflow.control_plane.launch.launcher import RunCancelled
 from sbpflow.control_plane.launch.worker_pool import PoolConfig, WorkerPool, install, installed, uninstall
 from sbpflow.errors import SbpflowError
-from sbpflow.run_options import MANAGER_DEFAULTS
+from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.v1 import service_pb2 as sp
 from tests.client.test_examples import load
 from tests.control_plane.service.test_server import LONG, start, until

@@ -19,10 +19,10 @@ import sbpflow as sf
 from sbpflow.actor_workers.runtime.errors import RuntimeFailure
 from sbpflow.client.client import Client, ClientError
 from sbpflow.control_plane.service.data_policy import DataPolicy, reason_of
-from sbpflow.data import ArrayFileSource, DataError, TokenFileSource
-from sbpflow.data_access import DENIED, DataAccessDenied
+from sbpflow.data.access import DENIED, DataAccessDenied
+from sbpflow.data.sources import ArrayFileSource, DataError, TokenFileSource
 from sbpflow.job import Job
-from sbpflow.run_options import RunOptions
+from sbpflow.runs.options import RunOptions
 from sbpflow.v1 import service_pb2 as sp
 from tests.control_plane.service.test_server import LONG, mlp, start, until  # noqa: F401 - mlp is a fixture
 
@@ -113,7 +113,7 @@ def test_what_cannot_be_read_under_a_root_is_a_data_error_and_a_fifo_does_not_bl
 
 
 def test_the_roots_are_no_part_of_the_wire_or_of_equality(tmp_path: Path) -> None:
-    from sbpflow import wire
+    from sbpflow.codec import wire
 
     src = TokenFileSource(path="t.bin", seq_len=4, batch_size=2, allowed_roots=("/data",))
     back = wire.data_from_proto(wire.data_to_proto(src))
@@ -121,13 +121,11 @@ def test_the_roots_are_no_part_of_the_wire_or_of_equality(tmp_path: Path) -> Non
 
 
 def test_data_roots_are_the_control_planes_option_not_a_flag_or_a_wire_field() -> None:
-    from sbpflow import wire
-    from sbpflow.run_options import FIELD_NAMES
+    from sbpflow.codec.run_options import run_options_to_proto
+    from sbpflow.runs.options import FIELD_NAMES
 
     o = RunOptions(data_roots=("/data",))
-    assert "data_roots" not in FIELD_NAMES and wire.run_options_to_proto(o) == wire.run_options_to_proto(
-        RunOptions()
-    )
+    assert "data_roots" not in FIELD_NAMES and run_options_to_proto(o) == run_options_to_proto(RunOptions())
     assert "data_roots" not in {f.name for f in sp.RunOptions.DESCRIPTOR.fields}
     with pytest.raises(ValueError, match="data_roots"):
         RunOptions(data_roots="/data")  # type: ignore[arg-type]

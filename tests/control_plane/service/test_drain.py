@@ -21,8 +21,8 @@ from sbpflow.client.client import Client, ClientError
 from sbpflow.control_plane.service.drain import DRAINED, Draining, drain
 from sbpflow.control_plane.service.jobs import JobManager, ManagerConfig
 from sbpflow.control_plane.store.job_store import JobStore
-from sbpflow.run_options import MANAGER_DEFAULTS
-from sbpflow.run_state import JobState
+from sbpflow.runs.options import MANAGER_DEFAULTS
+from sbpflow.runs.states import JobState
 from sbpflow.v1 import service_pb2 as sp
 from tests.client.test_examples import load
 from tests.control_plane.service.test_resume import blob, job_of

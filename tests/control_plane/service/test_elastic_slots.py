@@ -6,14 +6,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from sbpflow import wire
+from sbpflow.codec import wire
 from sbpflow.control_plane.launch.run_context import LaunchContext
 from sbpflow.control_plane.service.jobs import WAITING, JobManager, ManagerConfig
 from sbpflow.control_plane.service.run_listeners import RunListeners
 from sbpflow.control_plane.service.running import RunningJob
 from sbpflow.control_plane.store.job_store import JobStore
-from sbpflow.run_options import MANAGER_DEFAULTS
-from sbpflow.run_state import JobState
+from sbpflow.runs.options import MANAGER_DEFAULTS
+from sbpflow.runs.states import JobState
 from tests.client.test_examples import load
 from tests.control_plane.service.test_server import until
 

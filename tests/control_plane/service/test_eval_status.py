@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from sbpflow import wire
+from sbpflow.codec import wire
 from sbpflow.control_plane.service.jobs import JobManager, ManagerConfig
 from sbpflow.control_plane.status.metrics import Metrics
 from sbpflow.control_plane.status.records import job_status
 from sbpflow.control_plane.store.job_store import JobStore
-from sbpflow.run_options import MANAGER_DEFAULTS
-from sbpflow.run_state import JobState
+from sbpflow.runs.options import MANAGER_DEFAULTS
+from sbpflow.runs.states import JobState
 from tests.control_plane.launch.test_evaluation import job
 
 

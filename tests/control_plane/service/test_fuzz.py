@@ -40,11 +40,11 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sbpflow import wire
+from sbpflow.codec import wire
 from sbpflow.control_plane.compiler.pipeline import varint
 from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
 from sbpflow.device import gpu_available
-from sbpflow.run_options import MANAGER_DEFAULTS
+from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.v1 import job_pb2
 from sbpflow.v1 import service_pb2 as sp
 from tests.client.test_examples import load

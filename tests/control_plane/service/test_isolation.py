@@ -21,8 +21,8 @@ import grpc
 import numpy as np
 import pytest
 
-from sbpflow import wire
 from sbpflow.client.client import Client, JobHandle
+from sbpflow.codec import wire
 from sbpflow.control_plane.service import run_listeners
 from sbpflow.control_plane.service.data_policy import DataPolicy
 from sbpflow.control_plane.service.isolation import CallCounter, InsecureBind, is_loopback
@@ -32,10 +32,10 @@ from sbpflow.control_plane.status import metrics as metrics_module
 from sbpflow.control_plane.status.records import job_events
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import JobEvent, JobRecord
-from sbpflow.data import ArrayFileSource, DataError, TokenFileSource
+from sbpflow.data.sources import ArrayFileSource, DataError, TokenFileSource
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
-from sbpflow.run_state import JobState
+from sbpflow.runs.states import JobState
 from sbpflow.v1 import service_pb2 as sp
 from tests.control_plane.service.test_server import LONG, mlp, start, until  # noqa: F401 - mlp is a fixture
 

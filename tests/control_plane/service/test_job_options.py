@@ -19,8 +19,8 @@ from sbpflow.client.client import Client, ClientError
 from sbpflow.control_plane.service.job_options import SERVER_FIELDS, for_run, job_options
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import SCHEMA_VERSION
-from sbpflow.run_options import CLIENT_FIELDS, MANAGER_DEFAULTS
-from sbpflow.run_state import JobState
+from sbpflow.runs.options import CLIENT_FIELDS, MANAGER_DEFAULTS
+from sbpflow.runs.states import JobState
 from sbpflow.v1 import service_pb2 as sp
 from tests.client.test_client import MLP
 from tests.control_plane.service.test_server import LONG, mlp, start, until  # noqa: F401 - mlp is a fixture
@@ -63,7 +63,7 @@ def test_what_a_client_may_not_set_is_refused_naming_the_field(
     code: grpc.StatusCode,
     words: str,
 ) -> None:
-    from sbpflow import wire
+    from sbpflow.codec import wire
 
     plane = start(tmp_path, run=SERVER)
     try:

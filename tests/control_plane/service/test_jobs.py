@@ -9,13 +9,13 @@ from types import ModuleType
 
 import pytest
 
-from sbpflow import wire
+from sbpflow.codec import wire
 from sbpflow.control_plane.service.jobs import WAITING, JobManager, ManagerConfig, job_ranks
 from sbpflow.control_plane.service.validation import ValidationError
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import SCHEMA_VERSION
-from sbpflow.run_options import MANAGER_DEFAULTS
-from sbpflow.run_state import JobState
+from sbpflow.runs.options import MANAGER_DEFAULTS
+from sbpflow.runs.states import JobState
 from tests.client.test_examples import load
 
 

@@ -1,21 +1,22 @@
 """Dynamic loss scaling through the job manager: each step's scale and skipped-step count in its step
 event, the job's in its status (and the store, across a reopen) and in /metrics, equal to the numpy
-GradScaler's (sbpflow/reference_scaling.py); a job without it has none of them."""
+GradScaler's (sbpflow/oracle/scaling.py); a job without it has none of them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import sbpflow as sf
-from sbpflow import reference, wire
+from sbpflow.codec import wire
 from sbpflow.control_plane.service.jobs import JobManager, ManagerConfig
 from sbpflow.control_plane.status.metrics import Metrics
 from sbpflow.control_plane.status.records import job_events, job_status
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.job import Job, LossScaling
-from sbpflow.reference_scaling import Scaler
-from sbpflow.run_options import MANAGER_DEFAULTS
-from sbpflow.run_state import JobState
+from sbpflow.oracle import reference
+from sbpflow.oracle.scaling import Scaler
+from sbpflow.runs.options import MANAGER_DEFAULTS
+from sbpflow.runs.states import JobState
 from sbpflow.v1 import service_pb2 as sp
 from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_recompute import with_config

@@ -22,20 +22,20 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import wire
 from sbpflow.checkpoint import read as ck_read
 from sbpflow.checkpoint.format import MANIFEST, step_dir
 from sbpflow.checkpoint.read import CheckpointReader, list_checkpoints, read_logical
 from sbpflow.client.cli import main as cli
 from sbpflow.client.client import Client, ClientError
+from sbpflow.codec import wire
 from sbpflow.control_plane.service.jobs import JobManager, ManagerConfig
 from sbpflow.control_plane.service.resume import NotResumable, start_checkpoint
 from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
 from sbpflow.control_plane.service.validation import ValidationError
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.job import Job
-from sbpflow.run_options import MANAGER_DEFAULTS
-from sbpflow.run_state import JobState
+from sbpflow.runs.options import MANAGER_DEFAULTS
+from sbpflow.runs.states import JobState
 from sbpflow.v1 import service_pb2 as sp
 from tests.client.test_examples import load
 from tests.control_plane.service.test_server import LONG, until

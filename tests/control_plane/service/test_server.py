@@ -18,11 +18,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from sbpflow import wire
 from sbpflow.client.client import Client, ClientError
+from sbpflow.codec import run_options, wire
 from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
 from sbpflow.control_plane.store.job_store import JobStore
-from sbpflow.run_options import MANAGER_DEFAULTS
+from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.v1 import job_pb2
 from sbpflow.v1 import service_pb2 as sp
 from tests.client.test_examples import load
@@ -345,10 +345,10 @@ def test_a_jobs_status_reports_the_options_it_runs_under(tmp_path: Path, mlp: Mo
     try:
         with Client(p.address) as c:
             h = c.submit(mlp.make_job(steps=2))
-            assert wire.run_options_from_proto(c.get(h.job_id).options) == options
-            assert all(wire.run_options_from_proto(j.options) == options for j in c.list())
+            assert run_options.run_options_from_proto(c.get(h.job_id).options) == options
+            assert all(run_options.run_options_from_proto(j.options) == options for j in c.list())
             final = h.watch(stream=io.StringIO())
-            assert wire.run_options_from_proto(final.options) == options
+            assert run_options.run_options_from_proto(final.options) == options
             assert not h.result().parameters  # return_parameters=False: the server kept none
     finally:
         p.stop()

@@ -7,7 +7,7 @@ from types import ModuleType
 
 import pytest
 
-from sbpflow import wire
+from sbpflow.codec import wire
 from sbpflow.control_plane.service.validation import ValidationError, validate_submit
 from sbpflow.errors import SbpflowError
 from sbpflow.v1 import job_pb2

@@ -15,7 +15,7 @@ import pytest
 from sbpflow.actor_workers.reporting import report
 from sbpflow.client.client import Client
 from sbpflow.control_plane.launch.report_hub import ReportHub
-from sbpflow.run_options import MANAGER_DEFAULTS
+from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.v1 import service_pb2 as sp
 from sbpflow.v1 import service_pb2_grpc as sg
 from tests.control_plane.service.test_server import LONG, mlp, start, until  # noqa: F401 - mlp is a fixture

@@ -32,7 +32,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from sbpflow import wire
+from sbpflow.codec import wire
 from sbpflow.control_plane.service.server import ControlPlane
 from sbpflow.v1 import service_pb2 as sp
 from tests.client.test_examples import load

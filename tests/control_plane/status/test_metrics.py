@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sbpflow.control_plane.status.metrics import UP_HELP, UP_NAME, Metrics, WorkerUpLines
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import WorkerRecord
-from sbpflow.run_state import JobState, WorkerState
+from sbpflow.runs.states import JobState, WorkerState
 
 STATES = list(WorkerState)
 UP = (WorkerState.STARTING, WorkerState.RUNNING)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from sbpflow.control_plane.status import records
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import WorkerRecord
-from sbpflow.run_state import WorkerState
+from sbpflow.runs.states import WorkerState
 from sbpflow.v1 import service_pb2 as sp
 
 _WORKERS = st.lists(

@@ -10,15 +10,15 @@ from types import ModuleType
 
 import pytest
 
-from sbpflow import wire
+from sbpflow.codec import wire
 from sbpflow.control_plane.service.jobs import JobManager, ManagerConfig
 from sbpflow.control_plane.service.running import RunningJob
 from sbpflow.control_plane.service.server import JobServicer
 from sbpflow.control_plane.status import worker_rows
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import WorkerRecord
-from sbpflow.run_options import MANAGER_DEFAULTS
-from sbpflow.run_state import JobState, WorkerState
+from sbpflow.runs.options import MANAGER_DEFAULTS
+from sbpflow.runs.states import JobState, WorkerState
 from tests.client.test_examples import load
 
 

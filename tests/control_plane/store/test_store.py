@@ -20,7 +20,7 @@ from sbpflow.control_plane.store.job_store import (
     Resumable,
 )
 from sbpflow.control_plane.store.schema import SCHEMA_VERSION
-from sbpflow.run_state import JobState
+from sbpflow.runs.states import JobState
 
 S = JobState
 
@@ -412,7 +412,7 @@ def test_set_reason_keeps_the_state_and_logs_once(store: JobStore) -> None:
 
 def test_workers_logs_and_results(store: JobStore) -> None:
     from sbpflow.control_plane.store.schema import WorkerRecord
-    from sbpflow.run_state import WorkerState
+    from sbpflow.runs.states import WorkerState
 
     rec = store.create(b"", "j")
     for rank in (1, 0):

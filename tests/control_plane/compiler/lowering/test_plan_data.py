@@ -9,16 +9,16 @@ from collections.abc import Callable
 
 import pytest
 
-from sbpflow import wire
 from sbpflow.boxing import BoxingPlan, BoxingStep, Collective, plan_boxing
+from sbpflow.codec import wire
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.lowering import lower as lowering
 from sbpflow.control_plane.compiler.lowering.boxing import region_proto, transfer_proto
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.graph import BOXING, Graph, OpNode
 from sbpflow.job import Job
+from sbpflow.oracle.reference import micro_batches
 from sbpflow.placement import Placement, placement
-from sbpflow.reference import micro_batches
 from sbpflow.sbp import B, P, S
 from sbpflow.sharding import shard_index
 from sbpflow.v1 import plan_pb2 as pp

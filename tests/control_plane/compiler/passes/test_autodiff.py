@@ -12,15 +12,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sbpflow import reference
 from sbpflow.control_plane.compiler.passes import autodiff, optimizer
 from sbpflow.control_plane.compiler.state import CompileState
-from sbpflow.data import ArraySource
+from sbpflow.data.sources import ArraySource
 from sbpflow.dtype import DType
 from sbpflow.errors import GraphError
 from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.job import SGD, Job, JobConfig, OptimizerSpec, ParameterSpec
 from sbpflow.ops.base import get_op
+from sbpflow.oracle import reference
 from sbpflow.placement import placement
 from sbpflow.random import Normal
 from sbpflow.tensor_meta import TensorMeta

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import wire
+from sbpflow.codec import wire
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.passes import grad_buckets, micro_batching
 from sbpflow.graph import BOXING

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import reference
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.passes import autodiff, mixed_precision, optimizer
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.dtype import DType
 from sbpflow.graph import TensorKind
 from sbpflow.job import Job, LossScaling
+from sbpflow.oracle import reference
 from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_recompute import with_config
 

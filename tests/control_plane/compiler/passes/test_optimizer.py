@@ -8,13 +8,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from sbpflow import reference
 from sbpflow.control_plane.compiler.passes import autodiff, optimizer
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.errors import GraphError
 from sbpflow.graph import TensorKind
 from sbpflow.job import SGD, AdamW, ConstantLR, Job, WarmupCosine
 from sbpflow.ops.eager import EagerBuilder
+from sbpflow.oracle import reference
 from sbpflow.sbp import Split
 from tests.control_plane.compiler.passes.test_autodiff import as_float64, compiled, example
 from tests.sbpflow.ops.cases_optim import adamw_reference, lr_factor, sgd_reference

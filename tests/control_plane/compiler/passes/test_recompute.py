@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import reference
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.passes import autodiff, optimizer
 from sbpflow.control_plane.compiler.passes import recompute as checkpointing
 from sbpflow.control_plane.compiler.passes.recompute import PREFIX, forward_end, segment
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.job import Job
+from sbpflow.oracle import reference
 from tests.client.test_examples import load
 
 

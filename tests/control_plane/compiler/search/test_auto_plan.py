@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from sbpflow import data as sf_data
 from sbpflow.client.cli import main
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.cost import cost_model
@@ -20,6 +19,7 @@ from sbpflow.control_plane.compiler.search import auto_blocks, auto_plan
 from sbpflow.control_plane.compiler.search.auto_layouts import Layout, relayout, stage_of, tp_pairs
 from sbpflow.control_plane.profiling import pricing
 from sbpflow.control_plane.profiling.kernel_probe import measure_kernels
+from sbpflow.data import sources as sf_data
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import TensorKind
 from sbpflow.job import Job

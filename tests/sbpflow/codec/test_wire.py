@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import sbpflow.ops  # noqa: F401
-from sbpflow import wire
-from sbpflow.data import ArrayFileSource, ArraySource, DataField, SyntheticSource, TokenFileSource
+from sbpflow.codec import wire
+from sbpflow.data.sources import ArrayFileSource, ArraySource, DataField, SyntheticSource, TokenFileSource
 from sbpflow.dtype import DType
 from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.job import (

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from sbpflow import wire
-from sbpflow.run_options import BACKEND_NAMES, FIELD_NAMES, MANAGER_DEFAULTS, RunOptions, RunOptionsError
+from sbpflow.codec import run_options, wire
+from sbpflow.runs.options import BACKEND_NAMES, FIELD_NAMES, MANAGER_DEFAULTS, RunOptions, RunOptionsError
 from sbpflow.v1 import service_pb2 as sp
 
 
@@ -95,16 +95,16 @@ def test_the_message_has_the_dataclass_fields() -> None:
     ],
 )
 def test_round_trip(options: RunOptions) -> None:
-    m = wire.run_options_to_proto(options)
+    m = run_options.run_options_to_proto(options)
     back = sp.RunOptions.FromString(m.SerializeToString())
-    assert wire.run_options_from_proto(back) == options
-    assert wire.run_options_from_proto(back, base=MANAGER_DEFAULTS) == options  # every field is set
+    assert run_options.run_options_from_proto(back) == options
+    assert run_options.run_options_from_proto(back, base=MANAGER_DEFAULTS) == options  # every field is set
 
 
 def test_unset_fields_come_from_the_base() -> None:
-    got = wire.run_options_from_proto(sp.RunOptions(max_restarts=1), base=MANAGER_DEFAULTS)
+    got = run_options.run_options_from_proto(sp.RunOptions(max_restarts=1), base=MANAGER_DEFAULTS)
     assert got == MANAGER_DEFAULTS.replace(max_restarts=1)
-    assert wire.run_options_from_proto(sp.RunOptions()) == RunOptions()
+    assert run_options.run_options_from_proto(sp.RunOptions()) == RunOptions()
 
 
 @pytest.mark.parametrize(
@@ -118,5 +118,5 @@ def test_unset_fields_come_from_the_base() -> None:
 )
 def test_a_bad_message_is_a_wire_error_naming_the_field(m: sp.RunOptions, message: str) -> None:
     with pytest.raises(wire.WireError) as e:
-        wire.run_options_from_proto(m)
+        run_options.run_options_from_proto(m)
     assert message in str(e.value)

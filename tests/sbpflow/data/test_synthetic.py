@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sbpflow.data import DataField, SyntheticSource
+from sbpflow.data.sources import DataField, SyntheticSource
 from sbpflow.dtype import DType
 from sbpflow.random import RandomKey, normal, row_offsets, tensor_rng_id, uniform
 

@@ -3,7 +3,7 @@
 ``python_sources()`` concatenates the ``.py`` files of a fixed list of standard-library packages (sorted,
 so the corpus is the same on every machine with the same Python), keeps it character-level over
 :data:`VOCAB` symbols (ASCII; anything else becomes ``?``), and writes the token ids once to a cache file
-(``$SBPFLOW_CACHE`` or ``~/.cache/sbpflow``) that a :class:`~sbpflow.data.TokenFileSource` memory-maps,
+(``$SBPFLOW_CACHE`` or ``~/.cache/sbpflow``) that a :class:`~sbpflow.data.sources.TokenFileSource` memory-maps,
 so every worker reads only its rows. ``decode`` turns ids back into text.
 
     source = sf.corpus.char_source(seq_len=64, batch_size=16)   # tokens/targets [16, 64], vocab 128
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sbpflow.data import DataError, TokenFileSource
+from sbpflow.data.sources import DataError, TokenFileSource
 from sbpflow.dtype import DType
 
 VOCAB = 128  # ASCII

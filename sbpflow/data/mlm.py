@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.data_clicks import _rows
+from sbpflow.data.clicks import _rows
 from sbpflow.dtype import DType
 from sbpflow.errors import SbpflowError
 from sbpflow.random import RandomKey, tensor_rng_id, uniform

@@ -7,8 +7,8 @@ losses and its trained parameters. Parameters are drawn from their initializers 
 batch ``step`` of the data source, and random ops draw with (seed, rng_id, step).
 
 It shares the op library (kernels, gradient rules) and the job's data with the runtime, and nothing of
-the compiler: its autodiff (:mod:`sbpflow.reference_autodiff`), its optimizer step
-(:mod:`sbpflow.reference_optim`) and its mixed precision (:mod:`sbpflow.precision`) are its own, so that
+the compiler: its autodiff (:mod:`sbpflow.oracle.autodiff`), its optimizer step
+(:mod:`sbpflow.oracle.optim`) and its mixed precision (:mod:`sbpflow.precision`) are its own, so that
 comparing a compiled run with it checks the compiler's passes against an independent implementation.
 """
 
@@ -21,17 +21,17 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow import reference_optim
 from sbpflow.dtype import DType, as_dtype
 from sbpflow.errors import GraphError, SbpflowError, ShapeError
 from sbpflow.graph import Graph, OpNode, TensorKind
 from sbpflow.job import Job
 from sbpflow.ops.base import get_op
 from sbpflow.ops.eager import EagerBuilder
+from sbpflow.oracle import optim
+from sbpflow.oracle.autodiff import Arrays, Tape, backward
+from sbpflow.oracle.scaling import Scaler
 from sbpflow.precision import compute_dtype, low_dtype
 from sbpflow.random import RandomKey
-from sbpflow.reference_autodiff import Arrays, Tape, backward
-from sbpflow.reference_scaling import Scaler
 from sbpflow.tensor_meta import TensorMeta
 
 
@@ -131,12 +131,12 @@ def train(
 
     No compiler pass runs: each step reads batch ``step``, cuts it into :func:`micro_batches` equal parts
     along axis 0, runs forward (under the job's precision, :mod:`sbpflow.precision`) and backward
-    (:mod:`sbpflow.reference_autodiff`) per part, *averages* the parameter gradients (each part's loss is
+    (:mod:`sbpflow.oracle.autodiff`) per part, *averages* the parameter gradients (each part's loss is
     its own mean, so the average is the gradient of the whole batch's mean loss: one big-batch step), and
-    updates every parameter once from the average (:mod:`sbpflow.reference_optim`). Recomputation
+    updates every parameter once from the average (:mod:`sbpflow.oracle.optim`). Recomputation
     (activation checkpointing), pipeline stages, ZeRO and SBP change where and when values are computed,
     not which: the oracle ignores them. ``parameters`` overrides initial values. An fp16 job with
-    ``loss_scale = 0`` scales dynamically (:mod:`sbpflow.reference_scaling`; ``scaler``: go on from one).
+    ``loss_scale = 0`` scales dynamically (:mod:`sbpflow.oracle.scaling`; ``scaler``: go on from one).
     """
     plan = _plan(job)
     values = _initial_values(job, parameters, xp)
@@ -150,13 +150,13 @@ def train(
             pass  # a non-finite gradient: no parameter or optimizer state moves
         elif job.optimizer is not None:
             builder = EagerBuilder(xp, seed=job.config.seed, step=step)
-            values.update(reference_optim.update(job.optimizer, values, grads, builder, step - skipped))
+            values.update(optim.update(job.optimizer, values, grads, builder, step - skipped))
         values.update(carried)  # running statistics: their next values, from this step's forward
         losses.append(loss)
     return TrainResult(
         losses,
         {p.tensor: values[p.tensor] for p in job.parameters},
-        {name: values[name] for name in reference_optim.state_names(job.optimizer)},
+        {name: values[name] for name in optim.state_names(job.optimizer)},
         scaler,
     )
 
@@ -214,7 +214,7 @@ def _plan(job: Job) -> _Plan:
 def _initial_values(job: Job, parameters: Mapping[str, Any] | None, xp: ModuleType) -> Arrays:
     values: Arrays = dict(init_parameters(job, xp))
     values.update(parameters or {})
-    values.update(reference_optim.initial_state(job, xp))
+    values.update(optim.initial_state(job, xp))
     return values
 
 

@@ -1,4 +1,4 @@
-"""Reverse-mode autodiff on whole arrays, for the one-device reference (sbpflow/reference.py).
+"""Reverse-mode autodiff on whole arrays, for the one-device reference (sbpflow/oracle/reference.py).
 
 A :class:`Tape` runs ops eagerly (:class:`~sbpflow.ops.eager.EagerBuilder`) and keeps every value and
 every op it ran. :func:`backward` then walks the tape from the loss back, calling each op's gradient

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow import reference
-from sbpflow.data import ArraySource, SyntheticSource
+from sbpflow.data.sources import ArraySource, SyntheticSource
 from sbpflow.dtype import DType
 from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.job import SGD, AdamW, Job, JobConfig, LossScaling, OptimizerSpec, ParameterSpec, WarmupCosine
 from sbpflow.ops.base import OPS, get_op
+from sbpflow.oracle import reference
 from sbpflow.precision import FP32_OPS, compute_dtype
 from sbpflow.random import Normal, RandomKey, kaiming_uniform, tensor_rng_id
 from sbpflow.tensor_meta import TensorMeta
@@ -478,7 +478,7 @@ def test_bf16_trains_on_numpy_close_to_fp32() -> None:
 
 # ---- independence: the oracle runs no compiler pass -----------------------------------------------------
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ABOVE = (
     "sbpflow.control_plane",
     "sbpflow.actor_workers",
@@ -514,7 +514,7 @@ def imports_of(path: Path, module: str) -> Iterator[str]:
 
 def core_file(module: str) -> Path | None:
     """The file of a core module (``sbpflow.x.y``), or None: a name in a module, or not the core. The
-    package's ``__init__`` is not followed: it re-exports the client API for ``import sbpflow as sf``."""
+    facade (``sbpflow/__init__.py``) is not followed: it names the client API, loaded on first use."""
     if not module.startswith("sbpflow.") or module.startswith(ABOVE):
         return None
     path = ROOT.joinpath(*module.split("."))
@@ -526,7 +526,7 @@ def core_file(module: str) -> Path | None:
 def test_the_oracle_imports_nothing_from_the_layers_above() -> None:
     # Followed through every core module it reaches: an oracle that runs the compiler's passes would
     # check them against themselves.
-    seen, todo, bad = set(), ["sbpflow.reference"], []
+    seen, todo, bad = set(), ["sbpflow.oracle.reference"], []
     while todo:
         module = todo.pop()
         path = core_file(module)
@@ -537,15 +537,15 @@ def test_the_oracle_imports_nothing_from_the_layers_above() -> None:
             if name.startswith(ABOVE):
                 bad.append(f"{module} imports {name}")
             todo.append(name)
-    assert {"sbpflow.reference_autodiff", "sbpflow.reference_optim", "sbpflow.precision"} <= seen
+    assert {"sbpflow.oracle.autodiff", "sbpflow.oracle.optim", "sbpflow.precision"} <= seen
     assert not bad, bad
 
 
 def test_training_loads_no_module_of_the_layers_above() -> None:
     code = (
         "import sys\n"
-        "from sbpflow import reference\n"
-        "from tests.sbpflow.test_reference import mlp64\n"
+        "from sbpflow.oracle import reference\n"
+        "from tests.sbpflow.oracle.test_reference import mlp64\n"
         "reference.train(mlp64(steps=2))\n"
         "print([m for m in sys.modules if m.startswith(('sbpflow.control_plane', 'sbpflow.actor_workers'))])\n"
     )

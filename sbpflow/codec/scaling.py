@@ -1,4 +1,4 @@
-"""``JobConfig.loss_scaling`` to and from its protobuf (``sbpflow.v1.LossScaling``), for sbpflow.wire.
+"""``JobConfig.loss_scaling`` to and from its protobuf (``sbpflow.v1.LossScaling``), for sbpflow.codec.wire.
 
 The message is absent where the value is the default (GradScaler's), so every job that does not set it
 keeps the message it had before the field existed, and an absent message reads as the default.

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sbpflow import corpus
-from sbpflow.data import DataError
+from sbpflow.data import corpus
+from sbpflow.data.sources import DataError
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sbpflow.data import TokenFileSource
+from sbpflow.data.sources import TokenFileSource
 from sbpflow.dtype import DType
 
 

@@ -14,7 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.data import ArrayFileSource, ArraySource, DataField, DataSource, SyntheticSource, TokenFileSource
+from sbpflow.codec.scaling import loss_scaling_from_proto, loss_scaling_to_proto
+from sbpflow.data.sources import (
+    ArrayFileSource,
+    ArraySource,
+    DataField,
+    DataSource,
+    SyntheticSource,
+    TokenFileSource,
+)
 from sbpflow.dtype import DType
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind
@@ -37,12 +45,9 @@ from sbpflow.limits import LIMITS, check_shape, check_whole
 from sbpflow.ops.base import AttrValue
 from sbpflow.placement import Placement
 from sbpflow.random import Initializer, make_initializer
-from sbpflow.run_options import FIELD_NAMES, RunOptions, RunOptionsError
 from sbpflow.sbp import B, NdSbp, P, Sbp, Split
 from sbpflow.tensor_meta import TensorMeta
 from sbpflow.v1 import job_pb2 as pb
-from sbpflow.v1 import service_pb2 as sp
-from sbpflow.wire_scaling import loss_scaling_from_proto, loss_scaling_to_proto
 
 
 class WireError(SbpflowError, ValueError):
@@ -478,22 +483,3 @@ def job_from_proto(m: pb.Job) -> Job:
         format_version=m.format_version,
         eval_data=data_from_proto(m.eval_data) if m.HasField("eval_data") else None,
     )
-
-
-# ---- run options (service.proto's RunOptions) ---------------------------------------------------
-
-
-def run_options_to_proto(o: RunOptions) -> sp.RunOptions:
-    """Every field set (``ray_address`` only when there is one)."""
-    values = {f: getattr(o, f) for f in FIELD_NAMES}
-    return sp.RunOptions(**{k: v for k, v in values.items() if v is not None})
-
-
-def run_options_from_proto(m: sp.RunOptions, base: RunOptions | None = None) -> RunOptions:
-    """``base`` (default ``RunOptions()``) with the fields ``m`` sets; a value out of range is a WireError
-    naming the field, as for a job."""
-    given = {fd.name: value for fd, value in m.ListFields()}  # the fields it sets
-    try:
-        return (base or RunOptions()).replace(**given)
-    except RunOptionsError as e:
-        raise WireError(f"RunOptions.{e}") from None

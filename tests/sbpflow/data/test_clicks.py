@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sbpflow.data import SyntheticSource
-from sbpflow.data_clicks import _rows, read_clicks
+from sbpflow.data.clicks import _rows, read_clicks
+from sbpflow.data.sources import SyntheticSource
 from sbpflow.random import RandomKey, normal, normal_at, tensor_rng_id, uniform
 
 

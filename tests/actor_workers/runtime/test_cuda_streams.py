@@ -1,4 +1,4 @@
-"""The GPU stream discipline (sbpflow/cuda_streams.py) on a fake of cupy.cuda's Stream, Event and current
+"""The GPU stream discipline (actor_workers/runtime/cuda_streams.py) on a fake of cupy.cuda's Stream, Event and current
 stream: a test double for the hardware that logs what each stream is asked to do, in order, so the
 orderings the discipline promises are checked on any machine.
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.cuda_streams import ComputeStream, for_worker, launch_on
+from sbpflow.actor_workers.runtime.cuda_streams import ComputeStream, for_worker, launch_on
 
 
 class FakeCuda:

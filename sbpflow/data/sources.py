@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.data_access import MAX_SHOWN, DataAccessDenied, opened
-from sbpflow.data_clicks import click_shapes, read_clicks
-from sbpflow.data_mlm import mlm_shapes, read_mlm
+from sbpflow.data.access import MAX_SHOWN, DataAccessDenied, opened
+from sbpflow.data.clicks import click_shapes, read_clicks
+from sbpflow.data.mlm import mlm_shapes, read_mlm
 from sbpflow.dtype import DType, as_dtype
 from sbpflow.errors import SbpflowError
 from sbpflow.random import RandomKey, normal, normal_at, row_offsets, tensor_rng_id, uniform_at
@@ -102,7 +102,7 @@ class ArraySource(_Common):
 class _FileBacked(_Common):
     """A source that reads files. ``allowed_roots``: set by the control plane from its data policy
     (``--data-root``), never carried by the wire; each file is then opened once and checked as opened
-    (:mod:`sbpflow.data_access`). None: read what the process can (a user's own ``sf.run``)."""
+    (:mod:`sbpflow.data.access`). None: read what the process can (a user's own ``sf.run``)."""
 
     allowed_roots: tuple[str, ...] | None = field(default=None, compare=False)
 
@@ -195,9 +195,9 @@ class SyntheticSource(_Common):
     ``"tokens"`` (``tokens``/``targets`` of ``params['seq_len']`` ids below ``params['vocab']``, targets
     the tokens shifted by one), ``"regression"`` (``x`` N(0, 1) of ``params['in']`` and
     ``y = x @ W`` with a fixed teacher ``W`` of ``params['out']`` columns), ``"clicks"`` (click logs for
-    Wide & Deep: ``dense``, ``ids`` and ``label`` of :mod:`sbpflow.data_clicks`, from ``params['dense']``,
+    Wide & Deep: ``dense``, ``ids`` and ``label`` of :mod:`sbpflow.data.clicks`, from ``params['dense']``,
     ``params['fields']`` and ``params['vocab']``), ``"mlm"`` (masked-language-model pairs for BERT:
-    ``tokens``, ``token_types``, ``positions`` and ``labels`` of :mod:`sbpflow.data_mlm`, from
+    ``tokens``, ``token_types``, ``positions`` and ``labels`` of :mod:`sbpflow.data.mlm`, from
     ``params['seq_len']``, ``params['vocab']`` and ``params['predictions']``).
     """
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sbpflow.data import SyntheticSource
-from sbpflow.data_mlm import CLS, MASK, SEP, SPECIAL
+from sbpflow.codec.wire import data_from_proto, data_to_proto
+from sbpflow.data.mlm import CLS, MASK, SEP, SPECIAL
+from sbpflow.data.sources import SyntheticSource
 from sbpflow.errors import SbpflowError
-from sbpflow.wire import data_from_proto, data_to_proto
 
 PARAMS = {"seq_len": 21, "vocab": 50, "predictions": 3}
 
