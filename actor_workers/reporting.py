@@ -14,7 +14,7 @@ from typing import Any
 
 from sbpflow.codec import wire
 from sbpflow.device import asnumpy
-from sbpflow.ops.loss_scaling import SCALE, SKIPPED
+from sbpflow.ops.training.loss_scaling import SCALE, SKIPPED
 from sbpflow.v1 import plan_pb2 as pp
 from sbpflow.v1 import service_pb2 as sp
 
@@ -43,7 +43,7 @@ def watch_steps(rc: Any, device: pp.DevicePlan, loss: str | None, done: StepDone
     assigns has come in (``loss`` None: a pipeline stage without the loss, say). ``timings``: seconds
     since the last one (``"step"``), and how long each stream spent in acts in that time (``"compute"``,
     ``"comm"``, ``"data"``: ``rc.busy``, which the engine adds to). A rank that holds the dynamic loss
-    scale (beside the loss: ``sbpflow.ops.loss_scaling``) reports once both the loss and the scale's new
+    scale (beside the loss: ``sbpflow.ops.training.loss_scaling``) reports once both the loss and the scale's new
     value are in, with ``scaling`` (the scale, the steps skipped so far); None elsewhere."""
     sinks = [t for t in device.tasks if t.kind == pp.TASK_KIND_SINK]
     holds_loss = any(

@@ -403,7 +403,7 @@ def load_numba_kernels() -> None:
     as ``import torch`` loads torch's before its base is taken: the held figure is then the run's own."""
     import numpy as np
 
-    from sbpflow.ops import rows_jit
+    from sbpflow.ops.kernels import rows_jit
 
     x = np.ones((2, 4), np.float32)
     rows_jit.softmax_rows(x, np.empty_like(x))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sbpflow.dtype import DType
-from sbpflow.ops.packing import unpacked_shapes
+from sbpflow.ops.training.packing import unpacked_shapes
 from sbpflow.tensor_meta import TensorMeta
 
 F32, I64 = DType.float32, DType.int64

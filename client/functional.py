@@ -216,7 +216,7 @@ def cross_entropy(
     of ignored labels gives 0, not nan), as PyTorch does. ``vocab_chunks > 1`` computes it so that logits
     split by class (``S(-1)``, a column-split head) are never gathered: the row maximum from the maxima of
     that many slices of V, the sums of exponentials and the label's logit as partial sums
-    (``sbpflow/ops/vocab.py``). Give it the tensor-parallel degree; it must divide V.
+    (``sbpflow/ops/layers/vocab.py``). Give it the tensor-parallel degree; it must divide V.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ShapeError(f"cross_entropy reduction={reduction!r}: use 'mean', 'sum' or 'none'")

@@ -11,7 +11,7 @@ by classes ``S(1)`` over the ranks while the backbone stays data parallel (image
 whose logits [N, K] come out ``S(1)``: each rank scores every face against its own identities.
 
 The loss is a softmax cross entropy in two stages that never gathers the logits (``F.cross_entropy``
-with ``vocab_chunks``, sbpflow/ops/vocab.py): the row maximum from each rank's maxima of its own classes
+with ``vocab_chunks``, sbpflow/ops/layers/vocab.py): the row maximum from each rank's maxima of its own classes
 (an all-gather of N x ranks numbers), then the sum of exponentials and the label's logit as partial
 sums ``P``, reduced over the ranks (2 N numbers). The logits are cosines with CosFace's additive margin
 (``scale * (cos - margin)`` at the label), as InsightFace trains.

@@ -155,7 +155,7 @@ def words_at(xp: Any, key: RandomKey, off: Array) -> Words:
     random_jit.py's one-pass loop (bit for bit; tested against this function's numpy rounds)."""
     if xp is np and off.size:
         try:
-            from sbpflow import random_jit
+            from sbpflow.ops.kernels import random_jit
         except ImportError:  # an install without numba draws with numpy
             pass
         else:
@@ -265,7 +265,7 @@ def dropout_jit(
     if not x.flags.c_contiguous or not 0.0 < keep_prob <= 1.0:
         return None
     try:
-        from sbpflow import random_jit
+        from sbpflow.ops.kernels import random_jit
     except ImportError:  # an install without numba draws with numpy
         return None
     bounds = _normalize_index(logical_shape, index)

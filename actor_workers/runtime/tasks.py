@@ -98,9 +98,9 @@ def local_shape(index: Index) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class DonatingKernelContext(KernelContext):
     """A kernel context that gives the kernel the arrays of its inputs at positions ``donated``: no other
-    act reads them, so the kernel may write its results into them (:func:`sbpflow.ops.optim.donated`);
+    act reads them, so the kernel may write its results into them (:func:`sbpflow.ops.training.optim.donated`);
     and, per output, a retired array of the same shape it may write that output into
-    (``out_buffers``, :func:`sbpflow.ops.optim.out_buffer`)."""
+    (``out_buffers``, :func:`sbpflow.ops.training.optim.out_buffer`)."""
 
     donated: frozenset[int] = frozenset()
     out_buffers: tuple[Any, ...] = ()

@@ -28,7 +28,7 @@ from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.dtype import DType
 from sbpflow.graph import TensorDecl, TensorKind
 from sbpflow.ops.base import get_op
-from sbpflow.ops.loss_scaling import GATED, PREFIX, SCALAR, SCALE, SKIPPED, VARIABLES
+from sbpflow.ops.training.loss_scaling import GATED, PREFIX, SCALAR, SCALE, SKIPPED, VARIABLES
 from sbpflow.placement import Placement
 from sbpflow.sbp import B
 

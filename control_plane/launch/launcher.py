@@ -69,7 +69,7 @@ from sbpflow.control_plane.launch.tensorboard_scalars import open_board
 from sbpflow.device import array_module
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
-from sbpflow.ops.loss_scaling import VARIABLES
+from sbpflow.ops.training.loss_scaling import VARIABLES
 from sbpflow.runs.numerics import NonFiniteParameters, non_finite_parameters
 from sbpflow.runs.options import FIELD_NAMES, RunOptions
 from sbpflow.runs.states import JobState

@@ -50,7 +50,7 @@ from sbpflow.control_plane.launch.step_tracker import StepTracker
 from sbpflow.control_plane.launch.worker_failures import WorkerError, WorkerLost, echoes, failure_of, primary
 from sbpflow.control_plane.launch.worker_pool import WarmGroup, destroy, installed, resources_of
 from sbpflow.errors import SbpflowError
-from sbpflow.ops.loss_scaling import VARIABLES
+from sbpflow.ops.training.loss_scaling import VARIABLES
 from sbpflow.runs.states import JobState
 from sbpflow.sharding import assemble_value
 from sbpflow.v1 import job_pb2 as jp

@@ -16,7 +16,7 @@ from sbpflow.actor_workers.reporting import report
 from sbpflow.control_plane.launch.report_hub import ReportHub
 from sbpflow.control_plane.launch.step_tracker import ReportListener, StateListener
 from sbpflow.graph import TensorDecl
-from sbpflow.ops.loss_scaling import SCALE, SKIPPED
+from sbpflow.ops.training.loss_scaling import SCALE, SKIPPED
 from sbpflow.runs.options import RunOptions
 from sbpflow.runs.states import JobState
 from sbpflow.sharding import assemble_value
@@ -90,7 +90,7 @@ RankFetches = Mapping[tuple[str, int], Mapping[int, Any]]
 
 def loss_scaling_fields(values: Mapping[str, Any]) -> dict[str, Any]:
     """RunResult's ``loss_scale`` and ``skipped_steps`` from the final values of the loss-scaling
-    variables (:data:`~sbpflow.ops.loss_scaling.VARIABLES`; none there: ``{}``)."""
+    variables (:data:`~sbpflow.ops.training.loss_scaling.VARIABLES`; none there: ``{}``)."""
     if SCALE not in values:
         return {}
     return {"loss_scale": float(values[SCALE][0]), "skipped_steps": int(values[SKIPPED][0])}

@@ -27,7 +27,7 @@ from sbpflow.ops.base import (
     Signature,
     defop,
 )
-from sbpflow.ops.rowwise import jit_loops, jit_rows
+from sbpflow.ops.kernels.rowwise import jit_loops, jit_rows
 from sbpflow.tensor_meta import TensorMeta
 
 Grads = list[Any]

@@ -16,7 +16,7 @@ from sbpflow.dtype import DType, as_dtype
 from sbpflow.errors import ShapeError
 from sbpflow.ops import rows
 from sbpflow.ops.base import REQUIRED, Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop
-from sbpflow.ops.rowwise import jit_loops, jit_rows
+from sbpflow.ops.kernels.rowwise import jit_loops, jit_rows
 from sbpflow.ops.shape import _in_range, _scatter_add
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import TensorMeta

@@ -13,9 +13,9 @@ from typing import Any
 from sbpflow.dtype import DType
 from sbpflow.errors import ShapeError
 from sbpflow.ops.base import Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop, sig
+from sbpflow.ops.kernels.rowwise import jit_rows, row_dot, row_max, row_mean, row_sum
 from sbpflow.ops.reduction import normalize_axes
 from sbpflow.ops.rows import all_broadcast
-from sbpflow.ops.rowwise import jit_rows, row_dot, row_max, row_mean, row_sum
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import TensorMeta
 

@@ -32,8 +32,8 @@ from sbpflow.ops.base import (
     defop,
     sig,
 )
+from sbpflow.ops.kernels.rowwise import jit_rows
 from sbpflow.ops.rows import all_broadcast
-from sbpflow.ops.rowwise import jit_rows
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import Shape, TensorMeta
 

@@ -28,7 +28,7 @@ from sbpflow.ops.base import (
     Signature,
     defop,
 )
-from sbpflow.ops.rowwise import jit_rows
+from sbpflow.ops.kernels.rowwise import jit_rows
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import Shape, TensorMeta
 

@@ -1,7 +1,7 @@
 """Vocabulary-parallel GPT (``megatron(vocab_parallel=True)``) trains exactly as one device does.
 
 The token embedding's rows, the head's columns and the cross entropy are split over the tensor axis
-(``sbpflow/ops/vocab.py``): float64 losses and final parameters within 1e-9 of the one-device oracle, as
+(``sbpflow/ops/layers/vocab.py``): float64 losses and final parameters within 1e-9 of the one-device oracle, as
 in ``test_equivalence.py``, on TP 4 and on DP2 x TP2. And the chunked loss is the plain cross entropy:
 on one device the two jobs train alike.
 """

@@ -15,7 +15,7 @@ same with the graph:
   open bucket per (placement, SBP, dtype, stage); a bucket closes once it holds
   ``JobConfig.grad_bucket_bytes`` (its logical bytes) or before a candidate that would move it past an
   op reading one of its gradients;
-* a bucket of two or more becomes ``pack`` (sbpflow/ops/packing.py: the partial gradients as one 1-d
+* a bucket of two or more becomes ``pack`` (sbpflow/ops/training/packing.py: the partial gradients as one 1-d
   array, still ``P``), one boxing node of the packed array, and ``unpack`` into the whole gradients, which
   keep their names — so ``state.grads``, the clipping and the updates read them unchanged. The three
   ops sit where the bucket's last boxing was: the bucket's all-reduce is ready when its last gradient
@@ -40,7 +40,7 @@ from sbpflow.control_plane.compiler.passes.boxing_pass import boxing_node
 from sbpflow.control_plane.compiler.state import Choice, CompileState
 from sbpflow.graph import BOXING, OpNode, TensorDecl, TensorKind
 from sbpflow.ops.base import NdSignature
-from sbpflow.ops.packing import shapes_attrs
+from sbpflow.ops.training.packing import shapes_attrs
 from sbpflow.sbp import B, NdSbp, PartialSum
 from sbpflow.tensor_meta import TensorMeta
 

@@ -49,7 +49,7 @@ RULES: dict[type, _Rule] = {
 
 
 def schedule_attrs(schedule: LrSchedule) -> dict[str, AttrValue]:
-    """The update ops' schedule attrs for a job's schedule (see sbpflow/ops/optim.py)."""
+    """The update ops' schedule attrs for a job's schedule (see sbpflow/ops/training/optim.py)."""
     if isinstance(schedule, WarmupCosine):
         return {
             "schedule": "warmup_cosine",

@@ -1,6 +1,6 @@
 """Rewrite pass: forward ops that carry a variable to the next step (batch norm's running statistics).
 
-A ``running_stat`` op (sbpflow/ops/norm_stats.py) computes the next value of its first input, which must
+A ``running_stat`` op (sbpflow/ops/layers/norm_stats.py) computes the next value of its first input, which must
 be a parameter that nothing trains (``requires_grad=False``). ``run(state)`` records each one in
 ``state.updates``, so that lowering writes the value back as it writes an optimizer's updates (a SINK
 assign) and SBP inference gives it the variable's SBP: a running mean of ``B`` parameters takes the batch

@@ -45,7 +45,7 @@ from sbpflow.control_plane.compiler.passes.boxing_pass import boxing_node, slug
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.errors import GraphError
 from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind
-from sbpflow.ops.loss_scaling import GATED
+from sbpflow.ops.training.loss_scaling import GATED
 from sbpflow.placement import Placement
 from sbpflow.sbp import B, NdSbp, Split, format_nd
 

@@ -17,7 +17,7 @@ from sbpflow.control_plane.compiler import pipeline
 from sbpflow.data.sources import ArraySource, SyntheticSource
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job, JobConfig, LossScaling
-from sbpflow.ops.loss_scaling import SCALE, SKIPPED
+from sbpflow.ops.training.loss_scaling import SCALE, SKIPPED
 from sbpflow.oracle import reference
 from sbpflow.oracle.scaling import Scaler
 from sbpflow.runs.numerics import NonFiniteLoss

@@ -1,4 +1,5 @@
-"""Imports every family's case module so that CASES is complete."""
+"""Imports every family's case module (``cases_*``, in this package and its subpackages) so that CASES is
+complete."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def load() -> None:
     global _loaded
     if _loaded:
         return
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name.startswith("cases_"):
-            importlib.import_module(f"tests.sbpflow.ops.{info.name}")
+    for info in pkgutil.walk_packages(pkg.__path__, f"{pkg.__name__}."):
+        if info.name.rsplit(".", 1)[-1].startswith("cases_"):
+            importlib.import_module(info.name)
     _loaded = True

@@ -27,7 +27,7 @@ from sbpflow.oracle import reference
 from sbpflow.precision import FP32_OPS, compute_dtype
 from sbpflow.random import Normal, RandomKey, kaiming_uniform, tensor_rng_id
 from sbpflow.tensor_meta import TensorMeta
-from tests.sbpflow.ops.cases_optim import lr_factor
+from tests.sbpflow.ops.training.cases_optim import lr_factor
 
 
 class Regression(sf.Graph):

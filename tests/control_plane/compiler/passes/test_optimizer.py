@@ -17,7 +17,7 @@ from sbpflow.ops.eager import EagerBuilder
 from sbpflow.oracle import reference
 from sbpflow.sbp import Split
 from tests.control_plane.compiler.passes.test_autodiff import as_float64, compiled, example
-from tests.sbpflow.ops.cases_optim import adamw_reference, lr_factor, sgd_reference
+from tests.sbpflow.ops.training.cases_optim import adamw_reference, lr_factor, sgd_reference
 
 Params = dict[str, np.ndarray]
 NAMES = ("model.net.0.weight", "model.net.0.bias", "model.net.2.weight", "model.net.2.bias")

@@ -1,0 +1,1 @@
+"""Kernel helpers that declare no op: per-row reductions and the choice of a compiled loop (``rowwise``), the error function (``erf``), and the numba loops of the families' fast paths (``*_jit``, with ``jit_math``'s vectorisable maths)."""

@@ -1,0 +1,1 @@
+"""The ops of model layers beyond the basic maths: activations (``activation``), convolution (``conv``), pooling (``pool``), batch norm's running statistics (``norm_stats``) and the vocabulary-parallel loss (``vocab``)."""

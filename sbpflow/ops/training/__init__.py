@@ -1,0 +1,1 @@
+"""The ops the compiler's training passes insert: optimizer updates and the clipping factor (``optim``), dynamic loss scaling's (``loss_scaling``) and a gradient bucket's pack and unpack (``packing``)."""

@@ -1,0 +1,131 @@
+"""sbpflow/ops/kernels/conv_jit.py's window rows against conv.py's numpy im2col kernels, the reference they
+replace.
+
+Each convolution op runs twice on the same values: on C-contiguous inputs, which take conv_jit's loops
+and the row-layout GEMM, and on a strided view of them, which ``rowwise.jit_loops`` refuses, so the numpy
+kernel runs. Odd sizes, strides, padding, dilation and 1x1 kernels, in one block of samples and a sample
+a block; float64 to rounding, float32 to its precision (the GEMMs add in another order). Grouped convolutions keep the numpy kernel on both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sbpflow.ops  # noqa: F401  (registers every op family)
+from sbpflow.ops.eager import EagerBuilder
+from sbpflow.ops.kernels.rowwise import jit_loops
+from sbpflow.ops.layers.conv import out_size
+
+pytest.importorskip("numba")
+from sbpflow.ops.kernels import conv_jit  # noqa: E402  (needs numba)
+
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+TOL = {np.float64: (1e-11, 1e-12), np.float32: (2e-4, 2e-5)}
+DTYPES = [np.float64, np.float32]
+
+
+def strided(a: Any) -> Any:
+    """The same values as a view with a step of 2 along the last axis: not C-contiguous."""
+    return np.repeat(a, 2, axis=-1)[..., ::2]
+
+
+def both(op: str, *inputs: Any, at: int = 0, **attrs: Any) -> tuple[Any, Any]:
+    """The op's output on contiguous inputs (the fast path) and with input ``at``, the one conv_jit
+    reads, strided (the numpy kernel)."""
+    assert jit_loops("conv_jit", np, inputs[at]) is not None, "numba is a dependency: the fast path runs"
+    slow = tuple(strided(t) if i == at else t for i, t in enumerate(inputs))
+    assert jit_loops("conv_jit", np, slow[at]) is None
+    (got,) = EagerBuilder().call(op, *inputs, **attrs)
+    (want,) = EagerBuilder().call(op, *slow, **attrs)
+    return got, want
+
+
+def same(got: Any, want: Any, dtype: Any, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{what}: {got.dtype}{got.shape} vs {want.shape}"
+    )
+    assert got.flags.c_contiguous, what
+    rtol, atol = TOL[dtype]
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=what)
+
+
+@st.composite
+def geometries(draw: st.DrawFn, groups: int = 1) -> dict[str, Any]:
+    kernel = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    dilation = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    padding = (draw(st.integers(0, 2)), draw(st.integers(0, 2)))
+    extent = [d * (k - 1) + 1 - 2 * p for k, d, p in zip(kernel, dilation, padding, strict=True)]
+    stride = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    # two columns out at least, so that a strided view of dy is not contiguous
+    hw = (draw(st.integers(max(1, extent[0]), 9)), draw(st.integers(max(2, extent[1] + stride[1]), 10)))
+    return {
+        "n": draw(st.integers(1, 3)),
+        "c": draw(st.integers(1, 5)) * groups,
+        "o": draw(st.integers(1, 6)) * groups,
+        "hw": hw,
+        "kernel": kernel,
+        "attrs": {
+            "stride": stride,
+            "padding": padding,
+            "dilation": dilation,
+            "groups": groups,
+        },
+    }
+
+
+def _tensors(g: dict[str, Any], dtype: Any, seed: int) -> tuple[Any, Any, Any]:
+    a = g["attrs"]
+    oh, ow = (
+        out_size(g["hw"][i], g["kernel"][i], a["stride"][i], a["padding"][i], a["dilation"][i])
+        for i in (0, 1)
+    )
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((g["n"], g["c"], *g["hw"])).astype(dtype)
+    w = rng.standard_normal((g["o"], g["c"] // a["groups"], *g["kernel"])).astype(dtype)
+    dy = rng.standard_normal((g["n"], g["o"], oh, ow)).astype(dtype)
+    return x, w, dy
+
+
+@pytest.mark.parametrize("block_bytes", [conv_jit.BLOCK_BYTES, 1])  # 1: a sample a block
+@pytest.mark.parametrize("dtype", DTYPES)
+@SETTINGS
+@given(g=geometries(), seed=st.integers(0, 2**32 - 1))
+def test_conv2d_and_its_gradients(
+    dtype: Any, g: dict[str, Any], seed: int, block_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(conv_jit, "BLOCK_BYTES", block_bytes)
+    x, w, dy = _tensors(g, dtype, seed)
+    a = g["attrs"]
+    what = f"{x.shape} by {w.shape}, {a}"
+    same(*both("conv2d", x, w, **a), dtype, f"conv2d {what}")
+    same(*both("conv2d_grad_input", dy, w, input_hw=g["hw"], **a), dtype, f"conv2d_grad_input {what}")
+    got, want = both("conv2d_grad_weight", dy, x, at=1, kernel_hw=g["kernel"], **a)
+    same(got, want, dtype, f"conv2d_grad_weight {what}")
+
+
+def test_grad_weight_strided_dy_and_grouped_take_the_numpy_kernel() -> None:
+    """conv2d_grad_weight's window rows come from x; a strided dy is only read by numpy's transpose. A
+    grouped convolution keeps the numpy kernel on contiguous inputs too."""
+    a = {"stride": (2, 1), "padding": (1, 0), "dilation": (1, 2), "groups": 2}
+    g = {"n": 2, "c": 4, "o": 6, "hw": (7, 6), "kernel": (3, 2), "attrs": a}
+    x, w, dy = _tensors(g, np.float64, 0)
+    for op, inputs, extra in [
+        ("conv2d", (x, w), {}),
+        ("conv2d_grad_input", (dy, w), {"input_hw": g["hw"]}),
+        ("conv2d_grad_weight", (dy, x), {"kernel_hw": g["kernel"]}),
+    ]:
+        (got,) = EagerBuilder().call(op, *inputs, **a, **extra)
+        (want,) = EagerBuilder().call(op, strided(inputs[0]), *inputs[1:], **a, **extra)
+        same(got, want, np.float64, f"{op} grouped")
+    g1 = {**g, "c": 3, "o": 4, "attrs": {**a, "groups": 1}}
+    x, w, dy = _tensors(g1, np.float32, 1)
+    (got,) = EagerBuilder().call("conv2d_grad_weight", strided(dy), x, kernel_hw=g1["kernel"], **g1["attrs"])
+    (want,) = EagerBuilder().call(
+        "conv2d_grad_weight", strided(dy), strided(x), kernel_hw=g1["kernel"], **g1["attrs"]
+    )
+    same(got, want, np.float32, "conv2d_grad_weight, strided dy")

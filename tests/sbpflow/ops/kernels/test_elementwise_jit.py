@@ -1,0 +1,181 @@
+"""sbpflow/ops/kernels/elementwise_jit.py's one-pass GELU loops against the numpy kernels they replace.
+
+Each op runs on C-contiguous arrays, which take the loop (checked: the op's result is the loop's, bit
+for bit), and on a strided view of the same values, which ``jit_elementwise`` refuses, so the numpy
+kernel runs. float64 must agree to the last few bits. In float32 the loops are compared with the numpy
+kernel run in float64: numpy's float32 tanh form loses every bit to cancellation near x = -5 (1 + tanh),
+where the loop's logistic form does not, so the float32 numpy kernel is no reference there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scipy.special import ndtr
+
+import sbpflow.ops  # noqa: F401  (registers every op family)
+from sbpflow.dtype import as_dtype
+from sbpflow.ops.base import KernelContext, get_op
+from sbpflow.ops.eager import EagerBuilder
+from sbpflow.ops.elementwise import jit_elementwise
+from sbpflow.tensor_meta import TensorMeta
+
+numba = pytest.importorskip("numba")
+from sbpflow.ops.kernels import elementwise_jit  # noqa: E402  (needs numba)
+from sbpflow.ops.kernels.jit_math import FLAGS, normal_cdf  # noqa: E402
+
+SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+# op: (its loop, unary); float32 tolerances against the float64 numpy kernel (rtol, atol)
+LOOPS = {
+    "gelu": ("gelu_tanh_all", True),
+    "gelu_grad": ("gelu_tanh_grad_all", False),
+    "gelu_erf": ("gelu_erf_all", True),
+    "gelu_erf_grad": ("gelu_erf_grad_all", False),
+}
+F32_TOL = (4e-6, 2e-7)
+F64_TOL = (1e-13, 1e-14)  # the gradients cross 0, where 1e-13 relative is below their rounding
+
+
+def strided(a: Any) -> Any:
+    """The same values as a view with a step of 2 along the last axis: not C-contiguous."""
+    return np.repeat(a, 2, axis=-1)[..., ::2]
+
+
+def call(op: str, *inputs: Any) -> Any:
+    with np.errstate(all="ignore"):
+        return EagerBuilder().call(op, *inputs)[0]
+
+
+def inputs_of(op: str, x: Any, dy: Any) -> tuple[Any, ...]:
+    return (x,) if LOOPS[op][1] else (dy, x)
+
+
+@st.composite
+def arrays(draw: st.DrawFn, dtype: Any) -> tuple[Any, Any]:
+    lead = draw(st.lists(st.integers(1, 4), min_size=0, max_size=2))
+    n = draw(st.sampled_from([2, 3, 7, 17, 64, 1001]))  # odd sizes: the loops' vector remainders
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    x = rng.standard_normal((*lead, n)) * draw(st.sampled_from([0.3, 3.0, 8.0]))
+    return x.astype(dtype), rng.standard_normal(x.shape).astype(dtype)
+
+
+@pytest.mark.parametrize("op", sorted(LOOPS))
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@SETTINGS
+@given(data=st.data())
+def test_loop_matches_the_numpy_kernel(op: str, dtype: Any, data: st.DataObject) -> None:
+    x, dy = data.draw(arrays(dtype))
+    ins = inputs_of(op, x, dy)
+    got = call(op, *ins)
+    loop_out = np.empty_like(x)
+    getattr(elementwise_jit, LOOPS[op][0])(*(a.reshape(-1) for a in ins), loop_out.reshape(-1))
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert np.array_equal(got, loop_out, equal_nan=True), f"{op}: the op did not take the loop"
+    slow = call(op, *(strided(a) for a in ins))
+    if dtype == np.float64:
+        np.testing.assert_allclose(got, slow, *F64_TOL, err_msg=op)
+    else:
+        want = call(op, *(a.astype(np.float64) for a in ins))
+        np.testing.assert_allclose(got, want, *F32_TOL, err_msg=op)
+
+
+@pytest.mark.parametrize("op", sorted(LOOPS))
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_nan_and_infinities(op: str, dtype: Any) -> None:
+    """nan stays nan; +-inf give numpy's kernel's results, except the tanh form's gradient, which takes
+    its limits (0 at -inf, 1 at +inf) where numpy's formula gives inf * 0."""
+    x = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e30, -1e30, 40.0, -40.0], dtype)
+    dy = np.ones_like(x)
+    ins = inputs_of(op, x, dy)
+    got = call(op, *ins)
+    want = call(op, *(strided(a) for a in ins))
+    if op == "gelu_grad":
+        assert got[1] == 1.0 and got[2] == 0.0, got
+        got, want = got[3:], want[3:]
+        assert np.isfinite(got).all(), got  # huge finite x: the limits too, where numpy overflows x^3
+        got, want = got[:2], want[:2]
+    np.testing.assert_array_equal(got, want, err_msg=op)
+
+
+@numba.njit(error_model="numpy", fastmath=FLAGS)  # as the loops that call it are compiled
+def _cdf_all(x: Any, cdf: Any, pdf: Any) -> None:  # pragma: no cover - compiled
+    for i in range(x.size):
+        cdf[i], pdf[i] = normal_cdf(x[i])
+
+
+@pytest.mark.parametrize("dtype, ulps", [(np.float32, 8), (np.float64, 4)])
+def test_normal_cdf_is_within_a_few_ulp(dtype: Any, ulps: int) -> None:
+    """Relative to scipy's in float64 wherever the result is a normal number of the dtype; in float64
+    Phi of x < 0 is 0.5 (1 + erf) as numpy's kernel computes it, so there it is held to 4 ulp of 1."""
+    x = np.concatenate([np.linspace(-14, 14, 200001), np.linspace(-1, 1, 2001)]).astype(dtype)
+    cdf, pdf = np.empty_like(x), np.empty_like(x)
+    _cdf_all(x, cdf, pdf)
+    wide = x.astype(np.float64)
+    tiny, eps = np.finfo(dtype).tiny, np.finfo(dtype).eps
+    for got, want, name in ((cdf, ndtr(wide), "Phi"), (pdf, np.exp(-wide * wide / 2), "exp(-x^2/2)")):
+        scale = np.maximum(want, 1.0) if (dtype == np.float64 and name == "Phi") else want
+        err = np.abs(got - want)[want > tiny] / scale[want > tiny]
+        worst = int(np.argmax(err))
+        assert err.max() <= ulps * eps, f"{name}({x[want > tiny][worst]!r}): {err.max() / eps:.1f} ulp"
+
+
+@dataclass(frozen=True)
+class _Lending(KernelContext):
+    out_buffers: tuple[Any, ...] = ()
+
+
+def _context(x: Any, n_in: int, buffer: Any) -> KernelContext:
+    meta = TensorMeta(x.shape, as_dtype(x.dtype.name))
+    index = tuple(slice(0, s) for s in x.shape)
+    return _Lending(np, {}, (meta,) * n_in, (meta,), (index,) * n_in, (index,), out_buffers=(buffer,))
+
+
+@pytest.mark.parametrize("op", sorted(LOOPS))
+def test_writes_into_a_lent_output_and_refuses_what_it_does_not_take(op: str) -> None:
+    x = np.linspace(-3, 3, 60, dtype=np.float32).reshape(4, 15)
+    ins = inputs_of(op, x, np.ones_like(x))
+    lent = np.empty_like(x)
+    y = get_op(op).kernel(_context(x, len(ins), lent), *ins)
+    assert y is lent and np.array_equal(y, call(op, *ins))
+    loop = LOOPS[op][0]
+    ctx = _context(x, len(ins), None)
+    assert jit_elementwise(ctx, loop, *(strided(a) for a in ins)) is None
+    assert jit_elementwise(ctx, loop, *(a.astype(np.float16) for a in ins)) is None
+    assert jit_elementwise(ctx, loop, *(np.float32(0.5) for _ in ins)) is None
+    if len(ins) == 2:
+        assert jit_elementwise(ctx, loop, ins[0], ins[1][:, :1]) is None  # shapes that do not fit
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize(
+    "shape, bias",
+    [((3, 7), 1), ((2, 5, 17), 1), ((16, 64, 192), 1), ((1, 3), 1), ((2, 5, 17), 2), ((16, 64, 64), 2)],
+)
+def test_bias_add_is_numpys_sum_bit_for_bit(dtype: Any, shape: tuple[int, ...], bias: int) -> None:
+    """One rounding an element, as numpy's: the same bits; inf, nan and signed zeros included. The bias
+    is x's last axis or its last two (a position table)."""
+    rng = np.random.default_rng(sum(shape))
+    a, b = rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape[-bias:]).astype(dtype)
+    a.reshape(-1)[:3] = [np.inf, np.nan, -0.0]
+    b.reshape(-1)[0] = -0.0
+    got = call("add", a, b)
+    rows = np.empty_like(a)
+    elementwise_jit.add_rows(a.reshape(-1, b.size), b.reshape(-1), rows.reshape(-1, b.size))
+    assert np.array_equal(got.view(np.uint8), rows.view(np.uint8)), "add did not take the row loop"
+    assert np.array_equal(got.view(np.uint8), np.add(a, b).view(np.uint8))
+    assert np.array_equal(call("add", strided(a), b).view(np.uint8), np.add(a, b).view(np.uint8))
+
+
+def test_bias_add_takes_only_a_bias_along_the_last_axis() -> None:
+    a = np.ones((4, 6), np.float32)
+    ctx = _context(a, 2, None)
+    assert jit_elementwise(ctx, "add_rows", a, np.ones(4, np.float32)) is None  # [4, 6] + [4]: no bias
+    assert jit_elementwise(ctx, "add_rows", a, np.ones((1, 6), np.float32)) is None  # nor [1, 6]
+    assert jit_elementwise(ctx, "add_rows", a, np.ones(6, np.float64)) is None  # dtypes differ
+    assert jit_elementwise(ctx, "gelu_tanh_grad_all", a, np.ones(6, np.float32)) is None  # not a row loop
+    np.testing.assert_array_equal(call("add", np.ones(6, np.float32), a), a + 1)  # the bias first: numpy

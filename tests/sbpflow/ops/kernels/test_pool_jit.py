@@ -1,0 +1,149 @@
+"""sbpflow/ops/kernels/pool_jit.py's loops against pool.py's and indexing.py's numpy kernels, the reference
+they replace, gather's included (and gather_grad's scatter through rows_jit.add_rows_at against numpy's
+``add.at``).
+
+The same op runs twice on the same values: on C-contiguous inputs, which take the numba loops, and on a
+strided view of them, which ``rowwise.jit_loops`` refuses, so the numpy kernel runs. Odd sizes, strides
+and padding; ties, -inf and nan where the max pool and top-k must resolve them as the numpy kernels do
+(the first maximum, the lower index, nan last): those compare exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import sbpflow.ops  # noqa: F401  (registers every op family)
+from sbpflow.ops.eager import EagerBuilder
+from sbpflow.ops.kernels.rowwise import jit_loops
+from tests.sbpflow.ops.kernels.test_conv_jit import DTYPES, SETTINGS, strided
+
+pytest.importorskip("numba")
+
+TOL = {np.float64: (1e-12, 1e-13), np.float32: (2e-5, 2e-6)}
+DTYPES_INT = [np.int32, np.int64]
+
+
+def both(op: str, *inputs: Any, at: int = 0, **attrs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The op's outputs on contiguous inputs (the loops) and with input ``at`` strided (numpy)."""
+    assert jit_loops("pool_jit", np, inputs[at]) is not None, "numba is a dependency: the fast path runs"
+    slow = tuple(strided(t) if i == at else t for i, t in enumerate(inputs))
+    assert jit_loops("pool_jit", np, slow[at]) is None
+    with np.errstate(invalid="ignore"):
+        return EagerBuilder().call(op, *inputs, **attrs), EagerBuilder().call(op, *slow, **attrs)
+
+
+def same(got: tuple[Any, ...], want: tuple[Any, ...], dtype: Any, what: str, exact: bool = False) -> None:
+    rtol, atol = (0, 0) if exact else TOL[dtype]
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.dtype == w.dtype and g.shape == w.shape, (
+            f"{what} {i}: {g.dtype}{g.shape} vs {w.dtype}{w.shape}"
+        )
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=f"{what} output {i}")
+
+
+def _values(rng: Any, shape: tuple[int, ...], dtype: Any, special: bool) -> Any:
+    """Normal values, or few distinct ones (ties) with some -inf and nan where ``special``."""
+    if not special:
+        return rng.standard_normal(shape).astype(dtype)
+    x = rng.integers(-2, 3, size=shape).astype(dtype)
+    x[rng.random(shape) < 0.1] = -np.inf
+    x[rng.random(shape) < 0.05] = np.nan
+    return x
+
+
+@st.composite
+def pools(draw: st.DrawFn) -> tuple[tuple[int, ...], dict[str, Any]]:
+    kernel = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    stride = draw(st.sampled_from([(0, 0), (1, 1), (1, 2), (2, 1), (2, 2), (3, 2)]))
+    padding = (draw(st.integers(0, kernel[0] // 2)), draw(st.integers(0, kernel[1] // 2)))
+    s1 = kernel[1] if stride == (0, 0) else stride[1]
+    h = draw(st.integers(kernel[0], 9))
+    w = draw(st.integers(max(kernel[1] + s1, 2), 10))  # two columns out: a strided dy is not contiguous
+    shape = (draw(st.integers(1, 3)), draw(st.integers(1, 4)), h, w)
+    return shape, {"kernel_size": kernel, "stride": stride, "padding": padding}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@SETTINGS
+@given(pool=pools(), seed=st.integers(0, 2**32 - 1), special=st.booleans())
+def test_pools_and_their_gradients(dtype: Any, pool: Any, seed: int, special: bool) -> None:
+    shape, attrs = pool
+    rng = np.random.default_rng(seed)
+    x = _values(rng, shape, dtype, special)
+    (y,) = EagerBuilder().call("max_pool2d", x, **attrs)
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    what = f"{shape} {attrs}"
+    same(*both("max_pool2d_grad", x, dy, **attrs), dtype, f"max_pool2d_grad {what}")
+    same(*both("max_pool2d_grad", x, dy, at=1, **attrs), dtype, f"max_pool2d_grad, strided dy, {what}")
+    x = rng.standard_normal(shape).astype(dtype)
+    same(*both("avg_pool2d", x, **attrs), dtype, f"avg_pool2d {what}")
+    out = (int(rng.integers(1, shape[2] + 1)), int(rng.integers(1, shape[3] + 1)))
+    same(*both("adaptive_avg_pool2d", x, output_size=out), dtype, f"adaptive_avg_pool2d {shape} -> {out}")
+    dy = rng.standard_normal((*shape[:2], *out)).astype(dtype)
+    if out[1] > 1:  # a strided view of one column is contiguous
+        grad = both("adaptive_avg_pool2d_grad", dy, output_size=out, input_hw=shape[2:])
+        same(*grad, dtype, f"adaptive_avg_pool2d_grad {out} -> {shape}")
+
+
+def test_max_pool_grad_ties_go_to_the_first_maximum() -> None:
+    """A window of equal values gives its dy to its first tap; one whose every value is -inf to its first
+    tap when that is in the image, and to nobody when tap 0 is padding; one with a nan to nobody."""
+    x = np.zeros((1, 1, 4, 4))
+    x[0, 0, 0, :2] = -np.inf
+    x[0, 0, 2, 2] = np.nan
+    dy = np.arange(1.0, 10.0).reshape(1, 1, 3, 3)
+    attrs = {"kernel_size": (2, 2), "stride": (2, 2), "padding": (1, 1)}
+    (got,), (want,) = both("max_pool2d_grad", x, dy, **attrs)
+    np.testing.assert_array_equal(got, want)
+    assert got[0, 0, 2, 2] == 0 and got[0, 0, 0, 0] == 0  # the nan's window; tap 0 in the padding
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@SETTINGS
+@given(
+    lead=st.lists(st.integers(1, 4), max_size=2),
+    n=st.integers(2, 40),
+    seed=st.integers(0, 2**32 - 1),
+    special=st.booleans(),
+)
+def test_topk_and_its_gradient(dtype: Any, lead: list[int], n: int, seed: int, special: bool) -> None:
+    rng = np.random.default_rng(seed)
+    x = _values(rng, (*lead, n), dtype, special)
+    k = int(rng.integers(1, n + 1))
+    got, want = both("topk", x, k=k)
+    same(got, want, dtype, f"topk {x.shape} k={k}", exact=True)  # ties: the lower index; nan last
+    dy = rng.standard_normal(got[0].shape).astype(dtype)
+    if k > 1:  # a strided view of one column is contiguous
+        same(*both("topk_grad", dy, got[1], size=n), dtype, f"topk_grad {x.shape} k={k}", exact=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@SETTINGS
+@given(
+    shape=st.lists(st.integers(2, 4), min_size=1, max_size=3),
+    data=st.data(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_gather_and_its_gradient(dtype: Any, shape: list[int], data: st.DataObject, seed: int) -> None:
+    """gather against the numpy kernel, with indices outside [0, n) too (rows of zeros on both); its
+    gradient, repeated indices on any axis, each table row's sum in index order to the last bit, as
+    numpy's unbuffered ``add.at`` (and the numpy kernel's stable sort and reduceat) add them."""
+    rng = np.random.default_rng(seed)
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    idx_shape, size = data.draw(st.lists(st.integers(0, 5), max_size=2)), shape[axis]  # 0: no index
+    itype = data.draw(st.sampled_from(DTYPES_INT))
+    x = rng.standard_normal(shape).astype(dtype)
+    outside = rng.integers(-1, size + 1, size=idx_shape).astype(itype)
+    same(*both("gather", x, outside, axis=axis), dtype, f"gather {shape} axis {axis}", exact=True)
+    indices = rng.integers(0, size, size=idx_shape).astype(itype)
+    dy = rng.standard_normal((*shape[:axis], *indices.shape, *shape[axis + 1 :])).astype(dtype)
+    (got,) = EagerBuilder().call("gather_grad", dy, indices, axis=axis, size=size)
+    want = np.zeros(shape, dtype)
+    rows = np.moveaxis(dy.reshape((*shape[:axis], indices.size, *shape[axis + 1 :])), axis, 0)
+    np.add.at(np.moveaxis(want, axis, 0), indices.reshape(-1), rows)  # in index order, as both kernels
+    np.testing.assert_array_equal(got, want)

@@ -1,0 +1,109 @@
+"""The optimizer kernels compute in place (``out=``) for speed; these pin their results to the textbook
+formulas bit for bit, with and without a donated state buffer, and check that inputs not donated are
+never written (the reference and eager mode pass plain contexts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sbpflow.ops.base import KernelContext, get_op
+from tests.sbpflow.ops.training.cases_optim import lr_factor
+
+
+@dataclass(frozen=True)
+class Donating(KernelContext):
+    donated: frozenset[int] = frozenset()
+
+
+def sgd_formula(arrays: list[Any], a: dict[str, Any], step: int) -> list[Any]:
+    param, grad, buf = arrays
+    t = param.dtype.type
+    momentum = t(a["momentum"])
+    d = grad + t(a["weight_decay"]) * param if a["weight_decay"] else grad
+    new_buf = momentum * buf + d
+    direction = d + momentum * new_buf if a["nesterov"] else new_buf
+    return [param - t(a["lr"] * lr_factor(step)) * direction, new_buf]
+
+
+def adamw_formula(arrays: list[Any], a: dict[str, Any], step: int) -> list[Any]:
+    param, grad, m, v = arrays
+    t = param.dtype.type
+    lr, b1, b2, n = a["lr"] * lr_factor(step), a["beta1"], a["beta2"], step + 1
+    new_m = t(b1) * m + t(1.0 - b1) * grad
+    new_v = t(b2) * v + t(1.0 - b2) * (grad * grad)
+    m_hat, v_hat = new_m / t(1.0 - b1**n), new_v / t(1.0 - b2**n)
+    decayed = param * t(1.0 - lr * a["weight_decay"])
+    return [decayed - t(lr) * m_hat / (np.sqrt(v_hat) + t(a["eps"])), new_m, new_v]
+
+
+def run(op_type: str, arrays: list[Any], attrs: dict[str, Any], step: int, donated: frozenset[int]) -> Any:
+    op = get_op(op_type)
+    attrs = op.normalize_attrs(attrs)
+    metas = tuple(None for _ in arrays)
+    ctx = Donating(np, attrs, metas, metas, (), (), 0, step, donated=donated)  # type: ignore[arg-type]
+    return op.run_kernel(ctx, arrays)
+
+
+SGD_ATTRS = [
+    {"lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False},
+    {"lr": 0.1, "momentum": 0.0, "weight_decay": 0.05, "nesterov": False},
+    {"lr": 0.01, "momentum": 0.9, "weight_decay": 0.0, "nesterov": False},
+    {"lr": 0.01, "momentum": 0.9, "weight_decay": 0.05, "nesterov": True},
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(), (3,), (5, 7)])
+@pytest.mark.parametrize("attrs", SGD_ATTRS)
+@pytest.mark.parametrize("donate", [False, True])
+def test_sgd_is_the_formula_bit_for_bit(
+    dtype: Any, shape: tuple[int, ...], attrs: dict[str, Any], donate: bool
+) -> None:
+    rng = np.random.default_rng(0)
+    arrays = [np.asarray(rng.standard_normal(shape), dtype=dtype) for _ in range(3)]
+    copies = [a.copy() for a in arrays]
+    want = sgd_formula(copies, attrs, 2)
+    got = run("sgd_update", arrays, attrs, 2, frozenset({2}) if donate else frozenset())
+    for g, w in zip(got, want, strict=True):
+        assert np.asarray(g).dtype == dtype and np.shape(g) == shape
+        np.testing.assert_array_equal(g, w)
+    np.testing.assert_array_equal(arrays[0], copies[0])  # never written: not donated
+    np.testing.assert_array_equal(arrays[1], copies[1])
+    if not donate or not attrs["momentum"]:
+        np.testing.assert_array_equal(arrays[2], copies[2])
+    else:
+        assert got[1] is arrays[2]  # the new buffer is the donated one
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(), (3,), (5, 7)])
+@pytest.mark.parametrize("donate", [False, True])
+def test_adamw_is_the_formula_bit_for_bit(dtype: Any, shape: tuple[int, ...], donate: bool) -> None:
+    rng = np.random.default_rng(1)
+    param, grad, m = (np.asarray(rng.standard_normal(shape), dtype=dtype) for _ in range(3))
+    v = np.asarray(rng.random(shape), dtype=dtype)
+    arrays = [param, grad, m, v]
+    copies = [a.copy() for a in arrays]
+    attrs = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+    want = adamw_formula(copies, attrs, 3)
+    got = run("adamw_update", arrays, attrs, 3, frozenset({2, 3}) if donate else frozenset())
+    for g, w in zip(got, want, strict=True):
+        assert np.asarray(g).dtype == dtype and np.shape(g) == shape
+        np.testing.assert_array_equal(g, w)
+    for a, c in zip(arrays[:2], copies[:2], strict=True):
+        np.testing.assert_array_equal(a, c)
+    if not donate:
+        for a, c in zip(arrays[2:], copies[2:], strict=True):
+            np.testing.assert_array_equal(a, c)
+
+
+def test_a_read_only_donated_buffer_is_not_written() -> None:
+    param, grad, buf = (np.ones(4, np.float32) for _ in range(3))
+    buf.flags.writeable = False
+    new_param, new_buf = run("sgd_update", [param, grad, buf], SGD_ATTRS[2], 0, frozenset({2}))
+    assert new_buf is not buf
+    np.testing.assert_array_equal(buf, np.ones(4, np.float32))
