@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from sbpflow.client.tensor import Tensor, _tracer_of, contract, emit
+from sbpflow.client.tensor import Tensor, contract, emit, tracer_of
 from sbpflow.dtype import DType, as_dtype
 from sbpflow.errors import ShapeError
 from sbpflow.random import tensor_rng_id
@@ -79,7 +79,7 @@ def dropout(x: Tensor, rate: float = 0.5, training: bool = True) -> Tensor:
     """
     if rate == 0.0 or not training:
         return x
-    tracer = _tracer_of((x,), "dropout")
+    tracer = tracer_of((x,), "dropout")
     name = tracer.next_name("dropout")
     return tracer.emit("dropout", (x,), {"rate": float(rate), "rng_id": tensor_rng_id(name)}, name=name)[0]
 
@@ -304,5 +304,5 @@ def cast(x: Tensor, dtype: Any) -> Tensor:
 
 def full(shape: Sequence[int], value: float, dtype: Any = DType.float32) -> Tensor:
     """A constant tensor made in the running trace (on the default or current stage placement)."""
-    tracer = _tracer_of((), "full")
+    tracer = tracer_of((), "full")
     return tracer.emit("full", (), {"shape": tuple(shape), "value": value, "dtype": as_dtype(dtype)})[0]

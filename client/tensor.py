@@ -71,12 +71,12 @@ class Tensor:
         """An identity op whose output lies on ``placement`` with ``sbp``: a hard constraint for inference."""
         nd = as_nd(sbp, placement.ndim)  # type: ignore[arg-type]
         check_axes(nd, self.ndim, f"tensor {self.name!r} {self.meta}")
-        tracer = _tracer_of((self,), "to_global")
+        tracer = tracer_of((self,), "to_global")
         return tracer.emit("identity", (self,), {}, placement=placement, sbp=nd, hint="to_global")[0]
 
     def backward(self) -> None:
         """Mark this scalar as the loss: the compiler differentiates it and the optimizer steps on it."""
-        _tracer_of((self,), "backward").set_loss(self)
+        tracer_of((self,), "backward").set_loss(self)
 
     def to(self, dtype: Any) -> Tensor:
         dt = as_dtype(dtype)
@@ -219,7 +219,7 @@ class Tensor:
 # ---- emitting ops ---------------------------------------------------------------------------------------
 
 
-def _tracer_of(tensors: Sequence[Any], what: str) -> Any:
+def tracer_of(tensors: Sequence[Any], what: str) -> Any:
     """The running tracer, checked to be the one that made every tensor."""
     tracer = context.active()
     for t in tensors:
@@ -238,7 +238,7 @@ def _tracer_of(tensors: Sequence[Any], what: str) -> Any:
 
 def emit(op_type: str, *inputs: Any, **attrs: Any) -> tuple[Tensor, ...]:
     """Record ``op_type(*inputs, **attrs)`` in the running trace; returns its output tensors."""
-    tracer = _tracer_of(inputs, f"op {op_type!r}")
+    tracer = tracer_of(inputs, f"op {op_type!r}")
     return tracer.emit(op_type, inputs, attrs)
 
 

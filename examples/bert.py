@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 
 import sbpflow as sf
+from sbpflow.client.cli.summary import summarize
 from sbpflow.client.nn.bert import BertConfig, BertForMaskedLM, tensor_parallel
-from sbpflow.client.summary import summarize
 from sbpflow.data import SyntheticSource
 
 # named configurations: "small" for tests and laptops; "base" and "large" as in the paper, with BERT's

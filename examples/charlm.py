@@ -104,7 +104,7 @@ decode = sf.corpus.decode
 if __name__ == "__main__":
     import argparse
 
-    from sbpflow.client.summary import summarize
+    from sbpflow.client.cli.summary import summarize
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for k, v in DEFAULTS.items():

@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 
 import sbpflow as sf
+from sbpflow.client.cli.summary import summarize
 from sbpflow.client.nn.resnet import DEPTHS, ResNet
-from sbpflow.client.summary import summarize
 from sbpflow.data import DataField, SyntheticSource
 from sbpflow.dtype import DType
 from sbpflow.random import Normal

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 import sbpflow as sf
-from sbpflow.client.summary import summarize
+from sbpflow.client.cli.summary import summarize
 from sbpflow.data import SyntheticSource
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 import sbpflow as sf
+from sbpflow.client.cli.summary import summarize
 from sbpflow.client.nn.resnet import DEPTHS, ResNet
-from sbpflow.client.summary import summarize
 from sbpflow.data import ArrayFileSource, ArraySource, DataField, DataSource, SyntheticSource
 from sbpflow.dtype import DType
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 import sbpflow as sf
-from sbpflow.client.summary import summarize
+from sbpflow.client.cli.summary import summarize
 from sbpflow.data import SyntheticSource
 from sbpflow.oracle import reference
 from sbpflow.random import Normal, Zeros

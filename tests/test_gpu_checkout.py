@@ -21,7 +21,7 @@ import tests.gpu.project_path
 import sbpflow as sf
 import sbpflow.actor_workers.transport.nccl.transport, sbpflow.actor_workers.worker
 from sbpflow.control_plane.compiler import pipeline
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 import tests.gpu.test_executor_gpu, tests.gpu.test_nccl, tests.gpu.test_streams_gpu, tests.gpu.test_kernels
 assert sf.__file__.startswith(sys.argv[1]), sf.__file__
 assert sf.nn.__file__.startswith(sys.argv[1] + "/client/"), sf.nn.__file__

@@ -129,7 +129,7 @@ def test_the_contract_sees_every_kind_of_import(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("module, folder", [
     ("sbpflow.sbp", "sbpflow"),
-    ("sbpflow.client.cli", "client"),
+    ("sbpflow.client.cli.main", "client"),
     ("sbpflow.control_plane.compiler.pipeline", "control_plane"),
     ("sbpflow.actor_workers.runtime", "actor_workers"),
     ("numpy", None),

@@ -24,4 +24,4 @@ def test_every_package_directory_is_listed() -> None:
 
 def test_console_script_is_declared() -> None:
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert cfg["project"]["scripts"]["sbpflow"] == "sbpflow.client.cli:main"
+    assert cfg["project"]["scripts"]["sbpflow"] == "sbpflow.client.cli.main:main"

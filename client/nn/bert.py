@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from sbpflow.client import functional as F
 from sbpflow.client.nn.layers import Dropout, Embedding, LayerNorm, Linear, ModuleList
 from sbpflow.client.nn.module import Module
-from sbpflow.client.nn.parallel import _set_axis, megatron
+from sbpflow.client.nn.parallel import megatron, set_axis
 from sbpflow.client.nn.parameter import Parameter
 from sbpflow.client.tensor import Tensor
 from sbpflow.errors import SbpflowError
@@ -154,8 +154,8 @@ def tensor_parallel(model: BertForMaskedLM, placement: Placement, tp_axis: int =
     """Megatron's layout (module docstring) on mesh axis ``tp_axis``; every other axis data parallel."""
     megatron(model, placement, tp_axis)
     axis = tp_axis % placement.ndim
-    _set_axis(model.word.weight, placement, axis, Split(0))
-    _set_axis(model.decoder_bias, placement, axis, Split(0))
+    set_axis(model.word.weight, placement, axis, Split(0))
+    set_axis(model.decoder_bias, placement, axis, Split(0))
     tp, vocab = placement.shape[axis], model.config.vocab_size
     if vocab % tp:
         raise SbpflowError(

@@ -70,9 +70,9 @@ def megatron(
         if isinstance(m, Linear) and m.tp is not None:
             marked += 1
             w_sbp, b_sbp = _MEGATRON[m.tp]
-            _set_axis(m.__dict__["_parameters"]["weight"], placement, axis, w_sbp)
+            set_axis(m.__dict__["_parameters"]["weight"], placement, axis, w_sbp)
             if "bias" in m.__dict__["_parameters"]:
-                _set_axis(m.__dict__["_parameters"]["bias"], placement, axis, b_sbp)
+                set_axis(m.__dict__["_parameters"]["bias"], placement, axis, b_sbp)
     if not marked:
         raise SbpflowError(
             f"megatron: {type(model).__name__} has no Linear marked tp='column' or tp='row'; mark the layers "
@@ -81,7 +81,7 @@ def megatron(
     return model
 
 
-def _set_axis(param: object, placement: Placement, axis: int, sbp: Sbp) -> None:
+def set_axis(param: object, placement: Placement, axis: int, sbp: Sbp) -> None:
     nd: list[Sbp] = [B] * placement.ndim
     nd[axis] = sbp
     param.to_global(placement, tuple(nd))  # type: ignore[attr-defined]
@@ -107,7 +107,7 @@ def _split_vocabulary(model: Module, placement: Placement, axis: int) -> None:
                 f"megatron(vocab_parallel=True): the {name}'s vocabulary of {v} does not split evenly over the "
                 f"{tp} tensor-parallel ranks; pad the vocabulary to a multiple of {tp}"
             )
-        _set_axis(layer.__dict__["_parameters"]["weight"], placement, axis, sbp)
+        set_axis(layer.__dict__["_parameters"]["weight"], placement, axis, sbp)
         if layer.__dict__["_parameters"].get("bias") is not None:
-            _set_axis(layer.__dict__["_parameters"]["bias"], placement, axis, Split(0))
+            set_axis(layer.__dict__["_parameters"]["bias"], placement, axis, Split(0))
     model.vocab_chunks = tp  # type: ignore[attr-defined]

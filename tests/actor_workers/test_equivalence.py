@@ -25,8 +25,8 @@ import sbpflow as sf
 from sbpflow.job import AdamW, Job, OptimizerSpec
 from sbpflow.oracle import reference
 from sbpflow.sbp import B, S
-from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_autodiff import as_float64
+from tests.examples.test_examples import load
 
 STEPS = 5
 MLP: dict[str, Any] = {"n_in": 8, "hidden": 16, "n_out": 4, "layers": 1, "batch_size": 8, "steps": STEPS}

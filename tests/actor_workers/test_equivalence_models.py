@@ -15,8 +15,8 @@ from sbpflow.control_plane.compiler.pipeline import compile as compile_job
 from sbpflow.graph import BOXING
 from sbpflow.job import Job
 from tests.actor_workers.test_equivalence import STEPS, assert_trains_like_one_device
-from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_autodiff import as_float64
+from tests.examples.test_examples import load
 
 # ---- ResNet-18, data parallel (batch norm synchronised by P -> B of its batch statistics) ----------
 

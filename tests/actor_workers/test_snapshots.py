@@ -160,14 +160,14 @@ def test_resuming_past_the_end_or_from_nothing_says_what_to_do(
 def test_cli_lists_complete_checkpoints_and_exports_them(
     saved: tuple[Path, sf.RunResult], tmp_path: Path
 ) -> None:
-    from sbpflow.client import cli
+    from sbpflow.client.cli.main import main as cli
 
     root, want = saved
-    assert cli.main(["checkpoints", root.name, "--checkpoint-root", str(root.parent)]) == 0
-    assert cli.main(["checkpoints", str(root)]) == 0
-    assert cli.main(["checkpoints", str(tmp_path)]) == 1
+    assert cli(["checkpoints", root.name, "--checkpoint-root", str(root.parent)]) == 0
+    assert cli(["checkpoints", str(root)]) == 0
+    assert cli(["checkpoints", str(tmp_path)]) == 1
     out = tmp_path / "m.npz"
-    assert cli.main(["export", str(root), "--format", "npz", "--out", str(out)]) == 0
+    assert cli(["export", str(root), "--format", "npz", "--out", str(out)]) == 0
     assert want.parameters is not None
     with np.load(out) as z:
         for name, value in want.parameters.items():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sbpflow.client.cli import main
+from sbpflow.client.cli.main import main
 from sbpflow.client.client import Client, ClientError
 from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
 from sbpflow.runs.options import MANAGER_DEFAULTS
@@ -54,7 +54,7 @@ def test_submit_status_watch_logs(plane: ControlPlane, capsys: pytest.CaptureFix
 
 def test_submit_watch_flag_and_cancel(plane: ControlPlane, capsys: pytest.CaptureFixture[str]) -> None:
     with Client(plane.address, token="t") as c:
-        from tests.client.test_examples import load
+        from tests.examples.test_examples import load
 
         h = c.submit(load("mlp").make_job(steps=100_000))
         while h.status().step < 1:

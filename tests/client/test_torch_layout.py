@@ -223,7 +223,7 @@ def test_an_export_in_torch_layout_loads_into_pytorch_and_gives_the_same_logits(
     out = sf.run(logits_job, backend="inprocess", init_from=str(ck)).outputs
     ours = next(iter(out.values()))[0]
     exported = tmp_path / "torch.safetensors"
-    cli = [sys.executable, "-m", "sbpflow.client.cli", "export", str(ck), "--layout", "torch"]
+    cli = [sys.executable, "-m", "sbpflow.client.cli.main", "export", str(ck), "--layout", "torch"]
     cli += ["--example", str(_example(tmp_path)), "--set", f"tp={tp}", "--out", str(exported)]
     subprocess.run(cli, check=True, capture_output=True, text=True)
     file = TensorFile(exported)  # the bytes are safetensors; the safetensors package is not a dependency

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from sbpflow.job import Job
-from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_autodiff import as_float64
+from tests.examples.test_examples import load
 
 
 def make_job(**kwargs: Any) -> Job:

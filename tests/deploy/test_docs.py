@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sbpflow.client.cli import build_parser
+from sbpflow.client.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -31,7 +31,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from sbpflow.client.cli import build_parser
+from sbpflow.client.cli.main import build_parser
 from sbpflow.control_plane.status.auth import OPEN_HTTP_PATHS
 from sbpflow.runs.options import MANAGER_DEFAULTS
 

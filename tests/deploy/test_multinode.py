@@ -46,9 +46,9 @@ from sbpflow.codec import wire
 from sbpflow.control_plane.compiler.passes import boxing_pass
 from sbpflow.control_plane.compiler.pipeline import compile
 from sbpflow.job import Job
-from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_autodiff import as_float64
 from tests.deploy import netns
+from tests.examples.test_examples import load
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5

@@ -15,7 +15,7 @@ import sbpflow as sf
 from sbpflow.actor_workers.runtime import executor
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.device import asnumpy
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 STEPS = 3
 

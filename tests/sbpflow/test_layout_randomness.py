@@ -16,7 +16,7 @@ from sbpflow.placement import placement
 from sbpflow.random import RandomKey
 from sbpflow.sbp import B, S
 from sbpflow.sharding import assemble, shard, shard_index
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 MESH = placement("cpu", [[0, 1], [2, 3]])
 LAYOUTS = [(S(0), S(1)), (S(1), S(0)), (S(0), S(0)), (B, S(0)), (S(1), B)]

@@ -11,7 +11,7 @@ import pytest
 from sbpflow.control_plane.compiler.passes.micro_batching import PipelineError, check_stages
 from sbpflow.job import SGD, JobConfig, OptimizerSpec, check_job
 from sbpflow.limits import LIMITS, LimitError, check_float, check_name, check_shape
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from sbpflow.actor_workers.runtime import executor
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.control_plane.compiler import pipeline
 from tests.actor_workers.runtime.test_cuda_streams import FakeCuda
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 STEPS = 3
 

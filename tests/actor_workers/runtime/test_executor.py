@@ -35,8 +35,8 @@ from sbpflow.sbp import B, NdSbp, P, S
 from sbpflow.sharding import assemble, shard
 from sbpflow.tensor_meta import TensorMeta
 from sbpflow.v1 import plan_pb2 as pp
-from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_autodiff import as_float64
+from tests.examples.test_examples import load
 
 TIMEOUT = 20.0
 

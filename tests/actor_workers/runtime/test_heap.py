@@ -10,7 +10,7 @@ import pytest
 
 import sbpflow as sf
 from sbpflow.actor_workers.runtime import heap
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 
 class _Node:

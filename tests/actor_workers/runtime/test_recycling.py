@@ -19,8 +19,8 @@ from sbpflow.control_plane.compiler import pipeline
 from sbpflow.data.sources import ArraySource
 from sbpflow.oracle import reference
 from sbpflow.random import Normal
-from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_autodiff import as_float64
+from tests.examples.test_examples import load
 
 
 def test_the_update_gets_the_value_two_steps_back_never_the_first_nor_the_current() -> None:

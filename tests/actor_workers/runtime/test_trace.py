@@ -109,7 +109,7 @@ def test_the_trace_shows_overlap_with_two_slots_and_none_with_one() -> None:
 @pytest.fixture(scope="module")
 def pipelined_trace() -> tuple[list, dict]:
     import sbpflow as sf
-    from tests.client.test_examples import load
+    from tests.examples.test_examples import load
 
     job = load("mlp").make_job(ranks=2, pp=2, layers=2, micro_batches=2, steps=3)
     result = sf.run(job, backend="inprocess", trace=True, timeout=120)

@@ -16,7 +16,7 @@ from sbpflow.data.sources import SyntheticSource
 from sbpflow.errors import GraphError, PlacementError, SbpflowError
 from sbpflow.job import Job
 from sbpflow.sbp import S
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 
 def refused(job: Job, **kwargs: object) -> str:

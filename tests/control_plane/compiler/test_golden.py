@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from sbpflow.control_plane.compiler import pipeline
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("SBPFLOW_UPDATE_GOLDEN") == "1"

@@ -21,8 +21,8 @@ from sbpflow.ops.training.loss_scaling import SCALE, SKIPPED
 from sbpflow.oracle import reference
 from sbpflow.oracle.scaling import Scaler
 from sbpflow.runs.numerics import NonFiniteLoss
-from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_recompute import with_config
+from tests.examples.test_examples import load
 
 # 2**20 overflows the MLP's fp16 backward for its first steps, then the scale backs off until it fits,
 # and grows every 3 clean steps until it overflows again: skips, backoffs and growths within 12 steps

@@ -24,7 +24,7 @@ from sbpflow.graph import BOXING
 from sbpflow.job import Job
 from sbpflow.sbp import B, S
 from sbpflow.v1 import plan_pb2 as pp
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 MLP: dict[str, Any] = {"ranks": 4, "layers": 1, "hidden": 32, "batch_size": 16}
 GPT: dict[str, Any] = {

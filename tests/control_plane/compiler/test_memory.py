@@ -11,8 +11,8 @@ from sbpflow.control_plane.compiler.pipeline import compile
 from sbpflow.graph import TensorKind
 from sbpflow.placement import placement
 from sbpflow.sbp import S
-from tests.client.test_examples import load
 from tests.control_plane.compiler.lowering.test_lower import HandGraph, mlp
+from tests.examples.test_examples import load
 
 
 def estimate(state) -> dict[int, DeviceMemory]:

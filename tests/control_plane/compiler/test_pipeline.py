@@ -15,8 +15,8 @@ from sbpflow.control_plane.render import graph_page, plan_blocks
 from sbpflow.errors import GraphError
 from sbpflow.graph import BOXING, OpNode
 from sbpflow.v1 import plan_pb2 as pp
-from tests.client.test_examples import load
 from tests.control_plane.compiler.lowering.test_lower import mlp
+from tests.examples.test_examples import load
 
 CONFIGS = [
     ("mlp", {"ranks": 4}),

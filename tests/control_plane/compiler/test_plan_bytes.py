@@ -28,7 +28,7 @@ from sbpflow.control_plane.compiler.passes.micro_batching import layout
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.graph import BOXING, TensorKind
 from sbpflow.sbp import S
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 SHAPE = {"ranks": 4, "heads": 4, "width": 128, "layers": 2, "batch_size": 4, "seq_len": 16}
 ACTIVATION = 4 * 16 * 128 * 4  # |A|: [B, T, D] float32

@@ -49,9 +49,9 @@ from sbpflow.job import Job, JobConfig
 from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.runs.states import JobState
 from sbpflow.sbp import S
-from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_autodiff import as_float64
 from tests.control_plane.service.test_server import until
+from tests.examples.test_examples import load
 
 STEPS, EVERY, KILL_AFTER = (
     1000,

@@ -83,7 +83,7 @@ def test_what_cannot_be_evaluated_is_refused_naming_the_fix() -> None:
 
 
 def test_the_char_lm_evaluates_on_text_it_never_trains_on() -> None:
-    from tests.client.test_examples import load
+    from tests.examples.test_examples import load
 
     charlm = load("charlm")
     j = charlm.make_job(
@@ -101,7 +101,7 @@ def test_a_held_out_file_outside_the_data_roots_is_refused(tmp_path: Path) -> No
 
     from sbpflow.control_plane.service.data_policy import DataPolicy
     from sbpflow.data.access import DataAccessDenied
-    from tests.client.test_examples import load
+    from tests.examples.test_examples import load
 
     j = load("charlm").make_job(ranks=1, steps=2, eval_every=2, width=16, seq_len=16, batch_size=4, layers=1)
     elsewhere = tmp_path / "held_out.int32"

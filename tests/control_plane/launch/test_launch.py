@@ -20,8 +20,8 @@ from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.runs.states import JobState
 from tests.actor_workers.test_equivalence import LAYOUTS
-from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_autodiff import as_float64
+from tests.examples.test_examples import load
 
 STEPS = 3
 

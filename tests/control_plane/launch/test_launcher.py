@@ -23,8 +23,8 @@ from sbpflow.errors import SbpflowError, ShapeError
 from sbpflow.ops.base import OPS, KernelContext, get_op
 from sbpflow.oracle import reference
 from sbpflow.runs.states import JobState
-from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_autodiff import as_float64
+from tests.examples.test_examples import load
 
 
 @pytest.fixture(autouse=True)

@@ -30,7 +30,7 @@ from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.sbp import P
 from sbpflow.tensor_meta import TensorMeta
 from sbpflow.v1 import service_pb2 as sp
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")
 

@@ -47,7 +47,7 @@ def test_a_forward_only_job_returns_its_outputs_per_step(ranks: int, tp: bool) -
 
 
 def test_a_training_run_does_not_repeat_its_loss_in_outputs() -> None:
-    from tests.client.test_examples import load
+    from tests.examples.test_examples import load
 
     job = load("mlp").make_job(ranks=2, steps=2)
     result = sf.run(job, backend="inprocess")

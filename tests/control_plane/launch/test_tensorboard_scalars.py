@@ -17,8 +17,8 @@ from sbpflow.errors import SbpflowError
 from sbpflow.job import WarmupCosine
 from sbpflow.oracle.optim import learning_rate
 from sbpflow.v1 import service_pb2 as sp
-from tests.client.test_examples import load
 from tests.control_plane.serving import serving
+from tests.examples.test_examples import load
 
 tensorboardX = pytest.importorskip("tensorboardX", reason="tensorboardX is in the dev extra")
 from tensorboardX.crc32c import crc32c  # noqa: E402

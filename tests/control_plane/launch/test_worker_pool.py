@@ -24,8 +24,8 @@ from sbpflow.control_plane.launch.worker_pool import PoolConfig, WorkerPool, ins
 from sbpflow.errors import SbpflowError
 from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.v1 import service_pb2 as sp
-from tests.client.test_examples import load
 from tests.control_plane.service.test_server import LONG, start, until
+from tests.examples.test_examples import load
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 MLP = load("mlp")

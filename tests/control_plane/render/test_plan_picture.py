@@ -11,7 +11,7 @@ import pytest
 from sbpflow.control_plane.compiler.pipeline import Compiled, compile
 from sbpflow.control_plane.render import plan_blocks, plan_picture
 from sbpflow.graph import BOXING
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,9 @@ from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.runs.states import JobState
 from sbpflow.v1 import service_pb2 as sp
-from tests.client.test_examples import load
 from tests.control_plane.service.test_resume import blob, job_of
 from tests.control_plane.service.test_server import LONG, start, until
+from tests.examples.test_examples import load
 
 GRACE = 4.0
 STEPS, EVERY = 1500, 100  # a few seconds of steps on a loaded machine; a checkpoint every 100
@@ -38,7 +38,7 @@ def mlp() -> ModuleType:
 
 
 def _server(db: Path, root: Path) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "sbpflow.client.cli", "server", "--backend", "inprocess", "--slots", "4",
+    cmd = [sys.executable, "-m", "sbpflow.client.cli.main", "server", "--backend", "inprocess", "--slots", "4",
            "--port", "0", "--http-port", "-1", "--store", str(db), "--checkpoint-root", str(root),
            "--drain-grace", str(GRACE)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "SBPFLOW_TOKEN": ""})

@@ -14,8 +14,8 @@ from sbpflow.control_plane.service.running import RunningJob
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.runs.states import JobState
-from tests.client.test_examples import load
 from tests.control_plane.service.test_server import until
+from tests.examples.test_examples import load
 
 
 def test_a_job_shrunk_onto_fewer_ranks_frees_its_slots_for_a_waiting_job(tmp_path: Path) -> None:

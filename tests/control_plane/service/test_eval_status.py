@@ -46,7 +46,7 @@ def test_the_latest_held_out_loss_is_in_the_status_the_store_and_the_metrics(tmp
 
 
 def test_a_job_that_never_evaluated_has_no_held_out_loss(tmp_path: Path) -> None:
-    from tests.client.test_examples import load
+    from tests.examples.test_examples import load
 
     with JobStore(tmp_path / "j.db") as store:
         m = JobManager(store, ManagerConfig(run=MANAGER_DEFAULTS.replace(backend="inprocess"), slots=2))

@@ -47,7 +47,7 @@ from sbpflow.device import gpu_available
 from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.v1 import job_pb2
 from sbpflow.v1 import service_pb2 as sp
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 SERVICE = "/sbpflow.v1.JobService/"
 CLEAN = {

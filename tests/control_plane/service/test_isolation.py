@@ -293,8 +293,8 @@ def test_a_non_loopback_bind_needs_a_token_or_insecure(tmp_path: Path) -> None:
     for extra in ({"auth_token": "t"}, {"insecure": True}):
         p = start(tmp_path, host="0.0.0.0", store=str(tmp_path / f"{len(extra)}{list(extra)[0]}.db"), **extra)
         p.stop()
-    from sbpflow.client.cli import build_parser
-    from sbpflow.client.cli_jobs import server_config
+    from sbpflow.client.cli.jobs import server_config
+    from sbpflow.client.cli.main import build_parser
 
     args = build_parser().parse_args(
         ["server", "--data-root", "/a", "--data-root", "/b", "--insecure", "--max-streams", "9"]

@@ -14,7 +14,7 @@ from types import ModuleType
 import grpc
 import pytest
 
-from sbpflow.client.cli import main
+from sbpflow.client.cli.main import main
 from sbpflow.client.client import Client, ClientError
 from sbpflow.control_plane.service.job_options import SERVER_FIELDS, for_run, job_options
 from sbpflow.control_plane.store.job_store import JobStore

@@ -18,8 +18,8 @@ from sbpflow.oracle.scaling import Scaler
 from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.runs.states import JobState
 from sbpflow.v1 import service_pb2 as sp
-from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_recompute import with_config
+from tests.examples.test_examples import load
 
 
 def run(store: JobStore, job: Job) -> str:

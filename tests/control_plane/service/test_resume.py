@@ -25,7 +25,7 @@ import sbpflow as sf
 from sbpflow.checkpoint import read as ck_read
 from sbpflow.checkpoint.format import MANIFEST, step_dir
 from sbpflow.checkpoint.read import CheckpointReader, list_checkpoints, read_logical
-from sbpflow.client.cli import main as cli
+from sbpflow.client.cli.main import main as cli
 from sbpflow.client.client import Client, ClientError
 from sbpflow.codec import wire
 from sbpflow.control_plane.service.jobs import JobManager, ManagerConfig
@@ -37,8 +37,8 @@ from sbpflow.job import Job
 from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.runs.states import JobState
 from sbpflow.v1 import service_pb2 as sp
-from tests.client.test_examples import load
 from tests.control_plane.service.test_server import LONG, until
+from tests.examples.test_examples import load
 
 EXAMPLE = str(Path(__file__).resolve().parents[3] / "examples" / "mlp.py")
 
@@ -305,7 +305,7 @@ def test_a_control_plane_killed_mid_job_resumes_it_from_its_checkpoint(
     tmp_path: Path, mlp: ModuleType
 ) -> None:
     db, root = tmp_path / "jobs.db", tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "sbpflow.client.cli", "server", "--backend", "inprocess", "--slots", "4",
+    cmd = [sys.executable, "-m", "sbpflow.client.cli.main", "server", "--backend", "inprocess", "--slots", "4",
            "--port", "0", "--http-port", "-1", "--store", str(db), "--checkpoint-root", str(root)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "SBPFLOW_TOKEN": ""})
     try:

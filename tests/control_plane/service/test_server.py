@@ -25,7 +25,7 @@ from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.v1 import job_pb2
 from sbpflow.v1 import service_pb2 as sp
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 LONG = 100_000  # steps: a job that runs until it is cancelled
 
@@ -139,7 +139,7 @@ def test_a_waiting_job_starts_when_the_first_ends(tmp_path: Path, mlp: ModuleTyp
 
 def test_restart_mid_job_reconciles_the_record(tmp_path: Path, mlp: ModuleType) -> None:
     db = tmp_path / "jobs.db"
-    cmd = [sys.executable, "-m", "sbpflow.client.cli", "server", "--backend", "inprocess", "--slots", "2",
+    cmd = [sys.executable, "-m", "sbpflow.client.cli.main", "server", "--backend", "inprocess", "--slots", "2",
            "--port", "0", "--http-port", "-1", "--store", str(db)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "SBPFLOW_TOKEN": ""})
     try:

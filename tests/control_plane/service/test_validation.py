@@ -11,7 +11,7 @@ from sbpflow.codec import wire
 from sbpflow.control_plane.service.validation import ValidationError, validate_submit
 from sbpflow.errors import SbpflowError
 from sbpflow.v1 import job_pb2
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ import pytest
 
 from sbpflow.client.client import JobHandle
 from sbpflow.control_plane.service.server import ControlPlane
-from tests.client.test_examples import load
 from tests.control_plane.serving import serving
+from tests.examples.test_examples import load
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 FLAGS = (

@@ -35,8 +35,8 @@ from hypothesis import strategies as st
 from sbpflow.codec import wire
 from sbpflow.control_plane.service.server import ControlPlane
 from sbpflow.v1 import service_pb2 as sp
-from tests.client.test_examples import load
 from tests.control_plane.service.test_fuzz import FUZZ, SERVICE, _submit_bytes, memory_cap, serving  # noqa: F401 - a fixture
+from tests.examples.test_examples import load
 
 TOKEN = "s3cret-t0ken"
 RIGHT = f"Bearer {TOKEN}"

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sbpflow.client.client import JobHandle
 from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
 from sbpflow.runs.options import MANAGER_DEFAULTS
-from tests.client.test_examples import load
 from tests.control_plane.serving import serving
+from tests.examples.test_examples import load
 
 
 def get(url: str, token: str | None = None) -> tuple[int, str, str]:

@@ -16,9 +16,9 @@ from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
 from sbpflow.control_plane.status.auth import COOKIE, SESSION_SECONDS, TokenCheck
 from sbpflow.control_plane.status.charts import fmt
 from sbpflow.runs.options import MANAGER_DEFAULTS
-from tests.client.test_examples import load
 from tests.control_plane.launch.test_numerics import diverging
 from tests.control_plane.serving import serving
+from tests.examples.test_examples import load
 
 
 def request(

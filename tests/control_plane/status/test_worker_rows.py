@@ -19,7 +19,7 @@ from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import WorkerRecord
 from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.runs.states import JobState, WorkerState
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 
 @pytest.fixture(scope="module")

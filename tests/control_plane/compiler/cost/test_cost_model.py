@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from sbpflow.boxing import Collective, plan_boxing
-from sbpflow.client.cli import main
+from sbpflow.client.cli.main import main
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.cost.cost_model import (
     DeviceProfile,
@@ -55,7 +55,7 @@ from sbpflow.placement import placement
 from sbpflow.registry import Registry
 from sbpflow.sbp import B, P, S
 from sbpflow.tensor_meta import TensorMeta
-from tests.client.test_examples import EXAMPLES, load
+from tests.examples.test_examples import EXAMPLES, load
 
 # round figures, so that every expectation below is exact arithmetic
 FIXED = DeviceProfile(

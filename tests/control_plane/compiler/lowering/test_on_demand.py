@@ -11,9 +11,9 @@ from sbpflow.control_plane.compiler.lowering import lower as lowering
 from sbpflow.control_plane.compiler.lowering.on_demand import check_order
 from sbpflow.control_plane.compiler.lowering.tasks import LoweringError
 from sbpflow.v1 import plan_pb2 as pp
-from tests.client.test_examples import load
 from tests.control_plane.compiler.lowering.test_lower import mlp
 from tests.control_plane.compiler.test_matrix import CONFIGS
+from tests.examples.test_examples import load
 
 # the layouts whose plans differ most: collectives on a 2-d mesh, point-to-point between stages, 1F1B
 NAMES = ["mlp-dp2xtp2", "gpt-pp2xdp2", "gpt-pp4", "mlp-accum4", "gpt-zero3"]

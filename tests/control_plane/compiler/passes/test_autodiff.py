@@ -24,7 +24,7 @@ from sbpflow.oracle import reference
 from sbpflow.placement import placement
 from sbpflow.random import Normal
 from sbpflow.tensor_meta import TensorMeta
-from tests.client.test_examples import load as example
+from tests.examples.test_examples import load as example
 
 
 def as_float64(job: Job, batches: int = 3) -> Job:

@@ -18,7 +18,7 @@ from sbpflow.control_plane.compiler.verify import verify_compiled
 from sbpflow.graph import BOXING
 from sbpflow.job import Job
 from sbpflow.v1 import plan_pb2 as pp
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 K = pp.TaskKind
 CONFIGS = {

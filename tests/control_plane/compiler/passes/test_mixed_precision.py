@@ -13,8 +13,8 @@ from sbpflow.dtype import DType
 from sbpflow.graph import TensorKind
 from sbpflow.job import Job, LossScaling
 from sbpflow.oracle import reference
-from tests.client.test_examples import load
 from tests.control_plane.compiler.passes.test_recompute import with_config
+from tests.examples.test_examples import load
 
 f16, f32 = DType.float16, DType.float32
 

@@ -15,7 +15,7 @@ from sbpflow.control_plane.compiler.passes.recompute import PREFIX, forward_end,
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.job import Job
 from sbpflow.oracle import reference
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 
 def with_config(job: Job, **config: object) -> Job:

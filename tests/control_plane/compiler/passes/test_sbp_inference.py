@@ -12,7 +12,7 @@ from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.errors import GraphError
 from sbpflow.graph import TensorKind
 from sbpflow.sbp import B, P, S
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 # small enough to be fast; GPT TP configs have weights larger than activations, the regime TP is for
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -14,7 +14,7 @@ from sbpflow.errors import GraphError
 from sbpflow.graph import BOXING, Graph
 from sbpflow.job import Job
 from sbpflow.sbp import B, S
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 MODELS = {"mlp": {"ranks": 4}, "gpt": {"ranks": 4, "batch_size": 8}}
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from sbpflow.client.cli import main
+from sbpflow.client.cli.main import main
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.cost import cost_model
 from sbpflow.control_plane.compiler.search import auto_blocks, auto_plan
@@ -26,8 +26,8 @@ from sbpflow.job import Job
 from sbpflow.placement import placement
 from sbpflow.sbp import B, S
 from tests.actor_workers.test_equivalence import assert_trains_like_one_device
-from tests.client.test_examples import EXAMPLES, load
 from tests.control_plane.compiler.passes.test_autodiff import as_float64
+from tests.examples.test_examples import EXAMPLES, load
 
 PROFILE = cost_model.DeviceProfile(
     "test",

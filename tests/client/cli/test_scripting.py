@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from sbpflow.client import cli_json
-from sbpflow.client.cli_exit import UsageError
-from sbpflow.client.set_values import param_types, parse_set
+from sbpflow.client.cli import json_output
+from sbpflow.client.cli.exit_codes import UsageError
+from sbpflow.client.cli.set_values import param_types, parse_set
 from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
 from sbpflow.runs.options import MANAGER_DEFAULTS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MLP = str(ROOT / "examples" / "mlp.py")
 
 
@@ -33,7 +33,7 @@ def sbpflow(
     if token:
         env["SBPFLOW_TOKEN"] = token
     return subprocess.run(
-        [sys.executable, "-m", "sbpflow.client.cli", *args],
+        [sys.executable, "-m", "sbpflow.client.cli.main", *args],
         stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=120, env=env,
     )  # fmt: skip
 
@@ -67,10 +67,10 @@ def test_status_json_has_the_documented_keys(plane: ControlPlane, done_job: str)
     r = sbpflow("status", done_job, "--json", "--address", plane.address)
     assert r.returncode == 0, r.stderr
     one = json.loads(r.stdout)
-    assert tuple(one) == cli_json.JOB_KEYS
+    assert tuple(one) == json_output.JOB_KEYS
     assert (one["state"], one["step"], one["total_steps"]) == ("SUCCEEDED", 2, 2)
     assert isinstance(one["loss"], float) and one["finished"].endswith("Z")
-    assert tuple(one["workers"][0]) == cli_json.WORKER_KEYS
+    assert tuple(one["workers"][0]) == json_output.WORKER_KEYS
     listed = json.loads(sbpflow("status", "--json", "--address", plane.address).stdout)
     assert done_job in [j["job_id"] for j in listed["jobs"]]
 
@@ -80,10 +80,10 @@ def test_checkpoints_and_plan_json(plane: ControlPlane, done_job: str) -> None:
     r = sbpflow("checkpoints", done_job, "--checkpoint-root", root, "--json")
     assert r.returncode == 0, r.stderr
     found = json.loads(r.stdout)["checkpoints"]
-    assert [c["step"] for c in found] == [1, 2] and tuple(found[0]) == cli_json.CHECKPOINT_KEYS
+    assert [c["step"] for c in found] == [1, 2] and tuple(found[0]) == json_output.CHECKPOINT_KEYS
     r = sbpflow("plan", MLP, "--ranks", "2", "--tp", "--json", "--dot", os.devnull)
     plan = json.loads(r.stdout)  # the "wrote" line goes to stderr
-    assert tuple(plan) == cli_json.PLAN_KEYS and plan["job"] == "TrainMLP" and "wrote" in r.stderr
+    assert tuple(plan) == json_output.PLAN_KEYS and plan["job"] == "TrainMLP" and "wrote" in r.stderr
     assert all(set(o) == {"name", "op_type", "inputs", "outputs"} for o in plan["ops"])
     assert set(plan["memory"]) == {"0", "1"} and plan["boxing_bytes"] >= 0
 
@@ -91,7 +91,12 @@ def test_checkpoints_and_plan_json(plane: ControlPlane, done_job: str) -> None:
 def test_the_readme_lists_every_json_key() -> None:
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Scripting") :]
-    for key in (*cli_json.JOB_KEYS, *cli_json.WORKER_KEYS, *cli_json.PLAN_KEYS, *cli_json.CHECKPOINT_KEYS):
+    for key in (
+        *json_output.JOB_KEYS,
+        *json_output.WORKER_KEYS,
+        *json_output.PLAN_KEYS,
+        *json_output.CHECKPOINT_KEYS,
+    ):
         assert f"`{key}`" in section, key
 
 
@@ -136,7 +141,7 @@ def test_quiet_when_the_reader_goes_away(plane: ControlPlane, done_job: str) -> 
     for args in (["ops"], ["status", "--address", plane.address]):
         env = {**os.environ, "SBPFLOW_TOKEN": "t"}
         p = subprocess.Popen(
-            [sys.executable, "-m", "sbpflow.client.cli", *args],
+            [sys.executable, "-m", "sbpflow.client.cli.main", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
         )  # fmt: skip
         assert p.stdout is not None and p.stderr is not None

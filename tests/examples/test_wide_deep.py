@@ -11,7 +11,7 @@ from sbpflow.codec import wire
 from sbpflow.control_plane.compiler.pipeline import compile
 from sbpflow.sbp import B, P, S
 from sbpflow.v1 import job_pb2
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"ranks": 4, "columns": True}])

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sbpflow.client.byte_sizes import parse_bytes
-from sbpflow.client.cli_exit import UsageError
+from sbpflow.client.cli.byte_sizes import parse_bytes
+from sbpflow.client.cli.exit_codes import UsageError
 from sbpflow.job import Job
 
 

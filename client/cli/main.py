@@ -1,47 +1,29 @@
-"""The ``sbpflow`` command line: ``run``, ``plan``, ``trace``, ``ops``, ``version``, and the job commands
-of ``cli_jobs.py``: ``server``, ``submit``, ``status``, ``watch``, ``cancel``, ``logs``, ``resume``,
-``checkpoints``, ``export``."""
+"""The ``sbpflow`` command line: the parser, and the commands that run here: ``run``, ``plan``, ``trace``,
+``ops``, ``version``; the job commands are ``jobs.py``'s (``server``, ``submit``, ``status``, ``watch``,
+``cancel``, ``logs``, ``resume``, ``checkpoints``, ``export``, ``generate``)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
-from sbpflow.client.cli_auto import add_auto_flags, auto_job
-from sbpflow.client.cli_exit import UsageError, run_command
-from sbpflow.client.cli_jobs import JOB_COMMANDS, RUN_DEFAULTS, RUN_EXCLUDED, _client_flags, cmd_run
-from sbpflow.client.run_flags import add_run_flags
+from sbpflow.client.cli.auto import add_auto_flags
+from sbpflow.client.cli.examples import job_from_args, load_example
+from sbpflow.client.cli.exit_codes import run_command
+from sbpflow.client.cli.jobs import JOB_COMMANDS, RUN_DEFAULTS, RUN_EXCLUDED, client_flags, cmd_run
+from sbpflow.client.cli.run_flags import add_run_flags
 from sbpflow.errors import SbpflowError
 from sbpflow.runs.options import CLIENT_FIELDS
 
 
-def _load_example(path: str) -> Any:
-    """Import a user's example file; it must define ``make_job(**kwargs) -> sbpflow.job.Job``."""
-    file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"{path}: no such file; pass a Python file that defines make_job()")
-    spec = importlib.util.spec_from_file_location(file.stem, file)
-    if file.suffix != ".py" or spec is None or spec.loader is None:
-        raise UsageError(
-            f"{path}: not a Python file; pass an example that defines make_job(), e.g. examples/mlp.py"
-        )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "make_job"):
-        raise UsageError(f"{path} defines no make_job(); add `def make_job(**kwargs) -> Job`")
-    return module
-
-
 def cmd_trace(args: argparse.Namespace) -> int:
     """Trace an example into a Job; print its graph, or write the protobuf with --out."""
-    from sbpflow.client.summary import summarize
+    from sbpflow.client.cli.summary import summarize
     from sbpflow.codec import wire
 
-    job = _load_example(args.example).make_job()
+    job = load_example(args.example).make_job()
     job.verify()
     if args.out:
         data = wire.job_to_proto(job).SerializeToString()
@@ -52,67 +34,16 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_kwargs(args: argparse.Namespace, make_job: Callable[..., Any] | None = None) -> dict[str, Any]:
-    """make_job keyword arguments from --ranks/--tp/--dp/--layers and any --set KEY=VALUE, each --set
-    value typed by ``make_job``'s annotation of KEY (or its default's type) where it has one."""
-    from sbpflow.client.set_values import param_types, parse_set
-
-    kw: dict[str, Any] = {
-        k: getattr(args, k) for k in ("ranks", "dp", "layers", "device") if getattr(args, k, None) is not None
-    }
-    if args.tp:
-        kw["tp"] = True
-    types = param_types(make_job) if make_job is not None else {}
-    for item in args.set or ():
-        key, value = parse_set(item, types)
-        kw[key] = value
-    return kw
-
-
-def _job_from_args(args: argparse.Namespace) -> Any:
-    """The example's make_job(**options from the command line), refusing options it does not take."""
-    import inspect
-
-    make_job = _load_example(args.example).make_job
-    kw = _make_kwargs(args, make_job)
-    params = inspect.signature(make_job).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    unknown = sorted(k for k in kw if k not in params and not takes_any)
-    if unknown:
-        raise UsageError(
-            f"{args.example}: make_job() takes no {unknown}; it takes {[p for p in params if p != 'self']}"
-        )
-    if kw.get("device") == "cuda" and args.command == "run" and not getattr(args, "ray_address", None):
-        from sbpflow.device import array_module  # it runs on this machine: refuse before any work
-
-        array_module("cuda")  # DeviceUnavailable: cupy or a GPU is missing, and how to fix it
-    return auto_job(_with_config(make_job(**kw), args), args)
-
-
-# --flag -> the JobConfig field it overrides after tracing (for examples whose make_job does not take it)
-_CONFIG_FLAGS = {"steps": "steps", "checkpoint_every": "checkpoint_every"}
-
-
-def _with_config(job: Any, args: argparse.Namespace) -> Any:
-    """``job`` with the JobConfig fields given on the command line (--steps, --checkpoint-every)."""
-    import dataclasses
-
-    given = {f: getattr(args, a) for a, f in _CONFIG_FLAGS.items() if getattr(args, a, None) is not None}
-    if given:
-        job.config = dataclasses.replace(job.config, **given)
-    return job
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     """Compile an example; print the plan summary and write the Plan protobuf and/or an HTML picture."""
     from sbpflow.control_plane.compiler.pipeline import compile
     from sbpflow.control_plane.render import graph_page
 
-    compiled = compile(_job_from_args(args))
+    compiled = compile(job_from_args(args))
     if args.json:
-        from sbpflow.client import cli_json
+        from sbpflow.client.cli import json_output
 
-        cli_json.emit(cli_json.plan(compiled))
+        json_output.emit(json_output.plan(compiled))
     else:
         print(compiled.summary())
     say = (lambda text: print(text, file=sys.stderr)) if args.json else print  # stdout holds the JSON
@@ -191,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name in JOB_COMMANDS:
             _, _, flags, is_client = JOB_COMMANDS[name]
             if is_client:
-                _client_flags(p)
+                client_flags(p)
             if flags is not None:
                 flags(p)
         if name in ("plan", "run", "submit", "resume"):

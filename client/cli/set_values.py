@@ -17,7 +17,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from sbpflow.client.cli_exit import UsageError
+from sbpflow.client.cli.exit_codes import UsageError
 
 _TRUE, _FALSE = ("true", "yes", "on"), ("false", "no", "off")
 

@@ -18,7 +18,7 @@ from collections.abc import Collection
 from dataclasses import fields
 from typing import Any
 
-from sbpflow.client.cli_exit import UsageError
+from sbpflow.client.cli.exit_codes import UsageError
 from sbpflow.errors import SbpflowError
 from sbpflow.runs.options import FIELD_NAMES, RunOptions, RunOptionsError
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.client.cli_exit import UsageError
+from sbpflow.client.cli.exit_codes import UsageError
 from sbpflow.client.nn.module import Module
 from sbpflow.client.static_graph import Graph
 from sbpflow.client.tensor import Tensor
@@ -110,16 +110,16 @@ def generate(
 def cmd_generate(args: argparse.Namespace) -> int:
     """Print the prompt and the text the example's model writes after it."""
     from sbpflow.checkpoint.read import resolve
-    from sbpflow.client.cli import _load_example, _make_kwargs
+    from sbpflow.client.cli.examples import load_example, make_kwargs
 
-    example = _load_example(args.example)
+    example = load_example(args.example)
     make_model: Callable[..., Any] | None = getattr(example, "make_model", None)
     if make_model is None or not hasattr(example, "encode") or not hasattr(example, "decode"):
         raise UsageError(
             f"{args.example} has no make_model(), encode() and decode(); generate needs them (see "
             "examples/charlm.py)"
         )
-    model, where, sbp = make_model(**_make_kwargs(args, make_model))
+    model, where, sbp = make_model(**make_kwargs(args, make_model))
     checkpoint = (
         str(resolve(args.checkpoint))
         if not args.checkpoint.endswith((".safetensors", ".npz"))

@@ -8,7 +8,7 @@ from types import ModuleType
 
 import pytest
 
-from sbpflow.client.summary import summarize
+from sbpflow.client.cli.summary import summarize
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from sbpflow.client.cli import main
+from sbpflow.client.cli.main import main
 from sbpflow.v1 import plan_pb2 as pp
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 def test_plan_mlp_tp_writes_plan_and_picture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -70,7 +70,7 @@ def test_plan_runs_as_a_module(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "sbpflow.client.cli",
+            "sbpflow.client.cli.main",
             "plan",
             str(EXAMPLES / "mlp.py"),
             "--html",
@@ -107,8 +107,8 @@ def test_run_in_process_on_request(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_server_flags_make_its_config(tmp_path: Path) -> None:
-    from sbpflow.client.cli import build_parser
-    from sbpflow.client.cli_jobs import server_config
+    from sbpflow.client.cli.jobs import server_config
+    from sbpflow.client.cli.main import build_parser
 
     args = build_parser().parse_args(
         ["server", "--backend", "inprocess", "--checkpoint-root", str(tmp_path), "--max-restarts", "3"]

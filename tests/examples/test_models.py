@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from sbpflow.client.cli import main
-from tests.client.test_examples import EXAMPLES, load
+from sbpflow.client.cli.main import main
+from tests.examples.test_examples import EXAMPLES, load
 
 # short runs: a few steps of each example's small configuration, with its parallel layout
 RUNS = {

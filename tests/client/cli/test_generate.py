@@ -11,10 +11,10 @@ import pytest
 
 import sbpflow as sf
 from sbpflow.checkpoint.read import read_logical, resolve
-from sbpflow.client.cli import main
-from sbpflow.client.generate import Sampling, generate, next_token
+from sbpflow.client.cli.generate import Sampling, generate, next_token
+from sbpflow.client.cli.main import main
 from sbpflow.oracle import reference
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 SMALL = {"layers": 1, "heads": 2, "width": 16, "seq_len": 8}
 

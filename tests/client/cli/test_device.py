@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from sbpflow.client.cli import _job_from_args, build_parser, main
+from sbpflow.client.cli.examples import job_from_args
+from sbpflow.client.cli.main import build_parser, main
 from sbpflow.device import DeviceUnavailable, gpu_available
 from sbpflow.v1 import job_pb2 as jp
 from sbpflow.v1 import plan_pb2 as pp
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "resnet", "wide_deep"])
@@ -59,6 +60,6 @@ def test_run_on_a_ray_cluster_leaves_the_gpu_check_to_the_cluster() -> None:
     """With --ray-address the workers are elsewhere: a GPU missing here is no reason to refuse the job."""
     run = ["run", str(EXAMPLES / "mlp.py"), "--device", "cuda", "--ranks", "2"]
     with pytest.raises(DeviceUnavailable, match="device type 'cuda' needs cupy"):
-        _job_from_args(build_parser().parse_args(run))
-    job = _job_from_args(build_parser().parse_args([*run, "--ray-address", "10.0.0.1:6379"]))
+        job_from_args(build_parser().parse_args(run))
+    job = job_from_args(build_parser().parse_args([*run, "--ray-address", "10.0.0.1:6379"]))
     assert {t.placement.device_type for t in job.graph.tensors.values() if t.placement} == {"cuda"}

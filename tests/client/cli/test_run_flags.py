@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from sbpflow.client.cli import build_parser
-from sbpflow.client.run_flags import add_run_flags, flag_of, run_options_from_args
+from sbpflow.client.cli.main import build_parser
+from sbpflow.client.cli.run_flags import add_run_flags, flag_of, run_options_from_args
 from sbpflow.errors import SbpflowError
 from sbpflow.runs.options import FIELD_NAMES, MANAGER_DEFAULTS, RunOptions
 
@@ -78,7 +78,7 @@ def test_a_bad_value_names_the_flag(argv: list[str], message: str) -> None:
 
 def test_server_and_run_take_the_shared_flags() -> None:
     server = build_parser().parse_args(["server", "--timeout", "60", "--no-return-parameters"])
-    from sbpflow.client.cli_jobs import server_config
+    from sbpflow.client.cli.jobs import server_config
 
     cfg = server_config(server)
     assert cfg.run == MANAGER_DEFAULTS.replace(timeout=60.0, return_parameters=False)

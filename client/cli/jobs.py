@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sbpflow.client.byte_sizes import parse_bytes
-from sbpflow.client.cli_exit import UsageError
-from sbpflow.client.generate import cmd_generate, generate_flags
-from sbpflow.client.run_flags import add_run_flags, given_run_flags, run_options_from_args
+from sbpflow.client.cli.byte_sizes import parse_bytes
+from sbpflow.client.cli.exit_codes import UsageError
+from sbpflow.client.cli.generate import cmd_generate, generate_flags
+from sbpflow.client.cli.run_flags import add_run_flags, given_run_flags, run_options_from_args
 from sbpflow.errors import SbpflowError
 from sbpflow.runs.options import MANAGER_DEFAULTS
 
@@ -94,11 +94,11 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """Trace an example and submit it; print its id (and follow it with --watch)."""
-    from sbpflow.client.cli import _job_from_args
+    from sbpflow.client.cli.examples import job_from_args
 
     with _client(args) as client:
         handle = client.submit(
-            _job_from_args(args), client_id=os.environ.get("USER", ""), **given_run_flags(args)
+            job_from_args(args), client_id=os.environ.get("USER", ""), **given_run_flags(args)
         )
         print(handle.job_id, flush=True)
         return _ended(handle.watch()) if args.watch else 0
@@ -107,12 +107,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     """Resume an ended job from its latest checkpoint as a new job; print the new job's id (and follow
     it with --watch). With an example file, the job is re-traced from it (--ranks/--tp/--dp/--set)."""
-    from sbpflow.client.cli import _job_from_args, _make_kwargs
+    from sbpflow.client.cli.examples import job_from_args, make_kwargs
 
     job = None
     if args.example:
-        job = _job_from_args(args)
-    elif _make_kwargs(args) or args.steps is not None or args.checkpoint_every is not None:
+        job = job_from_args(args)
+    elif make_kwargs(args) or args.steps is not None or args.checkpoint_every is not None:
         raise UsageError(
             "--ranks/--tp/--dp/--layers/--set/--steps/--checkpoint-every re-trace the job's example: give the "
             f"example file too, e.g. `sbpflow resume {args.id} examples/mlp.py --ranks 2`"
@@ -127,14 +127,14 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """One job in detail, or a table of the newest jobs."""
-    from sbpflow.client import cli_json
+    from sbpflow.client.cli import json_output
     from sbpflow.v1 import service_pb2 as sp
 
     with _client(args) as client:
         if args.id:
             st = client.get(args.id)
             if args.json:
-                cli_json.emit(cli_json.job(st))
+                json_output.emit(json_output.job(st))
                 return 0
             loss = f"{st.loss:.6f}" if st.HasField("loss") else "-"
             print(f"job {st.job_id} ({st.name}): {_state(st.state)}" + (f" {st.reason}" if st.reason else ""))
@@ -154,7 +154,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             return 0
         listed = client.list(limit=args.limit)  # before the header: a failed call prints no table
         if args.json:
-            cli_json.emit(cli_json.jobs(listed))
+            json_output.emit(json_output.jobs(listed))
             return 0
         print(f"{'ID':16}  {'NAME':16}  {'STATE':10}  {'STEP':>11}  {'LOSS':>10}  REASON")
         for st in listed:
@@ -193,14 +193,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from sbpflow.client.cli import _job_from_args
+    from sbpflow.client.cli.examples import job_from_args
     from sbpflow.client.progress_bar import ProgressBar
     from sbpflow.codec import wire
     from sbpflow.control_plane.service.data_policy import DataPolicy
     from sbpflow.control_plane.service.jobs import JobManager, ManagerConfig, job_ranks
     from sbpflow.control_plane.store.job_store import JobStore
 
-    job = _job_from_args(args)
+    job = job_from_args(args)
     config = ManagerConfig(
         run=run_options_from_args(args, RUN_DEFAULTS, trace=bool(args.trace)),
         slots=max(1, len(job_ranks(job))),
@@ -239,7 +239,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client_flags(p: argparse.ArgumentParser) -> None:
+def client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--address",
         default=os.environ.get("SBPFLOW_ADDRESS", DEFAULT_ADDRESS),
@@ -353,12 +353,12 @@ def _checkpoint_dir(args: argparse.Namespace) -> Path:
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     """List a job's complete checkpoints (partial ones are never listed)."""
     from sbpflow.checkpoint.read import list_checkpoints
-    from sbpflow.client import cli_json
+    from sbpflow.client.cli import json_output
 
     where = _checkpoint_dir(args)
     found = list_checkpoints(where)
     if args.json:
-        cli_json.emit(cli_json.checkpoints(found))
+        json_output.emit(json_output.checkpoints(found))
         return 0 if found else 1
     if not found:
         print(f"no complete checkpoint in {where}", file=sys.stderr)
@@ -390,10 +390,10 @@ def _layout_of(args: argparse.Namespace) -> Callable[[Any], Any] | None:
             f"--layout {args.layout} reads the names and orientations off the model: give the example that "
             "trained it, e.g. --example examples/charlm.py"
         )
-    from sbpflow.client.cli import _load_example
-    from sbpflow.client.set_values import param_types, parse_set
+    from sbpflow.client.cli.examples import load_example
+    from sbpflow.client.cli.set_values import param_types, parse_set
 
-    make_job = _load_example(args.example).make_job
+    make_job = load_example(args.example).make_job
     kwargs = dict(parse_set(item, param_types(make_job)) for item in args.set or ())
     bound = make_job(**kwargs).bound
     return lambda tensors: bound.to_layout(args.layout, tensors)

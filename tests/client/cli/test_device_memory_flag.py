@@ -12,13 +12,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from sbpflow.client.byte_sizes import parse_bytes
-from sbpflow.client.cli import build_parser
-from sbpflow.client.cli_jobs import server_config
+from sbpflow.client.cli.byte_sizes import parse_bytes
+from sbpflow.client.cli.jobs import server_config
+from sbpflow.client.cli.main import build_parser
 from sbpflow.client.client import Client, ClientError
 from sbpflow.control_plane.service.server import ControlPlane
 from sbpflow.v1 import service_pb2 as sp
-from tests.client.test_examples import load
+from tests.examples.test_examples import load
 
 
 @pytest.mark.parametrize(

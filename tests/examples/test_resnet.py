@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
-from sbpflow.client.cli import main
+from sbpflow.client.cli.main import main
 from sbpflow.data.sources import ArrayFileSource, ArraySource
-from tests.client.test_examples import EXAMPLES, load
+from tests.examples.test_examples import EXAMPLES, load
 
 
 def test_resnet18_traces_data_parallel() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sbpflow.client.cli import main
+from sbpflow.client.cli.main import main
 
 
 def test_sbpflow_run_prints_each_held_out_loss(capsys: pytest.CaptureFixture[str]) -> None:

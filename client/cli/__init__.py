@@ -1,0 +1,1 @@
+"""The ``sbpflow`` command line: ``main`` (the parser and the local commands: run, plan, trace, ops, version), ``jobs`` (server, submit, status, watch, cancel, logs, resume, checkpoints, export), ``generate``, and what they share: loading an example (``examples``), the run flags, --set values, --auto, sizes, JSON output and how a command ends."""
