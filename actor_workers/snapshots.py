@@ -9,7 +9,7 @@ rank's file and completes the checkpoint if it is the last (:mod:`sbpflow.checkp
 while the bytes go to disk; a writer at most ``MAX_PENDING`` snapshots behind makes the act wait (memory
 stays bounded). Only the replica that :func:`sbpflow.checkpoint.write.writes` picks copies a ``B`` tensor.
 
-Restore: :func:`store_source` gives :func:`~sbpflow.actor_workers.runtime.variables.init_store` each rank's
+Restore: :func:`store_source` gives :func:`~sbpflow.actor_workers.execution.variables.init_store` each rank's
 slice of each variable under the *new* layout, read from whichever files hold it.
 """
 
@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.actor_workers.runtime.executor import Program
-from sbpflow.actor_workers.runtime.tasks import RankContext
-from sbpflow.actor_workers.runtime.variables import VARIABLE_KINDS, StoreSource
+from sbpflow.actor_workers.execution.executor import Program
+from sbpflow.actor_workers.execution.tasks import RankContext
+from sbpflow.actor_workers.execution.variables import VARIABLE_KINDS, StoreSource
 from sbpflow.checkpoint import write as ck
 from sbpflow.checkpoint.format import CheckpointError
 from sbpflow.checkpoint.read import CheckpointReader, TensorFile, open_tensors, prune

@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sbpflow.actor_workers import reporting as progress
-from sbpflow.actor_workers.reporter import Reporter
+from sbpflow.actor_workers import step_reports as progress
+from sbpflow.actor_workers.report_sender import Reporter
 from sbpflow.actor_workers.runtime import heap, threads
 from sbpflow.device import asnumpy
 from sbpflow.runs.numerics import non_finite_parameters
@@ -168,7 +168,7 @@ class Worker:
         from, and where to checkpoint. ``ranks``: the world's ranks, in the order of ``endpoints``
         (default: the plan's devices, for a plan that holds every rank's)."""
         from sbpflow.actor_workers import snapshots as checkpointing
-        from sbpflow.actor_workers.runtime import executor
+        from sbpflow.actor_workers.execution import executor
 
         start = start or checkpointing.Start()
         plan = pp.Plan.FromString(plan_bytes)

@@ -42,8 +42,8 @@ WARMUP = 3.0  # s of reports before the window opens (every rank connected and s
 def worker_process(address: str, job_id: str, credential: str, ranks: list[int], world: int, args: Any,
                    start_at: float, out: Any) -> None:  # fmt: skip
     """``ranks`` of the job, each a real Reporter; every rank reports a step each ``step_seconds``."""
-    from sbpflow.actor_workers.reporter import Reporter
-    from sbpflow.actor_workers.reporting import step_report
+    from sbpflow.actor_workers.report_sender import Reporter
+    from sbpflow.actor_workers.step_reports import step_report
 
     reporters = [Reporter(address, job_id, 1, r, f"sim-{r}", credential) for r in ranks]
     step, t = 0, start_at

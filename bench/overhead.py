@@ -47,10 +47,10 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sbpflow as sf  # noqa: E402
-from sbpflow.actor_workers.runtime import executor  # noqa: E402
-from sbpflow.actor_workers.runtime import variables as store_module  # noqa: E402
-from sbpflow.actor_workers.runtime.plan_tables import PlanTables  # noqa: E402
-from sbpflow.actor_workers.runtime.variables import Store  # noqa: E402
+from sbpflow.actor_workers.execution import executor  # noqa: E402
+from sbpflow.actor_workers.execution import variables as store_module  # noqa: E402
+from sbpflow.actor_workers.execution.plan_tables import PlanTables  # noqa: E402
+from sbpflow.actor_workers.execution.variables import Store  # noqa: E402
 from sbpflow.control_plane.compiler import pipeline  # noqa: E402
 from sbpflow.data.sources import ArraySource  # noqa: E402
 from sbpflow.oracle import reference  # noqa: E402

@@ -37,9 +37,10 @@ from contextlib import nullcontext
 from typing import Any
 
 from sbpflow.actor_workers import snapshots as checkpointing
-from sbpflow.actor_workers.reporting import Scaling, StepDone, step_report, watch_steps
-from sbpflow.actor_workers.runtime import executor, threads
+from sbpflow.actor_workers.execution import executor
+from sbpflow.actor_workers.runtime import threads
 from sbpflow.actor_workers.runtime.errors import RunCancelled, RuntimeFailure
+from sbpflow.actor_workers.step_reports import Scaling, StepDone, step_report, watch_steps
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.checkpoint.read import CheckpointReader, CorruptCheckpoint, corrupt_note, resolve
 from sbpflow.control_plane.compiler import pipeline

@@ -1,7 +1,7 @@
 """WorkerService: where Ray worker actors report to the control plane, in ``WorkerReport`` protobufs.
 
 A :class:`ReportHub` is the servicer. Workers send one report (``Report``) or several in one message
-(``ReportBatch``, what :mod:`sbpflow.actor_workers.reporter` sends when reports come faster than it
+(``ReportBatch``, what :mod:`sbpflow.actor_workers.report_sender` sends when reports come faster than it
 makes calls; a batch's credential is checked once per job attempt). Whoever runs a job subscribes to
 one attempt with
 :meth:`ReportHub.listen`, naming the attempt's ranks, and gets back the attempt's **credential**: an

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sbpflow.actor_workers.reporting import report
+from sbpflow.actor_workers.step_reports import report
 from sbpflow.control_plane.launch.report_hub import ReportHub
 from sbpflow.control_plane.launch.step_tracker import ReportListener, StateListener
 from sbpflow.graph import TensorDecl

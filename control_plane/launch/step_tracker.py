@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.actor_workers.reporting import Scaling
+from sbpflow.actor_workers.step_reports import Scaling
 from sbpflow.control_plane.launch.share_assembly import ShareAssembly, ShareLayout
 from sbpflow.graph import TensorDecl
 from sbpflow.runs.numerics import NonFiniteLoss, finite

@@ -3,7 +3,7 @@
 A 1,024-rank job's status holds 1,024 ``WorkerStatus`` rows; building them costs ~6 ms of Python on
 every Get, while reports change some row thousands of times a second. A job with at least
 :data:`CACHE_FROM` rows therefore shows rows at most ``ROWS_SECONDS`` old (workers report at most once a
-second each anyway, :mod:`sbpflow.actor_workers.reporter`): they are built once, kept serialized, and
+second each anyway, :mod:`sbpflow.actor_workers.report_sender`): they are built once, kept serialized, and
 merged into each status in C. A state change rebuilds them at once; a smaller job's rows are always
 built fresh.
 

@@ -103,7 +103,7 @@ class KernelContext:
     def out_array(self, i: int = 0) -> Any:
         """A dead array of output ``i``'s local shape and dtype that the kernel may write that output
         into, or None (allocate). The actor runtime lends a kernel its own previous value of that output
-        once nobody holds it any more (``out_buffers``, actor_workers/runtime/tasks.py); no other caller
+        once nobody holds it any more (``out_buffers``, actor_workers/execution/tasks.py); no other caller
         does, so a kernel that takes it returns the same values either way."""
         bufs = getattr(self, "out_buffers", ())
         b = bufs[i] if i < len(bufs) else None

@@ -20,7 +20,7 @@ import pytest
 
 import sbpflow as sf
 from sbpflow.actor_workers import snapshots as checkpointing
-from sbpflow.actor_workers.runtime import executor
+from sbpflow.actor_workers.execution import executor
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.checkpoint.format import MANIFEST, CheckpointError, step_dir
 from sbpflow.checkpoint.read import CheckpointReader, export, list_checkpoints, read_logical

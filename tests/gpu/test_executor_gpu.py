@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 import sbpflow as sf
-from sbpflow.actor_workers.runtime import executor
+from sbpflow.actor_workers.execution import executor
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.device import asnumpy
 from tests.examples.test_examples import load

@@ -16,8 +16,8 @@ import pytest
 
 from sbpflow.actor_workers.transport.base import Transport, TransportAborted, TransportError
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
+from sbpflow.actor_workers.transport.nccl.headers import NCCL_TYPES, nccl_type
 from sbpflow.actor_workers.transport.nccl.transport import NcclTransport, SharedUids
-from sbpflow.actor_workers.transport.nccl.wire import NCCL_TYPES, nccl_type
 from tests.gpu.conftest import gpu_count
 
 DTYPES = [np.float32, np.float64, np.float16, np.int32, np.int64, np.bool_]

@@ -18,7 +18,7 @@ from typing import Any
 
 from sbpflow.actor_workers.transport.base import part
 from sbpflow.actor_workers.transport.nccl.comms import Comm, NcclComms
-from sbpflow.actor_workers.transport.nccl.wire import Header, nccl_type
+from sbpflow.actor_workers.transport.nccl.headers import Header, nccl_type
 from sbpflow.sharding import split_range
 
 

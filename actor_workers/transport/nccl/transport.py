@@ -54,7 +54,7 @@ from sbpflow.actor_workers.transport.nccl.comms import (
     UidFor,
     import_nccl,
 )
-from sbpflow.actor_workers.transport.nccl.wire import (
+from sbpflow.actor_workers.transport.nccl.headers import (
     HEADER_WORDS,
     NCCL_TYPES,
     Header,

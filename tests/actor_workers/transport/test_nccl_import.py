@@ -11,8 +11,7 @@ import pytest
 
 from sbpflow.actor_workers.transport.base import TransportError
 from sbpflow.actor_workers.transport.nccl.comms import CommKey
-from sbpflow.actor_workers.transport.nccl.transport import NcclTransport, SharedUids
-from sbpflow.actor_workers.transport.nccl.wire import (
+from sbpflow.actor_workers.transport.nccl.headers import (
     MAX,
     NCCL_TYPES,
     NOT_MOVABLE,
@@ -26,6 +25,7 @@ from sbpflow.actor_workers.transport.nccl.wire import (
     same_call,
     tag_hash,
 )
+from sbpflow.actor_workers.transport.nccl.transport import NcclTransport, SharedUids
 from sbpflow.dtype import DType
 
 UID = bytes(range(128))

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from sbpflow.actor_workers.reporting import report
+from sbpflow.actor_workers.step_reports import report
 from sbpflow.client.client import Client
 from sbpflow.control_plane.launch.report_hub import ReportHub
 from sbpflow.runs.options import MANAGER_DEFAULTS

@@ -2,7 +2,7 @@
 
 broadcast_to returns a read-only view of its input on numpy, as PyTorch's expand. Writers into arrays
 check that they may (a donation needs a writeable array; the runtime's OutputReuse keeps only arrays that
-own their memory, tests/actor_workers/runtime/test_output_reuse.py), so a consumer that would write into
+own their memory, tests/actor_workers/execution/test_output_reuse.py), so a consumer that would write into
 it gets an error, never x's values changed behind its back.
 """
 

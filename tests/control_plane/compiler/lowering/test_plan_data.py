@@ -22,7 +22,7 @@ from sbpflow.placement import Placement, placement
 from sbpflow.sbp import B, P, S
 from sbpflow.sharding import shard_index
 from sbpflow.v1 import plan_pb2 as pp
-from tests.actor_workers.runtime.test_executor import box_job
+from tests.actor_workers.execution.test_executor import box_job
 from tests.actor_workers.test_equivalence import gpt_job, mlp_dp2xtp2, mlp_job
 
 K = pp.TaskKind

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from sbpflow.actor_workers import reporter as reporting
-from sbpflow.actor_workers.reporter import Reporter
-from sbpflow.actor_workers.reporting import step_report
+from sbpflow.actor_workers import report_sender as reporting
+from sbpflow.actor_workers.report_sender import Reporter
+from sbpflow.actor_workers.step_reports import step_report
 from sbpflow.control_plane.launch.report_hub import ReportHub
 from sbpflow.v1 import service_pb2 as sp
 
@@ -130,7 +130,7 @@ def test_a_batch_is_checked_like_single_reports_and_a_cancel_reaches_the_worker(
 def test_a_batch_sent_again_is_delivered_once_but_a_single_report_must_go_forward(hub: ReportHub) -> None:
     import grpc
 
-    from sbpflow.actor_workers.reporting import report
+    from sbpflow.actor_workers.step_reports import report
     from sbpflow.v1 import service_pb2_grpc as sg
 
     got: list[sp.WorkerReport] = []

@@ -18,9 +18,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from sbpflow.actor_workers.runtime import boxing_tasks, tasks
+from sbpflow.actor_workers.execution import boxing_tasks, tasks
+from sbpflow.actor_workers.execution.variables import Store
 from sbpflow.actor_workers.runtime.actors import RegisterSpec
-from sbpflow.actor_workers.runtime.variables import Store
 from sbpflow.codec import wire
 from sbpflow.errors import SbpflowError
 from sbpflow.v1 import plan_pb2 as pp

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sbpflow.actor_workers.runtime import executor, executor_analysis, plan_tables
-from sbpflow.actor_workers.runtime.boxing_tasks import BoxingTaskError, step_of
+from sbpflow.actor_workers.execution import executor, executor_analysis, plan_tables
+from sbpflow.actor_workers.execution.boxing_tasks import BoxingTaskError, step_of
+from sbpflow.actor_workers.execution.variables import StoreError, init_store
 from sbpflow.actor_workers.runtime.group import EngineGroup
-from sbpflow.actor_workers.runtime.variables import StoreError, init_store
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.control_plane.compiler import comm_order, pipeline
 from sbpflow.control_plane.compiler.lowering import lower as lowering

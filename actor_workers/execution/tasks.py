@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
+from sbpflow.actor_workers.execution.plan_tables import PlanTables
+from sbpflow.actor_workers.execution.variables import Store, is_partial_elsewhere
 from sbpflow.actor_workers.runtime.cuda_streams import ComputeStream
-from sbpflow.actor_workers.runtime.plan_tables import PlanTables
-from sbpflow.actor_workers.runtime.variables import Store, is_partial_elsewhere
 from sbpflow.codec import wire
 from sbpflow.errors import SbpflowError, ShapeError
 from sbpflow.graph import TensorDecl
@@ -137,7 +137,7 @@ class Recycler:
 # References to a kernel's previous output when nobody else holds it: OutputReuse.prev, the engine's
 # Register.last (a register's newest value), the local name in ``take`` and getrefcount's argument.
 # Any holder beyond those (a consumer's inbox, a view's base, the store, a fetch, a transfer in flight)
-# adds one, and the array is not lent (tests/actor_workers/runtime/test_output_reuse.py pins the count).
+# adds one, and the array is not lent (tests/actor_workers/execution/test_output_reuse.py pins the count).
 UNHELD = 4
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.actor_workers.runtime import executor
+from sbpflow.actor_workers.execution import executor
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.control_plane.compiler import pipeline
 from tests.actor_workers.runtime.test_cuda_streams import FakeCuda

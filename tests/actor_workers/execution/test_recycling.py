@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 import sbpflow as sf
-from sbpflow.actor_workers.runtime import executor_analysis
-from sbpflow.actor_workers.runtime.tasks import Recycler, guard_aliases
+from sbpflow.actor_workers.execution import executor_analysis
+from sbpflow.actor_workers.execution.tasks import Recycler, guard_aliases
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.data.sources import ArraySource
 from sbpflow.oracle import reference

@@ -30,18 +30,19 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.actor_workers.runtime import boxing_tasks, heap, plan_tables, tasks
-from sbpflow.actor_workers.runtime import executor_analysis as analysis
+from sbpflow.actor_workers.execution import boxing_tasks, plan_tables, tasks
+from sbpflow.actor_workers.execution import executor_analysis as analysis
+from sbpflow.actor_workers.execution.bypass import bypass
+from sbpflow.actor_workers.execution.executor_analysis import KIND, ExecutorError
+from sbpflow.actor_workers.execution.plan_tables import PlanTables
+from sbpflow.actor_workers.execution.tasks import Act, RankContext
+from sbpflow.actor_workers.execution.variables import StoreSource, init_store
+from sbpflow.actor_workers.runtime import heap
 from sbpflow.actor_workers.runtime.actors import ActorSpec, RegisterSpec
-from sbpflow.actor_workers.runtime.bypass import bypass
 from sbpflow.actor_workers.runtime.cuda_streams import for_worker
 from sbpflow.actor_workers.runtime.engine import AbortHook, Engine, RunResult
-from sbpflow.actor_workers.runtime.executor_analysis import KIND, ExecutorError
 from sbpflow.actor_workers.runtime.group import EngineGroup
-from sbpflow.actor_workers.runtime.plan_tables import PlanTables
-from sbpflow.actor_workers.runtime.tasks import Act, RankContext
 from sbpflow.actor_workers.runtime.trace import task_args
-from sbpflow.actor_workers.runtime.variables import StoreSource, init_store
 from sbpflow.codec import wire
 from sbpflow.graph import TensorDecl
 from sbpflow.sharding import assemble_value

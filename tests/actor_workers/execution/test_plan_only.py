@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sbpflow.actor_workers.runtime import executor
+from sbpflow.actor_workers.execution import executor
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.job import Job

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.actor_workers.runtime.tasks import Act, RankContext, local_shape
+from sbpflow.actor_workers.execution.tasks import Act, RankContext, local_shape
 from sbpflow.boxing import Transfer
 from sbpflow.codec import wire
 from sbpflow.errors import SbpflowError, ShapeError

@@ -33,7 +33,7 @@ import time
 from collections import deque
 from typing import Any
 
-from sbpflow.actor_workers.reporting import report
+from sbpflow.actor_workers.step_reports import report
 from sbpflow.v1 import service_pb2 as sp
 
 HEARTBEAT_SECONDS = 2.0

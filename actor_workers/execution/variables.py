@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.actor_workers.runtime.plan_tables import PlanTables
+from sbpflow.actor_workers.execution.plan_tables import PlanTables
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import TensorDecl, TensorKind
 from sbpflow.random import RandomKey

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from sbpflow.actor_workers.execution.tasks import OutputReuse
 from sbpflow.actor_workers.runtime.actors import ActorSpec, RegisterSpec
 from sbpflow.actor_workers.runtime.engine import Engine
-from sbpflow.actor_workers.runtime.tasks import OutputReuse
 
 STEPS = 6
 

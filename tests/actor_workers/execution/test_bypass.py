@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from sbpflow.actor_workers.execution.bypass import bypass
 from sbpflow.actor_workers.runtime.actors import ActorSpec, RegisterSpec
-from sbpflow.actor_workers.runtime.bypass import bypass
 from sbpflow.actor_workers.runtime.engine import Engine
 
 STEPS = 5

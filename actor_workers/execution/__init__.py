@@ -1,0 +1,1 @@
+"""A rank's Plan run as actors: the executor builds one engine per rank from its tasks (``executor``, after ``executor_analysis`` and the plan's ``plan_tables``), each task's act (``tasks``, ``boxing_tasks``), the rank's parameter and optimizer-state store (``variables``) and the pass-through actors it takes out (``bypass``)."""
