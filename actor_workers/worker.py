@@ -193,7 +193,7 @@ class Worker:
             _device(plan, self.rank),
             loss,
             lambda step, value, seconds, scaling: self.reporter.send(
-                # a checkpoint step's report goes at once (reporter.py): restarts reach the latest one
+                # a checkpoint step's report goes at once (report_sender.py): restarts reach the latest one
                 start.checkpoint is not None and start.checkpoint.due(step),
                 step=progress.step_report(step, value, seconds, scaling),
             ),

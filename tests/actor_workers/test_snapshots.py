@@ -215,7 +215,7 @@ RAY_STEPS = 30
 def ray_job(**config: Any) -> Job:
     """DP 4, wide enough (1024 hidden, ~1 M parameters: 8 MB a tensor) that 30 steps take long enough
     to kill a worker in the middle. The kills act on a checkpoint step's report, which workers send at
-    once (reporter.py); other reports may come a second late, after a fast machine's last step."""
+    once (report_sender.py); other reports may come a second late, after a fast machine's last step."""
     job = as_float64(mlp_job(ranks=4, hidden=1024, layers=2), batches=RAY_STEPS)
     return dataclasses.replace(job, config=dataclasses.replace(job.config, steps=RAY_STEPS, **config))
 

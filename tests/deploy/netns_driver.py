@@ -38,7 +38,7 @@ def http_get(url: str, token: str | None = None) -> tuple[int, str]:
 
 
 def job_of(pg_name: str) -> str | None:
-    """The job id of an sbpflow placement group's name, ``sbpflow-<job id>-a<attempt>`` (scheduler.py)."""
+    """The job id of an sbpflow placement group's name, ``sbpflow-<job id>-a<attempt>`` (ray_backend.py)."""
     if not pg_name.startswith("sbpflow-") or "-a" not in pg_name:
         return None
     return pg_name.removeprefix("sbpflow-").rsplit("-a", 1)[0]

@@ -1,4 +1,4 @@
-"""The click source (data_clicks.py): it draws its teacher's weights of the ids a read holds, not the
+"""The click source (data/clicks.py): it draws its teacher's weights of the ids a read holds, not the
 whole fields x vocab table each read, and every read is still what drawing the table whole gave, bit for
 bit (``whole_table_read``: the source as it was)."""
 
