@@ -44,6 +44,7 @@ _NAMES: dict[str, tuple[str, str]] = {
     "JobConfig": ("sbpflow.job", "JobConfig"),
     "RunOptions": ("sbpflow.runs.options", "RunOptions"),
     "run": ("sbpflow.control_plane.launch.launcher", "run"),
+    "RunRequest": ("sbpflow.control_plane.launch.run_context", "RunRequest"),
     "RunCancelled": ("sbpflow.actor_workers.runtime.errors", "RunCancelled"),
     **{
         n: ("sbpflow.errors", n)
@@ -113,6 +114,7 @@ if TYPE_CHECKING:  # what type checkers see of the names above (nothing is impor
     from sbpflow.client.static_graph import Graph, GraphConfig
     from sbpflow.client.tensor import Tensor
     from sbpflow.control_plane.launch.launcher import run  # noqa: F401
+    from sbpflow.control_plane.launch.run_context import RunRequest  # noqa: F401
     from sbpflow.data import corpus
     from sbpflow.dtype import DType, bfloat16, float16, float32, float64, int32, int64
     from sbpflow.errors import GraphError, PlacementError, SbpError, SbpflowError, ShapeError
@@ -121,8 +123,8 @@ if TYPE_CHECKING:  # what type checkers see of the names above (nothing is impor
 
     bool_ = DType.bool
 
-__all__ = [  # the names of ``from sbpflow import *``: every name above but the heavy three (Client, run,
-    # RunCancelled); tests/client/test_facade.py checks the list against _NAMES
+__all__ = [  # the names of ``from sbpflow import *``: every name above but the heavy ones (Client, run,
+    # RunRequest, RunCancelled); tests/client/test_facade.py checks the list against _NAMES
     "DType",
     "Graph",
     "GraphConfig",

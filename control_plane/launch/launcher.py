@@ -28,7 +28,6 @@ its shards) raise :class:`~sbpflow.runs.numerics.NonFiniteParameters` naming the
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import logging
 import threading
@@ -45,13 +44,11 @@ from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.checkpoint.read import CheckpointReader, CorruptCheckpoint, corrupt_note, resolve
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.pipeline import Compiled
-from sbpflow.control_plane.launch.evaluation import EvalListener, evaluating
+from sbpflow.control_plane.launch.evaluation import evaluating
 from sbpflow.control_plane.launch.ray_backend import run_on_ray
-from sbpflow.control_plane.launch.report_hub import ReportHub
 from sbpflow.control_plane.launch.run_context import (
-    AttemptListener,
     LaunchContext,
-    ResizeListener,
+    RunRequest,
     RunResult,
     assemble_outputs,
     loss_scaling_fields,
@@ -59,8 +56,6 @@ from sbpflow.control_plane.launch.run_context import (
 )
 from sbpflow.control_plane.launch.start_values import start_file
 from sbpflow.control_plane.launch.step_tracker import (
-    ReportListener,
-    StateListener,
     StepListener,
     StepTracker,
     fail_on_non_finite,
@@ -72,7 +67,7 @@ from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
 from sbpflow.ops.training.loss_scaling import VARIABLES
 from sbpflow.runs.numerics import NonFiniteParameters, non_finite_parameters
-from sbpflow.runs.options import FIELD_NAMES, RunOptions
+from sbpflow.runs.options import RunOptions
 from sbpflow.runs.states import JobState
 from sbpflow.v1 import job_pb2 as jp
 from sbpflow.v1 import plan_pb2 as pp
@@ -89,33 +84,11 @@ log = logging.getLogger(__name__)
 HANG_GRACE = 10.0
 
 
-def run(
-    job: Job | Compiled,
-    *,
-    steps: int | None = None,
-    options: RunOptions | None = None,
-    on_state: StateListener | None = None,
-    on_step: StepListener | None = None,
-    on_report: ReportListener | None = None,
-    on_attempt: AttemptListener | None = None,
-    on_resize: ResizeListener | None = None,
-    cancel: threading.Event | None = None,
-    report_hub: ReportHub | None = None,
-    job_id: str = "",
-    attempt: int = 1,
-    checkpoint_dir: str | None = None,
-    resume_from: str | None = None,
-    init_from: str | None = None,
-    layout: str | None = None,
-    strict: bool = True,
-    tensorboard_dir: str | None = None,
-    on_eval: EvalListener | None = None,
-    **option_fields: Any,
-) -> RunResult:
-    """Compile ``job`` and train it for ``steps`` (default ``job.config.steps``). A ``job`` compiled already
-    (:func:`launch`) is only lowered, on its own state. How it runs is a
-    :class:`~sbpflow.runs.options.RunOptions`: ``options``, with any of its fields given as keywords on
-    top (``sf.run(job, backend="inprocess", timeout=60, return_parameters=True)``).
+def run(job: Job | Compiled, request: RunRequest | None = None, /, **keywords: Any) -> RunResult:
+    """Compile ``job`` and train it as ``request`` asks (:class:`~.run_context.RunRequest`: one value), with
+    any of its fields, or of its :class:`~sbpflow.runs.options.RunOptions`', given as keywords on top
+    (``sf.run(job, backend="inprocess", timeout=60, return_parameters=True, steps=10)``). A ``job``
+    compiled already (:func:`launch`) is only lowered, on its own state.
 
     A failing kernel, a shape error, a transport failure or a lost worker on any rank stops every rank and
     raises :class:`~sbpflow.actor_workers.runtime.RuntimeFailure` (rank, op, cause); a run past ``timeout``
@@ -132,15 +105,21 @@ def run(
     evaluated at those steps (:mod:`~sbpflow.control_plane.launch.evaluation`: ``on_eval(step, loss)``,
     ``RunResult.evals``). ``tensorboard_dir``: TensorBoard scalars (``tensorboard_scalars``).
     """
-    how = _run_options(options, option_fields)
+    r = (request or RunRequest()).replace(**keywords)
+    how = r.options
     job_ = job.state.job if isinstance(job, Compiled) else job
-    bound, steps = job_.bound, job_.config.steps if steps is None else steps  # bound: wants trained values
+    bound, steps = (
+        job_.bound,
+        job_.config.steps if r.steps is None else r.steps,
+    )  # bound: wants trained values
     if steps < 1:
         raise SbpflowError(f"steps={steps}: a run trains for at least one step")
-    resume_from, first_step = _resume_point(resume_from, steps)
-    starts = nullcontext(None) if resume_from is not None else start_file(job_, init_from, layout, strict)
-    board = open_board(tensorboard_dir, job_, job_id, first_step, on_step, on_eval, on_report)
-    evals = evaluating(job_, checkpoint_dir, first_step, board.on_step, board.on_eval, _evaluator(how))
+    resume_from, first_step = _resume_point(r.resume_from, steps)
+    starts = (
+        nullcontext(None) if resume_from is not None else start_file(job_, r.init_from, r.layout, r.strict)
+    )
+    board = open_board(r.tensorboard_dir, job_, r.job_id, first_step, r.on_step, r.on_eval, r.on_report)
+    evals = evaluating(job_, r.checkpoint_dir, first_step, board.on_step, board.on_eval, _evaluator(how))
     with board, starts as init_path, evals as ev:
         result = _run(
             job,
@@ -148,21 +127,21 @@ def run(
             LaunchContext(
                 steps=steps - first_step,
                 run=how,
-                on_state=on_state,
+                on_state=r.on_state,
                 on_report=board.on_report,
-                on_attempt=on_attempt,
-                on_resize=on_resize,
-                cancel=_Stop(cancel),  # set by a cancel, or by the tracker at a non-finite loss
-                report_hub=report_hub,
-                job_id=job_id,
-                attempt=attempt,
+                on_attempt=r.on_attempt,
+                on_resize=r.on_resize,
+                cancel=_Stop(r.cancel),  # set by a cancel, or by the tracker at a non-finite loss
+                report_hub=r.report_hub,
+                job_id=r.job_id,
+                attempt=r.attempt,
                 first_step=first_step,
-                checkpoint_dir=ev.checkpoint_dir if ev is not None else checkpoint_dir,
+                checkpoint_dir=ev.checkpoint_dir if ev is not None else r.checkpoint_dir,
                 resume_from=resume_from,
                 init_from=init_path,
             ),
             ev.on_step if ev is not None else board.on_step,
-            cancel,
+            r.cancel,
         )
     if ev is not None:
         result = dataclasses.replace(result, evals=tuple(ev.results))
@@ -222,24 +201,15 @@ class _Stop(threading.Event):
 
 def _evaluator(how: RunOptions) -> Callable[..., RunResult]:
     """``run`` for the held-out evaluations: they read files too, under the same data roots."""
-    return functools.partial(run, options=RunOptions(data_roots=how.data_roots))
+    asked = RunRequest(options=RunOptions(data_roots=how.data_roots))
+    return lambda job, **keywords: run(job, asked, **keywords)
 
 
-def launch(compiled: Compiled, **kwargs: Any) -> RunResult:
-    """Train a job compiled already — Submit's validation compile, its graph passes done — with
-    :func:`run`'s keywords: its lowering is finished on the same state (``pipeline.finish``), no pass runs
-    again. ``run(job, ...)`` is ``launch(pipeline.compile(job, lower="none"), ...)``."""
-    return run(compiled, **kwargs)
-
-
-def _run_options(options: RunOptions | None, fields: dict[str, Any]) -> RunOptions:
-    """``options`` (default ``RunOptions()``) with ``run``'s keywords that name its fields on top."""
-    unknown = sorted(set(fields) - set(FIELD_NAMES))
-    if unknown:
-        raise TypeError(
-            f"run() got unexpected keyword(s) {unknown}; RunOptions' fields are {list(FIELD_NAMES)}"
-        )
-    return (options or RunOptions()).replace(**fields)
+def launch(compiled: Compiled, request: RunRequest | None = None, /, **keywords: Any) -> RunResult:
+    """Train a job compiled already — Submit's validation compile, its graph passes done — as :func:`run`
+    does: its lowering is finished on the same state (``pipeline.finish``), no pass runs again.
+    ``run(job, ...)`` is ``launch(pipeline.compile(job, lower="none"), ...)``."""
+    return run(compiled, request, **keywords)
 
 
 def _resume_point(resume_from: str | None, steps: int) -> tuple[str | None, int]:

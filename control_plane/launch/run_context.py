@@ -1,23 +1,25 @@
 """What a run is given and what it gives back, shared by the launcher and the backends it drives.
 
-:class:`LaunchContext` is everything a backend needs besides the compiled job: how the job runs (a core
-:class:`~sbpflow.runs.options.RunOptions`), what it trains (steps, checkpoints, the file it starts from)
-and this attempt's state and listeners; :class:`RunResult` is what every backend returns.
+:class:`RunRequest` is what ``sf.run`` is asked, as one frozen value: how the job runs (a core
+:class:`~sbpflow.runs.options.RunOptions`), what it trains and keeps, who listens, and under the job
+manager which job and attempt it is. :class:`LaunchContext` is what a backend needs of it for one attempt,
+besides the compiled job; :class:`RunResult` is what every backend returns.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from sbpflow.actor_workers.step_reports import report
+from sbpflow.control_plane.launch.evaluation import EvalListener
 from sbpflow.control_plane.launch.report_hub import ReportHub
-from sbpflow.control_plane.launch.step_tracker import ReportListener, StateListener
+from sbpflow.control_plane.launch.step_tracker import ReportListener, StateListener, StepListener
 from sbpflow.graph import TensorDecl
 from sbpflow.ops.training.loss_scaling import SCALE, SKIPPED
-from sbpflow.runs.options import RunOptions
+from sbpflow.runs.options import FIELD_NAMES, RunOptions
 from sbpflow.runs.states import JobState
 from sbpflow.sharding import assemble_value
 
@@ -46,6 +48,54 @@ class RunResult:
     # (a resumed run's count includes the steps before its checkpoint); None / 0 without it
     loss_scale: float | None = None
     skipped_steps: int = 0
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What a run is asked (``sf.run(job, request)``, or its fields as keywords: :meth:`replace`).
+
+    ``options``: how it runs (backend, timeout, restarts, what it returns). What it trains and keeps:
+    ``steps`` (default ``job.config.steps``), ``checkpoint_dir``, ``resume_from`` (a checkpoint, or a
+    directory of them: the latest), ``init_from`` (a file the parameters start from, in ``layout``,
+    ``strict`` by default) and ``tensorboard_dir``. Who listens: ``on_state``, ``on_step``, ``on_report``,
+    ``on_attempt``, ``on_resize``, ``on_eval``. Under the job manager: ``cancel`` (set: the run stops),
+    the ``report_hub`` its workers report to, and its ``job_id`` and ``attempt``.
+    """
+
+    options: RunOptions = RunOptions()
+    steps: int | None = None
+    checkpoint_dir: str | None = None
+    resume_from: str | None = None
+    init_from: str | None = None
+    layout: str | None = None
+    strict: bool = True
+    tensorboard_dir: str | None = None
+    on_state: StateListener | None = field(default=None, compare=False)
+    on_step: StepListener | None = field(default=None, compare=False)
+    on_report: ReportListener | None = field(default=None, compare=False)
+    on_attempt: AttemptListener | None = field(default=None, compare=False)
+    on_resize: ResizeListener | None = field(default=None, compare=False)
+    on_eval: EvalListener | None = field(default=None, compare=False)
+    cancel: threading.Event | None = field(default=None, compare=False)
+    report_hub: ReportHub | None = field(default=None, compare=False)
+    job_id: str = ""
+    attempt: int = 1
+
+    def replace(self, **keywords: Any) -> RunRequest:
+        """This request with ``keywords`` on top: a field of :class:`RunOptions` goes into ``options``
+        (``backend="inprocess"``), any other names a field of this request; an unknown name is refused
+        with both lists."""
+        own = {f.name for f in fields(self)}
+        unknown = sorted(set(keywords) - own - set(FIELD_NAMES))
+        if unknown:
+            raise TypeError(
+                f"run() got unexpected keyword(s) {unknown}; a run takes RunRequest's fields {sorted(own)} "
+                f"and RunOptions' {list(FIELD_NAMES)}"
+            )
+        how = {k: v for k, v in keywords.items() if k not in own}
+        mine = {k: v for k, v in keywords.items() if k in own}
+        options = mine.pop("options", self.options)
+        return replace(self, options=options.replace(**how) if how else options, **mine)
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,21 @@ def test_run_returns_the_losses_of_every_step_and_on_request_the_parameters() ->
     assert all(v.shape == job.graph.tensors[k].meta.shape for k, v in two.parameters.items())
 
 
+def test_a_run_is_asked_by_one_value_or_by_its_fields_as_keywords() -> None:
+    job = mlp(ranks=2)
+    asked = sf.RunRequest(options=sf.RunOptions(backend="inprocess"), steps=2)
+    by_value = sf.run(job, asked)
+    by_keywords = sf.run(job, backend="inprocess", steps=2)
+    assert by_value.losses == by_keywords.losses and len(by_value.losses) == 2
+    on_top = asked.replace(timeout=30.0, steps=1)  # a RunOptions field goes into options
+    assert on_top.options == sf.RunOptions(backend="inprocess", timeout=30.0) and on_top.steps == 1
+    assert asked.steps == 2 and asked.options.timeout != 30.0  # a value: replace makes a new one
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        asked.steps = 3  # type: ignore[misc]
+    with pytest.raises(TypeError, match=r"unexpected keyword\(s\) \['stpes'\].*'steps'.*'backend'"):
+        sf.run(job, stpes=2, backend="inprocess")
+
+
 def test_a_finished_run_frees_its_memory_when_it_returns() -> None:
     import gc
 
