@@ -79,7 +79,10 @@ def test_every_name_of_the_facade_resolves_and_star_imports_the_light_ones() -> 
     import sbpflow as sf
 
     lazy = set(sf._NAMES)
-    assert set(sf.__all__) == (lazy - {"Client", "run", "RunRequest", "RunCancelled"}) | {"Placement", "placement"}
+    assert set(sf.__all__) == (lazy - {"Client", "run", "RunRequest", "RunCancelled"}) | {
+        "Placement",
+        "placement",
+    }
     assert all(getattr(sf, name) is not None for name in lazy)
     assert sf.bool_ is sf.DType.bool and sf.corpus.VOCAB == 128 and sf.RunCancelled.__name__ == "RunCancelled"
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
