@@ -1,5 +1,5 @@
 """Timing a job on Ray from the workers' side: seconds per step from their own step reports' times, CPU
-seconds per step per worker from their processes (bench/gpt_step.py and bench/ddp.py share it).
+seconds per step per worker from their processes (bench/models/gpt_step.py and bench/runtime/ddp.py share it).
 
 Workers batch their reports (at most one call a second), so when a report reaches the driver says
 nothing about when its step ended; each report carries its worker's time, and a step ends when its

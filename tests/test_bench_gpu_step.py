@@ -1,6 +1,7 @@
-"""bench/gpu_step.py on a machine without a GPU: it refuses, saying what it needs and naming --cpu-smoke,
-and --cpu-smoke runs the whole code path (sbpflow and PyTorch eager, bf16 and fp32, the GEMM peak, the
-verdicts, the JSON) on a tiny GPT. The figures themselves come from the GPU machine (bench/README.md)."""
+"""bench/models/gpu_step.py on a machine without a GPU: it refuses, saying what it needs and naming
+--cpu-smoke, and --cpu-smoke runs the whole code path (sbpflow and PyTorch eager, bf16 and fp32, the GEMM
+peak, the verdicts, the JSON) on a tiny GPT. The figures themselves come from the GPU machine
+(bench/README.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from sbpflow.device import gpu_available
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "gpu_step.py"
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "models" / "gpu_step.py"
 
 
 @pytest.mark.skipif(gpu_available(), reason="this machine has a GPU: the bench would run for real")

@@ -21,10 +21,10 @@ hands it to that attempt's workers (never the client token), and they send it as
 Cancel reaches workers even when the driver cannot call them.
 
 The hub serves on a gRPC server of its own (``hub.serve(host, port)``): the control plane's beside its
-JobService port (``ServerConfig.worker_port``), the embedded ``sf.run``'s on loopback. A 1,024-rank job
-makes ~1,000 report calls a second, and a gRPC server handles every call's events on one thread: on
-the JobService's server, a Get waited behind each second's burst of reports (p99 60-75 ms against
-20-25 ms apart, ``bench/control_plane_scale.py``). ``hub.add_to(server)`` still adds it to another.
+JobService port (``ServerConfig.worker_port``), the embedded ``sf.run``'s on loopback. A 1,024-rank job makes
+~1,000 report calls a second, and a gRPC server handles every call's events on one thread: on the JobService's
+server, a Get waited behind each second's burst of reports (p99 60-75 ms against 20-25 ms apart,
+``bench/control_plane/control_plane_scale.py``). ``hub.add_to(server)`` still adds it to another.
 """
 
 from __future__ import annotations

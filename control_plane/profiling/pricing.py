@@ -1,6 +1,6 @@
 """The plan search priced on this machine: a device profile by name (``cpu`` measured here), the price of
 a plan on it with the plan's own kernels and data source timed here, and the search and ``choose`` that
-callers use (``sbpflow plan --auto``, ``GraphConfig.auto_parallel``, ``bench/auto_plan.py``).
+callers use (``sbpflow plan --auto``, ``GraphConfig.auto_parallel``, ``bench/compiler/auto_plan.py``).
 
     found = search(job, memory_per_device=80 * 10**9, ranks=4)   # on the cpu profile, measured here
     print(found.table()); print(found.why())

@@ -24,11 +24,11 @@ cost 1,000 SQLite reads a step. Now
   itself until it has caught up, so a replay neither waits for nor evicts the tail;
 - with many live followers the sends are budgeted: each re-reads at most every
   ``followers / LIVE_SENDS`` seconds (all jobs' followers counted), and once a job has more than
-  ``CONFLATE_AT`` followers, of each run of consecutive step events in one read only the newest is sent
-  (every event carries the job's whole status; state changes and log lines are never skipped, and the
-  skipped seqs are step events only). 500 streams on one job stepping 80 times a second had sent ~5,000
-  messages a second, holding the GIL from the unary calls (``bench/streams.py``). A replay is never
-  conflated: it sends every event of the history.
+  ``CONFLATE_AT`` followers, of each run of consecutive step events in one read only the newest is sent (every
+  event carries the job's whole status; state changes and log lines are never skipped, and the skipped seqs
+  are step events only). 500 streams on one job stepping 80 times a second had sent ~5,000 messages a second,
+  holding the GIL from the unary calls (``bench/control_plane/streams.py``). A replay is never conflated: it
+  sends every event of the history.
 
 The global ``version``/``changed`` pair still grows on every notice: the ``Logs`` streams wait on it.
 """

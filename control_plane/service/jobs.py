@@ -26,7 +26,8 @@ Rules:
   again as its next attempt (``RESUMED_AFTER_RESTART``) and goes on from it; one without stays FAILED
   (``CONTROL_PLANE_RESTARTED``). A drain (SIGTERM, ``drain.py``) refuses admission (``Draining``) and
   leaves the jobs it stops in flight, for the next control plane to re-queue.
-- A run driven from outside (``bench/control_plane_scale.py``'s simulated workers) is ``adopted``.
+- A run driven from outside (``bench/control_plane/control_plane_scale.py``'s simulated workers) is
+  ``adopted``.
 - A run whose loss goes NaN or infinite ends FAILED with ``NON_FINITE_LOSS`` at that step; one whose final
   parameters are not finite ends FAILED with ``NON_FINITE_PARAMETERS`` (:mod:`sbpflow.runs.numerics`).
 - A corrupt latest checkpoint is passed over for the previous intact one (a log line and a reason

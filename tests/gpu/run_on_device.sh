@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks, in one call, inside 8 minutes: show the GPU, fail loudly if cupy
 # cannot use it (so a run where every test skips cannot pass as green), run tests/gpu, then
-# bench/gpu_step.py (GPT-small, bf16 and fp32, against PyTorch on the same GPU). The machine is used as
+# bench/models/gpu_step.py (GPT-small, bf16 and fp32, against PyTorch on the same GPU). The machine is used as
 # it is: its python3 (cupy, NCCL, torch, numpy, grpcio, protobuf, pytest, hypothesis; no Ray) and this
 # checkout on PYTHONPATH, with no install step (tests/gpu/project_path.py maps client/, control_plane/ and
 # actor_workers/ into the sbpflow namespace as an install would). Exits non-zero on any failure.
@@ -51,13 +51,13 @@ step "pytest tests/gpu"
 timeout "${TESTS_S:-270}" "$PY" -m pytest -q -p tests.gpu.project_path -p no:cacheprovider tests/gpu -rs \
     --junitxml="$OUT/tests.xml" "$@" || failed+=("pytest tests/gpu (exit $?)")
 
-step "bench/gpu_step.py"
+step "bench/models/gpu_step.py"
 timeout "${BENCH_S:-180}" "$PY" -c '
 import runpy, sys
 import tests.gpu.project_path  # noqa: F401
-sys.argv = ["bench/gpu_step.py", "--json", sys.argv[1]]
-runpy.run_path("bench/gpu_step.py", run_name="__main__")
-' "$OUT/gpu_step.json" || failed+=("bench/gpu_step.py (exit $?)")
+sys.argv = ["bench/models/gpu_step.py", "--json", sys.argv[1]]
+runpy.run_path("bench/models/gpu_step.py", run_name="__main__")
+' "$OUT/gpu_step.json" || failed+=("bench/models/gpu_step.py (exit $?)")
 
 step "summary"
 if [ "${#failed[@]}" -eq 0 ]; then

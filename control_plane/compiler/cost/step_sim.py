@@ -15,12 +15,12 @@ of one process (the ``inprocess`` link) also share one interpreter, and they tak
 what holds it: each op's ``python_s``, that is a kernel's act and the part of its time its roofline does
 not explain (its Python and numpy's per-call dispatch; the roofline's part, a BLAS call or a long numpy
 loop, runs with the GIL released), their collectives' CPU (the rendezvous and its numpy work,
-``LinkProfile.interpreter``), their data loading (Python loops) and the acts outside the graph; the step
-is at least the sum of those (``Load.interpreter_s``). A kernel's GIL-free part does overlap another
-rank's Python where it is long: Wide & Deep's layouts with replicated tables, whose AdamW runs ~0.8 ms
-a rank at memory bandwidth, spend up to 1.6x their wall time in CPU (``bench/auto_plan.py``); counting
-that part held priced its tensor-parallel layouts 1.2-1.3x its data-parallel one with split tables,
-which they ran 1-9 % faster than.
+``LinkProfile.interpreter``), their data loading (Python loops) and the acts outside the graph; the step is at
+least the sum of those (``Load.interpreter_s``). A kernel's GIL-free part does overlap another rank's Python
+where it is long: Wide & Deep's layouts with replicated tables, whose AdamW runs ~0.8 ms a rank at memory
+bandwidth, spend up to 1.6x their wall time in CPU (``bench/compiler/auto_plan.py``); counting that part held
+priced its tensor-parallel layouts 1.2-1.3x its data-parallel one with split tables, which they ran 1-9 %
+faster than.
 A rank's hand-offs between its streams (a thread woken) are its own latency, not the shared
 interpreter's: while one rank waits for a woken thread the others run (a fit of the MLP's and Wide &
 Deep's measured CPU a step against their plans' acts, hand-offs, kernels and collectives gave a hand-off

@@ -53,7 +53,7 @@ from sbpflow.tensor_meta import TensorMeta
 # within budget: not a deep model's thousands of ops; a 2-d mesh is solved one axis at a time
 # (sbp_inference._whole_graph: all of GPT's 2 layers on 2 x 2 at once take 178,000 variables)
 MAX_OPS = 4_000
-ENABLED = True  # bench/plan_quality.py turns it off to run the walk's plans beside the program's
+ENABLED = True  # bench/compiler/plan_quality.py turns it off to run the walk's plans beside the program's
 MAX_CHOICES = 60_000  # x, z, y and shared-boxing variables together: above this the walk decides
 TIME_LIMIT_S = 10.0
 SCALE = 1e-3  # the objective in kB moved: HiGHS's tolerances suit costs near 1

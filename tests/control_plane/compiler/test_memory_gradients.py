@@ -5,7 +5,7 @@ so a rank holds at least its parameters' bytes of gradients (fp32 both). With mi
 gradients are summed in ACCUMULATE buffers; where a sum is boxed on its way to the update (a
 replicated head's gradient summed ``P x S(1)``, then all-reduced) the estimate used to count only the
 smaller sum: 3.03 GB of gradients against 5.19 GB of parameters in the last stage of the 48-layer
-GPT-3-shaped job (bench/compile_scale.py). This is that job's layout, small.
+GPT-3-shaped job (bench/compiler/compile_scale.py). This is that job's layout, small.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""bench/launch_scale.py at a quick size: a 64-rank pipeline of the GPT-175B-shaped job, lowered on demand
-and launched on fake workers that each get, parse and check their own rank's serialised Plan. Correctness
-only; the timings are the benchmark's."""
+"""bench/compiler/launch_scale.py at a quick size: a 64-rank pipeline of the GPT-175B-shaped job, lowered on
+demand and launched on fake workers that each get, parse and check their own rank's serialised Plan.
+Correctness only; the timings are the benchmark's."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from sbpflow.codec import wire
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.v1 import plan_pb2 as pp
 
-BENCH = Path(__file__).resolve().parents[3] / "bench"
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "compiler"
 
 
 def bench(name: str) -> ModuleType:

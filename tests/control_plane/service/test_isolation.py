@@ -127,8 +127,8 @@ def test_the_embedded_policy_allows_the_working_directory(
 
 
 def test_streams_beyond_the_limit_are_refused_and_get_still_answers(tmp_path: Path, mlp: ModuleType) -> None:  # noqa: F811
-    """A test-sized form of bench/streams.py: 40 Watch streams held (limit 40, 4 unary threads) while 100
-    Gets are answered (p99 printed, not asserted: timings belong to the bench); the 41st stream is
+    """A test-sized form of bench/control_plane/streams.py: 40 Watch streams held (limit 40, 4 unary threads)
+    while 100 Gets are answered (p99 printed, not asserted: timings belong to the bench); the 41st stream is
     RESOURCE_EXHAUSTED."""
     plane = start(tmp_path, threads=4, max_streams=40, http_port=0)
     try:
@@ -159,7 +159,8 @@ def test_streams_beyond_the_limit_are_refused_and_get_still_answers(tmp_path: Pa
             times.append(time.perf_counter() - t)
         p99 = float(np.percentile(times, 99))
         print(f"\n40 streams held, 100 Gets: p50 {np.median(times) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms")
-        # every Get was answered within its 5 s deadline: not starved; bench/streams.py measures latency
+        # every Get was answered within its 5 s deadline: not starved; bench/control_plane/streams.py
+        # measures latency
         assert urllib.request.urlopen(f"{plane.http_address}/readyz", timeout=5).status == 200
         for s in streams:
             s.cancel()

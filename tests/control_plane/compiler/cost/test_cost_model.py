@@ -2,7 +2,7 @@
 
 Deterministic properties only, on a fixed hand-made profile (or the saved H200 one): the measured CPU
 profile is timed once, for its shape. How well the model ranks measured step times is
-bench/plan_quality.py's business, not a test's.
+bench/compiler/plan_quality.py's business, not a test's.
 """
 
 from __future__ import annotations

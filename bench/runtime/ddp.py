@@ -1,7 +1,7 @@
 """Data-parallel training on Ray worker processes against PyTorch DDP (gloo), side by side.
 
-    python bench/ddp.py                # the issue's MLP, 3 alternating repetitions (~3 min on 2 cores)
-    python bench/ddp.py --quick        # a small MLP, a smoke run
+    python bench/runtime/ddp.py          # the issue's MLP, 3 alternating repetitions (~3 min on 2 cores)
+    python bench/runtime/ddp.py --quick  # a small MLP, a smoke run
 
 The model: an MLP 1024 -> 4096 -> 4096 -> 1024 (ReLU), MSE loss, float32, SGD (lr 0.01, no momentum),
 2 workers x batch 64 (global batch 128), one BLAS thread per worker. sbpflow runs it with ``sf.run(job,
@@ -32,11 +32,11 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import sbpflow as sf  # noqa: E402
 from bench._ray_timing import run_timed  # noqa: E402
-from bench.overhead import Regression, Train  # noqa: E402
+from bench.runtime.overhead import Regression, Train  # noqa: E402
 from sbpflow.data.sources import ArraySource  # noqa: E402
 from sbpflow.sbp import S  # noqa: E402
 

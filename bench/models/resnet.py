@@ -1,7 +1,7 @@
 """ResNet-18 training samples/s on CPU: sbpflow on one rank against PyTorch eager, side by side.
 
-    python bench/resnet.py                 # 32x32 images, width 16, batch 32, 12 steps each, 3 repeats
-    python bench/resnet.py --quick         # 16x16, width 8, batch 16: a smoke run
+    python bench/models/resnet.py          # 32x32 images, width 16, batch 32, 12 steps each, 3 repeats
+    python bench/models/resnet.py --quick  # 16x16, width 8, batch 16: a smoke run
 
 The model is examples/resnet.py's ResNet-18 (3x3 stride-1 stem, 3x3 stride-2 max pool, 4 stages of 2
 basic blocks, batch norm with batch statistics, global average pool, a linear head), softmax cross
@@ -11,7 +11,7 @@ load; ``sf.run(threads=1)``, ``torch.set_num_threads(1)``). A step's time is the
 consecutive steps after ``WARMUP`` steps (sbpflow: its ``on_step`` reports; torch: a timer around each
 step). Both sides' images are made outside the timed steps (sbpflow's drawn before the run and served
 from memory by an ArraySource, torch's by ``torch.randn`` before each timer starts); the sides alternate ``--repeat`` times and the medians of the repetitions are compared.
-DDP over 2 workers is not measured here (bench/ddp.py does it for the MLP). A benchmark, not a test.
+DDP over 2 workers is not measured here (bench/runtime/ddp.py does it for the MLP). A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -24,19 +24,22 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import ModuleType  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
-from _shared import load_example  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 
 import sbpflow as sf  # noqa: E402
+from bench._shared import load_example  # noqa: E402
 from sbpflow.data.sources import ArraySource  # noqa: E402
 
 WARMUP = 2
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def example() -> ModuleType:

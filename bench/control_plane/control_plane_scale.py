@@ -1,8 +1,8 @@
 """The control plane under a 1,024-rank job, its workers simulated (issue 19 part 3; targets: >= 5,000
 reports/s ingested, p99 Get < 50 ms, the server under one core).
 
-    python bench/control_plane_scale.py                        # 1,024 ranks, a step every 0.2 s, 20 s
-    python bench/control_plane_scale.py --ranks 256 --seconds 5
+    python bench/control_plane/control_plane_scale.py  # 1,024 ranks, a step every 0.2 s, 20 s
+    python bench/control_plane/control_plane_scale.py --ranks 256 --seconds 5
 
 The control plane is the product's, in this process: a real ``ControlPlane`` (gRPC JobService and
 WorkerService, the SQLite store, the job manager, the HTTP endpoint with ``/metrics``), and the
@@ -27,6 +27,7 @@ import dataclasses
 import multiprocessing as mp
 import resource
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -34,7 +35,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from _shared import load_example
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench._shared import load_example  # noqa: E402
 
 WARMUP = 3.0  # s of reports before the window opens (every rank connected and stepping)
 

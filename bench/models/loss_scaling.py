@@ -1,8 +1,9 @@
 """What dynamic loss scaling costs a step: an fp16 GPT step with GradScaler's dynamic scale against the
 same step with a static scale (issue 18 item 2), both in-process on one device, measured alternately.
 
-    python bench/loss_scaling.py            # the example's GPT (width 64, 2 layers): 20 steps x 5 repeats
-    python bench/loss_scaling.py --quick    # 4 steps, once: a smoke run
+    python bench/models/loss_scaling.py          # the example's GPT (width 64, 2 layers): 20 steps x 5
+                                                 # repeats
+    python bench/models/loss_scaling.py --quick  # 4 steps, once: a smoke run
 
 The dynamic plan adds, per step, one read of the scale (the loss gradient's seed and 1 / scale), a
 non-finite count per gradient and their sum, the scale's update, and a gated update per parameter in
@@ -18,14 +19,17 @@ in fp16 here (either plan), so fp16 timings on CPU say little beyond the plan's 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
-from _shared import load_example, repeat_args
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import sbpflow as sf
-from sbpflow.control_plane.launch.run_context import RunResult
-from sbpflow.job import Job, LossScaling
+import sbpflow as sf  # noqa: E402
+from bench._shared import load_example, repeat_args  # noqa: E402
+from sbpflow.control_plane.launch.run_context import RunResult  # noqa: E402
+from sbpflow.job import Job, LossScaling  # noqa: E402
 
 
 def jobs(steps: int) -> tuple[Job, Job]:

@@ -4,24 +4,27 @@ opens N Watch streams on a running job, then times Gets; prints streams held, p5
 what the server did meanwhile: steps trained, job-store reads (``store.get`` + ``store.events``) and
 events sent to the streams.
 
-    python bench/streams.py --streams 500 --gets 500
+    python bench/control_plane/streams.py --streams 500 --gets 500
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import grpc
 import numpy as np
-from _shared import load_example
 
-from sbpflow.codec import wire
-from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
-from sbpflow.runs.options import MANAGER_DEFAULTS
-from sbpflow.v1 import service_pb2 as sp
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench._shared import load_example  # noqa: E402
+from sbpflow.codec import wire  # noqa: E402
+from sbpflow.control_plane.service.server import ControlPlane, ServerConfig  # noqa: E402
+from sbpflow.runs.options import MANAGER_DEFAULTS  # noqa: E402
+from sbpflow.v1 import service_pb2 as sp  # noqa: E402
 
 
 def main() -> None:

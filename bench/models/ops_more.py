@@ -1,5 +1,5 @@
-"""bench/ops.py's cases and PyTorch peers for the ops neither timed example calls (issue 16's image, gather,
-top-k and vocabulary-parallel ops, and the gradient buckets' pack and unpack).
+"""bench/models/ops.py's cases and PyTorch peers for the ops neither timed example calls (issue 16's image,
+gather, top-k and vocabulary-parallel ops, and the gradient buckets' pack and unpack).
 
 Shapes: the image ops on a ResNet block's activation ([8, 16, 32, 32], 3x3 kernels), the gather and
 top-k ops on the GPT's [16, 64, 128] logits and its embedding table, the vocabulary-parallel cross
@@ -76,7 +76,7 @@ EXTRA_MORE: dict[str, tuple[tuple[TensorMeta, ...], dict[str, Any]]] = {
     ),
 }
 
-# inputs that must hold something particular: (op, input) -> what (see bench/ops.py make_inputs)
+# inputs that must hold something particular: (op, input) -> what (see bench/models/ops.py make_inputs)
 POSITIVE = {("vocab_terms_grad", 3), ("vocab_cross_entropy", 3), ("vocab_cross_entropy_grad", 1)}
 PROBABILITIES = {("binary_cross_entropy_with_logits", 1)}
 INDEX_HIGH = {"gather": 128, "gather_grad": 128, "one_hot": 128, "topk_grad": 128}

@@ -1,7 +1,8 @@
 """Wide & Deep training samples/s on CPU: sbpflow against PyTorch with a replicated embedding, side by side.
 
-    python bench/wide_deep.py              # Criteo-shaped: 13 dense, 26 fields x 2000 ids, dim 16, batch 512
-    python bench/wide_deep.py --quick      # a smoke run
+    python bench/models/wide_deep.py          # Criteo-shaped: 13 dense, 26 fields x 2000 ids, dim 16,
+                                              # batch 512
+    python bench/models/wide_deep.py --quick  # a smoke run
 
 The model is examples/wide_deep.py's (wide: a [V, 1] table and a linear term; deep: a [V, 16] table,
 a 2-layer ReLU tower; BCE with logits; Adam, no weight decay; float32). sbpflow runs it on one rank
@@ -24,19 +25,22 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import ModuleType  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
-from _shared import load_example  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 
 import sbpflow as sf  # noqa: E402
+from bench._shared import load_example  # noqa: E402
 from sbpflow.data.sources import ArraySource  # noqa: E402
 
 WARMUP = 2
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def example() -> ModuleType:

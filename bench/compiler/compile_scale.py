@@ -1,8 +1,8 @@
 """Compile-scale benchmark: a GPT-3-175B-shaped job compiled for 1024 devices (TP 8 x PP 16 x DP 8).
 
-    python bench/compile_scale.py                      # 24, 48 and 96 layers, each in a fresh process
-    python bench/compile_scale.py --layers 96 --profile
-    python bench/compile_scale.py --layers 2 --quick   # a smoke run in seconds (TP 2 x PP 2 x DP 2)
+    python bench/compiler/compile_scale.py                     # 24, 48 and 96 layers, each in a fresh process
+    python bench/compiler/compile_scale.py --layers 96 --profile
+    python bench/compiler/compile_scale.py --layers 2 --quick  # a smoke run in seconds (TP 2 x PP 2 x DP 2)
 
 The job is built symbolically: ``sf.nn.GPT`` only declares parameter shapes and their initialisers, and
 tracing records ops and shapes, so nothing of the model's ~700 GB of fp32 parameters is ever allocated
@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import sbpflow as sf  # noqa: E402
 from sbpflow.control_plane.compiler import pipeline  # noqa: E402

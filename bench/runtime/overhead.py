@@ -1,9 +1,11 @@
 """Runtime overhead: an sbpflow training step against a hand-written numpy step doing the same math.
 
-    python bench/overhead.py              # the issue's MLP, 7 repetitions of 4 steps, ~1 min on 2 cores
-    python bench/overhead.py --quick      # a small MLP, a few seconds (a smoke run: its kernels are tiny,
-                                          # so the engine's ~20 us per act shows; not the target's figure)
-    python bench/overhead.py --breakdown  # and where sbpflow's step goes (slowest acts, engine time)
+    python bench/runtime/overhead.py              # the issue's MLP, 7 repetitions of 4 steps, ~1 min on
+                                                  # 2 cores
+    python bench/runtime/overhead.py --quick      # a small MLP, a few seconds (a smoke run: its kernels
+                                                  # are tiny, so the engine's ~20 us per act shows; not
+                                                  # the target's figure)
+    python bench/runtime/overhead.py --breakdown  # and where sbpflow's step goes (slowest acts, engine time)
 
 The model: an MLP 1024 -> 4096 -> 4096 -> 1024 (ReLU), MSE loss, batch 128, float32, one device, one
 BLAS thread, in-memory data (:class:`sbpflow.data.sources.ArraySource`), trained by SGD without momentum and
@@ -44,7 +46,7 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import sbpflow as sf  # noqa: E402
 from sbpflow.actor_workers.execution import executor  # noqa: E402

@@ -1,9 +1,10 @@
 """Plan quality: what GPT's compiled plans move and how fast they step, the hand figures beside them, and
 how well the cost model's step times rank the measured ones.
 
-    python bench/plan_quality.py             # the issue's GPT (heads 4, width 128, 2 layers, batch 4, seq 16)
-    python bench/plan_quality.py --steps 12  # fewer measured steps
-    python bench/plan_quality.py --only model  # the second table alone
+    python bench/compiler/plan_quality.py               # the issue's GPT (heads 4, width 128, 2 layers,
+                                                        # batch 4, seq 16)
+    python bench/compiler/plan_quality.py --steps 12    # fewer measured steps
+    python bench/compiler/plan_quality.py --only model  # the second table alone
 
 **Bytes.** For each layout on 4 ranks: the bytes per step of the hand-derived plan (Megatron's, or DDP's
 for data parallelism; derived in tests/control_plane/compiler/test_plan_bytes.py), of the plan SBP
@@ -39,7 +40,7 @@ from typing import Any
 
 from scipy.stats import spearmanr
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench._shared import load_example  # noqa: E402
 from sbpflow.control_plane.compiler import pipeline  # noqa: E402

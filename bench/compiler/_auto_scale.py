@@ -1,7 +1,7 @@
-"""``bench/auto_plan.py --scale``: the automatic plan search on a GPT-175B-shaped job over 1,024 devices
-(``control_plane/compiler/search/auto_blocks.py``: one block priced, multiplied), its wall time and peak memory
-against the targets (< 60 s, < 8 GB), and its winner beside compile_scale.py's hand layout (TP 8 x PP 16
-x DP 8, 16 micro-batches)."""
+"""``bench/compiler/auto_plan.py --scale``: the automatic plan search on a GPT-175B-shaped job over 1,024
+devices (``control_plane/compiler/search/auto_blocks.py``: one block priced, multiplied), its wall time and
+peak memory against the targets (< 60 s, < 8 GB), and its winner beside compile_scale.py's hand layout (TP 8 x
+PP 16 x DP 8, 16 micro-batches)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import resource
 import time
 
 import sbpflow as sf
-from bench.compile_scale import LossHead, Shape, TrainGPT
+from bench.compiler.compile_scale import LossHead, Shape, TrainGPT
 from sbpflow.control_plane.compiler.search import auto_blocks
 from sbpflow.control_plane.compiler.search.auto_layouts import Layout
 from sbpflow.data.sources import SyntheticSource

@@ -1,7 +1,7 @@
 """Actor throughput: empty acts per second through the engine, against the 50,000 acts/s target.
 
-    python bench/actor_throughput.py            # every case, ~10 s on 2 cores
-    python bench/actor_throughput.py --quick    # a smoke run
+    python bench/runtime/actor_throughput.py          # every case, ~10 s on 2 cores
+    python bench/runtime/actor_throughput.py --quick  # a smoke run
 
 Every act is empty (it passes its iteration on), so what is measured is the engine alone: the act
 condition, req/ack bookkeeping, the ready heap, and for actors on different streams the hand-off
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sbpflow.actor_workers.runtime.actors import ActorSpec, RegisterSpec
 from sbpflow.actor_workers.runtime.engine import Engine

@@ -1,9 +1,11 @@
 """The control plane: submit-to-first-step latency (issue 19, target <= 300 ms on warm workers; issue 6:
 < 2 s) and Get queries per second against a store of 1,000 jobs (target >= 1,000/s).
 
-    python bench/control_plane.py                    # in-process backend, 10 latency runs, 3 s of Gets
-    python bench/control_plane.py --backend ray      # a local Ray: cold workers, then a warm pool of 8
-    python bench/control_plane.py --quick            # 3 runs, 1 s of Gets
+    python bench/control_plane/control_plane.py                # in-process backend, 10 latency runs,
+                                                               # 3 s of Gets
+    python bench/control_plane/control_plane.py --backend ray  # a local Ray: cold workers, then a warm
+                                                               # pool of 8
+    python bench/control_plane/control_plane.py --quick        # 3 runs, 1 s of Gets
 
 Latency: a real server on loopback (gRPC, SQLite store in a temp folder); the client submits the tiny
 MLP example (2 ranks) and reads the Watch stream until the first step event; the time from calling
@@ -32,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TARGET = 0.3  # s, submit-to-first-step through the control plane (issue 19, warm workers; issue 6: 2 s)
 
 

@@ -2,8 +2,8 @@
 (target <= 1.02), and what one scalar costs the board against tensorboardX's SummaryWriter called
 directly (the writer the board wraps).
 
-    python bench/tensorboard.py            # GPT example, 40 steps x 7 repetitions
-    python bench/tensorboard.py --quick    # 10 steps x 3
+    python bench/control_plane/tensorboard.py          # GPT example, 40 steps x 7 repetitions
+    python bench/control_plane/tensorboard.py --quick  # 10 steps x 3
 
 Runs: ``sf.run(job, backend="inprocess")`` of the GPT example with and without ``tensorboard_dir``,
 alternately (who goes first alternates too); the engine's wall time (``RunResult.seconds``) of each,
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import sbpflow as sf  # noqa: E402

@@ -1,7 +1,7 @@
 """Memory per device of the InsightFace classifier: model parallel (weight S(1)) against data parallel.
 
-    python bench/insightface.py                 # 4 ranks, D=64, N=32, K = 2^12 .. 2^18 measured
-    python bench/insightface.py --quick         # a smoke run
+    python bench/models/insightface.py          # 4 ranks, D=64, N=32, K = 2^12 .. 2^18 measured
+    python bench/models/insightface.py --quick  # a smoke run
 
 The classifier of examples/insightface.py alone (CosFace margin head [D, K] and its two-stage softmax
 cross entropy, SGD with momentum, float32), fed [N, D] embeddings, on ``--ranks`` in-process ranks: the
@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import tracemalloc
 from dataclasses import dataclass
+from pathlib import Path
 
-from _shared import load_example
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import sbpflow as sf
-from sbpflow.control_plane.compiler.pipeline import compile as compile_job
-from sbpflow.data.sources import DataField, SyntheticSource
-from sbpflow.dtype import DType
+import sbpflow as sf  # noqa: E402
+from bench._shared import load_example  # noqa: E402
+from sbpflow.control_plane.compiler.pipeline import compile as compile_job  # noqa: E402
+from sbpflow.data.sources import DataField, SyntheticSource  # noqa: E402
+from sbpflow.dtype import DType  # noqa: E402
 
 MiB = 1 << 20
 

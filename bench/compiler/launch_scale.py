@@ -1,17 +1,18 @@
 """Launch-scale benchmark: the compile-scale GPT-3-175B-shaped job launched on 1024 simulated workers.
 
-    python bench/launch_scale.py                    # 96 layers, TP 8 x PP 16 x DP 8 = 1024 ranks
-    python bench/launch_scale.py --layers 4 --tp 2 --pp 4 --dp 8 --micro-batches 4   # 64 ranks, seconds
+    python bench/compiler/launch_scale.py          # 96 layers, TP 8 x PP 16 x DP 8 = 1024 ranks
+    python bench/compiler/launch_scale.py --layers 4 --tp 2 --pp 4 --dp 8 --micro-batches 4
+                                                   # 64 ranks, seconds
 
-The job is ``bench/compile_scale.py``'s (imported, not copied). It goes the way a Submit goes: the graph
-passes once (``pipeline.compile(lower="none")``, the validation compile), then lowering finished on that
+The job is ``bench/compiler/compile_scale.py``'s (imported, not copied). It goes the way a Submit goes: the
+graph passes once (``pipeline.compile(lower="none")``, the validation compile), then lowering finished on that
 state (``pipeline.finish``: lazy above ``LAZY_ABOVE`` tasks, or ``--lower lazy``), then the launch: the
 control plane lowers the ranks in batches and serialises each rank's Plan (``Compiled.rank_plans``, the
 scheduler's own call), and hands the bytes to that rank's :class:`FakeWorker`, which parses them as a Ray
-worker would and checks them (:func:`check_rank_plan`): its DevicePlan and only it, every task's
-registers local, every communicator it uses present and holding it, every tensor its registers hold in
-its tables (a rank plan carries only the tensors placed on its rank, and no ``Plan.job``). No Ray, no data
-plane: the figures are the control plane's, the part that grows with the number of ranks.
+worker would and checks them (:func:`check_rank_plan`): its DevicePlan and only it, every task's registers
+local, every communicator it uses present and holding it, every tensor its registers hold in its tables (a
+rank plan carries only the tensors placed on its rank, and no ``Plan.job``). No Ray, no data plane: the
+figures are the control plane's, the part that grows with the number of ranks.
 
 Reported: the wall time of each phase (the launch split into the control plane's lowering and
 serialising, also in CPU time, and the fake workers' parsing and checking: summed, as they run one after
@@ -20,7 +21,7 @@ another here, and the slowest one's, what a launch whose workers parse at once w
 ``--verify N`` compares N ranks' shipped DevicePlans (spread over the stages) with
 ``Compiled.device_plan(rank)`` lowered alone; ``--verify all`` every rank (doubles the lowering).
 Targets on this machine: the launch under 60 s and 4 GB. Run it under a memory cap on a shared machine:
-``prlimit --as=8000000000 python bench/launch_scale.py``.
+``prlimit --as=8000000000 python bench/compiler/launch_scale.py``.
 """
 
 from __future__ import annotations
@@ -34,11 +35,9 @@ import tracemalloc
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import compile_scale  # noqa: E402
-
+from bench.compiler import compile_scale  # noqa: E402
 from sbpflow.control_plane.compiler import pipeline  # noqa: E402
 from sbpflow.v1 import plan_pb2 as pp  # noqa: E402
 

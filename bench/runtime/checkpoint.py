@@ -1,9 +1,9 @@
 """Checkpoints (issue 8): write and read throughput per worker against numpy.save / numpy.load of the same
 bytes on the same disk (target >= 0.8x), and the time from a worker's death to training again on Ray.
 
-    python bench/checkpoint.py              # 256 MB a rank, 5 repetitions; the restart on a local Ray
-    python bench/checkpoint.py --quick      # 32 MB, 3 repetitions, no Ray
-    python bench/checkpoint.py --mb 512 --repeat 7 --no-ray
+    python bench/runtime/checkpoint.py          # 256 MB a rank, 5 repetitions; the restart on a local Ray
+    python bench/runtime/checkpoint.py --quick  # 32 MB, 3 repetitions, no Ray
+    python bench/runtime/checkpoint.py --mb 512 --repeat 7 --no-ray
 
 Write: one rank's shards (8 float32 tensors, a rank of an S(0) layout) through
 ``sbpflow.checkpoint.write.write_rank`` (safetensors bytes, temp name, fsync, rename, directory fsync); the peer
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from sbpflow.checkpoint import write as ck  # noqa: E402

@@ -1,8 +1,8 @@
 """Pipeline benchmark: 4 stages x 16 micro-batches of a fixed-duration kernel, 1F1B by register counts.
 
-    python bench/pipeline.py             # every configuration, 3 runs each, ~10 s
-    python bench/pipeline.py --quick     # 2 ms kernels
-    python bench/pipeline.py --trace /tmp/1f1b.json   # and the 1F1B run's trace, for ui.perfetto.dev
+    python bench/runtime/pipeline.py             # every configuration, 3 runs each, ~10 s
+    python bench/runtime/pipeline.py --quick     # 2 ms kernels
+    python bench/runtime/pipeline.py --trace /tmp/1f1b.json   # and the 1F1B run's trace, for ui.perfetto.dev
 
 Each stage has a forward actor F and a backward actor B, each acting once per micro-batch (iteration =
 micro-batch); B is preferred when both are ready (priority 0 vs 1), and F can run ahead of B by as
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sbpflow.actor_workers.runtime.actors import ActorSpec, RegisterSpec
 from sbpflow.actor_workers.runtime.engine import Engine

@@ -1,12 +1,14 @@
 """A GPT training step on 1 rank in-process against the same model in PyTorch eager, side by side.
 
-    python bench/gpt_step.py                 # the main job, then the GPT-small-shaped block (~3 min)
-    python bench/gpt_step.py --quick         # the main job only, fewer steps (a smoke run, ~30 s)
-    python bench/gpt_step.py --only small    # the GPT-small block only
-    python bench/gpt_step.py --only ddp      # the main job on 2 Ray workers against PyTorch DDP (gloo)
-    python bench/gpt_step.py --only memory   # RSS held during the steps, sbpflow against PyTorch
-    python bench/gpt_step.py --only ddp --unbucketed   # and sbpflow with one all-reduce a gradient beside
-    python bench/gpt_step.py --fusion        # any of these with JobConfig.fusion on (--grad-bucket-bytes N too)
+    python bench/models/gpt_step.py                 # the main job, then the GPT-small-shaped block (~3 min)
+    python bench/models/gpt_step.py --quick         # the main job only, fewer steps (a smoke run, ~30 s)
+    python bench/models/gpt_step.py --only small    # the GPT-small block only
+    python bench/models/gpt_step.py --only ddp      # the main job on 2 Ray workers against PyTorch DDP (gloo)
+    python bench/models/gpt_step.py --only memory   # RSS held during the steps, sbpflow against PyTorch
+    python bench/models/gpt_step.py --only ddp --unbucketed
+                                                    # and sbpflow with one all-reduce a gradient beside
+    python bench/models/gpt_step.py --fusion        # any of these with JobConfig.fusion on
+                                                    # (--grad-bucket-bytes N too)
 
 Two models, each trained with AdamW (betas 0.9/0.95, weight decay 0.1), global-norm clipping to 1.0
 and the warmup-cosine schedule, float32, one device, one BLAS / intra-op thread for both:
@@ -61,13 +63,12 @@ from pathlib import Path  # noqa: E402
 from types import ModuleType  # noqa: E402
 from typing import Any  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from _ray_timing import run_timed  # noqa: E402
-from _shared import blas_kernel  # noqa: E402
-
 import sbpflow as sf  # noqa: E402
+from bench._ray_timing import run_timed  # noqa: E402
+from bench._shared import blas_kernel  # noqa: E402
 from sbpflow.control_plane.compiler import pipeline  # noqa: E402
 from sbpflow.job import WarmupCosine  # noqa: E402
 

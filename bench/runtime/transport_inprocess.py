@@ -1,8 +1,8 @@
 """In-process transport throughput: all-reduce and send/recv between 2 and 4 rank-threads, side by side
 with a plain numpy copy of the same bytes in the same process.
 
-    python bench/transport_inprocess.py            # 1 MB and 64 MB float32, 2 and 4 ranks
-    python bench/transport_inprocess.py --quick    # a smoke run in seconds
+    python bench/runtime/transport_inprocess.py          # 1 MB and 64 MB float32, 2 and 4 ranks
+    python bench/runtime/transport_inprocess.py --quick  # a smoke run in seconds
 
 Figures, per rank and call, for an array of |T| bytes:
 - ``all_reduce``: |T| / time of one all-reduce (the algorithm bandwidth);
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sbpflow.actor_workers.transport.base import Transport
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld

@@ -1,9 +1,9 @@
 """A GPT-small training step on one GPU, sbpflow (kernels on cupy) against PyTorch on the same GPU.
 
-    python bench/gpu_step.py                      # GPT-small, bf16 and fp32, on the GPU (a few minutes)
-    python bench/gpu_step.py --json out.json      # the figures as JSON too
-    python bench/gpu_step.py --quick              # fewer steps
-    python bench/gpu_step.py --cpu-smoke          # a tiny GPT on the CPU: the same code path, no GPU
+    python bench/models/gpu_step.py                  # GPT-small, bf16 and fp32, on the GPU (a few minutes)
+    python bench/models/gpu_step.py --json out.json  # the figures as JSON too
+    python bench/models/gpu_step.py --quick          # fewer steps
+    python bench/models/gpu_step.py --cpu-smoke      # a tiny GPT on the CPU: the same code path, no GPU
 
 GPT-small: 12 layers, 12 heads, width 768, seq 1024, batch 8, vocabulary 50304 (GPT-2's, padded),
 trained with AdamW (betas 0.9/0.95, weight decay 0.1), global-norm clipping to 1.0 and the warmup-cosine
@@ -12,7 +12,7 @@ schedule, each precision in turn:
 * sbpflow: ``examples/gpt.py``'s job with ``device="cuda"``, ``ranks=1`` and the precision set
   (``bf16``: bf16 compute with fp32 master weights), run by ``sf.run(job, backend="inprocess")``; its step
   time is the span of its loss reports over the measured steps (warm-up excluded);
-* PyTorch eager: ``bench/gpt_step.py``'s model (nanoGPT's, attention spelled out as sbpflow runs it) on
+* PyTorch eager: ``bench/models/gpt_step.py``'s model (nanoGPT's, attention spelled out as sbpflow runs it) on
   the same GPU, ``torch.autocast(bfloat16)`` for bf16, ``torch.optim.AdamW``, ``clip_grad_norm_``,
   ``loss.item()`` each step as sbpflow's loss report does;
 * PyTorch ``torch.compile`` of that model, where it compiles (an error is reported, not fatal).
@@ -34,13 +34,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
-
-from _shared import load_example  # noqa: E402
-from gpt_step import Shape, torch_model  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 
 import sbpflow as sf  # noqa: E402
+from bench._shared import load_example  # noqa: E402
+from bench.models.gpt_step import Shape, torch_model  # noqa: E402
 from sbpflow.device import DeviceUnavailable, array_module  # noqa: E402
 from sbpflow.job import Precision  # noqa: E402
 
@@ -80,8 +79,9 @@ def device_or_refuse(cpu_smoke: bool) -> str:
             raise DeviceUnavailable("PyTorch sees no CUDA device (a CPU build of torch?)")
     except (DeviceUnavailable, ImportError) as e:
         raise SystemExit(
-            f"bench/gpu_step.py needs a CUDA GPU that cupy and PyTorch both see: {e}. On a machine without "
-            "one, run `python bench/gpu_step.py --cpu-smoke` (a tiny GPT on the CPU, the same code path)"
+            f"bench/models/gpu_step.py needs a CUDA GPU that cupy and PyTorch both see: {e}. On a machine "
+            "without one, run `python bench/models/gpu_step.py --cpu-smoke` (a tiny GPT on the CPU, the same "
+            "code path)"
         ) from None
     return "cuda"
 

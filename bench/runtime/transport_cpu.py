@@ -1,8 +1,8 @@
 """CPU transport throughput between two processes on this host: sbpflow over shared memory, sbpflow over
 TCP (loopback; the ranks get different host ids), and torch.distributed with gloo, side by side.
 
-    python bench/transport_cpu.py            # 1 MB and 64 MB float32, 7 alternating repetitions
-    python bench/transport_cpu.py --quick    # a smoke run in seconds
+    python bench/runtime/transport_cpu.py          # 1 MB and 64 MB float32, 7 alternating repetitions
+    python bench/runtime/transport_cpu.py --quick  # a smoke run in seconds
 
 Two spawned processes each hold all three: an sbpflow ``CpuTransport`` with shared memory, one without,
 and a gloo process group (torch==2.13.0, the ``bench`` extra). Every repetition runs each backend in
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 MB = 1 << 20
 BACKENDS = ["sbpflow-shm", "sbpflow-tcp", "gloo"]

@@ -1,9 +1,10 @@
 """The automatic plan search against the hand layouts, modelled and measured (issue 15, deliverable 3).
 
-    python bench/auto_plan.py                          # GPT, the MLP and Wide & Deep on 4 ranks
-    python bench/auto_plan.py --models gpt --steps 8 --repeat 3
-    python bench/auto_plan.py --profile h200 --no-measure   # modelled only, on published H200 figures
-    python bench/auto_plan.py --scale                  # the GPT-175B-shaped search over 1,024 devices
+    python bench/compiler/auto_plan.py             # GPT, the MLP and Wide & Deep on 4 ranks
+    python bench/compiler/auto_plan.py --models gpt --steps 8 --repeat 3
+    python bench/compiler/auto_plan.py --profile h200 --no-measure
+                                                   # modelled only, on published H200 figures
+    python bench/compiler/auto_plan.py --scale     # the GPT-175B-shaped search over 1,024 devices
 
 Per model (each traced data parallel, then re-laid out by the search): the search's table on the
 ``--profile`` (``cpu``: this machine, measured at start-up), its winner's modelled step time against the
@@ -18,7 +19,7 @@ spread). The model prices the ``--link`` the runs use (``inprocess``: ranks as t
 interpreter). Benchmark, not a test: this shared 2-core machine's step times are noisy.
 
 ``--scale`` times the search itself on a GPT-175B-shaped job (96 layers, width 12,288, 96 heads, sequence
-2,048, batch 128) over 1,024 devices: see :mod:`bench._auto_scale`.
+2,048, batch 128) over 1,024 devices: see :mod:`bench.compiler._auto_scale`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from scipy.stats import spearmanr  # noqa: E402
 
@@ -190,7 +191,7 @@ def main() -> None:
     ap.add_argument("--scale", action="store_true", help="time the 1,024-device GPT-175B search instead")
     args = ap.parse_args()
     if args.scale:
-        from bench._auto_scale import main as scale
+        from bench.compiler._auto_scale import main as scale
 
         scale(args.profile if args.profile != "cpu" else "h200")
         return

@@ -1,17 +1,18 @@
 """Every op's kernel against the PyTorch CPU op, forward and backward, on the examples' own shapes.
 
-    python bench/ops.py                # every op of the registry, one ratio per op (~1 min on 2 cores)
-    python bench/ops.py --cases        # and one row per (op, shapes, attrs) case
-    python bench/ops.py --only gelu --only gelu_grad --repeat 11
-    python bench/ops.py --quick        # 3 repetitions of ~1 ms blocks: a smoke run
-    python bench/ops.py --clock cpu    # this thread's CPU time, not wall: what a loaded machine leaves alone
+    python bench/models/ops.py              # every op of the registry, one ratio per op (~1 min on 2 cores)
+    python bench/models/ops.py --cases      # and one row per (op, shapes, attrs) case
+    python bench/models/ops.py --only gelu --only gelu_grad --repeat 11
+    python bench/models/ops.py --quick      # 3 repetitions of ~1 ms blocks: a smoke run
+    python bench/models/ops.py --clock cpu  # this thread's CPU time, not wall: what a loaded machine
+                                            # leaves alone
 
 The cases are the op calls of the compiled graphs (``pipeline.compile``, autodiff and optimizer passes
 included, so the backward ops the gradient rules emit and the updates are there) of the README's main
 job (``examples/charlm.py`` on 1 rank: GPT, 2 layers, width 64, seq 64, batch 16) and of
 ``examples/mlp.py``, each distinct (op, input shapes and dtypes, attrs) once, weighted by how often the
 graph calls it. An op of the registry that neither graph calls is timed on the GPT's MLP activation
-[16, 64, 256] (marked ``*``). Boxing is not an op of the registry (bench/transport_*.py time it).
+[16, 64, 256] (marked ``*``). Boxing is not an op of the registry (bench/runtime/transport_*.py time it).
 
 Each case times ``op.run_kernel`` (the kernel alone, the engine excluded) on a fixed KernelContext, and
 the PyTorch op that does the same work (``torch.set_num_threads(1)``, float32 like the graph): the
@@ -47,13 +48,12 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from _shared import blas_kernel  # noqa: E402
-from ops_more import EXTRA_MORE, INDEX_HIGH, POSITIVE, PROBABILITIES, torch_peer  # noqa: E402
-
 import sbpflow.ops  # noqa: E402, F401  (registers every op)
+from bench._shared import blas_kernel  # noqa: E402
+from bench.models.ops_more import EXTRA_MORE, INDEX_HIGH, POSITIVE, PROBABILITIES, torch_peer  # noqa: E402
 from sbpflow.control_plane.compiler import pipeline  # noqa: E402
 from sbpflow.dtype import DType  # noqa: E402
 from sbpflow.ops.base import OPS, KernelContext, get_op  # noqa: E402
@@ -400,7 +400,7 @@ def torch_call(case: Case, arrays: list[np.ndarray]) -> Callable[[], Any]:
             )  # fmt: skip
         opt.step()  # the state exists, as in a step of training
         return lambda: opt.step()
-    raise SystemExit(f"bench/ops.py: no PyTorch counterpart for op {op!r}; add one to torch_call")
+    raise SystemExit(f"bench/models/ops.py: no PyTorch counterpart for op {op!r}; add one to torch_call")
 
 
 # ---- timing --------------------------------------------------------------------------------------------
