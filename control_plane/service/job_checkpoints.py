@@ -10,7 +10,7 @@ the job's loss history stays whole.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 from sbpflow.checkpoint.read import CorruptCheckpoint, corrupt_note
 from sbpflow.control_plane.service import resume as resuming
@@ -35,13 +35,22 @@ def resumable(root: str | None, rec: JobRecord) -> Resumable | None:
     )
 
 
-def run_checkpoints(root: str | None, store: JobStore, rec: JobRecord) -> tuple[dict[str, Any], int]:
-    """``run``'s checkpoint arguments for a job — where it checkpoints, and the checkpoint it goes on
-    from: its own latest (an earlier attempt's, before a control-plane restart re-queued it), else the
-    one a Resume started it from — and the step that checkpoint is at (0: none). Each corrupt checkpoint
-    passed over gets a log line and a "reason" event."""
+@dataclass(frozen=True)
+class RunCheckpoints:
+    """Where a run checkpoints (``checkpoint_dir``), the checkpoint it goes on from (``resume_from``,
+    None: none) and that checkpoint's step (``step``, 0: none)."""
+
+    checkpoint_dir: str | None = None
+    resume_from: str | None = None
+    step: int = 0
+
+
+def run_checkpoints(root: str | None, store: JobStore, rec: JobRecord) -> RunCheckpoints:
+    """A job's checkpoints for its run: where it checkpoints, and the checkpoint it goes on from: its own
+    latest (an earlier attempt's, before a control-plane restart re-queued it), else the one a Resume
+    started it from. Each corrupt checkpoint passed over gets a log line and a "reason" event."""
     if root is None:
-        return {}, 0
+        return RunCheckpoints()
     passed: list[CorruptCheckpoint] = []
     found = resuming.start_checkpoint(root, rec, passed.append, rec.step)
     if found is not None and found.step >= rec.total_steps:
@@ -50,8 +59,6 @@ def run_checkpoints(root: str | None, store: JobStore, rec: JobRecord) -> tuple[
         note = corrupt_note(c, 0 if found is None else found.step)
         store.append_log(rec.id, -1, "WARNING", note)
         store.set_reason(rec.id, CHECKPOINT_CORRUPT, note)
-    kwargs = {
-        "checkpoint_dir": str(resuming.job_dir(root, rec.id)),
-        "resume_from": None if found is None else str(found.path),
-    }
-    return kwargs, 0 if found is None else found.step
+    if found is None:
+        return RunCheckpoints(str(resuming.job_dir(root, rec.id)))
+    return RunCheckpoints(str(resuming.job_dir(root, rec.id)), str(found.path), found.step)

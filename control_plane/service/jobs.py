@@ -435,14 +435,15 @@ class JobManager:
         from sbpflow.actor_workers.runtime.errors import RuntimeFailure
         from sbpflow.control_plane.compiler import pipeline
         from sbpflow.control_plane.launch.launcher import RunCancelled, launch
+        from sbpflow.control_plane.launch.run_context import RunRequest
 
         rec = self.store.get(job_id)
-        checkpointing, first_step = run_checkpoints(self.config.checkpoint_root, self.store, rec)
-        listeners = RunListeners(self, job_id, r, first_step)
+        checkpoints = run_checkpoints(self.config.checkpoint_root, self.store, rec)
+        listeners = RunListeners(self, job_id, r, checkpoints.step)
         finish = listeners.finish
         # a restart goes on from a checkpoint: without any, a job does not restart
         base = for_run(self.config.run, rec.options)  # the server's, with what the job's client set
-        how = base if checkpointing else base.replace(max_restarts=0)
+        how = base if checkpoints.checkpoint_dir else base.replace(max_restarts=0)
         policy = self.config.data_policy
         try:
             listeners.on_state(JobState.COMPILING)
@@ -451,22 +452,17 @@ class JobManager:
                 r.job = policy.bind(r.job)  # checked again as the workers open it (data_policy.py)
                 how = how.replace(data_roots=policy.run_roots)
             compiled = r.compiled or pipeline.compile(r.job, lower="none")
-            result = launch(
-                compiled,
+            asked = RunRequest(
                 options=how,
-                on_state=listeners.on_state,
-                on_step=listeners.on_step,
-                on_report=listeners.on_report,
-                on_attempt=listeners.on_attempt,
-                on_resize=listeners.on_resize,
-                on_eval=listeners.on_eval,
+                checkpoint_dir=checkpoints.checkpoint_dir,
+                resume_from=checkpoints.resume_from,
+                tensorboard_dir=self.config.tensorboard_dir,
                 cancel=r.cancel,
                 report_hub=self.report_hub,
                 job_id=job_id,
                 attempt=rec.attempt,
-                tensorboard_dir=self.config.tensorboard_dir,
-                **checkpointing,
             )
+            result = launch(compiled, listeners.heard_by(asked))
         except (RunCancelled, RuntimeFailure) as e:
             if r.drained:  # in flight for the next server, which resumes it from its checkpoint
                 return

@@ -15,6 +15,7 @@ keep its rows in memory).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from sbpflow.control_plane.launch.run_context import RunRequest
 from sbpflow.control_plane.service.running import Manager, RunningJob
 from sbpflow.control_plane.store.db import StoreUnavailable
 from sbpflow.control_plane.store.schema import WorkerRecord
@@ -54,6 +56,18 @@ class RunListeners:
         self._state: JobState | None = None  # the last state asked for (the store may lag while queued)
         self._unwritten: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
         self._lock = threading.Lock()  # listeners are called from the run's and the report threads
+
+    def heard_by(self, request: RunRequest) -> RunRequest:
+        """``request`` with these listeners as its own."""
+        return dataclasses.replace(
+            request,
+            on_state=self.on_state,
+            on_step=self.on_step,
+            on_report=self.on_report,
+            on_attempt=self.on_attempt,
+            on_resize=self.on_resize,
+            on_eval=self.on_eval,
+        )
 
     def on_state(self, new: JobState) -> None:
         if (self._state or self.m.store.get(self.job_id).state) == new:
