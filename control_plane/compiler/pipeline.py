@@ -5,7 +5,7 @@
         -> memory -> comm_order.check
 
 Each pass is a module of this package with ``run(state)``; :data:`PASSES` is the tuple of them, in order
-(the first six are :data:`~.rewrites.REWRITES`). A pass with nothing to do for a job (no optimizer, no
+(the first six, the graph rewrites, are also :data:`~.passes.rewrites.REWRITES`). A pass with nothing to do for a job (no optimizer, no
 ZeRO) returns at once. ``Graph.verify`` runs after every pass, and every pass's wall time is recorded (the
 compile-scale benchmark reports them); from ``boxing_pass`` on, ``verify.verify_compiled`` runs after
 every pass too (each op reads exactly the SBP its signature asks for). ``compile(job, cluster_size=N)``
@@ -41,13 +41,18 @@ from sbpflow.control_plane.compiler.lowering.on_demand import LAZY_ABOVE, check_
 from sbpflow.control_plane.compiler.lowering.tasks import LoweringError
 from sbpflow.control_plane.compiler.memory import DeviceMemory
 from sbpflow.control_plane.compiler.passes import (
+    autodiff,
     boxing_pass,
     fusion,
     grad_buckets,
     micro_batching,
+    mixed_precision,
+    optimizer,
+    recompute,
+    running_stats,
     sbp_inference,
+    zero,
 )
-from sbpflow.control_plane.compiler.passes.rewrites import REWRITES
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.control_plane.compiler.verify import verify_compiled
 from sbpflow.errors import PlacementError
@@ -60,10 +65,17 @@ from sbpflow.v1 import plan_pb2 as pp
 
 T = TypeVar("T")
 
-# The graph passes in the order of docs/ARCHITECTURE.md's compiler section; lowering, memory planning
-# and the order check follow in ``compile``.
+# Every graph pass, in the order of docs/ARCHITECTURE.md's compiler section; lowering, memory planning
+# and the order check follow in ``compile``. The first six change *what* is computed: they are also
+# ``passes/rewrites.REWRITES``, which SBP inference and micro-batching replay on a micro-batch's job (a
+# test checks the two agree).
 PASSES: tuple[ModuleType, ...] = (
-    *REWRITES,
+    autodiff,
+    optimizer,
+    mixed_precision,
+    running_stats,
+    zero,
+    recompute,
     sbp_inference,
     boxing_pass,
     fusion,

@@ -57,6 +57,20 @@ def test_every_pass_is_timed_or_noted(compiled) -> None:
     assert all(v >= 0 for v in c.timings.values())
 
 
+def test_passes_is_every_pass_module_once_the_rewrites_first() -> None:
+    from pathlib import Path
+
+    from sbpflow.control_plane.compiler.passes import rewrites
+
+    folder = Path(rewrites.__file__).parent
+    passes = {p.stem for p in folder.glob("*.py") if "def run(" in p.read_text()}
+    assert [pipeline.pass_name(p) for p in pipeline.PASSES] == list(
+        dict.fromkeys(pipeline.pass_name(p) for p in pipeline.PASSES)
+    )
+    assert {pipeline.pass_name(p) for p in pipeline.PASSES} == passes
+    assert pipeline.PASSES[: len(rewrites.REWRITES)] == rewrites.REWRITES
+
+
 def test_a_fully_annotated_forward_graph_lowers_without_any_pass(monkeypatch) -> None:
     monkeypatch.setattr(pipeline, "PASSES", ())
     c = compile(mlp("dp").job)
