@@ -231,6 +231,31 @@ def test_the_cycle_check_sees_a_cycle_through_a_deferred_import() -> None:
     assert "sbpflow.client.nn" in graph()["sbpflow"]  # the facade's table of names
 
 
+def test_no_module_imports_another_ones_private_names() -> None:
+    """A name with a leading underscore is its module's own: another that needs it gets a public name
+    (or the code moves), so a module's private names can change without looking elsewhere."""
+    bad = []
+    for _, path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sbpflow"):
+                for alias in node.names:
+                    if alias.name.startswith("_"):
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{alias.name}")
+    assert not bad, "private names imported from another module (make them public):\n" + "\n".join(bad)
+
+
+def test_the_compiler_imports_only_the_core() -> None:
+    """The compiler is a pure Job -> Plan layer: nothing that runs, measures, serves or draws."""
+    bad = [
+        f"{imp.file}:{imp.line}: {imp.module}"
+        for folder, imp in all_imports()
+        if imp.file.startswith("control_plane/compiler/")
+        and layer_of(imp.module) not in (None, "sbpflow")
+        and sublayer_of(imp.module) != "compiler"
+    ]
+    assert not bad, "the compiler imports beyond the core:\n" + "\n".join(bad)
+
+
 # ---- the walker itself ---------------------------------------------------------------------------------
 
 

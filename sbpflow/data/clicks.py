@@ -26,7 +26,7 @@ def click_shapes(params: Mapping[str, float]) -> dict[str, tuple[tuple[int, ...]
     return {"dense": ((dense,), DType.float32), "ids": ((fields,), DType.int64), "label": ((), DType.float32)}
 
 
-def _rows(draw: Draw, key: RandomKey, shape: tuple[int, ...], ids: np.ndarray) -> np.ndarray:
+def table_rows(draw: Draw, key: RandomKey, shape: tuple[int, ...], ids: np.ndarray) -> np.ndarray:
     """Rows ``ids`` of the logical draw: one call per run of consecutive ids (all of them, unshuffled)."""
     if len(ids) == 0:
         return np.zeros((0, *shape[1:]))
@@ -44,8 +44,8 @@ def read_clicks(seed: int, params: Mapping[str, float], num_samples: int, ids: n
     def key(name: str) -> RandomKey:
         return RandomKey(seed, tensor_rng_id(f"clicks.{name}"))
 
-    x = _rows(normal, key("dense"), (num_samples, dense), ids)
-    u = _rows(uniform, key("ids"), (num_samples, fields), ids)
+    x = table_rows(normal, key("dense"), (num_samples, dense), ids)
+    u = table_rows(uniform, key("ids"), (num_samples, fields), ids)
     local = np.minimum((u**3 * vocab).astype(np.int64), vocab - 1)  # skewed: low rows are frequent
     hashed = local + np.arange(fields, dtype=np.int64) * vocab
     w_dense = normal(np, key("teacher.dense"), (dense,), None, np.float64) / np.sqrt(max(dense, 1))
@@ -55,6 +55,6 @@ def read_clicks(seed: int, params: Mapping[str, float], num_samples: int, ids: n
     logit = x @ w_dense + w_ids.sum(axis=1)
     if dense >= 2:
         logit += x[:, 0] * x[:, 1]
-    coin = _rows(uniform, key("label"), (num_samples, 1), ids)[:, 0]
+    coin = table_rows(uniform, key("label"), (num_samples, 1), ids)[:, 0]
     label = coin < 1.0 / (1.0 + np.exp(-logit))
     return {"dense": x.astype(np.float32), "ids": hashed, "label": label.astype(np.float32)}

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.data.clicks import _rows
+from sbpflow.data.clicks import table_rows
 from sbpflow.dtype import DType
 from sbpflow.errors import SbpflowError
 from sbpflow.random import RandomKey, tensor_rng_id, uniform
@@ -54,7 +54,7 @@ def read_mlm(seed: int, params: Mapping[str, float], num_samples: int, ids: np.n
 
     def draw(name: str, width: int) -> np.ndarray:
         key = RandomKey(seed, tensor_rng_id(f"mlm.{name}"))
-        return _rows(uniform, key, (num_samples, width), ids).reshape(n, width)
+        return table_rows(uniform, key, (num_samples, width), ids).reshape(n, width)
 
     first = (t - 2) // 2  # [CLS] a [SEP]: 1 + first + 1 tokens; a' [SEP] fills the rest
     a = SPECIAL + (draw("text", first) * ordinary).astype(np.int64)

@@ -17,7 +17,7 @@ from sbpflow.errors import ShapeError
 from sbpflow.ops import rows
 from sbpflow.ops.base import REQUIRED, Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop
 from sbpflow.ops.kernels.rowwise import jit_loops, jit_rows
-from sbpflow.ops.shape import _in_range, _scatter_add
+from sbpflow.ops.shape import in_range, scatter_add
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import TensorMeta
 
@@ -73,7 +73,7 @@ def _gather_kernel(ctx: KernelContext, x: Any, indices: Any) -> Any:
             table, ids, ctx.in_index[0][a].start, out.reshape(table.shape[0], ids.size, table.shape[2])
         )
         return out
-    local, hit = _in_range(xp, indices, ctx.in_index[0][a])
+    local, hit = in_range(xp, indices, ctx.in_index[0][a])
     if bool(hit.all()):  # every index on this rank (always, unsplit): nothing to zero
         return xp.take(x, local, axis=a)
     found = xp.take(x, xp.where(hit, local, 0), axis=a)
@@ -142,8 +142,8 @@ def _gather_grad_kernel(ctx: KernelContext, dy: Any, indices: Any) -> Any:
     if (jit := jit_rows(xp, values, rows_out)) is not None:  # one pass, in row order (rows_jit.py)
         jit.add_rows_at(rows_out, xp.ascontiguousarray(indices).reshape(-1), here.start, values)
     else:  # under dy B -> S(axis) each rank adds only the rows it owns
-        local, hit = _in_range(xp, indices.reshape(-1), here)
-        _scatter_add(xp, rows_out, local[hit], values[hit])
+        local, hit = in_range(xp, indices.reshape(-1), here)
+        scatter_add(xp, rows_out, local[hit], values[hit])
     return xp.ascontiguousarray(xp.moveaxis(out, 0, a))
 
 

@@ -20,7 +20,7 @@ from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import TensorMeta
 
 
-def _check_float(op: str, **tensors: TensorMeta) -> None:
+def check_floats(op: str, **tensors: TensorMeta) -> None:
     for name, m in tensors.items():
         if not m.dtype.is_floating:
             raise ShapeError(f"op {op!r} needs a float {name}, got {m}; cast {name} to a float dtype first")
@@ -135,7 +135,7 @@ def _log_softmax_grad_kernel(ctx: KernelContext, y: Any, dy: Any) -> Any:
 
 def _unary_infer(op: str) -> Callable[[Metas, Attrs], Metas]:
     def infer(metas: Metas, attrs: Attrs) -> Metas:
-        _check_float(op, x=metas[0])
+        check_floats(op, x=metas[0])
         _axis(op, metas[0], attrs)
         return (metas[0],)
 
@@ -145,7 +145,7 @@ def _unary_infer(op: str) -> Callable[[Metas, Attrs], Metas]:
 def _grad_infer(op: str) -> Callable[[Metas, Attrs], Metas]:
     def infer(metas: Metas, attrs: Attrs) -> Metas:
         y, dy = metas
-        _check_float(op, y=y, dy=dy)
+        check_floats(op, y=y, dy=dy)
         if y.shape != dy.shape:
             raise ShapeError(f"op {op!r}: y {y} and dy {dy} must have one shape; pass the forward output")
         _axis(op, y, attrs)
@@ -215,7 +215,7 @@ def _check_params(op: str, x: TensorMeta, **params: TensorMeta) -> None:
 
 def _layer_norm_infer(metas: Metas, attrs: Attrs) -> Metas:
     x, w, b = metas
-    _check_float("layer_norm", x=x, weight=w, bias=b)
+    check_floats("layer_norm", x=x, weight=w, bias=b)
     _check_params("layer_norm", x, weight=w, bias=b)
     return (x,)
 
@@ -271,7 +271,7 @@ defop(
 
 def _layer_norm_grad_infer(metas: Metas, attrs: Attrs) -> Metas:
     dy, x, w = metas
-    _check_float("layer_norm_grad", dy=dy, x=x, weight=w)
+    check_floats("layer_norm_grad", dy=dy, x=x, weight=w)
     if dy.shape != x.shape:
         raise ShapeError(f"op 'layer_norm_grad': dy {dy} and x {x} must have one shape")
     _check_params("layer_norm_grad", x, weight=w)
@@ -330,8 +330,8 @@ defop(
 _LABEL_DTYPES = (DType.int32, DType.int64)
 
 
-def _check_ce(op: str, logits: TensorMeta, labels: TensorMeta) -> None:
-    _check_float(op, logits=logits)
+def check_ce(op: str, logits: TensorMeta, labels: TensorMeta) -> None:
+    check_floats(op, logits=logits)
     if labels.dtype not in _LABEL_DTYPES:
         raise ShapeError(f"op {op!r}: labels {labels} must be int32 or int64 class indices; cast them")
     if logits.ndim == 0 or labels.shape != logits.shape[:-1]:
@@ -343,7 +343,7 @@ def _check_ce(op: str, logits: TensorMeta, labels: TensorMeta) -> None:
 
 def _ce_infer(metas: Metas, attrs: Attrs) -> Metas:
     logits, labels = metas
-    _check_ce("cross_entropy", logits, labels)
+    check_ce("cross_entropy", logits, labels)
     return (TensorMeta(labels.shape, logits.dtype),)
 
 
@@ -351,7 +351,7 @@ def _ce_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
     return split_others(metas[0].ndim, metas[0].ndim - 1, 2, 1)
 
 
-def _kept(ctx: KernelContext, labels: Any) -> tuple[Any, Any]:
+def kept_rows(ctx: KernelContext, labels: Any) -> tuple[Any, Any]:
     """A mask of the positions that count, and labels with the ignored ones pointed at class 0."""
     kept = labels != int(ctx.attrs["ignore_index"])
     # labels outside 0..V-1 other than ignore_index are not checked here: that would sync the GPU
@@ -382,7 +382,7 @@ def _ce_kernel(ctx: KernelContext, logits: Any, labels: Any) -> Any:
         if jit.cross_entropy_rows(_rows(logits), _flat(xp, labels), ignore, loss):
             return loss.reshape(labels.shape)
         # a label out of range: the numpy kernel below raises numpy's error for it
-    kept, safe = _kept(ctx, labels)
+    kept, safe = kept_rows(ctx, labels)
     m = row_max(xp, logits)
     e = xp.subtract(logits, m)
     lse = row_sum(xp, xp.exp(e, out=e))[..., 0]
@@ -412,7 +412,7 @@ defop(
 
 def _ce_grad_infer(metas: Metas, attrs: Attrs) -> Metas:
     logits, labels, dy = metas
-    _check_ce("cross_entropy_grad", logits, labels)
+    check_ce("cross_entropy_grad", logits, labels)
     if dy.shape != labels.shape or dy.dtype != logits.dtype:
         raise ShapeError(
             f"op 'cross_entropy_grad': dy {dy} must be [{', '.join(map(str, labels.shape))}] "
@@ -435,13 +435,13 @@ def _ce_grad_kernel(ctx: KernelContext, logits: Any, labels: Any, dy: Any) -> An
         ignore = int(ctx.attrs["ignore_index"])
         jit.cross_entropy_grad_rows(_rows(logits), _flat(xp, labels), _flat(xp, dy), ignore, _rows(out))
         return out
-    kept, safe = _kept(ctx, labels)
+    kept, safe = kept_rows(ctx, labels)
     n_classes = logits.shape[-1]
     e = _shifted(xp, logits, logits.ndim - 1)  # C-contiguous, so that rows below is a view of it
     e = xp.exp(e, out=e)
     dy_kept = xp.where(kept, dy, 0.0)
     e = xp.multiply(e, dy_kept[..., None] / row_sum(xp, e), out=e)
-    # a label outside 0..V-1 (unchecked: see _kept) matches no class, so nothing is subtracted for it
+    # a label outside 0..V-1 (unchecked: see kept_rows) matches no class, so nothing is subtracted for it
     label = safe.reshape(-1)
     valid = (label >= 0) & (label < n_classes)
     rows = e.reshape(-1, n_classes)

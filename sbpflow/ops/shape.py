@@ -359,7 +359,7 @@ def _int_rows(ids: Any) -> bool:
     return isinstance(ids, np.ndarray) and ids.dtype in _IDS and ids.flags.c_contiguous
 
 
-def _in_range(xp: Any, ids: Any, rows_here: slice) -> tuple[Any, Any]:
+def in_range(xp: Any, ids: Any, rows_here: slice) -> tuple[Any, Any]:
     """ids relative to this rank's vocabulary rows, and which of them fall in its range."""
     local = ids - ids.dtype.type(rows_here.start)
     return local, (local >= 0) & (local < rows_here.stop - rows_here.start)
@@ -378,7 +378,7 @@ def _embedding_kernel(ctx: KernelContext, weight: Any, ids: Any) -> Any:
             weight, ids.reshape(-1), ctx.in_index[0][0].start, out.reshape(ids.size, weight.shape[1])
         )
         return out
-    local, hit = _in_range(xp, ids, ctx.in_index[0][0])
+    local, hit = in_range(xp, ids, ctx.in_index[0][0])
     if xp is np and hit.all():  # every id on this rank (always, unsplit): no zeros to write
         return np.take(weight, local, axis=0)
     found = xp.take(weight, xp.where(hit, local, 0), axis=0)
@@ -419,7 +419,7 @@ def _embedding_grad_infer(metas: Metas, attrs: Attrs) -> Metas:
     return (TensorMeta((v, dy.shape[-1]), dy.dtype),)
 
 
-def _scatter_add(xp: Any, out: Any, index: Any, values: Any) -> None:
+def scatter_add(xp: Any, out: Any, index: Any, values: Any) -> None:
     """out[index] += values with repeated indices summed (numpy's ufunc.at; cupyx on cupy)."""
     if xp is np:
         if len(index):  # rows sorted by index, each run of one index summed: a sixth of np.add.at's time
@@ -442,8 +442,8 @@ def _embedding_grad_kernel(ctx: KernelContext, dy: Any, ids: Any) -> Any:
         jit.add_rows_at(out, xp.ascontiguousarray(ids).reshape(-1), ctx.out_index[0][0].start, rows_dy)
         return out
     # under dy B -> S(0) each rank adds only the rows of its vocabulary range
-    local, hit = _in_range(xp, ids.reshape(-1), ctx.out_index[0][0])
-    _scatter_add(xp, out, local[hit], dy.reshape(-1, dy.shape[-1])[hit])
+    local, hit = in_range(xp, ids.reshape(-1), ctx.out_index[0][0])
+    scatter_add(xp, out, local[hit], dy.reshape(-1, dy.shape[-1])[hit])
     return out
 
 

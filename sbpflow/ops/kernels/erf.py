@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-_A = (3.16112374387056560e00, 1.13864154151050156e02, 3.77485237685302021e02, 3.20937758913846947e03)
-_A4 = 1.85777706184603153e-1
-_B = (2.36012909523441209e01, 2.44024637934444173e02, 1.28261652607737228e03, 2.84423683343917062e03)
-_C = (
+A = (3.16112374387056560e00, 1.13864154151050156e02, 3.77485237685302021e02, 3.20937758913846947e03)
+A4 = 1.85777706184603153e-1
+B = (2.36012909523441209e01, 2.44024637934444173e02, 1.28261652607737228e03, 2.84423683343917062e03)
+C = (
     5.64188496988670089e-1,
     8.88314979438837594e00,
     6.61191906371416295e01,
@@ -27,8 +27,8 @@ _C = (
     2.05107837782607147e03,
     1.23033935479799725e03,
 )
-_C8 = 2.15311535474403846e-8
-_D = (
+C8 = 2.15311535474403846e-8
+D = (
     1.57449261107098347e01,
     1.17693950891312499e02,
     5.37181101862009858e02,
@@ -38,21 +38,21 @@ _D = (
     3.43936767414372164e03,
     1.23033935480374942e03,
 )
-_P = (3.05326634961232344e-1, 3.60344899949804439e-1, 1.25781726111229246e-1, 1.60837851487422766e-2)
-_P4, _P5 = 6.58749161529837803e-4, 1.63153871373020978e-2
-_Q = (2.56852019228982242e00, 1.87295284992346725e00, 5.27905102951428412e-1, 6.05183413124413191e-2)
-_Q4 = 2.33520497626869185e-3
-_SQRT_1_PI = 5.6418958354775628695e-1
-_THRESH, _FOUR, _BIG = 0.46875, 4.0, 6.0  # erf(y) rounds to 1 in float64 for y >= 5.93
+P = (3.05326634961232344e-1, 3.60344899949804439e-1, 1.25781726111229246e-1, 1.60837851487422766e-2)
+P4, P5 = 6.58749161529837803e-4, 1.63153871373020978e-2
+Q = (2.56852019228982242e00, 1.87295284992346725e00, 5.27905102951428412e-1, 6.05183413124413191e-2)
+Q4 = 2.33520497626869185e-3
+SQRT_1_PI = 5.6418958354775628695e-1
+THRESH, FOUR, BIG = 0.46875, 4.0, 6.0  # erf(y) rounds to 1 in float64 for y >= 5.93
 
 
 def _small(x: np.ndarray) -> np.ndarray:
     """erf(x) for |x| <= 0.46875: x P(x^2) / Q(x^2)."""
     ysq = x * x
-    num, den = _A4 * ysq, ysq
-    for a, b in zip(_A[:3], _B[:3], strict=True):
+    num, den = A4 * ysq, ysq
+    for a, b in zip(A[:3], B[:3], strict=True):
         num, den = (num + a) * ysq, (den + b) * ysq
-    return x * (num + _A[3]) / (den + _B[3])
+    return x * (num + A[3]) / (den + B[3])
 
 
 def _exp_neg_square(y: np.ndarray) -> np.ndarray:
@@ -62,20 +62,20 @@ def _exp_neg_square(y: np.ndarray) -> np.ndarray:
 
 def _erfc_mid(y: np.ndarray) -> np.ndarray:
     """erfc(y) for 0.46875 < y <= 4: exp(-y^2) P(y) / Q(y)."""
-    num, den = _C8 * y, y
-    for c, d in zip(_C[:7], _D[:7], strict=True):
+    num, den = C8 * y, y
+    for c, d in zip(C[:7], D[:7], strict=True):
         num, den = (num + c) * y, (den + d) * y
-    return _exp_neg_square(y) * (num + _C[7]) / (den + _D[7])
+    return _exp_neg_square(y) * (num + C[7]) / (den + D[7])
 
 
 def _erfc_large(y: np.ndarray) -> np.ndarray:
     """erfc(y) for y > 4: exp(-y^2) / y (1/sqrt(pi) + P(1/y^2) / (y^2 Q(1/y^2)))."""
     z = 1.0 / (y * y)
-    num, den = _P5 * z, z
-    for p, q in zip(_P, _Q, strict=True):
+    num, den = P5 * z, z
+    for p, q in zip(P, Q, strict=True):
         num, den = (num + p) * z, (den + q) * z
-    r = z * (num + _P4) / (den + _Q4)
-    return _exp_neg_square(y) * ((_SQRT_1_PI - r) / y)
+    r = z * (num + P4) / (den + Q4)
+    return _exp_neg_square(y) * ((SQRT_1_PI - r) / y)
 
 
 def erf(xp: Any, x: Any) -> Any:
@@ -87,13 +87,13 @@ def erf(xp: Any, x: Any) -> Any:
     wide = np.asarray(x, dtype=np.float64)
     out = np.empty_like(wide)
     y = np.abs(wide)
-    small = y <= _THRESH
-    mid = (y > _THRESH) & (y <= _FOUR)
-    large = (y > _FOUR) & (y < _BIG)
+    small = y <= THRESH
+    mid = (y > THRESH) & (y <= FOUR)
+    large = (y > FOUR) & (y < BIG)
     out[small] = _small(wide[small])
     out[mid] = (0.5 - _erfc_mid(y[mid])) + 0.5  # 1 - erfc, rounded as Cody does
     out[large] = (0.5 - _erfc_large(y[large])) + 0.5
-    out[y >= _BIG] = 1.0
+    out[y >= BIG] = 1.0
     out[np.isnan(wide)] = np.nan
     out[~small] = np.copysign(out[~small], wide[~small])
     return out.astype(x.dtype, copy=False)

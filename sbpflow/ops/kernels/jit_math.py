@@ -36,21 +36,21 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 from sbpflow.ops.kernels.erf import (
-    _A,
-    _A4,
-    _B,
-    _BIG,
-    _C,
-    _C8,
-    _D,
-    _FOUR,
-    _P,
-    _P4,
-    _P5,
-    _Q,
-    _Q4,
-    _SQRT_1_PI,
-    _THRESH,
+    A4,
+    BIG,
+    C8,
+    FOUR,
+    P4,
+    P5,
+    Q4,
+    SQRT_1_PI,
+    THRESH,
+    A,
+    B,
+    C,
+    D,
+    P,
+    Q,
 )
 
 FLAGS = {"reassoc", "contract", "arcp", "nsz"}  # not nnan/ninf: -inf scores (a mask) are data
@@ -173,25 +173,25 @@ def erf64(x: Any) -> Any:
 def _erf64(x: Any) -> Any:  # pragma: no cover - compiled
     y = abs(x)
     ysq = y * y
-    num, den = _A4 * ysq, ysq
+    num, den = A4 * ysq, ysq
     for k in range(3):
-        num, den = (num + _A[k]) * ysq, (den + _B[k]) * ysq
-    small = x * (num + _A[3]) / (den + _B[3])
+        num, den = (num + A[k]) * ysq, (den + B[k]) * ysq
+    small = x * (num + A[3]) / (den + B[3])
     r = np.trunc(y * 16.0) / 16.0
     g = vexp(-r * r) * vexp(-(y - r) * (y + r))  # exp(-y^2), the square's rounding not magnified
-    num, den = _C8 * y, y
+    num, den = C8 * y, y
     for k in range(7):
-        num, den = (num + _C[k]) * y, (den + _D[k]) * y
-    mid = g * (num + _C[7]) / (den + _D[7])
+        num, den = (num + C[k]) * y, (den + D[k]) * y
+    mid = g * (num + C[7]) / (den + D[7])
     z = 1.0 / ysq
-    num, den = _P5 * z, z
+    num, den = P5 * z, z
     for k in range(4):
-        num, den = (num + _P[k]) * z, (den + _Q[k]) * z
-    large = g * ((_SQRT_1_PI - z * (num + _P4) / (den + _Q4)) / y)
-    erfc = mid if y <= _FOUR else large
-    big = 1.0 if y >= _BIG else (0.5 - erfc) + 0.5
+        num, den = (num + P[k]) * z, (den + Q[k]) * z
+    large = g * ((SQRT_1_PI - z * (num + P4) / (den + Q4)) / y)
+    erfc = mid if y <= FOUR else large
+    big = 1.0 if y >= BIG else (0.5 - erfc) + 0.5
     whole = big if x >= 0 else -big
-    out = small if y <= _THRESH else whole
+    out = small if y <= THRESH else whole
     return x if x != x else out  # nan stays nan
 
 

@@ -33,7 +33,7 @@ import numpy as np
 from sbpflow.errors import ShapeError
 from sbpflow.ops.base import REQUIRED, Attrs, KernelContext, Metas, NoGrad, Signature, defop, get_op, sig
 from sbpflow.ops.kernels.rowwise import jit_rows, row_max
-from sbpflow.ops.nn import _check_ce, _check_float, _kept
+from sbpflow.ops.nn import check_ce, check_floats, kept_rows
 from sbpflow.ops.rows import all_broadcast
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import TensorMeta
@@ -78,7 +78,7 @@ def _with_stats(op: str, out: Callable[[Metas], Metas]) -> Callable[[Metas, Attr
     """The inference of an op reading (logits, labels, chunk_max, *per-row tensors): check, then ``out``."""
 
     def infer(metas: Metas, attrs: Attrs) -> Metas:
-        _check_ce(op, metas[0], metas[1])
+        check_ce(op, metas[0], metas[1])
         _check_stats(op, metas[0], **dict(zip(get_op(op).inputs[2:], metas[2:], strict=True)))
         return out(metas)
 
@@ -123,7 +123,7 @@ def _rows_of(metas: Metas) -> TensorMeta:
 
 def _chunk_max_infer(metas: Metas, attrs: Attrs) -> Metas:
     (logits,) = metas
-    _check_float("vocab_chunk_max", logits=logits)
+    check_floats("vocab_chunk_max", logits=logits)
     if logits.ndim < 2:
         raise ShapeError(f"op 'vocab_chunk_max' needs logits [..., V] with a row axis, got {logits}")
     return (TensorMeta((*logits.shape[:-1], _chunks("vocab_chunk_max", logits, attrs)), logits.dtype),)
@@ -165,7 +165,7 @@ defop(
 def _label_here(ctx: KernelContext, logits: Any, labels: Any) -> tuple[Any, Any]:
     """Labels relative to this rank's classes, and where the label counts and lies among them."""
     xp = ctx.xp
-    kept, safe = _kept(ctx, labels)
+    kept, safe = kept_rows(ctx, labels)
     local = safe - safe.dtype.type(ctx.in_offset(0, logits.ndim - 1))
     hit = kept & (local >= 0) & (local < logits.shape[-1])
     return xp.where(hit, local, 0), hit
@@ -252,7 +252,7 @@ def _ce_kernel(
         loss = xp.empty(labels.shape, dtype=sum_exp.dtype)
         jit.vocab_loss_rows(labels, chunk_max, sum_exp, target, int(ctx.attrs["ignore_index"]), first, loss)
         return loss
-    kept, _ = _kept(ctx, labels)
+    kept, _ = kept_rows(ctx, labels)
     if first:
         loss = xp.subtract(xp.add(_shift(xp, chunk_max)[..., 0], xp.log(sum_exp)), target)
     else:
@@ -303,7 +303,7 @@ def _ce_grad_kernel(ctx: KernelContext, labels: Any, sum_exp: Any, dy: Any) -> t
         dsum, dtarget = xp.empty(labels.shape, dtype=dy.dtype), xp.empty(labels.shape, dtype=dy.dtype)
         jit.vocab_loss_grad_rows(labels, sum_exp, dy, int(ctx.attrs["ignore_index"]), dsum, dtarget)
         return dsum, dtarget
-    kept, _ = _kept(ctx, labels)
+    kept, _ = kept_rows(ctx, labels)
     dy_kept = xp.where(kept, dy, 0.0).astype(dy.dtype, copy=False)
     return xp.divide(dy_kept, sum_exp), xp.negative(dy_kept)
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sbpflow.data.clicks import _rows, read_clicks
+from sbpflow.data.clicks import read_clicks, table_rows
 from sbpflow.data.sources import SyntheticSource
 from sbpflow.random import RandomKey, normal, normal_at, tensor_rng_id, uniform
 
@@ -20,15 +20,15 @@ def whole_table_read(seed: int, params: dict[str, Any], num_samples: int, ids: n
     def key(name: str) -> RandomKey:
         return RandomKey(seed, tensor_rng_id(f"clicks.{name}"))
 
-    x = _rows(normal, key("dense"), (num_samples, dense), ids)
-    u = _rows(uniform, key("ids"), (num_samples, fields), ids)
+    x = table_rows(normal, key("dense"), (num_samples, dense), ids)
+    u = table_rows(uniform, key("ids"), (num_samples, fields), ids)
     hashed = np.minimum((u**3 * vocab).astype(np.int64), vocab - 1) + np.arange(fields) * vocab
     w_dense = normal(np, key("teacher.dense"), (dense,), None, np.float64) / np.sqrt(max(dense, 1))
     w_ids = 0.5 * normal(np, key("teacher.ids"), (fields * vocab,), None, np.float64)
     logit = x @ w_dense + w_ids[hashed].sum(axis=1)
     if dense >= 2:
         logit += x[:, 0] * x[:, 1]
-    coin = _rows(uniform, key("label"), (num_samples, 1), ids)[:, 0]
+    coin = table_rows(uniform, key("label"), (num_samples, 1), ids)[:, 0]
     label = coin < 1.0 / (1.0 + np.exp(-logit))
     return {"dense": x.astype(np.float32), "ids": hashed, "label": label.astype(np.float32)}
 
