@@ -105,6 +105,7 @@ class PodCluster:
         made.volume("checkpoints")
         cluster._head()
         cluster.start_worker()
+        cluster.wait_joined("worker")  # the control plane counts the cluster's CPUs once, as it starts
         cluster._control_plane()
         return cluster
 
@@ -162,6 +163,16 @@ class PodCluster:
         stopped = time.monotonic() - t0
         podman("start", self.made.name("control-plane"))
         return stopped
+
+    def wait_joined(self, what: str, timeout: float = 180.0) -> None:
+        """Until the ``what`` container's Ray node has started (``ray start`` says so before it blocks)."""
+        deadline = time.monotonic() + timeout
+        while "Ray runtime started" not in self.logs(what):
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"the {what} node did not join Ray in {timeout:g} s:\n{self.logs(what)[-4000:]}"
+                )
+            time.sleep(0.5)
 
     def logs(self, what: str) -> str:
         return podman("logs", self.made.name(what), check=False)
