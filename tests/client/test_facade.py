@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_layers import module_name
+
 
 def test_facade_prints_and_stays_light() -> None:
     code = (
@@ -37,11 +39,7 @@ ABOVE = ("sbpflow.client", "sbpflow.control_plane", "sbpflow.actor_workers")
 
 def core_modules() -> list[str]:
     """Every module of the core (``sbpflow/``), by its dotted name, the generated protobuf code included."""
-    out = []
-    for path in sorted((ROOT / "sbpflow").rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        out.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return out
+    return [module_name(path) for path in sorted((ROOT / "sbpflow").rglob("*.py"))]
 
 
 def loaded_above(code: str) -> list[str]:
