@@ -14,10 +14,11 @@ Rules:
   submission order (first come, first served: a large job is not overtaken forever by small ones).
 - A job is compiled once: Submit's compile (graph passes) stays in memory with the queued job, and the
   run only lowers it (``launcher.launch``); a job re-queued after a restart is compiled again.
-- Each running job has one thread that calls ``sbpflow.control_plane.launch.launcher.launch`` and turns its listeners
-  (``run_listeners.py``) into store writes: states, steps (loss history), per-worker rows and log lines. Every store write
-  is a notice to ``feed`` (``job_feed.py``): a job's ``Watch`` streams wake on its own changes and share
-  one store read a change; ``Logs`` streams wait on every change.
+- Each running job has one thread (``job_run.py``) that calls ``sbpflow.control_plane.launch.launcher.launch``
+  and turns its listeners (``run_listeners.py``) into store writes: states, steps (loss history),
+  per-worker rows and log lines. Every store write is a notice to ``feed`` (``job_feed.py``): a job's
+  ``Watch`` streams wake on its own changes and share one store read a change; ``Logs`` streams wait on
+  every change.
 - Checkpoints (``checkpoint_root``): job ID writes them to ``<root>/ID``. A lost worker restarts the run
   from the latest one (up to ``max_restarts``): the job's attempt grows, with a "state" event (reason
   ``WORKER_LOST``) naming the rank; a job with fallback rank counts whose ranks are not back within its
@@ -40,7 +41,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,12 +48,11 @@ from typing import TYPE_CHECKING, Any
 
 from sbpflow.checkpoint.read import CheckpointInfo, CorruptCheckpoint, corrupt_note, list_checkpoints
 from sbpflow.control_plane.service import resume as resuming
-from sbpflow.control_plane.service.data_policy import reason_of
 from sbpflow.control_plane.service.drain import Draining
-from sbpflow.control_plane.service.job_checkpoints import resumable, run_checkpoints
+from sbpflow.control_plane.service.job_checkpoints import resumable
 from sbpflow.control_plane.service.job_feed import JobFeed
-from sbpflow.control_plane.service.job_options import for_run, job_options
-from sbpflow.control_plane.service.run_listeners import RunListeners
+from sbpflow.control_plane.service.job_options import job_options
+from sbpflow.control_plane.service.job_run import CANCELLED_BY_USER, run_job
 from sbpflow.control_plane.service.running import RunningJob
 from sbpflow.control_plane.service.validation import (
     ValidationError,
@@ -65,7 +64,6 @@ from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
-from sbpflow.runs.numerics import NonFinite
 from sbpflow.runs.options import MANAGER_DEFAULTS, RunOptions
 from sbpflow.runs.states import JobState
 from sbpflow.v1 import service_pb2 as sp
@@ -77,8 +75,6 @@ if TYPE_CHECKING:
     from sbpflow.control_plane.status.metrics import Metrics
 
 WAITING = "WAITING_FOR_RESOURCES"
-CANCELLED_BY_USER = "CANCELLED_BY_USER"
-SHUTDOWN = "CONTROL_PLANE_SHUTDOWN"
 WORKER_LOST = "WORKER_LOST"
 
 _TERMINAL_CODES = frozenset({sp.JOB_STATE_SUCCEEDED, sp.JOB_STATE_FAILED, sp.JOB_STATE_CANCELLED})
@@ -432,66 +428,15 @@ class JobManager:
         return "" if found is None else str(found.path)
 
     def _run(self, job_id: str, r: RunningJob) -> None:
-        from sbpflow.actor_workers.runtime.errors import RuntimeFailure
-        from sbpflow.control_plane.compiler import pipeline
-        from sbpflow.control_plane.launch.launcher import RunCancelled, launch
-        from sbpflow.control_plane.launch.run_context import RunRequest
-
-        rec = self.store.get(job_id)
-        checkpoints = run_checkpoints(self.config.checkpoint_root, self.store, rec)
-        listeners = RunListeners(self, job_id, r, checkpoints.step)
-        finish = listeners.finish
-        # a restart goes on from a checkpoint: without any, a job does not restart
-        base = for_run(self.config.run, rec.options)  # the server's, with what the job's client set
-        how = base if checkpoints.checkpoint_dir else base.replace(max_restarts=0)
-        policy = self.config.data_policy
         try:
-            listeners.on_state(JobState.COMPILING)
-            # Submit's compile; a job re-queued by a restarted control plane is compiled again from its Job
-            if policy is not None:  # a re-queued job was checked under the roots of its day; every file is
-                r.job = policy.bind(r.job)  # checked again as the workers open it (data_policy.py)
-                how = how.replace(data_roots=policy.run_roots)
-            compiled = r.compiled or pipeline.compile(r.job, lower="none")
-            asked = RunRequest(
-                options=how,
-                checkpoint_dir=checkpoints.checkpoint_dir,
-                resume_from=checkpoints.resume_from,
-                tensorboard_dir=self.config.tensorboard_dir,
-                cancel=r.cancel,
-                report_hub=self.report_hub,
-                job_id=job_id,
-                attempt=rec.attempt,
-            )
-            result = launch(compiled, listeners.heard_by(asked))
-        except (RunCancelled, RuntimeFailure) as e:
-            if r.drained:  # in flight for the next server, which resumes it from its checkpoint
-                return
-            if isinstance(e, RuntimeFailure):
-                finish(JobState.FAILED, reason_of(e, "WORKER_ERROR"), str(e))
-                return
-            reason = SHUTDOWN if self._closed else CANCELLED_BY_USER
-            finish(JobState.CANCELLED, reason, r.cancel_message)
-        except NonFinite as e:  # NON_FINITE_LOSS (the step's loss is stored) or NON_FINITE_PARAMETERS
-            finish(JobState.FAILED, e.reason, str(e))
-        except SbpflowError as e:
-            finish(JobState.FAILED, reason_of(e, "RUN_ERROR"), str(e))
-        except Exception as e:  # a bug: keep the traceback in the job's log, never lose the job
-            listeners.write(self.store.append_log, job_id, -1, "ERROR", traceback.format_exc())
-            finish(JobState.FAILED, "INTERNAL", f"{type(e).__name__}: {e}")
-        else:
-            from sbpflow.control_plane.status.records import result_proto
-
-            def save() -> None:  # queued: the store's loss history is whole by the time it runs
-                history = [p.loss for p in self.store.losses(job_id)]
-                self.store.save_result(job_id, result_proto(job_id, result, history).SerializeToString())
-
-            listeners.write(save)
-            if self.config.keep_run_results:
-                self.run_results[job_id] = result
-            finish(JobState.SUCCEEDED, "", f"{len(result.losses)} steps in {result.seconds:.2f} s")
+            run_job(self, job_id, r, STORE_FLUSH_SECONDS)
         finally:
-            listeners.close(list(r.workers.values()), STORE_FLUSH_SECONDS)
             with self._lock:
                 del self._running[job_id]
             self._schedule()
             self.notify(job_id)
+
+    @property
+    def closed(self) -> bool:
+        """Shutting down (``shutdown``): a stopped run ends CANCELLED with ``CONTROL_PLANE_SHUTDOWN``."""
+        return self._closed

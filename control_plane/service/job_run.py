@@ -1,0 +1,131 @@
+"""One job's run on the job manager's thread for it, and the reason it ends with.
+
+    run_job(manager, job_id, running, flush_seconds)   # on the job's own thread (``jobs.JobManager``)
+
+The run compiles the job (or takes Submit's compile), lowers and launches it (``launcher.launch``) with
+the job's listeners (``run_listeners.py``), and ends the job's record:
+
+- SUCCEEDED with its result saved; FAILED with a machine-readable reason (``NON_FINITE_*``, a worker's
+  ``WORKER_ERROR``, ``RUN_ERROR``, or the reason the failure's cause names in
+  :data:`~sbpflow.control_plane.service.data_policy.FAILURE_REASONS`); CANCELLED by a user's Cancel
+  (``CANCELLED_BY_USER``) or the manager's shutdown (``CONTROL_PLANE_SHUTDOWN``);
+- a bug is ``INTERNAL``, its traceback kept in the job's log: a job is never lost;
+- a run stopped by a drain (SIGTERM, ``drain.py``) leaves its job in flight for the next control plane.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import TYPE_CHECKING, Any, Protocol
+
+from sbpflow.control_plane.service.data_policy import reason_of
+from sbpflow.control_plane.service.job_checkpoints import run_checkpoints
+from sbpflow.control_plane.service.job_options import for_run
+from sbpflow.control_plane.service.run_listeners import RunListeners
+from sbpflow.control_plane.service.running import Manager, RunningJob
+from sbpflow.errors import SbpflowError
+from sbpflow.runs.numerics import NonFinite
+from sbpflow.runs.options import RunOptions
+from sbpflow.runs.states import JobState
+
+if TYPE_CHECKING:
+    from sbpflow.control_plane.launch.run_context import RunResult
+    from sbpflow.control_plane.service.data_policy import DataPolicy
+
+CANCELLED_BY_USER = "CANCELLED_BY_USER"
+SHUTDOWN = "CONTROL_PLANE_SHUTDOWN"
+
+
+class RunConfig(Protocol):
+    """What a run reads of the manager's configuration (``jobs.ManagerConfig``)."""
+
+    @property
+    def run(self) -> RunOptions: ...
+    @property
+    def checkpoint_root(self) -> str | None: ...
+    @property
+    def data_policy(self) -> DataPolicy | None: ...
+    @property
+    def tensorboard_dir(self) -> str | None: ...
+    @property
+    def keep_run_results(self) -> bool: ...
+
+
+class RunHost(Manager, Protocol):
+    """The job manager as a run sees it."""
+
+    @property
+    def config(self) -> RunConfig: ...
+    @property
+    def report_hub(self) -> Any: ...
+    @property
+    def closed(self) -> bool:
+        """The manager is shutting down: a stopped run ends CANCELLED with ``SHUTDOWN``."""
+        ...
+
+    @property
+    def run_results(self) -> dict[str, RunResult]: ...
+
+
+def run_job(m: RunHost, job_id: str, r: RunningJob, flush_seconds: float) -> None:
+    """Run one job to its end (see the module's rules); its held store writes are retried for at most
+    ``flush_seconds`` at the end."""
+    from sbpflow.actor_workers.runtime.errors import RuntimeFailure
+    from sbpflow.control_plane.compiler import pipeline
+    from sbpflow.control_plane.launch.launcher import RunCancelled, launch
+    from sbpflow.control_plane.launch.run_context import RunRequest
+
+    rec = m.store.get(job_id)
+    checkpoints = run_checkpoints(m.config.checkpoint_root, m.store, rec)
+    listeners = RunListeners(m, job_id, r, checkpoints.step)
+    finish = listeners.finish
+    # a restart goes on from a checkpoint: without any, a job does not restart
+    base = for_run(m.config.run, rec.options)  # the server's, with what the job's client set
+    how = base if checkpoints.checkpoint_dir else base.replace(max_restarts=0)
+    policy = m.config.data_policy
+    try:
+        listeners.on_state(JobState.COMPILING)
+        # Submit's compile; a job re-queued by a restarted control plane is compiled again from its Job
+        if policy is not None:  # a re-queued job was checked under the roots of its day; every file is
+            r.job = policy.bind(r.job)  # checked again as the workers open it (data_policy.py)
+            how = how.replace(data_roots=policy.run_roots)
+        compiled = r.compiled or pipeline.compile(r.job, lower="none")
+        asked = RunRequest(
+            options=how,
+            checkpoint_dir=checkpoints.checkpoint_dir,
+            resume_from=checkpoints.resume_from,
+            tensorboard_dir=m.config.tensorboard_dir,
+            cancel=r.cancel,
+            report_hub=m.report_hub,
+            job_id=job_id,
+            attempt=rec.attempt,
+        )
+        result = launch(compiled, listeners.heard_by(asked))
+    except (RunCancelled, RuntimeFailure) as e:
+        if r.drained:  # in flight for the next server, which resumes it from its checkpoint
+            return
+        if isinstance(e, RuntimeFailure):
+            finish(JobState.FAILED, reason_of(e, "WORKER_ERROR"), str(e))
+            return
+        reason = SHUTDOWN if m.closed else CANCELLED_BY_USER
+        finish(JobState.CANCELLED, reason, r.cancel_message)
+    except NonFinite as e:  # NON_FINITE_LOSS (the step's loss is stored) or NON_FINITE_PARAMETERS
+        finish(JobState.FAILED, e.reason, str(e))
+    except SbpflowError as e:
+        finish(JobState.FAILED, reason_of(e, "RUN_ERROR"), str(e))
+    except Exception as e:  # a bug: keep the traceback in the job's log, never lose the job
+        listeners.write(m.store.append_log, job_id, -1, "ERROR", traceback.format_exc())
+        finish(JobState.FAILED, "INTERNAL", f"{type(e).__name__}: {e}")
+    else:
+        from sbpflow.control_plane.status.records import result_proto
+
+        def save() -> None:  # queued: the store's loss history is whole by the time it runs
+            history = [p.loss for p in m.store.losses(job_id)]
+            m.store.save_result(job_id, result_proto(job_id, result, history).SerializeToString())
+
+        listeners.write(save)
+        if m.config.keep_run_results:
+            m.run_results[job_id] = result
+        finish(JobState.SUCCEEDED, "", f"{len(result.losses)} steps in {result.seconds:.2f} s")
+    finally:
+        listeners.close(list(r.workers.values()), flush_seconds)
