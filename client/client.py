@@ -10,12 +10,22 @@
 Server errors come back as ``ClientError`` with the gRPC status code and the server's message (for a
 refused job, the op, the tensors and the fix). ``tls_ca``: a PEM file to trust (the server's certificate
 or its CA); without it the channel is plaintext.
+
+Retries (``RetryPolicy``): a unary call that ends UNAVAILABLE or DEADLINE_EXCEEDED is tried again after a
+jittered, doubling back-off, within the policy's attempts and overall deadline; RESOURCE_EXHAUSTED only
+when the server names a wait (trailing metadata ``retry-after-ms``). ``timeout`` bounds each attempt.
+Submit and Resume are safe to retry because every logical call carries an idempotency key (a fresh uuid4
+unless the caller gives one), the same key on each attempt: the server stores a job once per
+(``client_id``, key) and answers a repeat with the job it stored. A call that still fails raises a
+``ClientError`` whose ``idempotency_key`` lets the caller retry the same logical call later.
 """
 
 from __future__ import annotations
 
 import builtins
+import random
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +53,48 @@ class ClientError(SbpflowError):
         super().__init__(text or f"{code.name}: {message}")
         self.code = code
         self.details = message
+        self.idempotency_key = ""  # a failed Submit's or Resume's key: pass it again to retry that call
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a unary call is retried: at most ``attempts`` tries within ``deadline`` seconds in all, the
+    n-th wait drawn uniformly from [0, min(``max_backoff``, ``backoff`` * 2**n)] ("full jitter", so that
+    many clients refused at once do not come back at once). ``RetryPolicy(attempts=1)``: never retry."""
+
+    attempts: int = 5
+    backoff: float = 0.05
+    max_backoff: float = 2.0
+    deadline: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or not 0 <= self.backoff <= self.max_backoff or not self.deadline > 0:
+            raise SbpflowError(
+                f"{self}: give attempts >= 1, 0 <= backoff <= max_backoff and a positive deadline"
+            )
+
+    def wait(self, attempt: int) -> float:
+        return random.uniform(0.0, min(self.max_backoff, self.backoff * 2**attempt))
+
+
+# the codes after which a retry may succeed: the server was not reached or did not answer in time (with an
+# idempotency key a Submit that did reach it is answered with the same job); RESOURCE_EXHAUSTED only with
+# the server's own retry-after-ms, since it also means "this request is too large", which no retry cures
+RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+RETRY_AFTER = "retry-after-ms"
+
+
+def _retry_after(e: grpc.RpcError) -> float | None:
+    """The server's retry hint of a RESOURCE_EXHAUSTED answer, in seconds (None: no hint)."""
+    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+        return None
+    for key, value in e.trailing_metadata() or ():  # type: ignore[attr-defined]
+        if key == RETRY_AFTER:
+            try:
+                return max(0.0, int(value) / 1000)
+            except (TypeError, ValueError):  # a hint we cannot read is no hint
+                return None
+    return None
 
 
 # gRPC's words for "nothing answered" and for "something answered, but not in HTTP/2" (an HTTP/1 server)
@@ -67,11 +119,23 @@ def _error(e: grpc.RpcError, address: str) -> ClientError:
     return ClientError(code, details, text)
 
 
-def _call(fn: Any, *args: Any, address: str = "", **kwargs: Any) -> Any:
-    try:
-        return fn(*args, **kwargs)
-    except grpc.RpcError as e:
-        raise _error(e, address) from None
+def _call(fn: Any, request: Any, address: str, policy: RetryPolicy, timeout: float, **kwargs: Any) -> Any:
+    """``fn(request)`` under ``policy``: each attempt within ``timeout`` seconds and what is left of the
+    policy's deadline; the last failure as a ``ClientError``."""
+    end = time.monotonic() + policy.deadline
+    attempt = 0
+    while True:
+        try:
+            return fn(request, timeout=max(0.001, min(timeout, end - time.monotonic())), **kwargs)
+        except grpc.RpcError as e:
+            hint = _retry_after(e)
+            if hint is None and e.code() not in RETRIED:  # type: ignore[attr-defined]
+                raise _error(e, address) from None
+            attempt += 1
+            pause = policy.wait(attempt - 1) if hint is None else hint
+            if attempt >= policy.attempts or time.monotonic() + pause >= end:
+                raise _error(e, address) from None
+            time.sleep(pause)
 
 
 def _job_proto(job: Any) -> job_pb2.Job:
@@ -109,9 +173,14 @@ class Client:
     """A connection to one control plane."""
 
     def __init__(
-        self, address: str, token: str | None = None, tls_ca: str | None = None, timeout: float = 30.0
+        self,
+        address: str,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        timeout: float = 30.0,
+        retry: RetryPolicy = RetryPolicy(),
     ) -> None:
-        self.address, self.timeout = address, timeout
+        self.address, self.timeout, self.retry = address, timeout, retry
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]  # fmt: skip
@@ -132,13 +201,20 @@ class Client:
         self.close()
 
     def _unary(self, name: str, request: Any) -> Any:
-        return _call(
-            getattr(self._stub, name),
-            request,
-            address=self.address,
-            metadata=self._metadata,
-            timeout=self.timeout,
-        )
+        """One call, retried under ``self.retry`` (each unary method is safe to repeat: reads, Cancel of a
+        job that is already stopping, and Submit/Resume with their idempotency key)."""
+        try:
+            return _call(
+                getattr(self._stub, name),
+                request,
+                self.address,
+                self.retry,
+                self.timeout,
+                metadata=self._metadata,
+            )
+        except ClientError as e:
+            e.idempotency_key = getattr(request, "idempotency_key", "")
+            raise
 
     def _stream(self, name: str, request: Any) -> Iterator[Any]:
         stream = getattr(self._stub, name)(request, metadata=self._metadata)
@@ -159,7 +235,10 @@ class Client:
         ``options``: this job's own run options, within the server's — ``timeout`` (seconds) and
         ``max_restarts`` up to the server's, ``trace``, ``return_parameters``; None or absent: the
         server's (``client.submit(job, timeout=600, max_restarts=2)``). The server refuses the rest
-        (backend, ray_address, threads: PERMISSION_DENIED, "set by the server") and more than it allows."""
+        (backend, ray_address, threads: PERMISSION_DENIED, "set by the server") and more than it allows.
+
+        ``idempotency_key``: this logical submission's (default a fresh uuid4); a retry with the same key
+        and ``client_id`` returns the job stored first instead of a second one."""
         unknown = sorted(set(options) - set(FIELD_NAMES))
         if unknown:
             raise TypeError(
@@ -170,7 +249,7 @@ class Client:
         req = sp.SubmitJobRequest(
             job=_job_proto(job),
             client_id=client_id,
-            idempotency_key=idempotency_key,
+            idempotency_key=idempotency_key or uuid.uuid4().hex,
             options=sp.RunOptions(**given),  # type: ignore[arg-type]
         )
         resp = self._unary("Submit", req)
@@ -183,8 +262,10 @@ class Client:
         ``sbpflow.Job`` or its protobuf, e.g. the same model re-traced under another layout) or, if None,
         the job as it was submitted. The server refuses a job that does not match the checkpoint
         (INVALID_ARGUMENT, naming the tensors) and a job that runs or has no checkpoint
-        (FAILED_PRECONDITION). The new job's status says ``resumed_from`` and ``resume_checkpoint``."""
-        req = sp.ResumeJobRequest(job_id=job_id, client_id=client_id, idempotency_key=idempotency_key)
+        (FAILED_PRECONDITION). The new job's status says ``resumed_from`` and ``resume_checkpoint``;
+        ``idempotency_key`` as ``submit``'s."""
+        key = idempotency_key or uuid.uuid4().hex
+        req = sp.ResumeJobRequest(job_id=job_id, client_id=client_id, idempotency_key=key)
         if job is not None:
             req.job.CopyFrom(_job_proto(job))
         resp = self._unary("Resume", req)
