@@ -20,7 +20,6 @@ import secrets
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -164,6 +163,8 @@ class RankCheckpointer:
             raise CheckpointWriteError(
                 f"rank {self.rc.rank}: checkpoint writer still busy after {timeout:.0f} s"
             )
+        if isinstance(self.error, ck.CheckpointStorageError):  # its type names the job's reason
+            raise self.error
         if self.error is not None:
             raise CheckpointWriteError(
                 f"rank {self.rc.rank} could not write its checkpoint shards to {self.options.directory}: "
@@ -231,7 +232,7 @@ def options_for(job: Job, directory: str | None, plan: pp.Plan, attempt: int) ->
     attempts that died are pruned first (no writer of this job runs now)."""
     if directory is None or job.config.checkpoint_every <= 0:
         return None
-    Path(directory).mkdir(parents=True, exist_ok=True)
+    ck.make_dir(directory)
     prune(directory)
     token = f"a{attempt}-{secrets.token_hex(4)}"
     ranks = tuple(d.rank for d in plan.devices)
@@ -259,7 +260,7 @@ def close_all(writers: Sequence[RankCheckpointer], raise_errors: bool = True) ->
     for w in writers:
         try:
             w.close()
-        except CheckpointWriteError as exc:
+        except (CheckpointWriteError, ck.CheckpointStorageError) as exc:
             errors.append(exc)
     if errors and raise_errors:
         raise errors[0]

@@ -18,6 +18,8 @@ library's 3.1 on one 128 MB buffer of this machine, which made verifying a shard
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
@@ -222,7 +224,8 @@ def write_safetensors(
     sync_dir: bool = True,
 ) -> int:
     """Write ``tensors`` to ``path`` atomically (temp name, fsync, rename, and with ``sync_dir`` an fsync
-    of the directory so the rename survives a crash); returns the bytes written. An entry's bytes are
+    of the directory so the rename survives a crash; a failed write removes its temp file); returns the
+    bytes written. An entry's bytes are
     written in file order, so ``file_crc(path)`` is the header's CRC combined with the entries'
     (:func:`safetensors_crc`)."""
     path = Path(path)
@@ -239,13 +242,17 @@ def write_safetensors(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the reference writer does
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb", buffering=0) as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for a in arrays:
-            if a.nbytes:
-                f.write(a.data)
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb", buffering=0) as f:
+            write_all(f, struct.pack("<Q", len(raw)) + raw)
+            for a in arrays:
+                if a.nbytes:
+                    write_all(f, a.data)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full or read-only disk: a half-written temp file must not fill it further
+        discard(tmp)
+        raise
     if sync_dir:
         fsync_dir(path.parent)
     return 8 + len(raw) + offset
@@ -304,6 +311,23 @@ class SafetensorsFile:
         if a == b or self._map is None:
             return np.zeros(tuple(e["shape"]), dtype)
         return self._map[a:b].view(dtype).reshape(tuple(e["shape"]))
+
+
+def write_all(f: Any, data: Any) -> None:
+    """Write every byte of ``data`` to the unbuffered file ``f``: a raw write that the disk cuts short
+    (a full tmpfs) returns fewer bytes without raising, and the next one raises (ENOSPC)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = f.write(view)
+        if not n:
+            raise OSError(errno.EIO, f"a write to {f.name} wrote nothing")
+        view = view[n:]
+
+
+def discard(path: Path) -> None:
+    """Remove a temp file a failed write left (or never made)."""
+    with contextlib.suppress(OSError):
+        path.unlink()
 
 
 def fsync_dir(path: Path) -> None:

@@ -19,6 +19,11 @@ Atomicity: a rank writes ``*.tmp``, fsyncs, renames; whoever finds every rank's 
 manifest the same way (two ranks racing write the same manifest; the rename is atomic). ``<token>``
 names the attempt that wrote a file, so a file left by a dead attempt is never mixed into a new one.
 
+A write that fails removes its temp file (a full disk is not filled further) and raises a
+:class:`CheckpointStorageError` naming the folder, the errno's text and what to do: by
+:data:`STORAGE_ERRORS`, :class:`CheckpointStorageFull` (``ENOSPC``, ``EDQUOT``) or
+:class:`CheckpointStorageReadOnly` (``EROFS``, ``EACCES``, ``EPERM``); each says its job's ``reason``.
+
 RNG state and data position need no bytes: randomness is keyed by ``(seed, tensor, step)`` and batch
 ``b`` is a pure function of the source and ``b``, so the manifest's ``seed`` and ``step`` are both.
 
@@ -33,6 +38,7 @@ name of those is importable from here too.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -48,12 +54,14 @@ from sbpflow.checkpoint.format import (
     MANIFEST,
     META_KEY,
     NP_DTYPES,
+    CheckpointError,
     Manifest,
     Piece,
     SafetensorsFile,
     TensorEntry,
     crc_of,
     crc_text,
+    discard,
     fsync_dir,
     safetensors_crc,
     step_dir,
@@ -62,6 +70,53 @@ from sbpflow.checkpoint.format import (
 from sbpflow.placement import Placement
 from sbpflow.sbp import Broadcast, NdSbp, PartialSum
 from sbpflow.sharding import Index, shard_index
+
+
+class CheckpointStorageError(CheckpointError):
+    """A checkpoint that could not be written for its storage (an I/O error): the job fails with ``reason``."""
+
+    reason = "CHECKPOINT_STORAGE_ERROR"
+    todo = "check the disk under it"
+
+
+class CheckpointStorageFull(CheckpointStorageError):
+    reason = "CHECKPOINT_STORAGE_FULL"
+    todo = "free space there (or raise the quota)"
+
+
+class CheckpointStorageReadOnly(CheckpointStorageError):
+    reason = "CHECKPOINT_STORAGE_READ_ONLY"
+    todo = "make it writable for the control plane's user"
+
+
+# errno -> the error a failed write raises (any other OSError: CheckpointStorageError)
+STORAGE_ERRORS: dict[int, type[CheckpointStorageError]] = {
+    errno.ENOSPC: CheckpointStorageFull,
+    errno.EDQUOT: CheckpointStorageFull,
+    errno.EROFS: CheckpointStorageReadOnly,
+    errno.EACCES: CheckpointStorageReadOnly,
+    errno.EPERM: CheckpointStorageReadOnly,
+}
+
+
+def storage_error(error: OSError, directory: str | Path) -> CheckpointStorageError:
+    """``error`` (a failed write under ``directory``) as the checkpoint error that says what to do."""
+    cls = STORAGE_ERRORS.get(error.errno or 0, CheckpointStorageError)
+    code = errno.errorcode.get(error.errno or 0, "no errno")
+    what = error.strerror or str(error)
+    return cls(
+        f"cannot write a checkpoint in {directory}: {what} ({code}); {cls.todo}, or point the control "
+        "plane's --checkpoint-root elsewhere, then resume the job"
+    )
+
+
+def make_dir(directory: str | Path) -> Path:
+    """``directory`` and its parents, created if missing; ``CheckpointStorageError`` when they cannot be."""
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise storage_error(e, directory) from e
+    return Path(directory)
 
 
 @dataclass(frozen=True)
@@ -98,8 +153,7 @@ def shard_of(
 
 def write_rank(root: str | Path, step: int, rank: int, token: str, shards: Iterable[Shard]) -> Path:
     """Write one rank's shards for the checkpoint of ``step`` (atomically); returns the file."""
-    d = step_dir(root, step)
-    d.mkdir(parents=True, exist_ok=True)
+    d = make_dir(step_dir(root, step))
     tensors, meta = {}, {}
     for s in shards:
         tensors[s.name] = value = np.ascontiguousarray(s.value)  # the bytes written, and their CRC
@@ -114,7 +168,10 @@ def write_rank(root: str | Path, step: int, rank: int, token: str, shards: Itera
     path = d / f"rank-{rank:05d}.{token}.safetensors"
     # no directory fsync here: the manifest's, in the same directory after every rank file is there,
     # makes their renames durable; a crash before it leaves a checkpoint that was never complete
-    write_safetensors(path, tensors, {META_KEY: json.dumps(meta)}, sync_dir=False)
+    try:
+        write_safetensors(path, tensors, {META_KEY: json.dumps(meta)}, sync_dir=False)
+    except OSError as e:
+        raise storage_error(e, d) from e
     return path
 
 
@@ -146,10 +203,14 @@ def try_complete(root: str | Path, step: int, token: str, ranks: Sequence[int], 
     )
     manifest = Manifest(job, step, seed, tensors, files, tuple(ranks), checksums)
     tmp = d / f"{MANIFEST}.{token}.{os.getpid()}-{secrets.token_hex(4)}.tmp"  # racers: own names
-    with open(tmp, "w") as out:
-        out.write(manifest.to_json())
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, d / MANIFEST)
-    fsync_dir(d)
+    try:
+        with open(tmp, "w") as out:
+            out.write(manifest.to_json())
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, d / MANIFEST)
+        fsync_dir(d)
+    except OSError as e:
+        discard(tmp)
+        raise storage_error(e, d) from e
     return True

@@ -1,11 +1,18 @@
 """The checkpoint format without a runtime: safetensors bytes as the spec lays them out, shards written
 under one layout and read back under another (splits, replicas, partial sums, uneven), completeness
-(no manifest, no checkpoint; a dead attempt's files never mixed in), damage detected, export/import."""
+(no manifest, no checkpoint; a dead attempt's files never mixed in), damage detected, export/import; a
+full or read-only disk (a real tmpfs in a private mount namespace) fails a write with the reason and
+leaves no temp file."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import struct
+import subprocess
+import sys
+import textwrap
 import zlib
 from pathlib import Path
 
@@ -332,3 +339,79 @@ def test_temp_files_of_a_dead_writer_are_cleaned_up(tmp_path: Path) -> None:
     assert not list(tmp_path.rglob("*.tmp")) and not partial.exists()
     assert len(gone) == 4 and (damaged / "rank-00000.a1.safetensors").exists()  # kept: not ours to judge
     assert [c.step for c in list_checkpoints(tmp_path)] == [2] and verify(d).step == 2
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def in_tmpfs(mount: Path, size: str, script: str, read_only: bool = False, timeout: float = 300) -> dict:
+    """Run ``script`` (Python; ``MOUNT`` is ``mount``; it prints one JSON line, returned) in a child that
+    has a fresh tmpfs of ``size`` on ``mount`` (read-only when asked), in a private mount namespace (and
+    a user namespace when not root: root ignores chmod, and only a mount is really read-only or full).
+    Skips when this machine allows neither."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) here to mount a tmpfs in a private namespace")
+    ns = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
+    mount.mkdir(parents=True, exist_ok=True)
+    opts = f"size={size}" + (",ro" if read_only else "")
+    code = f"MOUNT = {str(mount)!r}\n" + textwrap.dedent(script)
+    shell = 'mount -t tmpfs -o "$1" tmpfs "$2" || exit 97; shift 2; exec "$@"'
+    cmd = [*ns, "sh", "-c", shell, "sh", opts, str(mount), sys.executable, "-c", code]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if r.returncode == 97 or (r.returncode and r.stderr.startswith("unshare:")):
+        pytest.skip(f"cannot mount a tmpfs in a private namespace here: {r.stderr.strip()[-300:]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+_WRITE = """
+import json
+import numpy as np
+from pathlib import Path
+from sbpflow.checkpoint import write as ck
+from sbpflow.placement import placement
+from sbpflow.sbp import B
+
+root, where = Path(MOUNT) / "ckpt", placement("cpu", [0])
+value = np.ones((256, 1024), np.float32)  # 1 MiB
+shards = [ck.shard_of("w", "parameter", value, where, (B,), 0, value.shape)]
+out = {}
+try:
+    ck.write_rank(root, 1, 0, "a1", shards)
+    out["rank file"] = True
+    with open(Path(MOUNT) / "filler", "wb", buffering=0) as f:  # the disk full: the manifest cannot be written
+        try:
+            while f.write(bytes(4096)) == 4096:
+                pass
+        except OSError:  # ENOSPC once a short write took the last bytes
+            pass
+    ck.try_complete(root, 1, "a1", [0], "job", 0)
+except ck.CheckpointStorageError as e:
+    out.update(error=type(e).__name__, reason=e.reason, message=str(e))
+out["left"] = sorted(p.name for p in Path(MOUNT).rglob("*") if p.is_file() and p.name != "filler")
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("size", ["512k", "1100k"])
+def test_a_full_disk_fails_a_write_with_its_reason_and_leaves_no_temp_file(tmp_path: Path, size: str) -> None:
+    out = in_tmpfs(tmp_path / "disk", size, _WRITE)
+    assert out["error"] == "CheckpointStorageFull" and out["reason"] == "CHECKPOINT_STORAGE_FULL", out
+    assert "No space left on device (ENOSPC)" in out["message"] and "free space" in out["message"], out
+    assert "--checkpoint-root" in out["message"] and str(tmp_path / "disk" / "ckpt") in out["message"], out
+    assert not [n for n in out["left"] if n.endswith(".tmp")], (
+        out
+    )  # neither the rank file's nor the manifest's
+    if out.get("rank file"):  # 1100k: the rank file fit, then its manifest did not
+        assert out["left"] == ["rank-00000.a1.safetensors"], out
+    else:  # 512k: the rank file itself did not fit
+        assert out["left"] == [], out
+
+
+def test_a_read_only_disk_fails_a_write_saying_so(tmp_path: Path) -> None:
+    out = in_tmpfs(tmp_path / "disk", "1m", _WRITE, read_only=True)
+    assert out["error"] == "CheckpointStorageReadOnly" and out["reason"] == "CHECKPOINT_STORAGE_READ_ONLY", (
+        out
+    )
+    assert "Read-only file system (EROFS)" in out["message"] and "make it writable" in out["message"], out
+    assert out["left"] == [], out
