@@ -11,6 +11,7 @@ builds the store's API on these.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -38,6 +39,38 @@ class StoreUnavailable(SbpflowError):
     """The store cannot write (disk full, read-only, I/O error): UNAVAILABLE, and /readyz answers 503."""
 
 
+class StoreUnopenable(StoreError):
+    """The store's file cannot be opened as a job store (damaged, not one, no permission, a folder): the
+    message names the file and what to do; ``sbpflow server`` prints it as one line."""
+
+
+def _open_problem(path: str, error: BaseException) -> str:
+    """Why ``path`` could not be opened as a job store, and what to do (``StoreUnopenable``'s message)."""
+    p, folder = Path(path), Path(path).resolve().parent
+    elsewhere = "or point --store at another file"
+    if p.is_dir():
+        return f"the job store {path} is a directory; point --store at a file in it (e.g. {p / 'jobs.db'})"
+    if not folder.is_dir():
+        return f"the folder {folder} of the job store {path} does not exist; create it {elsewhere}"
+    if p.exists() and not os.access(p, os.R_OK | os.W_OK):
+        return (
+            f"the job store {path} cannot be read and written by this user (or its disk is read-only); fix "
+            f"its permissions (chmod u+rw) or mount it writable, {elsewhere}"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):  # SQLite's WAL keeps two files beside the store
+        return (
+            f"the folder {folder} of the job store {path} is not writable (SQLite keeps {p.name}-wal and "
+            "-shm there); "
+            f"fix its permissions or mount it writable, {elsewhere}"
+        )
+    if isinstance(error, sqlite3.DatabaseError) and not isinstance(error, sqlite3.OperationalError):
+        return (
+            f"the job store {path} is damaged or not a job store (SQLite: {error}); restore it from a "
+            f"backup, or move it aside (mv {path} {path}.broken) to start with an empty store"
+        )
+    return f"the job store {path} cannot be opened ({type(error).__name__}: {error}); check the file, {elsewhere}"
+
+
 class UnknownJobError(StoreError, KeyError):
     """No job has this id."""
 
@@ -53,7 +86,18 @@ class StoreDb:
         self._lock = threading.RLock()
         self.write_error = ""  # why the last write failed; "" once one succeeds (/readyz)
         # isolation_level=None: autocommit; each change opens its own BEGIN IMMEDIATE ... COMMIT.
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
+        except (sqlite3.Error, OSError) as e:
+            raise StoreUnopenable(_open_problem(self.path, e)) from None
+        try:
+            self._open()
+        except (sqlite3.Error, OSError) as e:
+            self._db.close()
+            raise StoreUnopenable(_open_problem(self.path, e)) from None
+
+    def _open(self) -> None:
+        """Set the connection up; create the schema or migrate an older file in place."""
         with self._lock:
             if self.path != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")

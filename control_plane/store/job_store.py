@@ -27,6 +27,7 @@ from sbpflow.control_plane.store.db import StoreError
 from sbpflow.control_plane.store.schema import COLUMNS as _COLUMNS
 from sbpflow.control_plane.store.schema import (
     JOBS,
+    LIVE_STATES,
     JobEvent,
     JobRecord,
     LossPoint,
@@ -35,10 +36,15 @@ from sbpflow.control_plane.store.schema import (
     record_from_row,
 )
 from sbpflow.control_plane.store.tables import JobSideTables
-from sbpflow.runs.states import IN_FLIGHT, TERMINAL, JobState, allowed, legal_next
+from sbpflow.runs.states import TERMINAL, JobState, allowed, legal_next
 
 RESTART_REASON = "CONTROL_PLANE_RESTARTED"
 RESUMED_REASON = "RESUMED_AFTER_RESTART"
+CANCELLED_BY_USER = "CANCELLED_BY_USER"
+
+
+class AlreadyResuming(StoreError):
+    """A job that another job in flight (or queued) already resumes: at most one goes on from it."""
 
 
 class IllegalTransitionError(StoreError, ValueError):
@@ -77,7 +83,8 @@ class JobStore(JobSideTables):
 
         With an ``idempotency_key``, a job already stored under the same (``client_id``, key) is
         returned instead, and nothing is written. ``resumed_from``/``resume_checkpoint``: the job (which
-        must exist) and the checkpoint a resumed job starts from.
+        must exist) and the checkpoint a resumed job starts from; ``AlreadyResuming`` when a job not yet
+        ended already resumes it (checked here and, against other processes, by a unique index).
         """
         job_id = uuid.uuid4().hex[:16]
         now = time.time()
@@ -91,6 +98,7 @@ class JobStore(JobSideTables):
                     return record_from_row(row)
             if resumed_from:
                 self._get(resumed_from)
+                self._refuse_second_resume(resumed_from)
             self._db.execute(
                 "INSERT INTO jobs (id, name, state, attempt, created, updated, job_proto, client_id, "
                 "idempotency_key, total_steps, slots, resumed_from, resume_checkpoint, options) "
@@ -101,6 +109,38 @@ class JobStore(JobSideTables):
             )  # fmt: skip
             data: dict[str, object] = {"resumed_from": resumed_from} if resumed_from else {}
             self._append_event(job_id, "created", JobState.PENDING, data=data, now=now)
+            return self._get(job_id)
+
+    def _refuse_second_resume(self, resumed_from: str) -> None:
+        row = self._db.execute(
+            f"SELECT id, state FROM jobs WHERE resumed_from = ? AND state IN {LIVE_STATES}", (resumed_from,)
+        ).fetchone()
+        if row is not None:
+            raise AlreadyResuming(
+                f"job {resumed_from} is already being resumed by job {row[0]} ({JobState(row[1]).name}); "
+                f"follow that one (`sbpflow watch {row[0]}`), or cancel it before resuming again"
+            )
+
+    def find(self, client_id: str, idempotency_key: str) -> JobRecord | None:
+        """The job stored under (``client_id``, ``idempotency_key``), if any."""
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT {_COLUMNS} FROM {JOBS} WHERE client_id = ? AND idempotency_key = ?",
+                (client_id, idempotency_key),
+            ).fetchone()
+        return None if row is None else record_from_row(row)
+
+    def request_cancel(self, job_id: str, message: str) -> JobRecord:
+        """Store a Cancel of a job not yet ended (before it is acknowledged): if the control plane stops
+        before the run does, the next one ends the job CANCELLED rather than resume it."""
+        with self._tx():
+            rec = self._get(job_id)
+            if rec.state.terminal or rec.cancel_requested:
+                return rec
+            self._db.execute(
+                "UPDATE jobs SET cancel_requested = ?, updated = ? WHERE id = ?",
+                (message, time.time(), job_id),
+            )
             return self._get(job_id)
 
     def set_reason(self, job_id: str, reason: str, message: str = "") -> JobRecord:
@@ -280,25 +320,30 @@ class JobStore(JobSideTables):
     ) -> builtins.list[JobRecord]:
         """Settle every job a previous process left COMPILING, STARTING or RUNNING; return them.
 
-        A job for which ``resumable(rec)`` says how to go on becomes PENDING again as its next attempt
+        A job with a stored Cancel (``request_cancel``; PENDING ones too) ends CANCELLED
+        (``CANCELLED_BY_USER``) and is never resumed. Otherwise a job for which ``resumable(rec)`` says how to go on becomes PENDING again as its next attempt
         (reason ``RESUMED_AFTER_RESTART``), to be scheduled with the others; every other one is marked
         FAILED (reason ``CONTROL_PLANE_RESTARTED``). Call once on start-up, before scheduling anything.
         PENDING jobs stay PENDING; terminal jobs are untouched.
         """
-        names = [str(s) for s in IN_FLIGHT]
         with self._lock:
             ids = [
                 str(r[0])
                 for r in self._db.execute(
-                    f"SELECT id FROM jobs WHERE state IN ({', '.join('?' * len(names))}) ORDER BY created",
-                    names,
+                    f"SELECT id FROM jobs WHERE state IN {LIVE_STATES} AND (state != ? OR cancel_requested != '') "
+                    "ORDER BY created",
+                    (str(JobState.PENDING),),
                 ).fetchall()
             ]
         out = []
         for job_id in ids:
             rec = self.get(job_id)
-            how = resumable(rec)
-            if how is not None:
+            how = None if rec.cancel_requested else resumable(rec)
+            if rec.cancel_requested:
+                out.append(
+                    self.transition(job_id, JobState.CANCELLED, CANCELLED_BY_USER, rec.cancel_requested)
+                )
+            elif how is not None:
                 out.append(
                     self.new_attempt(
                         job_id, rec.attempt + 1, JobState.PENDING, RESUMED_REASON, how.message, how.step

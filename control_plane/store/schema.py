@@ -12,7 +12,11 @@ infinity in a REAL column but turns NaN into NULL, so ``losses.loss`` may be NUL
 held-out split (``eval_step``, 0 before the first, and ``eval_loss``; NaN as NULL with ``eval_step``
 set). Version 6 keeps the run options a client set for its job at Submit (``options``, a serialized
 ``sbpflow.v1.RunOptions``; empty: the server's), so a job re-queued after a restart runs under them
-again. A file of an older version is migrated in place on open by ``MIGRATIONS[v]`` for each version
+again. Version 7 makes Cancel durable and Resume single: ``cancel_requested`` holds a Cancel's message
+from the moment it is asked ('' = none), so a restarted control plane ends the job CANCELLED instead
+of resuming it, and the unique index ``jobs_live_resume`` lets at most one job in flight (or PENDING)
+hold a given ``resumed_from``, so two Resumes of one job racing cannot both start from its checkpoint.
+A file of an older version is migrated in place on open by ``MIGRATIONS[v]`` for each version
 ``v`` it is behind. The table ``loss_scaling`` (a dynamically loss-scaled job's scale after its last
 step and its steps skipped so far) is created on open in a file of any version that lacks it, and read
 through a LEFT JOIN, so an older file needs no migration and an older sbpflow ignores it.
@@ -25,9 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sbpflow.runs.states import JobState, WorkerState
+from sbpflow.runs.states import IN_FLIGHT, JobState, WorkerState
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class JobRecord:
     options: bytes = b""  # the sbpflow.v1.RunOptions the client set at Submit (b"": the server's)
     loss_scale: float | None = None  # dynamic loss scaling: the scale after the last step (None: none)
     skipped_steps: int = 0  # its steps skipped so far (a gradient held an inf or NaN)
+    cancel_requested: str = ""  # a Cancel's message, stored before it is acknowledged ('' = none asked)
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     loss_nan INTEGER NOT NULL DEFAULT 0,
     eval_step INTEGER NOT NULL DEFAULT 0,
     eval_loss REAL,
-    options BLOB NOT NULL DEFAULT x''
+    options BLOB NOT NULL DEFAULT x'',
+    cancel_requested TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 CREATE INDEX IF NOT EXISTS jobs_created ON jobs(created);
@@ -192,8 +198,14 @@ CREATE TABLE IF NOT EXISTS loss_scaling (
     skipped_steps INTEGER NOT NULL
 );
 """
+# Version 7's: one live job at most resumes a given job (terminal ones leave the index).
+LIVE_STATES = "(" + ", ".join(f"'{s}'" for s in (JobState.PENDING, *IN_FLIGHT)) + ")"
+_V7 = f"""
+CREATE UNIQUE INDEX IF NOT EXISTS jobs_live_resume ON jobs(resumed_from)
+    WHERE resumed_from != '' AND state IN {LIVE_STATES};
+"""
 
-SCHEMA = _JOBS + _V2
+SCHEMA = _JOBS + _V2 + _V7
 
 # from-version -> statements that bring a file of that version to the next one.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
@@ -220,12 +232,13 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE jobs ADD COLUMN eval_loss REAL",
     ),
     5: ("ALTER TABLE jobs ADD COLUMN options BLOB NOT NULL DEFAULT x''",),
+    6: ("ALTER TABLE jobs ADD COLUMN cancel_requested TEXT NOT NULL DEFAULT ''",),
 }
 
 COLUMNS = (
     "id, name, state, reason, message, attempt, step, loss, samples_per_second, created, updated, "
     "started, finished, job_proto, client_id, total_steps, slots, resumed_from, resume_checkpoint, loss_nan, "
-    "eval_step, eval_loss, options, loss_scaling.loss_scale, loss_scaling.skipped_steps"
+    "eval_step, eval_loss, options, loss_scaling.loss_scale, loss_scaling.skipped_steps, cancel_requested"
 )
 JOBS = "jobs LEFT JOIN loss_scaling ON loss_scaling.job_id = jobs.id"  # what COLUMNS are selected from
 
@@ -248,7 +261,7 @@ def record_from_row(row: Sequence[Any]) -> JobRecord:
     """A ``JobRecord`` from a row of ``SELECT {COLUMNS} FROM {JOBS}``."""
     (id_, name, state, reason, message, attempt, step, loss, sps, created, updated, started, finished,
      blob, client_id, total_steps, slots, resumed_from, resume_checkpoint, loss_nan, eval_step,
-     eval_loss, options, loss_scale, skipped_steps) = row  # fmt: skip
+     eval_loss, options, loss_scale, skipped_steps, cancel_requested) = row  # fmt: skip
     return JobRecord(
         id=str(id_),
         name=str(name),
@@ -274,4 +287,5 @@ def record_from_row(row: Sequence[Any]) -> JobRecord:
         options=bytes(options),
         loss_scale=_opt(loss_scale),
         skipped_steps=int(skipped_steps or 0),
+        cancel_requested=str(cancel_requested),
     )

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from sbpflow.control_plane.store.db import StoreError, UnknownJobError
+from sbpflow.control_plane.store.db import StoreError, StoreUnopenable, UnknownJobError
 from sbpflow.control_plane.store.job_store import (
+    CANCELLED_BY_USER,
     RESTART_REASON,
     RESUMED_REASON,
+    AlreadyResuming,
     IllegalTransitionError,
     JobStore,
     Resumable,
@@ -276,13 +278,16 @@ def test_a_resumed_job_names_the_job_and_checkpoint_it_goes_on_from(store: JobSt
         store.create(b"x", "new", resumed_from="gone")
 
 
+V6 = "DROP INDEX jobs_live_resume; ALTER TABLE jobs DROP COLUMN cancel_requested; "  # what version 6 lacks
+
+
 def test_a_version_2_store_is_migrated(tmp_path: Path) -> None:
     path = tmp_path / "v2.db"
     with JobStore(path) as s:
         job_id = s.create(b"x", "j").id
     con = sqlite3.connect(path)  # make it what version 2 wrote: no resume columns
     con.executescript(
-        "ALTER TABLE jobs DROP COLUMN resumed_from; ALTER TABLE jobs DROP COLUMN resume_checkpoint; "
+        f"{V6}ALTER TABLE jobs DROP COLUMN resumed_from; ALTER TABLE jobs DROP COLUMN resume_checkpoint; "
         "ALTER TABLE jobs DROP COLUMN loss_nan; ALTER TABLE jobs DROP COLUMN eval_step; "
         "ALTER TABLE jobs DROP COLUMN eval_loss; ALTER TABLE jobs DROP COLUMN options; PRAGMA user_version=2;"
     )
@@ -291,7 +296,7 @@ def test_a_version_2_store_is_migrated(tmp_path: Path) -> None:
     with JobStore(path) as s:
         rec = s.get(job_id)
         assert (rec.resumed_from, rec.resume_checkpoint) == ("", "")
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
 
 
 def test_a_version_3_store_is_migrated_and_then_keeps_nan_losses(tmp_path: Path) -> None:
@@ -302,7 +307,7 @@ def test_a_version_3_store_is_migrated_and_then_keeps_nan_losses(tmp_path: Path)
         s.record_step(job_id, 1, 0.5, 10.0)
     con = sqlite3.connect(path)  # what version 3 wrote: a NOT NULL loss, no loss_nan
     con.executescript(
-        "ALTER TABLE jobs DROP COLUMN loss_nan; ALTER TABLE jobs DROP COLUMN eval_step; "
+        f"{V6}ALTER TABLE jobs DROP COLUMN loss_nan; ALTER TABLE jobs DROP COLUMN eval_step; "
         "ALTER TABLE jobs DROP COLUMN eval_loss; ALTER TABLE jobs DROP COLUMN options; "
         "ALTER TABLE losses RENAME TO old; "
         "CREATE TABLE losses (job_id TEXT NOT NULL REFERENCES jobs(id), step INTEGER NOT NULL, "
@@ -456,3 +461,101 @@ def test_a_failed_commit_is_rolled_back_and_the_store_writes_again(store: JobSto
     store._db = real  # the disk has room again: the next write goes (no transaction left open)
     store.append_log(rec.id, -1, "INFO", "kept")
     assert [line.text for line in store.logs(rec.id)] == ["kept"] and store.write_error == ""
+
+
+def test_a_stored_cancel_ends_the_job_cancelled_after_a_restart_never_resumed(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    with JobStore(path) as s:
+        running, queued, other = (s.create(b"x", n).id for n in ("running", "queued", "other"))
+        for job_id in (running, other):
+            run_to(s, job_id, S.COMPILING, S.STARTING, S.RUNNING)
+        assert s.request_cancel(running, "not needed").cancel_requested == "not needed"
+        assert s.request_cancel(running, "again").cancel_requested == "not needed"  # the first one stands
+        s.request_cancel(queued, "also not")
+        done = s.create(b"x", "done").id
+        run_to(s, done, S.COMPILING, S.STARTING, S.RUNNING, S.SUCCEEDED)
+        assert s.request_cancel(done, "too late").cancel_requested == ""  # an ended job is left as it is
+    with JobStore(path) as s:  # "restart"; every job could resume from a checkpoint
+        fixed = s.reconcile_after_restart(lambda rec: Resumable(1, "goes on"))
+        assert {r.id: r.state for r in fixed} == {running: S.CANCELLED, queued: S.CANCELLED, other: S.PENDING}
+        for job_id, message in ((running, "not needed"), (queued, "also not")):
+            rec = s.get(job_id)
+            assert (rec.reason, rec.message, rec.attempt) == (CANCELLED_BY_USER, message, 1)
+        assert s.get(done).state == S.SUCCEEDED and s.reconcile_after_restart() == []
+
+
+def test_one_job_in_flight_at_most_resumes_a_job(store: JobStore) -> None:
+    old = store.create(b"x", "old").id
+    first = store.create(b"x", "r1", resumed_from=old, resume_checkpoint="/c/old/step-00000004").id
+    with pytest.raises(
+        AlreadyResuming, match=f"job {old} is already being resumed by job {first} \\(PENDING\\)"
+    ):
+        store.create(b"x", "r2", resumed_from=old, resume_checkpoint="/c/old/step-00000004")
+    assert store.count() == 2 and store.write_error == ""  # nothing stored; the store is fine
+    with pytest.raises(sqlite3.IntegrityError):  # the index holds it even for a writer that did not check
+        store._db.execute(
+            "INSERT INTO jobs (id, name, state, created, updated, job_proto, resumed_from) "
+            "VALUES ('x2', 'r2', 'JOB_STATE_PENDING', 0, 0, x'', ?)",
+            (old,),
+        )
+    store.transition(first, S.CANCELLED)  # once it ended, the job may be resumed again
+    again = store.create(b"x", "r3", resumed_from=old, resume_checkpoint="/c/old/step-00000004")
+    assert again.state == S.PENDING and again.resumed_from == old
+
+
+def test_concurrent_resumes_of_one_job_store_one(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    with JobStore(path) as s:
+        old = s.create(b"x", "old").id
+    stores = [JobStore(path) for _ in range(6)]  # six connections: as if six processes
+    barrier, made, refused = threading.Barrier(len(stores)), [], []
+
+    def resume(s: JobStore) -> None:
+        barrier.wait()
+        try:
+            made.append(s.create(b"x", "r", resumed_from=old, resume_checkpoint="/c").id)
+        except AlreadyResuming as e:
+            refused.append(str(e))
+
+    threads = [threading.Thread(target=resume, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for s in stores:
+        s.close()
+    assert len(made) == 1 and len(refused) == 5 and all(made[0] in r for r in refused), (made, refused)
+
+
+@pytest.mark.parametrize(
+    "broken, says",
+    [
+        (
+            "garbage",
+            "is damaged or not a job store (SQLite: file is not a database); restore it from a backup",
+        ),
+        ("truncated", "is damaged or not a job store (SQLite: database disk image is malformed)"),
+        ("directory", "is a directory; point --store at a file in it"),
+        ("no folder", "does not exist; create it or point --store at another file"),
+    ],
+)
+def test_a_broken_store_file_is_refused_saying_what_to_do(tmp_path: Path, broken: str, says: str) -> None:
+    path = tmp_path / "jobs.db"
+    with JobStore(path) as s:
+        for _ in range(200):
+            s.create(b"x" * 500, "j")
+    whole = path.read_bytes()
+    for extra in (tmp_path / "jobs.db-wal", tmp_path / "jobs.db-shm"):
+        extra.unlink(missing_ok=True)
+    if broken == "garbage":
+        path.write_bytes(bytes(range(256)) * 40)
+    elif broken == "truncated":
+        path.write_bytes(whole[: len(whole) * 2 // 3])
+    elif broken == "directory":
+        path.unlink()
+        path.mkdir()
+    else:
+        path = tmp_path / "gone" / "jobs.db"
+    with pytest.raises(StoreUnopenable) as e:
+        JobStore(path)
+    assert says in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
