@@ -8,7 +8,9 @@
     141  the reader of stdout went away (``sbpflow status | head``): quiet, as other Unix tools end on
          SIGPIPE
 
-Errors print one line on stderr, ``sbpflow: error: ...``.
+Errors print one line on stderr, ``sbpflow: error: ...``; an ``OSError`` no command turned into words
+(a file name too long for the file system, say) prints its reason and file name, exit 1, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ OK, FAILED, USAGE, INTERRUPTED, BROKEN_PIPE = 0, 1, 2, 130, 141
 
 class UsageError(SbpflowError):
     """The command line is wrong (a bad flag value, an example file that is not one): exit 2."""
+
+
+def shown(value: object) -> str:
+    """A value (a path, an id) as an error message quotes it: repr'd, so that odd characters show, and
+    cut to about 100 characters with its length said."""
+    text = repr(str(value))
+    return text if len(text) <= 120 else f"{text[:100]}...' ({len(str(value))} characters)"
 
 
 def _quiet_stdout() -> None:
@@ -52,6 +61,10 @@ def run_command(fn: Callable[[], int]) -> int:
     except BrokenPipeError:
         _quiet_stdout()
         return BROKEN_PIPE
+    except OSError as e:  # after BrokenPipeError, one of its kind
+        where = f": {shown(e.filename)}" if e.filename is not None else ""
+        print(f"sbpflow: error: {e.strerror or e}{where}", file=sys.stderr)
+        return FAILED
     except KeyboardInterrupt:
         print("sbpflow: interrupted", file=sys.stderr)
         return INTERRUPTED

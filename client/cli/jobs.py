@@ -20,6 +20,7 @@ from typing import Any
 from sbpflow.client.cli.byte_sizes import parse_bytes
 from sbpflow.client.cli.exit_codes import UsageError
 from sbpflow.client.cli.generate import cmd_generate, generate_flags
+from sbpflow.client.cli.output_files import output_path, write_output
 from sbpflow.client.cli.run_flags import add_run_flags, given_run_flags, run_options_from_args
 from sbpflow.errors import SbpflowError
 from sbpflow.runs.options import MANAGER_DEFAULTS
@@ -234,7 +235,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.trace:
         from sbpflow.actor_workers.runtime.trace import chrome_trace
 
-        Path(args.trace).write_text(json.dumps(chrome_trace(result.trace or [])), encoding="utf-8")
+        write_output(args.trace, json.dumps(chrome_trace(result.trace or [])), "--trace")
         print(f"wrote {args.trace} (open it in https://ui.perfetto.dev)")
     return 0
 
@@ -376,8 +377,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     src = resolve(_checkpoint_dir(args))
     out = Path(args.out or f"{Path(args.id).name}-{src.name}.{args.format}")
-    export(src, out, args.format, convert=_layout_of(args))
-    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) from {src}")
+    convert = _layout_of(args)
+    # the writers take a path; theirs is a file in output_path's private folder (np.savez adds ".npz"
+    # to a name without it, so the name has the format's suffix)
+    with output_path(out, "--out", name=f"export.{args.format}") as tmp:
+        export(src, tmp, args.format, convert=convert)
+        size = tmp.stat().st_size
+    print(f"wrote {out} ({size / 1e6:.1f} MB) from {src}")
     return 0
 
 

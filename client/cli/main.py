@@ -7,12 +7,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
+from sbpflow.client.cli.argument_checks import check_arguments
 from sbpflow.client.cli.auto import add_auto_flags
 from sbpflow.client.cli.examples import job_from_args, load_example
 from sbpflow.client.cli.exit_codes import run_command
 from sbpflow.client.cli.jobs import JOB_COMMANDS, RUN_DEFAULTS, RUN_EXCLUDED, client_flags, cmd_run
+from sbpflow.client.cli.output_files import write_output
 from sbpflow.client.cli.run_flags import add_run_flags
 from sbpflow.errors import SbpflowError
 from sbpflow.runs.options import CLIENT_FIELDS
@@ -26,9 +27,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     job = load_example(args.example).make_job()
     job.verify()
     if args.out:
-        data = wire.job_to_proto(job).SerializeToString()
-        Path(args.out).write_bytes(data)
-        print(f"wrote {args.out} ({len(data)} bytes, {len(job.graph.ops)} ops)")
+        size = write_output(args.out, wire.job_to_proto(job).SerializeToString(), "--out")
+        print(f"wrote {args.out} ({size} bytes, {len(job.graph.ops)} ops)")
     else:
         print(job.graph.dump() if args.dump else summarize(job))
     return 0
@@ -61,15 +61,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.out:
         if compiled.plan is None:
             raise SbpflowError(f"no plan to write to {args.out}: {'; '.join(compiled.notes)}")
-        data = compiled.plan.SerializeToString()
-        Path(args.out).write_bytes(data)
-        say(f"wrote {args.out} ({len(data)} bytes)")
+        size = write_output(args.out, compiled.plan.SerializeToString(), "--out")
+        say(f"wrote {args.out} ({size} bytes)")
     if args.html:
-        page = graph_page.html_page(compiled.state, compiled.memory, compiled.notes)
-        Path(args.html).write_text(page, encoding="utf-8")
+        write_output(
+            args.html, graph_page.html_page(compiled.state, compiled.memory, compiled.notes), "--html"
+        )
         say(f"wrote {args.html}")
     if args.dot:
-        Path(args.dot).write_text(graph_page.dot(compiled.state), encoding="utf-8")
+        write_output(args.dot, graph_page.dot(compiled.state), "--dot")
         say(f"wrote {args.dot} (render with: dot -Tsvg {args.dot} -o plan.svg)")
     return 0
 
@@ -180,10 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run(args: argparse.Namespace) -> int:
+    check_arguments(args)  # before any command sees a string it could choke on
+    return COMMANDS[args.command][0](args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; its exit code (``cli_exit``: 0 done, 1 failed, 2 a usage error)."""
+    """Run one command; its exit code (``exit_codes.py``: 0 done, 1 failed, 2 a usage error)."""
     args = build_parser().parse_args(argv)
-    return run_command(lambda: COMMANDS[args.command][0](args))
+    return run_command(lambda: _run(args))
 
 
 if __name__ == "__main__":

@@ -75,13 +75,13 @@ def test_status_json_has_the_documented_keys(plane: ControlPlane, done_job: str)
     assert done_job in [j["job_id"] for j in listed["jobs"]]
 
 
-def test_checkpoints_and_plan_json(plane: ControlPlane, done_job: str) -> None:
+def test_checkpoints_and_plan_json(plane: ControlPlane, done_job: str, tmp_path: Path) -> None:
     root = plane.config.checkpoint_root or ""
     r = sbpflow("checkpoints", done_job, "--checkpoint-root", root, "--json")
     assert r.returncode == 0, r.stderr
     found = json.loads(r.stdout)["checkpoints"]
     assert [c["step"] for c in found] == [1, 2] and tuple(found[0]) == json_output.CHECKPOINT_KEYS
-    r = sbpflow("plan", MLP, "--ranks", "2", "--tp", "--json", "--dot", os.devnull)
+    r = sbpflow("plan", MLP, "--ranks", "2", "--tp", "--json", "--dot", str(tmp_path / "plan.dot"))
     plan = json.loads(r.stdout)  # the "wrote" line goes to stderr
     assert tuple(plan) == json_output.PLAN_KEYS and plan["job"] == "TrainMLP" and "wrote" in r.stderr
     assert all(set(o) == {"name", "op_type", "inputs", "outputs"} for o in plan["ops"])
