@@ -162,6 +162,13 @@ def svg(state: CompileState) -> str:
     return "\n".join(out)
 
 
+# a constant, so that a Content-Security-Policy can allow exactly this style by its hash
+PAGE_STYLE = (
+    "body{font-family:sans-serif;margin:16px} table{border-collapse:collapse;margin:8px 0}"
+    "td,th{border:1px solid #ccc;padding:2px 8px;text-align:left;font-size:12px}"
+)
+
+
 def html_page(
     state: CompileState,
     memory: Mapping[int, DeviceMemory] | None = None,
@@ -172,10 +179,8 @@ def html_page(
     esc = html.escape
     title = title or f"sbpflow plan: {state.job.name}"
     parts = [
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title)}</title><style>",
-        "body{font-family:sans-serif;margin:16px} table{border-collapse:collapse;margin:8px 0}"
-        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:left;font-size:12px}",
-        f"</style></head><body><h2>{esc(title)}</h2>",
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title)}</title>"
+        f"<style>{PAGE_STYLE}</style></head><body><h2>{esc(title)}</h2>",
         f"<p>{len(state.graph.ops)} ops, {len(state.boxings)} boxing nodes moving "
         f"{sum(p.bytes for p in state.boxings.values())} B per step.</p>",
         *(f"<p><em>{esc(n)}</em></p>" for n in notes),

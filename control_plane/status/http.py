@@ -1,4 +1,4 @@
-"""The HTTP status endpoint of the control plane (standard library ``http.server``, one thread per request).
+"""The HTTP status endpoint of the control plane: its routes (the transport is ``http_server.py``).
 
 | path | answers |
 |---|---|
@@ -11,13 +11,24 @@
 | ``/jobs/{id}`` | a job's page: failure, curves, workers, checkpoints, events, log, configuration, plan |
 | ``/jobs/{id}/plan`` | the job's plan picture on a page of its own (``control_plane/render/graph_page.py``) |
 | ``/login`` | GET: the sign-in form (open); POST ``token=...&next=/path``: the session cookie, then ``next`` |
-| ``/logout`` | POST: the session cookie cleared |
+| ``/logout`` | POST: the session revoked on the server and its cookie cleared |
 
 JSON is ``google.protobuf.json_format`` of the same messages gRPC returns (proto field names, enums by
 name). With a token, the JSON paths and ``/metrics`` need ``Authorization: Bearer <token>`` (401
 otherwise); the pages take the bearer token or the session cookie that ``/login`` sets (``auth.py``),
 and without either answer 401 with the sign-in form. With a certificate and key the endpoint speaks
 HTTPS and the cookie is ``Secure``.
+
+Sign-in and sign-out are POSTs a page of another site could send (login CSRF, a forced sign-out): both
+are refused (403) unless the browser says the request is same-origin (``Sec-Fetch-Site: same-origin``
+or ``none``, and an ``Origin`` naming this host), and sign-out acts only on a request that carries the
+session cookie — SameSite=Strict, so a browser never sends it with another site's request. Clients
+that are not browsers send neither header and are let through: they hold the token anyway. After
+sign-in the browser goes to ``next`` only when it is a path of this site (:func:`safe_next`).
+
+Every HTML page carries a Content-Security-Policy (``web.CSP``: only the pages' own inline script and
+styles, by hash; no framing), and every reply ``X-Content-Type-Options: nosniff`` and
+``Referrer-Policy: same-origin`` (with no-referrer a browser sends ``Origin: null``). A peer that sends too many wrong tokens gets 429 (``throttle.py``).
 """
 
 from __future__ import annotations
@@ -25,18 +36,18 @@ from __future__ import annotations
 import json
 import logging
 import ssl
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from sbpflow.checkpoint.read import CheckpointInfo
 from sbpflow.control_plane.status import records, web, web_job
-from sbpflow.control_plane.status.auth import COOKIE, OPEN_HTTP_PATHS, SESSION_SECONDS, TokenCheck
+from sbpflow.control_plane.status.auth import COOKIE, OPEN_HTTP_PATHS, SESSION_SECONDS, TokenCheck, too_many
+from sbpflow.control_plane.status.http_server import Incoming, Limits, Outgoing, Server
 from sbpflow.control_plane.status.metrics import CONTENT_TYPE, Metrics
 from sbpflow.control_plane.status.plan_view import PlanCache
+from sbpflow.control_plane.status.throttle import retry_after
 from sbpflow.control_plane.store.db import StoreError, UnknownJobError
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import WorkerRecord
@@ -48,6 +59,8 @@ PAGE_JOBS = 50
 MAX_LIMIT = 1000  # ?limit= on /v1/jobs
 MAX_ID = 256  # characters of a job id in a path
 MAX_FORM = 8192  # bytes of a POSTed form
+FORM_LIMITS = Limits(max_body=MAX_FORM)  # the transport's bounds (http_server.py)
+SAFE_NEXT = "!#$%&'()*+,-./:;=?@[]^_`{|}~"  # ASCII kept as it is in a ``next`` path; the rest %-encoded
 log = logging.getLogger("sbpflow.control_plane.status.http")
 
 
@@ -67,6 +80,10 @@ class Request:
     authorization: str | None = None
     cookie: str | None = None
     form: Mapping[str, list[str]] | None = None  # a POST's url-encoded body
+    peer: str = ""  # the client's address: wrong tokens are counted per peer
+    origin: str | None = None  # the Origin header: a browser's POST names the site it comes from
+    fetch_site: str | None = None  # Sec-Fetch-Site: "same-origin", "cross-site", ... (browsers only)
+    host: str | None = None  # the Host header
 
 
 def _json(code: int, obj: Any) -> Reply:
@@ -89,9 +106,20 @@ def _is_page(path: str) -> bool:
     return path == "/" or path.startswith("/jobs/")
 
 
-def _safe_next(path: str) -> str:
-    """A local path to go to after sign-in: never another site (``//host``, ``https://...``)."""
-    return path if path.startswith("/") and not path.startswith("//") and "\\" not in path else "/"
+def safe_next(path: str) -> str:
+    """``path`` when it is a path of this site, else ``"/"``: where a browser goes after sign-in.
+
+    One leading "/" and no "//", "/\\" or backslash — also once %-decoded, as a browser may decode — no
+    control character or whitespace (browsers drop a tab or newline from a URL, so "/%09/evil.example"
+    would become "//evil.example"), hence no scheme and no host; non-ASCII is %-encoded, so the
+    Location header is plain ASCII.
+    """
+    for text in (path, unquote(path)):
+        if not text.startswith("/") or "//" in text or "\\" in text:
+            return "/"
+        if any(c.isspace() or not c.isprintable() for c in text):
+            return "/"
+    return quote(path, safe=SAFE_NEXT)
 
 
 class Jobs(Protocol):
@@ -126,19 +154,18 @@ class StatusEndpoint:
         tls_key: str | None = None,
         open_paths: frozenset[str] = OPEN_HTTP_PATHS,
         unready: Callable[[], str] = lambda: "",
+        limits: Limits = FORM_LIMITS,
     ) -> None:
         self.manager, self.store, self.check = manager, manager.store, check
         self.unready = unready  # why the server cannot take calls now ("" when it can): /readyz
         self.open_paths = open_paths | {"/login"}  # answered without the token: the probes, sign-in
         self.secure = bool(tls_cert and tls_key)
         self.plans = PlanCache()
-        self._server = ThreadingHTTPServer((host, port), _handler_class(self))
-        self._server.daemon_threads = True
+        tls = None
         if tls_cert and tls_key:
-            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            ctx.load_cert_chain(tls_cert, tls_key)
-            self._server.socket = ctx.wrap_socket(self._server.socket, server_side=True)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="sbpflow-http", daemon=True)
+            tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            tls.load_cert_chain(tls_cert, tls_key)
+        self._server = Server(self.serve, host, port, tls, limits)
         # exact paths; "/v1/jobs/{id}" and "/jobs/{id}[/plan]" are matched by prefix in ``answer``
         self.routes: dict[str, Callable[[Request], Reply]] = {
             "/healthz": lambda q: Reply(200, "text/plain", b"ok\n"),
@@ -151,25 +178,40 @@ class StatusEndpoint:
         self.posts: dict[str, Callable[[Request], Reply]] = {"/login": self.login, "/logout": self.logout}
 
     def start(self) -> int:
-        self._thread.start()
-        return int(self._server.server_address[1])
+        return self._server.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.stop()
+
+    def serve(self, inc: Incoming) -> Outgoing:
+        """One request from the transport (on one of its pool's threads): parsed, answered, headed."""
+        req = _parse(inc)
+        reply = req if isinstance(req, Reply) else self.answer(req)
+        return Outgoing(reply.code, _headers(reply), reply.body)
 
     # ---- routes -----------------------------------------------------------------------------------
 
     def answer(self, req: Request) -> Reply:
         path = req.path.rstrip("/") or "/"
+        if req.method not in ("GET", "POST"):
+            reply = _error(405, f"{req.method[:20]} is not served: the status endpoint is read-only; use GET")
+            return Reply(reply.code, reply.ctype, reply.body, (("Allow", "GET, POST"),))
+        wait = (
+            self.check.throttle.wait(req.peer) if path not in self.open_paths or req.method == "POST" else 0
+        )
+        if wait > 0:  # a guesser, locked out: its token is not even compared
+            reply = _error(429, too_many(wait))
+            return Reply(429, reply.ctype, reply.body, (("Retry-After", retry_after(wait)),))
         if req.method == "POST":
             post = self.posts.get(path)
             if post is None:
                 return _error(405, f"POST {path[:80]!r} is not served: the status endpoint is read-only")
+            if not _same_origin(req, self.secure):
+                return _error(403, f"POST {path} from another site is refused: use this site's own form")
             return post(req)
         if path not in self.open_paths and not self.allowed(req, path):
             if _is_page(path):  # a person: the sign-in form, coming back here after it
-                return _html(web.login(_safe_next(req.path), self._problem(req)), 401)
+                return _html(web.login(safe_next(req.path), self._problem(req)), 401)
             return _error(401, self.check.problem(req.authorization))
         try:
             return self._route(path, req)
@@ -199,6 +241,8 @@ class StatusEndpoint:
         """The bearer token on every path; the session cookie too on the pages (never the JSON API)."""
         if self.check.check(req.authorization):
             return True
+        if req.authorization:  # a wrong token (a missing one is no guess)
+            self.check.throttle.failed(req.peer)
         return _is_page(path) and self.check.check_cookie(req.cookie)
 
     def _problem(self, req: Request) -> str:
@@ -259,16 +303,18 @@ class StatusEndpoint:
         return _html(plan.page or f"<!doctype html><p>{web.esc(plan.summary)}</p>")
 
     def login_form(self, req: Request) -> Reply:
-        nxt = _safe_next(req.query.get("next", ["/"])[0])
+        nxt = safe_next(req.query.get("next", ["/"])[0])
         return _redirect(nxt) if not self.check.enabled else _html(web.login(nxt))
 
     def login(self, req: Request) -> Reply:
         form = req.form or {}
-        nxt = _safe_next(form.get("next", ["/"])[0])
+        nxt = safe_next(form.get("next", ["/"])[0])
         if not self.check.enabled:
             return _redirect(nxt)
         token = form.get("token", [""])[0]
         if not token or not self.check.check(f"Bearer {token}"):
+            if token:
+                self.check.throttle.failed(req.peer)
             problem = (
                 "the token is wrong: use the one the server was started with" if token else "give the token"
             )
@@ -276,7 +322,11 @@ class StatusEndpoint:
         return _redirect(nxt, ("Set-Cookie", self._cookie(self.check.session(), SESSION_SECONDS)))
 
     def logout(self, req: Request) -> Reply:
-        return _redirect("/login" if self.check.enabled else "/", ("Set-Cookie", self._cookie("", 0)))
+        """Revokes the request's session; without one (another site's POST carries no SameSite=Strict
+        cookie) it changes nothing, not even the cookie."""
+        if not self.check.revoke(req.cookie):
+            return _redirect("/login" if self.check.enabled else "/")
+        return _redirect("/login", ("Set-Cookie", self._cookie("", 0)))
 
     def _cookie(self, value: str, max_age: int) -> str:
         secure = "; Secure" if self.secure else ""
@@ -316,78 +366,57 @@ def _state(name: str) -> JobState:
     return JobState[key]
 
 
-def _handler_class(endpoint: StatusEndpoint) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "sbpflow"
-        default_request_version = "HTTP/1.0"  # so even an unparsable request line gets a status line
+def _same_origin(req: Request, secure: bool) -> bool:
+    """Whether a POST comes from this site's own page, by what the browser says (nothing: not a browser)."""
+    if req.fetch_site not in (None, "same-origin", "none"):
+        return False
+    if req.origin is None:
+        return True
+    scheme = "https" if secure else "http"
+    return req.origin == f"{scheme}://{req.host}"
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            self._serve(None)
 
-        def do_POST(self) -> None:  # noqa: N802
-            size = self.headers.get("Content-Length", "0")
-            if not (size.isascii() and size.isdigit() and int(size) <= MAX_FORM):
-                self._reply(_error(413, f"a form of at most {MAX_FORM} bytes, with its Content-Length"))
-                return
-            raw = self.rfile.read(int(size)).decode("utf-8", errors="replace")
-            try:
-                form = parse_qs(raw, max_num_fields=16)
-            except ValueError as e:
-                self._reply(_error(400, f"malformed form: {str(e)[:200]}; send token=...&next=/path"))
-                return
-            self._serve(form)
+def _parse(inc: Incoming) -> Request | Reply:
+    """The request ``answer`` reads, or the 400 a malformed target or form gets."""
+    try:
+        url = urlsplit(inc.target)
+        query = parse_qs(url.query, max_num_fields=64)
+    except ValueError as e:
+        return _error(400, f"malformed request target: {str(e)[:200]}")
+    form = None
+    if inc.method == "POST":
+        try:
+            form = parse_qs(inc.body.decode("utf-8", errors="replace"), max_num_fields=16)
+        except ValueError as e:
+            return _error(400, f"malformed form: {str(e)[:200]}; send token=...&next=/path")
+    h = inc.headers
+    return Request(
+        inc.method,
+        url.path,
+        query,
+        h.get("authorization"),
+        h.get("cookie"),
+        form,
+        inc.peer,
+        h.get("origin"),
+        h.get("sec-fetch-site"),
+        h.get("host"),
+    )
 
-        def _serve(self, form: dict[str, list[str]] | None) -> None:
-            try:
-                url = urlsplit(self.path)
-                query = parse_qs(url.query, max_num_fields=64)
-            except ValueError as e:
-                self._reply(_error(400, f"malformed request target: {str(e)[:200]}"))
-                return
-            req = Request(
-                self.command,
-                url.path,
-                query,
-                self.headers.get("Authorization"),
-                self.headers.get("Cookie"),
-                form,
-            )
-            self._reply(endpoint.answer(req))
 
-        def do_HEAD(self) -> None:  # noqa: N802
-            self._reply(_error(405, "HEAD is not served; use GET"), allow=True)
-
-        def _refuse_method(self) -> None:
-            self._reply(
-                _error(405, f"{self.command} is not served: the status endpoint is read-only; use GET"),
-                allow=True,
-            )
-
-        do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse_method  # noqa: N815
-
-        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-            """http.server's own refusals (a malformed request line, over-long headers) as JSON too."""
-            self.close_connection = True
-            self._reply(_error(code, message or explain or "malformed request"))
-
-        def _reply(self, r: Reply, allow: bool = False) -> None:
-            self.send_response(r.code)
-            self.send_header("Content-Type", r.ctype)
-            self.send_header("Content-Length", str(len(r.body)))
-            if r.ctype == HTML:  # the pages run only their own inline script, and no one frames them
-                self.send_header("X-Frame-Options", "DENY")
-                self.send_header("Cache-Control", "no-store")
-            for name, value in r.headers:
-                self.send_header(name, value)
-            if r.code == 401:
-                self.send_header("WWW-Authenticate", 'Bearer realm="sbpflow"')
-            if allow:
-                self.send_header("Allow", "GET" if self.command != "POST" else "GET, POST")
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(r.body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # no access log on stderr
-
-    return Handler
+def _headers(r: Reply) -> tuple[tuple[str, str], ...]:
+    """The reply's headers: its own and the ones every reply carries, the HTML pages' policy too."""
+    out = [
+        ("Content-Type", r.ctype),
+        ("X-Content-Type-Options", "nosniff"),
+        ("Referrer-Policy", "same-origin"),
+    ]
+    if r.ctype == HTML:  # the pages run only their own inline script and styles, and no one frames them
+        out += [
+            ("Content-Security-Policy", web.CSP),
+            ("X-Frame-Options", "DENY"),
+            ("Cache-Control", "no-store"),
+        ]
+    if r.code == 401:
+        out.append(("WWW-Authenticate", 'Bearer realm="sbpflow"'))
+    return (*out, *r.headers)

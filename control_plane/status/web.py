@@ -9,10 +9,13 @@ whole (reload by hand). A job's own page is ``web_job.py``.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
 import time
 from collections.abc import Sequence
 
+from sbpflow.control_plane.render import graph_page, plan_picture
 from sbpflow.control_plane.status.charts import Series, fmt, line_chart
 from sbpflow.control_plane.store.schema import JobRecord, LossPoint
 from sbpflow.runs.states import JobState
@@ -59,6 +62,30 @@ REFRESH_JS = f"""
   setInterval(tick, {REFRESH_SECONDS * 1000});
 }})();
 """
+
+
+def _sha256(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+_STYLES = " ".join(_sha256(css) for css in (STYLE, plan_picture.CSS, graph_page.PAGE_STYLE))
+# The policy of every page: nothing but this script and these style blocks, by their hashes, so an
+# injected <script> or <style> would not run. Style attributes are allowed: the plan picture's legend
+# colours its swatches with them (plan_picture.py), and an attribute can set a colour, not run code.
+CSP = "; ".join(
+    (
+        "default-src 'none'",
+        f"script-src {_sha256(REFRESH_JS)}",
+        f"style-src {_STYLES}",
+        f"style-src-elem {_STYLES}",
+        "style-src-attr 'unsafe-inline'",
+        "img-src 'self' data:",
+        "connect-src 'self'",  # the refresh script re-reads its own page
+        "form-action 'self'",
+        "frame-ancestors 'none'",
+        "base-uri 'none'",
+    )
+)
 
 
 def esc(x: object) -> str:

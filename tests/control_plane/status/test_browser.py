@@ -53,11 +53,21 @@ def browser() -> Iterator[Any]:
     options.binary_location = CHROMIUM
     for flag in FLAGS:
         options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console: CSP violations land there
     driver = webdriver.Chrome(service=Service(DRIVER), options=options)
     driver.set_page_load_timeout(60)
     driver.implicitly_wait(20)  # a find waits for the page a click or a redirect is loading
     yield driver
     driver.quit()
+
+
+@pytest.fixture(autouse=True)
+def no_policy_violation(browser: Any) -> Iterator[None]:
+    """Every page of a test ran under its Content-Security-Policy without a refusal in the console."""
+    browser.get_log("browser")  # drop what an earlier test left
+    yield
+    refused = [e["message"] for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
+    assert not refused, refused
 
 
 def shot(driver: Any, name: str) -> None:
@@ -93,6 +103,12 @@ def test_sign_in_open_a_job_and_see_its_curve(browser: Any, served: tuple[Contro
     assert d.execute_script("return document.cookie") == ""  # script cannot read it
     link.click()
     assert h.job_id in d.title
+    # the page's own style and script run under its policy: the style block by its hash
+    assert "sans-serif" in d.execute_script("return getComputedStyle(document.body).fontFamily")
+    assert (
+        d.execute_script("return getComputedStyle(document.querySelector('.state')).color")
+        == "rgb(255, 255, 255)"
+    )
     chart = d.find_element(By.CSS_SELECTOR, "#curves svg.chart")
     assert chart.size["width"] > 300 and chart.size["height"] > 150  # drawn, not an empty box
     texts = [t.text for t in chart.find_elements(By.TAG_NAME, "text")]
@@ -120,6 +136,11 @@ def test_a_block_of_the_plan_opens_on_click(browser: Any, served: tuple[ControlP
     opened = d.find_element(By.ID, href[1:])
     assert opened.is_displayed() and opened.find_elements(By.TAG_NAME, "table")
     shot(d, "4-block")
+    d.get(f"{plane.http_address}/jobs/{h.job_id}/plan")  # the plan's own page, its own style block
+    assert (
+        d.execute_script("return getComputedStyle(document.querySelector('table')).borderCollapse")
+        == "collapse"
+    )
 
 
 def test_signing_out_locks_the_pages_again(browser: Any, served: tuple[ControlPlane, JobHandle]) -> None:

@@ -22,12 +22,18 @@ from tests.examples.test_examples import load
 
 
 def request(
-    base: str, method: str, path: str, body: dict[str, str] | None = None, cookie: str = "", token: str = ""
+    base: str,
+    method: str,
+    path: str,
+    body: dict[str, str] | None = None,
+    cookie: str = "",
+    token: str = "",
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, dict[str, str], str]:
     """One request, redirects not followed: status, headers, body."""
     url = urllib.parse.urlsplit(base)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-    headers = {"Cookie": cookie} if cookie else {}
+    headers = {**(headers or {}), **({"Cookie": cookie} if cookie else {})}
     if token:
         headers["Authorization"] = f"Bearer {token}"
     data = None
@@ -100,16 +106,22 @@ def test_a_forged_or_expired_cookie_is_refused() -> None:
     good = check.session(now=1000.0)
     assert check.check_cookie(f"{COOKIE}={good}", now=1001.0)
     assert not check.check_cookie(f"{COOKIE}={good}", now=1000.0 + SESSION_SECONDS + 1)  # expired
-    expiry, mac = good.split(".")
-    assert not check.check_cookie(f"{COOKIE}={int(expiry) + 999}.{mac}", now=1001.0)  # expiry moved
+    sid, expiry, mac = good.split(".")
+    assert not check.check_cookie(f"{COOKIE}={sid}.{int(expiry) + 999}.{mac}", now=1001.0)  # expiry moved
+    assert not check.check_cookie(f"{COOKIE}={'0' * 32}.{expiry}.{mac}", now=1001.0)  # another id
     assert not TokenCheck("other").check_cookie(f"{COOKIE}={good}", now=1001.0)  # another token's server
+    assert not TokenCheck("tok").check_cookie(f"{COOKIE}={good}", now=1001.0)  # another server, same token
     for junk in ("", f"{COOKIE}=", f"{COOKIE}=abc", 'x="unterminated'):
         assert not check.check_cookie(junk, now=1001.0)
 
 
 def test_sign_out_clears_the_cookie(served: tuple[ControlPlane, JobHandle, JobHandle]) -> None:
-    code, headers, _ = request(served[0].http_address, "POST", "/logout", {})
+    cookie = sign_in(served[0].http_address)
+    code, headers, _ = request(served[0].http_address, "POST", "/logout", {}, cookie=cookie)
     assert code == 303 and headers["location"] == "/login" and "Max-Age=0" in headers["set-cookie"]
+    # without a session (another site's POST carries none) sign-out changes nothing, not even the cookie
+    code, headers, _ = request(served[0].http_address, "POST", "/logout", {})
+    assert code == 303 and headers["location"] == "/login" and "set-cookie" not in headers
 
 
 def test_a_job_page_shows_curves_checkpoints_events_configuration_and_plan(
