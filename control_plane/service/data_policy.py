@@ -17,6 +17,10 @@ which the workers set on the sources they decode from the plan; each file is the
     DataPolicy.under(["/data"])   # `sbpflow server --data-root /data`
     DataPolicy.under([])          # no --data-root: no file data at all (synthetic or inline only)
     DataPolicy.embedded()         # `sbpflow run`: the working directory and sf.corpus's cache
+
+A failed run's reason comes from its cause's type (:data:`FAILURE_REASONS`, :func:`reason_of`):
+``PERMISSION_DENIED`` for a refused file, ``CHECKPOINT_STORAGE_FULL``/``_READ_ONLY``/``_ERROR`` for a
+checkpoint that its disk would not take (:mod:`sbpflow.checkpoint.write`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from sbpflow.checkpoint.write import STORAGE_ERRORS, CheckpointStorageError
 from sbpflow.data.access import DENIED, MAX_SHOWN, DataAccessDenied, refusal, resolved, within
 from sbpflow.data.sources import ArrayFileSource, DataSource, TokenFileSource, with_roots
 from sbpflow.errors import SbpflowError
@@ -89,12 +94,18 @@ class DataPolicy:
         )
 
 
+# A failed run's cause (its type, or a base of it) -> the job's reason. A Ray worker's cause arrives as its
+# type's name only (``cause_type``), so the table is keyed by names.
+_STORAGE: tuple[type[CheckpointStorageError], ...] = (CheckpointStorageError, *STORAGE_ERRORS.values())
+FAILURE_REASONS: dict[str, str] = {
+    DataAccessDenied.__name__: DENIED,  # a file refused: by the check before the run, or as a worker opened it
+    **{c.__name__: c.reason for c in _STORAGE},  # its disk
+}
+
+
 def reason_of(error: BaseException, otherwise: str) -> str:
-    """A failed run's reason: ``PERMISSION_DENIED`` when a file was refused — by the check before the run,
-    or as a worker opened it (in process the cause itself; from a Ray worker its type's name) — else
-    ``otherwise``."""
+    """A failed run's reason by its cause (in process the cause itself, the error when it has none; from a
+    Ray worker its type's name) in :data:`FAILURE_REASONS`, else ``otherwise``."""
     cause = getattr(error, "cause", error)
-    refused = (
-        isinstance(cause, DataAccessDenied) or getattr(cause, "cause_type", "") == DataAccessDenied.__name__
-    )
-    return DENIED if refused else otherwise
+    names = [getattr(cause, "cause_type", "")] + [t.__name__ for t in type(cause).__mro__]
+    return next((FAILURE_REASONS[n] for n in names if n in FAILURE_REASONS), otherwise)

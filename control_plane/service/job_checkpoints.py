@@ -6,18 +6,31 @@ it from (:func:`sbpflow.control_plane.service.resume.start_checkpoint`); a corru
 Its own are taken no later than the job's last stored step (``rec.step``): a control plane that stopped
 with reports in flight never stored the losses of the steps after it, so those steps train again and
 the job's loss history stays whole.
+
+Whether the checkpoint root takes writes at all is :class:`StorageProbe`'s: the manager is not ready
+(``/readyz`` 503, saying why) from a run's failed checkpoint write (``CHECKPOINT_STORAGE_*``) or a
+failed probe until a probe writes there again; it probes at start and at most every
+:data:`PROBE_SECONDS` as it is asked.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from sbpflow.checkpoint.read import CorruptCheckpoint, corrupt_note
+from sbpflow.checkpoint.write import CheckpointStorageError, make_dir, storage_error
 from sbpflow.control_plane.service import resume as resuming
 from sbpflow.control_plane.store.job_store import JobStore, Resumable
 from sbpflow.control_plane.store.schema import JobRecord
 
 CHECKPOINT_CORRUPT = "CHECKPOINT_CORRUPT"  # a corrupt checkpoint was passed over for an earlier one
+PROBE_SECONDS = 5.0  # at most one probe write to the checkpoint root in this long
+PROBE_BYTES = 64 * 1024  # what a probe writes (and fsyncs, then removes)
 
 
 def resumable(root: str | None, rec: JobRecord) -> Resumable | None:
@@ -62,3 +75,46 @@ def run_checkpoints(root: str | None, store: JobStore, rec: JobRecord) -> RunChe
     if found is None:
         return RunCheckpoints(str(resuming.job_dir(root, rec.id)))
     return RunCheckpoints(str(resuming.job_dir(root, rec.id)), str(found.path), found.step)
+
+
+def probe(root: str) -> str:
+    """'' when ``root`` takes a small write now, else why not and what to do."""
+    path = Path(root) / f".sbpflow-probe-{os.getpid()}-{threading.get_ident()}"
+    try:
+        make_dir(root)
+        try:
+            with open(path, "wb", buffering=0) as f:
+                f.write(bytes(PROBE_BYTES))
+                os.fsync(f.fileno())
+        finally:
+            path.unlink(missing_ok=True)
+    except CheckpointStorageError as e:
+        return str(e)
+    except OSError as e:
+        return str(storage_error(e, root))
+    return ""
+
+
+class StorageProbe:
+    """Why the checkpoint root cannot take checkpoints now ('' when it can, or when there is none)."""
+
+    def __init__(
+        self, root: str | None, every: float = PROBE_SECONDS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.root, self.every, self.clock = root, every, clock
+        self._problem, self._next = "", 0.0
+        self._lock = threading.Lock()
+
+    def failed(self, message: str) -> None:
+        """A run's checkpoint write failed (``message``): not ready until a probe, ``every`` s on, passes."""
+        with self._lock:
+            self._problem, self._next = message, self.clock() + self.every
+
+    def problem(self) -> str:
+        """The last finding, probed again when it is older than ``every`` seconds."""
+        if self.root is None:
+            return ""
+        with self._lock:
+            if self.clock() >= self._next:
+                self._problem, self._next = probe(self.root), self.clock() + self.every
+            return self._problem

@@ -7,22 +7,32 @@ the job's listeners (``run_listeners.py``), and ends the job's record:
 
 - SUCCEEDED with its result saved; FAILED with a machine-readable reason (``NON_FINITE_*``, a worker's
   ``WORKER_ERROR``, ``RUN_ERROR``, or the reason the failure's cause names in
-  :data:`~sbpflow.control_plane.service.data_policy.FAILURE_REASONS`); CANCELLED by a user's Cancel
-  (``CANCELLED_BY_USER``) or the manager's shutdown (``CONTROL_PLANE_SHUTDOWN``);
+  :data:`~sbpflow.control_plane.service.data_policy.FAILURE_REASONS`, ``CHECKPOINT_STORAGE_FULL`` and
+  ``_READ_ONLY`` among them: those also make the manager not ready until its checkpoint root takes a
+  write again, ``job_checkpoints.StorageProbe``);
+- CANCELLED by a user's Cancel (``CANCELLED_BY_USER``) or the manager's shutdown
+  (``CONTROL_PLANE_SHUTDOWN``). A run that ends in any way while its cancel is set (a compile that gave
+  up, say) ends CANCELLED, never FAILED;
 - a bug is ``INTERNAL``, its traceback kept in the job's log: a job is never lost;
-- a run stopped by a drain (SIGTERM, ``drain.py``) leaves its job in flight for the next control plane.
+- a run stopped by a drain (SIGTERM, ``drain.py``) leaves its job in flight for the next control plane,
+  unless a Cancel was stored for it (``JobStore.request_cancel``): then it ends CANCELLED here, and a
+  restarted control plane would end it so too (``reconcile_after_restart``).
 """
 
 from __future__ import annotations
 
 import traceback
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from sbpflow.actor_workers.runtime.errors import RunCancelled, RuntimeFailure
+from sbpflow.checkpoint.write import STORAGE_ERRORS, make_dir, storage_error
 from sbpflow.control_plane.service.data_policy import reason_of
 from sbpflow.control_plane.service.job_checkpoints import run_checkpoints
 from sbpflow.control_plane.service.job_options import for_run
 from sbpflow.control_plane.service.run_listeners import RunListeners
 from sbpflow.control_plane.service.running import Manager, RunningJob
+from sbpflow.control_plane.store.job_store import CANCELLED_BY_USER
 from sbpflow.errors import SbpflowError
 from sbpflow.runs.numerics import NonFinite
 from sbpflow.runs.options import RunOptions
@@ -32,8 +42,9 @@ if TYPE_CHECKING:
     from sbpflow.control_plane.launch.run_context import RunResult
     from sbpflow.control_plane.service.data_policy import DataPolicy
 
-CANCELLED_BY_USER = "CANCELLED_BY_USER"
 SHUTDOWN = "CONTROL_PLANE_SHUTDOWN"
+STORAGE_REASONS = frozenset(c.reason for c in STORAGE_ERRORS.values())  # the manager is not ready after one
+__all__ = ["CANCELLED_BY_USER", "SHUTDOWN", "RunHost", "run_job"]
 
 
 class RunConfig(Protocol):
@@ -66,19 +77,20 @@ class RunHost(Manager, Protocol):
     @property
     def run_results(self) -> dict[str, RunResult]: ...
 
+    def storage_failed(self, message: str) -> None:
+        """A run could not write its checkpoint for its disk: not ready until a write there succeeds."""
+
 
 def run_job(m: RunHost, job_id: str, r: RunningJob, flush_seconds: float) -> None:
     """Run one job to its end (see the module's rules); its held store writes are retried for at most
     ``flush_seconds`` at the end."""
-    from sbpflow.actor_workers.runtime.errors import RuntimeFailure
     from sbpflow.control_plane.compiler import pipeline
-    from sbpflow.control_plane.launch.launcher import RunCancelled, launch
+    from sbpflow.control_plane.launch.launcher import launch
     from sbpflow.control_plane.launch.run_context import RunRequest
 
     rec = m.store.get(job_id)
     checkpoints = run_checkpoints(m.config.checkpoint_root, m.store, rec)
     listeners = RunListeners(m, job_id, r, checkpoints.step)
-    finish = listeners.finish
     # a restart goes on from a checkpoint: without any, a job does not restart
     base = for_run(m.config.run, rec.options)  # the server's, with what the job's client set
     how = base if checkpoints.checkpoint_dir else base.replace(max_restarts=0)
@@ -90,6 +102,10 @@ def run_job(m: RunHost, job_id: str, r: RunningJob, flush_seconds: float) -> Non
             r.job = policy.bind(r.job)  # checked again as the workers open it (data_policy.py)
             how = how.replace(data_roots=policy.run_roots)
         compiled = r.compiled or pipeline.compile(r.job, lower="none")
+        if checkpoints.checkpoint_dir:  # a read-only or full root: CHECKPOINT_STORAGE_*, before any work
+            make_dir(checkpoints.checkpoint_dir)
+        if r.cancel.is_set():  # cancelled while it compiled
+            raise RunCancelled(r.cancel_message)
         asked = RunRequest(
             options=how,
             checkpoint_dir=checkpoints.checkpoint_dir,
@@ -101,21 +117,15 @@ def run_job(m: RunHost, job_id: str, r: RunningJob, flush_seconds: float) -> Non
             attempt=rec.attempt,
         )
         result = launch(compiled, listeners.heard_by(asked))
-    except (RunCancelled, RuntimeFailure) as e:
-        if r.drained:  # in flight for the next server, which resumes it from its checkpoint
+    except Exception as e:
+        ended = _ending(m, job_id, r, e)
+        if ended is None:  # drained: in flight for the next server, which resumes it from its checkpoint
             return
-        if isinstance(e, RuntimeFailure):
-            finish(JobState.FAILED, reason_of(e, "WORKER_ERROR"), str(e))
-            return
-        reason = SHUTDOWN if m.closed else CANCELLED_BY_USER
-        finish(JobState.CANCELLED, reason, r.cancel_message)
-    except NonFinite as e:  # NON_FINITE_LOSS (the step's loss is stored) or NON_FINITE_PARAMETERS
-        finish(JobState.FAILED, e.reason, str(e))
-    except SbpflowError as e:
-        finish(JobState.FAILED, reason_of(e, "RUN_ERROR"), str(e))
-    except Exception as e:  # a bug: keep the traceback in the job's log, never lose the job
-        listeners.write(m.store.append_log, job_id, -1, "ERROR", traceback.format_exc())
-        finish(JobState.FAILED, "INTERNAL", f"{type(e).__name__}: {e}")
+        if ended[1] == "INTERNAL":  # a bug: keep the traceback in the job's log, never lose the job
+            listeners.write(m.store.append_log, job_id, -1, "ERROR", traceback.format_exc())
+        if ended[1] in STORAGE_REASONS:
+            m.storage_failed(ended[2])
+        listeners.finish(*ended)
     else:
         from sbpflow.control_plane.status.records import result_proto
 
@@ -126,6 +136,33 @@ def run_job(m: RunHost, job_id: str, r: RunningJob, flush_seconds: float) -> Non
         listeners.write(save)
         if m.config.keep_run_results:
             m.run_results[job_id] = result
-        finish(JobState.SUCCEEDED, "", f"{len(result.losses)} steps in {result.seconds:.2f} s")
+        listeners.finish(JobState.SUCCEEDED, "", f"{len(result.losses)} steps in {result.seconds:.2f} s")
     finally:
         listeners.close(list(r.workers.values()), flush_seconds)
+
+
+def _ending(m: RunHost, job_id: str, r: RunningJob, e: Exception) -> tuple[JobState, str, str] | None:
+    """How a run that raised ``e`` ends its job: (state, reason, message); None: it stays in flight."""
+    asked = m.store.get(job_id).cancel_requested  # a Cancel is stored before it is acknowledged
+    if asked:  # even when a drain stopped the run too: a cancelled job is never resumed
+        return JobState.CANCELLED, CANCELLED_BY_USER, asked
+    if r.drained:
+        return None
+    if isinstance(e, RunCancelled) or r.cancel.is_set():  # whatever a stopped run raised on its way out
+        return JobState.CANCELLED, SHUTDOWN if m.closed else CANCELLED_BY_USER, r.cancel_message
+    if isinstance(e, NonFinite):  # NON_FINITE_LOSS (the step's loss is stored) or NON_FINITE_PARAMETERS
+        return JobState.FAILED, e.reason, str(e)
+    if isinstance(e, RuntimeFailure):
+        return JobState.FAILED, reason_of(e, "WORKER_ERROR"), str(e)
+    if isinstance(e, SbpflowError):
+        return JobState.FAILED, reason_of(e, "RUN_ERROR"), str(e)
+    root, where = m.config.checkpoint_root, getattr(e, "filename", None)
+    if (
+        isinstance(e, OSError)
+        and root
+        and where
+        and Path(where).absolute().is_relative_to(Path(root).absolute())
+    ):
+        err = storage_error(e, Path(where).parent)  # a file under the checkpoint root: its disk's fault
+        return JobState.FAILED, err.reason, str(err)
+    return JobState.FAILED, "INTERNAL", f"{type(e).__name__}: {e}"

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from sbpflow.checkpoint.read import CheckpointInfo, CorruptCheckpoint, corrupt_note, list_checkpoints
 from sbpflow.control_plane.service import resume as resuming
 from sbpflow.control_plane.service.drain import Draining
-from sbpflow.control_plane.service.job_checkpoints import resumable
+from sbpflow.control_plane.service.job_checkpoints import StorageProbe, resumable
 from sbpflow.control_plane.service.job_feed import JobFeed
 from sbpflow.control_plane.service.job_options import job_options
 from sbpflow.control_plane.service.job_run import CANCELLED_BY_USER, run_job
@@ -60,7 +60,7 @@ from sbpflow.control_plane.service.validation import (
     compile_submit,
     describe_cluster,
 )
-from sbpflow.control_plane.store.job_store import JobStore
+from sbpflow.control_plane.store.job_store import AlreadyResuming, JobStore
 from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
@@ -142,6 +142,7 @@ class JobManager:
         self._jobs: dict[str, Job] = {}  # parsed jobs of the queue, so they are not parsed twice
         self._compiled: dict[str, Compiled] = {}  # their Submit compiles, so they are not compiled twice
         self.run_results: dict[str, RunResult] = {}
+        self.storage = StorageProbe(config.checkpoint_root)  # does the checkpoint root take writes?
         self.ready = False
         self._closed = False
         self.draining = False
@@ -168,6 +169,7 @@ class JobManager:
                 self._jobs[rec.id] = wire.job_from_proto(job_pb2.Job.FromString(rec.job_proto))
                 self._queue.append(rec.id)
             self.ready = True
+        self.storage.problem()  # probe the checkpoint root now, so that /readyz knows from the start
         self._schedule()
         self.notify()
         return reconciled
@@ -210,19 +212,25 @@ class JobManager:
 
         if self.draining:
             raise Draining("resumed job")
+        earlier = self.store.find(client_id, idempotency_key) if idempotency_key else None
+        if earlier is not None:  # a retried Resume: the job the first one made, whatever happened since
+            return earlier
         rec = self.store.get(job_id)
         passed: list[CorruptCheckpoint] = []
         found = resuming.checkpoint_to_resume(self.config.checkpoint_root, rec, passed.append)
         reader = CheckpointReader(found.path)
-        new = self._admit(
-            rec.job_proto if job_bytes is None else job_bytes,
-            client_id,
-            idempotency_key,
-            check=lambda job: resuming.check_compatible(job, reader),
-            resumed_from=rec.id,
-            resume_checkpoint=str(found.path),
-            options=rec.options,  # the resumed job's client options go on with it
-        )
+        try:
+            new = self._admit(
+                rec.job_proto if job_bytes is None else job_bytes,
+                client_id,
+                idempotency_key,
+                check=lambda job: resuming.check_compatible(job, reader),
+                resumed_from=rec.id,
+                resume_checkpoint=str(found.path),
+                options=rec.options,  # the resumed job's client options go on with it
+            )
+        except AlreadyResuming as e:  # a concurrent Resume stored its job first (the store decides)
+            raise resuming.NotResumable(str(e)) from None
         for c in passed:
             self.store.append_log(new.id, -1, "WARNING", corrupt_note(c, found.step))
         return new
@@ -281,8 +289,10 @@ class JobManager:
 
     def cancel(self, job_id: str, reason: str = "") -> JobRecord:
         """Cancel a job: a queued one at once, a running one by stopping its run. A finished job is
-        returned as it is."""
+        returned as it is. The request is stored first: a control plane restarted before the run stops
+        ends the job CANCELLED instead of resuming it."""
         message = reason or "cancelled by the user"
+        self.store.request_cancel(job_id, message)
         with self._lock:
             rec = self.store.get(job_id)
             if rec.id in self._queue:
@@ -435,6 +445,15 @@ class JobManager:
                 del self._running[job_id]
             self._schedule()
             self.notify(job_id)
+
+    def storage_failed(self, message: str) -> None:
+        """A run's checkpoint write failed for its disk: not ready until the root takes a write again."""
+        self.storage.failed(message)
+
+    def unready_reason(self) -> str:
+        """Why the manager should take no new work now ('' when it may): its checkpoint root is full or
+        read-only (``/readyz`` answers 503 with this)."""
+        return self.storage.problem()
 
     @property
     def closed(self) -> bool:

@@ -367,7 +367,7 @@ class ControlPlane:
     def _unready(self) -> str:
         if self.manager.draining:
             return "the control plane is draining (SIGTERM); send new jobs to another server"
-        return unready(self.store, self.unary)
+        return self.manager.unready_reason() or unready(self.store, self.unary)  # checkpoint root, store
 
     def drain(self, grace: float | None = None) -> Drained:
         """SIGTERM's way out: refuse new jobs (UNAVAILABLE), let running jobs reach a checkpoint within
