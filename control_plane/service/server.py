@@ -47,6 +47,7 @@ from sbpflow.control_plane.service.isolation import (
     CapacityInterceptor,
     StreamGate,
     check_bind,
+    transport_options,
     unready,
 )
 from sbpflow.control_plane.service.job_options import for_run
@@ -299,6 +300,7 @@ class ControlPlane:
         self.health = health.HealthServicer()
         self.streams = StreamGate(config.max_streams)
         self.unary = CallCounter(config.threads)
+        self.capacity = CapacityInterceptor(self.streams, self.unary)  # and each caller's fair share
         self.port = 0
         self.http_port: int | None = None
         self._grpc: grpc.Server | None = None
@@ -319,11 +321,15 @@ class ControlPlane:
         check_bind(cfg.host, cfg.auth_token, cfg.insecure)
         limit = cfg.max_message_bytes
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        pool = cfg.threads + cfg.max_streams
         server = grpc.server(
             # streams beyond max_streams are refused, so `threads` threads stay for unary calls
-            futures.ThreadPoolExecutor(cfg.threads + cfg.max_streams, thread_name_prefix="sbpflow-grpc"),
-            interceptors=[AuthInterceptor(self.check), CapacityInterceptor(self.streams, self.unary)],
-            options=options,
+            futures.ThreadPoolExecutor(pool, thread_name_prefix="sbpflow-grpc"),
+            # the token first: a call refused for it costs nothing and counts against no one's share
+            interceptors=[AuthInterceptor(self.check), self.capacity],
+            options=options + transport_options(),
+            # past this gRPC answers RESOURCE_EXHAUSTED itself, at once: no call queues for long
+            maximum_concurrent_rpcs=2 * pool,
         )
         server.add_generic_rpc_handlers([_job_service_handler(JobServicer(self.manager))])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
