@@ -103,6 +103,8 @@ class RankCheckpointer:
 
     def on_assign(self, name: str, step: int) -> None:
         """Called in the assign act: copy the value now (later acts may overwrite its buffer)."""
+        if isinstance(self.error, ck.CheckpointStorageError):  # a full or read-only disk: stop the run now,
+            raise self.error  # not at its end; its type names the job's reason (CHECKPOINT_STORAGE_*)
         if not self.due(step):
             return
         copy = None

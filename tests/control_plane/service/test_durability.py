@@ -58,9 +58,9 @@ plane = start(Path(STORE), http_port=0, checkpoint_root=str(Path(MOUNT) / "ckpt"
 plane.manager.storage.every = 0.3  # re-probe often: the test waits for it
 out = {"ready at start": readyz()}
 with Client(plane.address) as c:
-    h = c.submit(job_of(load("mlp"), 40, every=2, n_in=512, hidden=512, lr=0.001))
+    h = c.submit(job_of(load("mlp"), 100_000, every=2, n_in=512, hidden=512, lr=0.001))
     end = h.watch(stream=open(os.devnull, "w"))
-out.update(state=sp.JobState.Name(end.state), reason=end.reason, message=end.message)
+out.update(state=sp.JobState.Name(end.state), reason=end.reason, message=end.message, step=end.step)
 out["ready after"] = readyz()
 out["temp files"] = [str(p) for p in Path(MOUNT).rglob("*.tmp")]
 if not READ_ONLY:
@@ -95,6 +95,7 @@ def test_a_full_checkpoint_disk_fails_the_job_clearly_and_readyz_until_it_takes_
     assert where in out["message"] and "No space left on device (ENOSPC)" in out["message"], out
     assert "free space" in out["message"] and "--checkpoint-root" in out["message"], out
     assert "OSError" not in out["message"] and out["temp files"] == [], out
+    assert out["step"] < 1000, out  # stopped at the failed write, not at the end of its 100000 steps
     for key in ("ready after", "ready while full"):
         code, body = out[key]
         assert code == 503 and where in body and "ENOSPC" in body, (key, out)
