@@ -7,6 +7,10 @@ or INTERNAL, and a message saying what to do; never UNKNOWN.
   code, anything else INTERNAL with the traceback in the server's log and no internals in the message;
 - :func:`guard` runs one step of a method under the same table;
 - messages are capped (:data:`MAX_DETAILS`): gRPC carries them in a trailer of bounded size;
+- a call refused for capacity (a caller past its fair share, the server saturated: ``isolation.py``) is
+  RESOURCE_EXHAUSTED with ``retry-after-ms`` in its trailing metadata; without it RESOURCE_EXHAUSTED is
+  a request too large (message, metadata, a job too big for the workers), which no retry cures, or
+  gRPC's own backstop past ``maximum_concurrent_rpcs`` ("Concurrent RPC limit exceeded!");
 - the request fields a method stores or looks up (job ids, client ids, idempotency keys) are bounded
   before any lookup (:func:`valid_job_id`, :func:`check_keys`).
 """
