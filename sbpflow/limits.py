@@ -2,18 +2,26 @@
 
 A job is untrusted input at Submit: anything the compiler or a worker does in proportion to a number
 the user chose (a stage, a step count, a shape, a name written into every store row and metric label)
-must be bounded before that work starts. :class:`Limits` is the table; :func:`check_graph` and
+must be bounded before that work starts. :class:`Limits` is the table (a server may pass its own); :func:`check_graph` and
 :func:`check_data` walk a job's graph and data source and raise :class:`LimitError` at the first value
 outside it, naming the field, the value, the limit and the fix (``sbpflow.job.check_job`` walks the rest of
 a job with the same helpers, as part of ``Job.verify``). ``sbpflow.codec.wire`` calls the same helpers while it
 converts a protobuf (a shape is checked before numpy multiplies it out).
 
 Every check here is cheap: linear in the size of the job message, never in a number inside it.
+
+The compile's own work grows with numbers inside the job (ops x micro-batches x stages x ranks): the
+compiler estimates it from the compiled graph before lowering (``compiler/plan_size.py``: refused over
+the ``Limits``' plan fields with :class:`CompileLimitError`), and a :class:`CompileBudget` (cancel event,
+deadline, counters of what one lowering walk built) is checked inside the loops that grow with them, so
+a compile stops within a few thousand tasks of its limit or of a cancel (:class:`CompileCancelled`).
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,9 +62,97 @@ class Limits:
     count: int = 1 << 20  # tensors, ops, parameters, fetches, data fields, arrays, files of one job
     magnitude: float = 1e30  # any float hyper-parameter or attribute (|x|), besides being finite
     int_attr: int = 1 << 62  # |x| of an integer attribute
+    # what compiling a job may cost the control plane (``compiler/plan_size.py``, :class:`CompileBudget`);
+    # a task costs the control plane ~2 KB while built and ~50-100 us to build (measured on GPT, 1F1B)
+    pipeline_slots: int = 1 << 19  # stages x micro-batches: the schedule's actions
+    walk_steps: int = 1 << 22  # op emissions of one lowering walk: ~ compiled ops x micro-batches
+    rank_tasks: int = 1 << 18  # tasks of one rank's DevicePlan
+    rank_registers: int = 1 << 19  # registers of one rank's DevicePlan
+    plan_bytes: int = 1 << 28  # one rank's serialised DevicePlan, estimated
+    plan_tasks: int = 1 << 26  # every rank's tasks together (a big job is lowered a few ranks at a time)
+    built_tasks: int = 1 << 20  # tasks one lowering walk may build: what the control plane holds at once
+    compile_seconds: float = 3600.0  # a job's compile and lowering, wall clock
 
 
 LIMITS = Limits()
+
+
+class CompileLimitError(LimitError):
+    """A compile over its :class:`Limits` (estimated before lowering, or counted while lowering): the job
+    ends FAILED with this ``reason``."""
+
+    reason = "COMPILE_LIMIT"
+
+
+class CompileCancelled(SbpflowError):
+    """The compile's cancel event was set (a launch turns it into its ``RunCancelled``)."""
+
+
+@dataclass
+class CompileBudget:
+    """One compile's budget, checked cooperatively by the loops that grow with the job's numbers: a cancel
+    event, a wall-clock deadline, and counters of the tasks, registers and walk steps the current
+    lowering walk made (:meth:`walk` starts a walk's counters again; the deadline spans every walk)."""
+
+    limits: Limits = LIMITS
+    cancel: threading.Event | None = None
+    deadline: float = math.inf  # time.monotonic()
+    tasks: int = 0
+    registers: int = 0
+    steps: int = 0
+    _due: int = 0  # steps + tasks at which the clock and the event are next looked at
+
+    EVERY = 1024  # how often (steps and tasks made) the clock and the cancel event are looked at
+
+    @classmethod
+    def start(cls, limits: Limits = LIMITS, cancel: threading.Event | None = None) -> CompileBudget:
+        return cls(limits, cancel, time.monotonic() + limits.compile_seconds)
+
+    def walk(self) -> None:
+        self.tasks = self.registers = self.steps = self._due = 0
+        self.check()
+
+    def check(self) -> None:
+        """Raise :class:`CompileCancelled` once the event is set, :class:`CompileLimitError` past the deadline."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise CompileCancelled("the compile was cancelled")
+        if time.monotonic() > self.deadline:
+            raise over_budget(
+                "compile_seconds", self.limits.compile_seconds, "the compile ran past its time limit"
+            )
+
+    def made(self, tasks: int = 0, registers: int = 0, steps: int = 0) -> None:
+        """Count what a walk made; raise when a count passes its limit (and now and then :meth:`check`)."""
+        self.tasks += tasks
+        self.registers += registers
+        self.steps += steps
+        lim = self.limits
+        if self.tasks > lim.built_tasks:
+            raise over_budget("built_tasks", lim.built_tasks, f"one lowering walk built {self.tasks} tasks")
+        if self.registers > 2 * lim.built_tasks:
+            raise over_budget(
+                "built_tasks",
+                lim.built_tasks,
+                f"one lowering walk built {self.registers} registers (2 a task)",
+            )
+        if self.steps > lim.walk_steps:
+            raise over_budget("walk_steps", lim.walk_steps, f"one lowering walk took {self.steps} steps")
+        if self.steps + self.tasks >= self._due:
+            self._due = self.steps + self.tasks + self.EVERY
+            self.check()
+
+
+FEWER = (
+    "use fewer micro-batches (micro_batches x gradient_accumulation_steps), fewer pipeline stages, ranks "
+    "or layers, or ask the server's operator to raise its limit"
+)
+
+
+def over_budget(quantity: str, limit: float, what: str, fix: str = FEWER) -> CompileLimitError:
+    """The error for a compile over ``Limits.<quantity>``: what it is, the limit and the fix."""
+    return CompileLimitError(
+        f"{what}, over the limit of {limit:,} (Limits.{quantity}); {fix}", field=quantity
+    )
 
 
 def _shown(value: Any) -> str:

@@ -34,7 +34,7 @@ from types import ModuleType
 from typing import Literal, TypeVar
 
 from sbpflow.codec import wire
-from sbpflow.control_plane.compiler import comm_order, memory
+from sbpflow.control_plane.compiler import comm_order, memory, plan_size
 from sbpflow.control_plane.compiler.lowering import lower as lowering
 from sbpflow.control_plane.compiler.lowering.boxing import Memo
 from sbpflow.control_plane.compiler.lowering.on_demand import LAZY_ABOVE, check_order, estimate_tasks
@@ -58,6 +58,7 @@ from sbpflow.control_plane.compiler.verify import verify_compiled
 from sbpflow.errors import PlacementError
 from sbpflow.graph import BOXING, Graph
 from sbpflow.job import Job
+from sbpflow.limits import CompileBudget
 from sbpflow.placement import Placement
 from sbpflow.sbp import format_nd
 from sbpflow.v1 import job_pb2 as jp
@@ -100,6 +101,7 @@ class Compiled:
     memory: dict[int, DeviceMemory] = field(default_factory=dict)
     lazy: lowering.Lowered | None = None  # on demand: the representatives' walk (totals, call log)
     job_id: str = ""
+    budget: CompileBudget | None = None  # what its compile and every later lowering walk may cost
     _devices: dict[int, pp.DevicePlan] = field(default_factory=dict, repr=False)
     _headers: dict[tuple[Placement, ...], bytes] = field(default_factory=dict, repr=False)  # of rank plans
     _placed: dict[int, tuple[Placement, ...]] = field(default_factory=dict, repr=False)  # ``placed_on``
@@ -129,7 +131,8 @@ class Compiled:
     def _walk(self, ranks: list[int]) -> tuple[dict[int, pp.DevicePlan], dict[int, list[str]]]:
         """``device_plans`` and, for the ranks this walk built, the communicators each is a member of (every
         call on a communicator involves each of its ranks, so a built member has a task on it)."""
-        low = lowering.lower(self.state, [r for r in ranks if r not in self._devices], memo=self._memo)
+        todo = [r for r in ranks if r not in self._devices]
+        low = lowering.lower(self.state, todo, memo=self._memo, budget=self.budget)
         for rank, d in low.devices.items():
             d.memory.CopyFrom(self.memory[rank].to_proto())
         members: dict[int, list[str]] = {}
@@ -236,6 +239,7 @@ def compile(
     job_id: str = "",
     cluster_size: int | None = None,
     lower: bool | Lower = "auto",
+    budget: CompileBudget | None = None,
 ) -> Compiled:
     """Compile ``job``; raise the first pass's error (it names the op, the tensors and the fix).
 
@@ -243,16 +247,23 @@ def compile(
     a placement that needs more is refused before any pass runs. ``lower``: ``"eager"`` materialises the
     whole Plan, ``"lazy"`` lowers ranks on demand (module docstring), ``"auto"`` (or ``True``) is eager up
     to ``LAZY_ABOVE`` estimated tasks, ``"none"`` (or ``False``) stops after the graph passes (no
-    Plan, no memory estimate): what the compile-scale benchmark times per layer count.
+    Plan, no memory estimate): what the compile-scale benchmark times per layer count. ``budget`` (kept on
+    the Compiled for its lowering): the job is sized against its limits before the passes and before
+    lowering (``plan_size``), its cancel event and deadline are looked at between passes, and every
+    lowering walk counts against it; ``None``: no limits (a library call's own job).
     """
     mode: Lower = ("auto" if lower else "none") if isinstance(lower, bool) else lower
     t0 = time.perf_counter()
     if cluster_size is not None:
         check_cluster(job, cluster_size)
+    if budget is not None:
+        plan_size.precheck(job, budget.limits)
     state = CompileState.start(job)
-    out = Compiled(state, None, {"start": time.perf_counter() - t0}, job_id=job_id)
+    out = Compiled(state, None, {"start": time.perf_counter() - t0}, job_id=job_id, budget=budget)
     boxed = False
     for p in PASSES:
+        if budget is not None:
+            budget.check()
         _timed(out, pass_name(p), p.run, state)
         boxed = boxed or p is boxing_pass
         if verify:
@@ -263,14 +274,17 @@ def compile(
     return out if mode == "none" else finish(out, mode)
 
 
-def finish(out: Compiled, lower: Lower = "auto") -> Compiled:
+def finish(out: Compiled, lower: Lower = "auto", budget: CompileBudget | None = None) -> Compiled:
     """Lower ``out``, a job that ``compile(..., lower="none")`` left after its graph passes, on that same
     state (the passes do not run again) — what a control plane does with Submit's validation compile.
     ``lower`` as in :func:`compile`; a Compiled already lowered (or whose lowering was skipped) is returned
-    as it is. Its timings go on adding up (``total`` stays last)."""
+    as it is. Its timings go on adding up (``total`` stays last). ``budget`` (else ``out.budget``, and
+    kept there): the plan is sized against its limits first (``plan_size.check``), and lowering counts
+    against it."""
     if out.plan is not None or out.lazy is not None or any("lowering skipped" in n for n in out.notes):
         return out
     t0, state = time.perf_counter(), out.state
+    budget = out.budget = budget or out.budget
     before = out.timings.pop("total", 0.0)
     missing = [t for t in state.graph.tensors.values() if t.placement is None or t.sbp is None]
     if missing:
@@ -279,9 +293,12 @@ def finish(out: Compiled, lower: Lower = "auto") -> Compiled:
             "the SBP inference pass is missing; annotate every tensor or add the pass"
         )
     else:
+        if budget is not None:
+            plan_size.precheck(state.job, budget.limits)
+            _timed(out, "plan size", plan_size.check, state, budget.limits)
         mode = ("lazy" if estimate_tasks(state) > LAZY_ABOVE else "eager") if lower == "auto" else lower
         if mode == "eager":
-            out.plan = _timed(out, "lowering", lowering.run, state, out.job_id)
+            out.plan = _timed(out, "lowering", lowering.run, state, out.job_id, budget)
             out.memory = _timed(out, "memory", memory.run, state, out.plan)
             _timed(out, "comm_order", comm_order.check, out.plan)
         elif mode == "lazy":
@@ -294,7 +311,7 @@ def _lazy(out: Compiled) -> None:
     """Lower one rank per memory class, with the global call log, and check what the full plan would."""
     state = out.state
     classes = _timed(out, "rank classes", memory.rank_classes, state)
-    low = _timed(out, "lowering", lowering.lower, state, [c[0] for c in classes], True)
+    low = _timed(out, "lowering", lowering.lower, state, [c[0] for c in classes], True, None, out.budget)
     _timed(out, "comm_order", check_order, low)
     out.memory = _timed(out, "memory", memory.for_classes, state, low.devices, classes)
     out.lazy, out._devices = low, dict(low.devices)

@@ -65,6 +65,7 @@ from sbpflow.control_plane.launch.tensorboard_scalars import open_board
 from sbpflow.device import array_module
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
+from sbpflow.limits import LIMITS, CompileBudget, CompileCancelled
 from sbpflow.ops.training.loss_scaling import VARIABLES
 from sbpflow.runs.numerics import NonFiniteParameters, non_finite_parameters
 from sbpflow.runs.options import RunOptions
@@ -165,7 +166,10 @@ def _run(
     first_step, stop = context.first_step, context.cancel
     assert isinstance(stop, _Stop)
     context.state(JobState.COMPILING)
-    compiled = compile_for_run(given or job)
+    try:
+        compiled = compile_for_run(given or job, cancel)
+    except CompileCancelled as e:
+        raise RunCancelled(f"job {job.name!r} was cancelled while it was compiled") from e
     graph = compiled.state.graph
     loss = graph.tensors[job.loss] if job.loss else None
     samples = job.data.batch_size if job.data is not None else 0
@@ -175,6 +179,8 @@ def _run(
     )
     try:
         result = runner(compiled, context, tracker)
+    except CompileCancelled as e:  # a rank's plan lowered as the backend ships it (a big job, on Ray)
+        raise RunCancelled(f"job {job.name!r} was cancelled while its ranks' plans were lowered") from e
     except RuntimeFailure as failure:
         if tracker.non_finite is not None:
             raise tracker.non_finite from failure
@@ -230,10 +236,20 @@ def _resume_point(resume_from: str | None, steps: int) -> tuple[str | None, int]
     return resume_from, first_step
 
 
-def compile_for_run(job: Job | Compiled) -> Compiled:
+def compile_for_run(job: Job | Compiled, cancel: threading.Event | None = None) -> Compiled:
     """``job`` compiled (a Compiled: lowered on its own state), or a clear error when it cannot run (no
-    plan, a lowering skipped). A big job is lowered on demand: ``plan`` is None, ``lazy`` is set."""
-    compiled = pipeline.finish(job) if isinstance(job, Compiled) else pipeline.compile(job)
+    plan, a lowering skipped). A big job is lowered on demand: ``plan`` is None, ``lazy`` is set.
+
+    The compile runs under a fresh :class:`~sbpflow.limits.CompileBudget` (the limits Submit sized the job
+    with, else the defaults; its clock starts now): over a limit it raises ``CompileLimitError`` (the job
+    ends FAILED, ``COMPILE_LIMIT``), once ``cancel`` is set ``CompileCancelled``, within a few thousand
+    tasks either way."""
+    given = job.budget if isinstance(job, Compiled) else None
+    budget = CompileBudget.start(given.limits if given is not None else LIMITS, cancel)
+    if isinstance(job, Compiled):
+        compiled = pipeline.finish(job, budget=budget)
+    else:
+        compiled = pipeline.compile(job, budget=budget)
     skipped = [n for n in compiled.notes if "lowering skipped" in n]
     if (compiled.plan is None and compiled.lazy is None) or skipped:
         raise SbpflowError(

@@ -20,7 +20,8 @@ which the workers set on the sources they decode from the plan; each file is the
 
 A failed run's reason comes from its cause's type (:data:`FAILURE_REASONS`, :func:`reason_of`):
 ``PERMISSION_DENIED`` for a refused file, ``CHECKPOINT_STORAGE_FULL``/``_READ_ONLY``/``_ERROR`` for a
-checkpoint that its disk would not take (:mod:`sbpflow.checkpoint.write`).
+checkpoint that its disk would not take (:mod:`sbpflow.checkpoint.write`), ``COMPILE_LIMIT`` for a
+compile over the server's limits (:class:`sbpflow.limits.CompileLimitError`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from sbpflow.data.access import DENIED, MAX_SHOWN, DataAccessDenied, refusal, re
 from sbpflow.data.sources import ArrayFileSource, DataSource, TokenFileSource, with_roots
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
+from sbpflow.limits import CompileLimitError
 
 
 def data_paths(source: DataSource | None) -> list[tuple[str, str]]:
@@ -100,6 +102,7 @@ _STORAGE: tuple[type[CheckpointStorageError], ...] = (CheckpointStorageError, *S
 FAILURE_REASONS: dict[str, str] = {
     DataAccessDenied.__name__: DENIED,  # a file refused: by the check before the run, or as a worker opened it
     **{c.__name__: c.reason for c in _STORAGE},  # its disk
+    CompileLimitError.__name__: CompileLimitError.reason,  # its compile over the server's limits
 }
 
 

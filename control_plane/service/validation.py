@@ -3,7 +3,10 @@
 ``validate_submit`` parses the serialised ``sbpflow.v1.Job``, converts it, verifies the graph, checks
 that the job can train (a data source and a loss), and runs the compiler's graph passes (no lowering)
 so that an impossible SBP, a bad pipeline staging or a placement larger than the cluster is refused at
-Submit. :func:`compile_submit` returns that compile (a ``Compiled`` after the graph passes): the job
+Submit. The compile is sized before its work (``compiler/plan_size.py``: stages x micro-batches before
+the passes; the plan's walk, tasks, registers and bytes after them, before any lowering), so a job whose
+plan would be over ``sbpflow.limits.Limits`` is refused here, naming the quantity, its value, the limit
+and what to change, in well under a second. :func:`compile_submit` returns that compile (a ``Compiled`` after the graph passes): the job
 manager keeps it for the run, which only lowers it (``pipeline.finish``), so a job is compiled once.
 Every failure is a ``ValidationError`` whose message keeps the underlying error's text (the op,
 the tensors, the fix); the server maps it to INVALID_ARGUMENT. Nothing is written anywhere.
@@ -24,7 +27,7 @@ from sbpflow.control_plane.launch.elastic import replace_world, world
 from sbpflow.data.access import DataAccessDenied
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
-from sbpflow.limits import LimitError
+from sbpflow.limits import LIMITS, CompileBudget, LimitError, Limits
 from sbpflow.v1 import job_pb2
 
 if TYPE_CHECKING:
@@ -130,21 +133,27 @@ def compile_submit(
     cluster: int | Cluster | None,
     max_bytes: int | None = None,
     data_policy: DataPolicy | None = None,
+    limits: Limits = LIMITS,
 ) -> Compiled:
     """Parse, convert, verify and compile (without lowering) ``job_bytes``; return the compiled job, its
     graph passes done (``Compiled.state.job`` is the submitted ``Job``; lower it with ``pipeline.finish``).
 
     ``cluster``: the devices the job may use (a :class:`Cluster`, or just their number), or ``None`` to
     skip those checks. ``max_bytes``: refuse a larger message before parsing it (``None``: no limit here).
+    ``limits``: the bounds on the job's values and on its compile (the Compiled keeps them for the launch).
     """
     if not isinstance(cluster, Cluster):
         cluster = Cluster(size=cluster)
     job = _parse(job_bytes, max_bytes, data_policy)
     _check_devices(job, cluster)
-    from sbpflow.control_plane.compiler import pipeline
+    from sbpflow.control_plane.compiler import pipeline, plan_size
 
     try:
-        compiled = pipeline.compile(job, cluster_size=cluster.size, lower="none")
+        budget = CompileBudget.start(limits)
+        compiled = pipeline.compile(job, cluster_size=cluster.size, lower="none", budget=budget)
+        plan_size.check(compiled.state, limits)  # before the launch lowers anything
+    except LimitError as e:
+        raise ValidationError(_message(e), kind="limit", field=e.field) from e
     except SbpflowError as e:
         raise ValidationError(_message(e), kind="compile", field="job.graph") from e
     if cluster.device_memory:

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 
 import pytest
 
 from sbpflow.control_plane.compiler.passes.micro_batching import PipelineError, check_stages
 from sbpflow.job import SGD, JobConfig, OptimizerSpec, check_job
-from sbpflow.limits import LIMITS, LimitError, check_float, check_name, check_shape
+from sbpflow.limits import (
+    LIMITS,
+    CompileBudget,
+    CompileCancelled,
+    CompileLimitError,
+    LimitError,
+    check_float,
+    check_name,
+    check_shape,
+)
 from tests.examples.test_examples import load
 
 
@@ -85,3 +95,37 @@ def test_a_huge_or_negative_stage_is_refused_without_enumerating_it(job) -> None
     g.ops[-1] = dataclasses.replace(g.ops[-1], stage=-1)
     with pytest.raises(PipelineError, match="numbered from 0"):
         check_stages(g)
+
+
+# ---- the compile's budget -------------------------------------------------------------------------------
+
+
+def test_a_budget_refuses_the_task_past_its_limit_naming_it() -> None:
+    budget = CompileBudget.start(dataclasses.replace(LIMITS, built_tasks=10))
+    budget.made(tasks=10)
+    with pytest.raises(CompileLimitError) as e:
+        budget.made(tasks=1)
+    assert e.value.reason == "COMPILE_LIMIT" and e.value.field == "built_tasks"
+    assert "built 11 tasks, over the limit of 10 (Limits.built_tasks); use fewer micro-batches" in str(
+        e.value
+    )
+    budget.walk()  # a new walk counts from zero
+    budget.made(tasks=10)
+
+
+def test_a_budget_sees_a_cancel_within_its_check_interval() -> None:
+    cancel = threading.Event()
+    budget = CompileBudget.start(LIMITS, cancel)
+    budget.made(steps=5000)
+    cancel.set()
+    with pytest.raises(CompileCancelled):
+        for _ in range(CompileBudget.EVERY + 1):
+            budget.made(steps=1)
+
+
+def test_a_budget_stops_at_its_deadline() -> None:
+    budget = CompileBudget.start(dataclasses.replace(LIMITS, compile_seconds=0.05))
+    time.sleep(0.1)
+    with pytest.raises(CompileLimitError) as e:
+        budget.check()
+    assert e.value.field == "compile_seconds" and "ran past its time limit" in str(e.value)

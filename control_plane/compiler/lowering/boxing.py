@@ -150,6 +150,8 @@ class Lowerer(TaskEmitter):
         self._boxing, self._p2ps, self._group_of = self.memo.boxing, self.memo.p2ps, self.memo.group_of
 
     def emit_op(self, op: OpNode, state: CompileState) -> None:
+        if self.budget is not None:  # a walk grows with ops x micro-batches, built or only counted
+            self.budget.made(steps=1)
         if self.keep is not None and self.trail is None:  # a partial walk: skip what no built rank is in
             if op.name not in self._spans:
                 self._spans[op.name] = self.span(op, state)

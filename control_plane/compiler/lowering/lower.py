@@ -40,6 +40,7 @@ from sbpflow.control_plane.compiler.passes.micro_batching import Layout
 from sbpflow.control_plane.compiler.schedule import Phase
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.graph import Graph, OpNode, TensorKind
+from sbpflow.limits import CompileBudget
 from sbpflow.oracle.reference import micro_batches
 from sbpflow.placement import Placement
 from sbpflow.v1 import plan_pb2 as pp
@@ -59,9 +60,9 @@ class Lowered:
     trail: list[tuple[str, BoxingPlan, int]] | None  # (boxing op, plan, step) in the global order, if asked
 
 
-def run(state: CompileState, job_id: str = "") -> pp.Plan:
+def run(state: CompileState, job_id: str = "", budget: CompileBudget | None = None) -> pp.Plan:
     """The physical plan of ``state.graph``, every rank's tasks; ``state`` is not changed."""
-    return to_plan(state, lower(state), job_id)
+    return to_plan(state, lower(state, budget=budget), job_id)
 
 
 def to_plan(state: CompileState, low: Lowered, job_id: str = "") -> pp.Plan:
@@ -94,7 +95,11 @@ def plan_header(state: CompileState, job_id: str = "") -> pp.Plan:
 
 
 def lower(
-    state: CompileState, ranks: Iterable[int] | None = None, log: bool = False, memo: Memo | None = None
+    state: CompileState,
+    ranks: Iterable[int] | None = None,
+    log: bool = False,
+    memo: Memo | None = None,
+    budget: CompileBudget | None = None,
 ) -> Lowered:
     """Walk the graph in the one global order and build the tasks of ``ranks`` (default: all).
 
@@ -104,6 +109,8 @@ def lower(
     without the other ranks' tasks. ``log=True`` also records every communicator call of every rank in
     order (what :func:`comm_order.check_calls` proves deadlock-free without the tasks). ``memo``: what an
     earlier walk of ``state`` worked out that does not depend on ``ranks`` (:class:`~.boxing.Memo`).
+    ``budget``: counts this walk's steps, tasks and registers against its limits and stops the walk
+    (``CompileLimitError``, ``CompileCancelled``) past one, at its deadline or once cancelled.
     """
     g = state.graph
     _require_layout(g)
@@ -114,7 +121,9 @@ def lower(
         if keep - devices.keys():
             raise LoweringError(f"rank(s) {sorted(keep - devices.keys())} hold no tensor of this job")
         devices = {r: d for r, d in devices.items() if r in keep}
-    low = Lowerer(g, devices, keep, trail=[] if log else None, memo=memo or Memo())
+    if budget is not None:
+        budget.walk()
+    low = Lowerer(g, devices, keep, trail=[] if log else None, memo=memo or Memo(), budget=budget)
     ops = {o.name: o for o in g.ops}
     for decl in g.tensors.values():
         if decl.kind in SOURCE_KINDS:

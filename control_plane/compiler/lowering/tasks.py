@@ -20,6 +20,7 @@ from sbpflow.codec import wire
 from sbpflow.dtype import DType
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind
+from sbpflow.limits import CompileBudget
 from sbpflow.placement import Placement
 from sbpflow.sbp import NdSbp
 from sbpflow.sharding import local_shape
@@ -85,6 +86,7 @@ class TaskEmitter:
     _chosen: dict[Placement, list[int]] = field(default_factory=dict)
     _attrs: dict[str, list[tuple[str, object]]] = field(default_factory=dict)
     _sbps: dict[NdSbp, jp.NdSbp] = field(default_factory=dict)  # nd-SBP -> its proto, made once
+    budget: CompileBudget | None = None  # counts what is built; raises over its limits or once cancelled
 
     # ---- primitives ---------------------------------------------------------------------------
 
@@ -120,6 +122,8 @@ class TaskEmitter:
         device = self.devices.get(rank)
         if device is None:
             return None
+        if self.budget is not None:
+            self.budget.made(tasks=1)
         return device.tasks.add(
             id=tid,
             kind=kind,
@@ -138,6 +142,8 @@ class TaskEmitter:
         device = self.devices.get(rank)
         if device is None:
             return None
+        if self.budget is not None:
+            self.budget.made(tasks=1)
         t = device.tasks.add()
         t.CopyFrom(proto)
         t.id = tid
@@ -164,6 +170,8 @@ class TaskEmitter:
         self.next_reg += 1
         if task is None:
             return -1
+        if self.budget is not None:
+            self.budget.made(registers=1)
         reg = self.devices[rank].registers.add(
             id=rid,
             producer_task=task.id,

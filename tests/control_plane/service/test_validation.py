@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from sbpflow.codec import wire
-from sbpflow.control_plane.service.validation import ValidationError, validate_submit
+from sbpflow.control_plane.compiler import plan_size
+from sbpflow.control_plane.service.validation import ValidationError, compile_submit, validate_submit
 from sbpflow.errors import SbpflowError
+from sbpflow.limits import LIMITS
 from sbpflow.v1 import job_pb2
 from tests.examples.test_examples import load
 
@@ -114,3 +118,79 @@ def test_validation_writes_nothing(mlp: ModuleType, tmp_path: Path, monkeypatch:
     validate_submit(proto(mlp).SerializeToString(), 2)
     refused(b"\xff\xff")
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- the compile's size: issue 29's hostile jobs, refused at Submit before any lowering -------------------
+
+
+HOSTILE = {  # accepted once, they grew the control plane to 6 GB (gpt) and 3 GB (mlp) while COMPILING
+    "gpt": {"layers": 8, "ranks": 2, "pp": 2, "micro_batches": 4096, "batch_size": 4096},
+    "mlp": {
+        "ranks": 2,
+        "pp": 2,
+        "layers": 2,
+        "batch_size": 131_072,
+        "micro_batches": 32_768,
+        "grad_accum": 2,
+    },
+}
+
+
+@pytest.mark.parametrize("example", sorted(HOSTILE))
+def test_a_hostile_job_is_refused_at_submit_naming_its_plan_size(example: str) -> None:
+    blob = wire.job_to_proto(load(example).make_job(**HOSTILE[example])).SerializeToString()
+    t = time.monotonic()
+    e = refused(blob)
+    assert time.monotonic() - t < 20  # the graph passes only (~2 s for the GPT); lowering took minutes
+    assert e.kind == "limit" and e.field == "rank_tasks"
+    assert "tasks, over the limit of 262,144 (Limits.rank_tasks); use fewer micro-batches" in str(e)
+
+
+def test_a_job_just_under_a_small_limit_passes_and_one_over_it_is_refused(mlp: ModuleType) -> None:
+    blob = proto(mlp, ranks=2, pp=2, layers=2, micro_batches=8).SerializeToString()
+    size = plan_size.estimate(compile_submit(blob, 2).state)
+    at = dataclasses.replace(LIMITS, rank_tasks=size.rank_tasks)
+    assert compile_submit(blob, 2, limits=at).state.job.config.micro_batches == 8
+    with pytest.raises(ValidationError) as e:
+        compile_submit(blob, 2, limits=dataclasses.replace(at, rank_tasks=size.rank_tasks - 1))
+    assert e.value.field == "rank_tasks" and f"{size.rank_tasks:,} tasks" in str(e.value)
+
+
+def test_a_schedule_over_its_limit_is_refused_before_any_pass(mlp: ModuleType) -> None:
+    blob = proto(mlp, ranks=2, pp=2, layers=2, micro_batches=64, batch_size=64).SerializeToString()
+    with pytest.raises(ValidationError) as e:
+        compile_submit(blob, 2, limits=dataclasses.replace(LIMITS, pipeline_slots=100))
+    assert e.value.field == "pipeline_slots" and "2 pipeline stage(s) x 64 micro-batches = 128" in str(
+        e.value
+    )
+
+
+def test_cancel_while_compiling_ends_the_job_cancelled_within_seconds(tmp_path: Path) -> None:
+    """A job under every limit whose lowering takes ~15 s here (~150,000 tasks): a Cancel while it is
+    COMPILING stops the lowering at its next check, and the job ends CANCELLED, not FAILED."""
+    from sbpflow.client.client import Client
+    from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
+    from sbpflow.runs.options import MANAGER_DEFAULTS
+    from sbpflow.v1 import service_pb2 as sp
+
+    job = load("gpt").make_job(layers=2, ranks=2, pp=2, micro_batches=512, batch_size=512, steps=1)
+    run = MANAGER_DEFAULTS.replace(backend="inprocess")
+    plane = ControlPlane(
+        ServerConfig(store=str(tmp_path / "jobs.db"), run=run, slots=2, http_port=None)
+    ).start()
+    try:
+        with Client(plane.address) as client:
+            h = client.submit(job)
+            deadline = time.monotonic() + 60
+            while sp.JobState.Name(h.status().state) != "JOB_STATE_COMPILING":
+                assert time.monotonic() < deadline, "the job never started compiling"
+                time.sleep(0.02)
+            time.sleep(1.0)  # well into the lowering
+            t = time.monotonic()
+            h.cancel("stop compiling")
+            st = h.wait(timeout=30)
+            waited = time.monotonic() - t
+    finally:
+        plane.stop()
+    assert sp.JobState.Name(st.state) == "JOB_STATE_CANCELLED" and st.reason == "CANCELLED_BY_USER"
+    assert waited < 5, f"the cancel took {waited:.1f} s"
