@@ -10,6 +10,8 @@ Rules:
   the drain began (or ends by itself), then its run is stopped. Its record stays in flight with reason
   ``CONTROL_PLANE_DRAINED``, and the next server on the same store queues it again as its next attempt
   from that checkpoint (``RESUMED_AFTER_RESTART``, :meth:`JobStore.reconcile_after_restart`);
+- a job cancelled while the drain runs (its Cancel stored, ``JobStore.request_cancel``) ends CANCELLED,
+  here or, if the drain stopped its run first, when the next server reconciles the store: never resumed;
 - a job that cannot be saved (no checkpoint root, ``checkpoint_every`` 0) runs on until the grace
   period ends, in case it finishes; the next server fails it with ``CONTROL_PLANE_RESTARTED``;
 - everything is bounded by ``grace`` seconds, plus :data:`STOP_SECONDS` for the stopped runs' threads

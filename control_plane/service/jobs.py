@@ -33,6 +33,13 @@ Rules:
   parameters are not finite ends FAILED with ``NON_FINITE_PARAMETERS`` (:mod:`sbpflow.runs.numerics`).
 - A corrupt latest checkpoint is passed over for the previous intact one (a log line and a reason
   event ``CHECKPOINT_CORRUPT`` say so).
+- Cancel is stored (``JobStore.request_cancel``) before it is acknowledged: a run that then ends in any
+  way ends CANCELLED, and a control plane restarted first (a SIGTERM drain racing the Cancel) ends the job
+  CANCELLED rather than resume it. Resume is idempotent like Submit (the same key returns the same new
+  job), and one job not yet ended at most resumes a given job: the store refuses a second
+  (``AlreadyResuming`` -> ``NotResumable``, FAILED_PRECONDITION, naming the first).
+- A checkpoint root that is full or read-only (a run's failed write, or a probe at start and at most every
+  few seconds, ``job_checkpoints.StorageProbe``) makes ``unready_reason`` say so: ``/readyz`` 503.
 - Reasons are machine-readable words (service.proto's JobStatus.reason); messages say what happened.
 """
 

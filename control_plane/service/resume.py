@@ -16,7 +16,9 @@ A job's checkpoints live in ``<checkpoint_root>/<job id>/`` (``ManagerConfig.che
   change: a checkpoint is read slice by slice under any layout (:mod:`sbpflow.checkpoint`). A mismatch
   is a ``ValidationError`` (INVALID_ARGUMENT) naming each tensor (:func:`check_compatible`).
 - A job that is not over yet, or that has no checkpoint, cannot be resumed: ``NotResumable``
-  (FAILED_PRECONDITION), whose message says what to do instead.
+  (FAILED_PRECONDITION), whose message says what to do instead; nor can one that another job, not yet
+  ended, already resumes (the store's unique index decides between Resumes that race). A retried Resume
+  (the same client id and idempotency key) returns the job the first one made (``JobManager.resume``).
 """
 
 from __future__ import annotations

@@ -259,3 +259,30 @@ def test_two_resumes_at_once_make_one_job_and_a_retry_returns_it(tmp_path: Path,
             c.close()
     finally:
         plane.stop()
+
+
+def test_a_failures_reason_comes_from_its_causes_type_in_process_and_from_ray() -> None:
+    from sbpflow.actor_workers.runtime.errors import RuntimeFailure
+    from sbpflow.checkpoint.write import (
+        CheckpointStorageError,
+        CheckpointStorageFull,
+        CheckpointStorageReadOnly,
+    )
+    from sbpflow.control_plane.launch.worker_failures import WorkerError
+    from sbpflow.control_plane.service.data_policy import reason_of
+    from sbpflow.data.access import DENIED, DataAccessDenied
+
+    def ray(name: str) -> RuntimeFailure:  # a Ray worker's cause: its type's name and its text only
+        return RuntimeFailure(1, "sink w", "sink", WorkerError(f"{name}: no room", name), 2)
+
+    for cls, reason in [
+        (CheckpointStorageFull, "CHECKPOINT_STORAGE_FULL"),
+        (CheckpointStorageReadOnly, "CHECKPOINT_STORAGE_READ_ONLY"),
+        (CheckpointStorageError, "CHECKPOINT_STORAGE_ERROR"),
+        (DataAccessDenied, DENIED),
+    ]:
+        assert reason_of(RuntimeFailure(0, "a", "sink", cls("x")), "WORKER_ERROR") == reason, cls
+        assert reason_of(ray(cls.__name__), "WORKER_ERROR") == reason, cls
+        assert reason_of(cls("x"), "RUN_ERROR") == reason, cls  # raised by the control plane itself
+    assert reason_of(ray("ValueError"), "WORKER_ERROR") == "WORKER_ERROR"
+    assert reason_of(RuntimeFailure(0, "a", "sink", OSError(28, "full")), "WORKER_ERROR") == "WORKER_ERROR"
