@@ -2,7 +2,10 @@
 
 This is the IR that tracing produces, that the compiler's passes rewrite, and that converts losslessly
 to and from the wire ``Job`` (sbpflow/codec/wire.py). ``verify`` rejects a malformed graph at the first bad
-node, naming it, and is run after every compiler pass in tests.
+node, naming it, and is run after every compiler pass in tests: undeclared or unordered tensors, op names
+or outputs used twice, an op whose declared outputs its shape inference does not give, and degenerate
+tensors (a size-0 axis: a zero-width layer). A tensor no op reads is legal (a fetched activation, a
+frozen branch).
 """
 
 from __future__ import annotations
@@ -142,7 +145,21 @@ class Graph:
         return "\n".join(lines)
 
 
+# why a tensor with a size-0 axis is refused, by its kind: it holds no values, so every op on it computes
+# nothing and every gradient through it is zero, and a split of it leaves ranks with empty shards
+EMPTY_AXIS = {
+    TensorKind.parameter: "a zero-width layer (e.g. Linear(d, 0), Embedding(n, 0)) learns nothing",
+    TensorKind.input: "an input with no values feeds nothing (a data field's sample shape or batch of 0?)",
+}
+
+
 def _verify_tensor(t: TensorDecl) -> None:
+    if 0 in t.meta.shape:
+        why = EMPTY_AXIS.get(t.kind, "a tensor with no values makes every op after it compute nothing")
+        raise GraphError(
+            f"{t.kind.value} tensor {t.name!r} {t.meta} has size 0 on axis {t.meta.shape.index(0)}: {why}; "
+            "give every axis a size of at least 1"
+        )
     if t.sbp is not None:
         if t.placement is None:
             raise GraphError(f"tensor {t.name!r} has SBP {format_nd(t.sbp)} but no placement; give both")

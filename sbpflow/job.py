@@ -6,6 +6,7 @@ Tracing a ``sf.Graph`` produces a :class:`Job`; ``sbpflow.codec.wire`` converts 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 
@@ -241,13 +242,15 @@ class Job:
 
     def verify(self) -> None:
         """Check the job: every value within ``sbpflow.limits`` first (cheap, and what makes the rest
-        safe on untrusted input), then the graph and the references between the job's parts."""
+        safe on untrusted input), then the graph and the references between the job's parts, each
+        parameter listed once (:func:`check_unique`)."""
         check_job(self)
         self.graph.verify()
         names = {p.tensor for p in self.parameters}
         for p in self.parameters:
             if p.tensor not in self.graph.tensors:
                 raise SbpflowError(f"parameter {p.tensor!r} is not a tensor of the graph")
+        check_unique(self)
         if self.loss and self.loss not in self.graph.tensors:
             raise SbpflowError(f"loss tensor {self.loss!r} is not in the graph")
         if self.optimizer:
@@ -306,6 +309,41 @@ def _opens_files(*sources: DataSource) -> bool:
     from sbpflow.data.sources import ArrayFileSource
 
     return any(isinstance(s, ArrayFileSource) for s in sources)
+
+
+def _first_repeat(names: Iterable[str]) -> tuple[int, int, str] | None:
+    """The first name listed again: (its first index, the repeat's index, the name); None if none is."""
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in first:
+            return first[name], i, name
+        first[name] = i
+    return None
+
+
+def check_unique(job: Job) -> None:
+    """Each parameter listed once in ``job.parameters`` (two specs would give it two initializers) and in
+    the optimizer's list (it would be updated twice a step), and in at most one parameter group (which
+    group's hyper-parameters hold would depend on their order)."""
+    lists: list[tuple[str, Iterable[str], str]] = [
+        ("job.parameters", (p.tensor for p in job.parameters), "give each parameter one ParameterSpec"),
+    ]
+    if job.optimizer is not None:
+        o = job.optimizer
+        lists.append(("job.optimizer.parameters", o.parameters, "list each parameter once"))
+        grouped = [(i, n) for i, g in enumerate(o.groups) for n in g.parameters]
+        repeat = _first_repeat(n for _, n in grouped)
+        if repeat is not None:
+            a, b, name = repeat
+            raise SbpflowError(
+                f"parameter {name!r} is in job.optimizer.groups[{grouped[a][0]}] and again in "
+                f"job.optimizer.groups[{grouped[b][0]}]: put each parameter in one group at most"
+            )
+    for where, names, fix in lists:
+        repeat = _first_repeat(names)
+        if repeat is not None:
+            a, b, name = repeat
+            raise SbpflowError(f"{where}[{b}] names {name!r} again (as {where}[{a}] does): {fix}")
 
 
 def check_job(job: Job, limits: Limits = LIMITS) -> None:

@@ -9,6 +9,7 @@ reads it.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -18,6 +19,22 @@ from sbpflow.client.nn.parameter import Parameter
 from sbpflow.client.tensor import Tensor
 from sbpflow.errors import SbpflowError
 from sbpflow.random import Initializer, Normal, Ones, Zeros, xavier_uniform
+
+
+def check_sizes(layer: str, **sizes: Any) -> None:
+    """Each of a layer's sizes an integer >= 1 (numpy's too): a zero-width layer (``Linear(d, 0)``) holds
+    no weights and computes nothing, so it is refused here, where the call that made it is still on the
+    stack (the job's verification would refuse its empty tensors later, far from it)."""
+    for name, value in sizes.items():
+        try:
+            ok = not isinstance(value, bool) and operator.index(value) >= 1
+        except TypeError:
+            ok = False
+        if not ok:
+            given = ", ".join(f"{k}={v!r}" for k, v in sizes.items())
+            raise SbpflowError(
+                f"{layer}({given}): {name} must be an integer >= 1; a layer of width 0 computes nothing"
+            )
 
 
 class Linear(Module):
@@ -34,6 +51,7 @@ class Linear(Module):
         super().__init__()
         if tp not in (None, "column", "row"):
             raise SbpflowError(f"Linear tp={tp!r}: use 'column', 'row' or None")
+        check_sizes("Linear", in_features=in_features, out_features=out_features)
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.weight = Parameter(
             (in_features, out_features), init or xavier_uniform(in_features, out_features)
@@ -56,6 +74,7 @@ class Embedding(Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, init: Initializer | None = None) -> None:
         super().__init__()
+        check_sizes("Embedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = Parameter((num_embeddings, embedding_dim), init or Normal(0.0, 1.0))
 
@@ -69,6 +88,7 @@ class Embedding(Module):
 class LayerNorm(Module):
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
+        check_sizes("LayerNorm", dim=dim)
         self.dim, self.eps = dim, eps
         self.weight = Parameter((dim,), Ones())
         self.bias = Parameter((dim,), Zeros())

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
 from sbpflow.client.cli.main import main
@@ -85,3 +88,33 @@ def test_embedded_run_prints_the_progress_bar(ray_local: str, capsys: pytest.Cap
     out = capsys.readouterr().out
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
     assert len(losses) == 3 and "RUNNING" in out and "SUCCEEDED" in out and "3 steps in" in out
+
+
+@pytest.mark.parametrize(
+    ("spoil", "words"),
+    [
+        (lambda job: job.parameters.append(job.parameters[0]), "names 'model.net.0.weight' again"),
+        (
+            lambda job: _zero_width(job, "model.net.0.weight"),
+            "parameter tensor 'model.net.0.weight' .* has size 0 on axis 1",
+        ),
+    ],
+)
+def test_submit_refuses_a_degenerate_job_naming_the_entry(
+    plane: ControlPlane, spoil: Any, words: str
+) -> None:
+    from sbpflow.codec.wire import job_to_proto
+    from tests.examples.test_examples import load
+
+    job = job_to_proto(load("mlp").make_job(ranks=1))
+    spoil(job)
+    with Client(plane.address, token="t") as c, pytest.raises(ClientError) as e:
+        c.submit(job)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and re.search(words, e.value.details), (
+        e.value.details
+    )
+
+
+def _zero_width(job: Any, name: str) -> None:
+    (t,) = (t for t in job.graph.tensors if t.name == name)
+    t.shape[1] = 0

@@ -4,6 +4,7 @@ meets no server yet gets through once one listens, and a server's ``retry-after-
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -154,3 +155,20 @@ def test_resource_exhausted_without_a_readable_hint_is_not_retried(
     with Client(address) as c, pytest.raises(ClientError) as e:
         c.submit(tiny_job)
     assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and len(service.calls) == 1
+
+
+def test_resume_sends_a_key_so_a_retried_resume_is_one_job(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(_config(tmp_path), checkpoint_root=str(tmp_path / "ck"))
+    job = load("mlp").make_job(ranks=1, hidden=4, layers=1, steps=2)
+    job = dataclasses.replace(job, config=dataclasses.replace(job.config, checkpoint_every=1))
+    p = ControlPlane(cfg).start()
+    try:
+        with Client(p.address) as c:
+            ended = c.submit(job)
+            assert sp.JobState.Name(ended.wait(60).state) == "JOB_STATE_SUCCEEDED"
+            more = dataclasses.replace(job, config=dataclasses.replace(job.config, steps=3))
+            again = c.resume(ended.job_id, more, idempotency_key="resume-1")
+            assert c.resume(ended.job_id, more, idempotency_key="resume-1").job_id == again.job_id
+            assert again.status().resumed_from == ended.job_id and len(c.list()) == 2
+    finally:
+        p.stop()

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -54,3 +56,21 @@ def test_mlp_layers_and_errors() -> None:
         sf.nn.MLP([4])
     with pytest.raises(sf.SbpflowError, match="rate"):
         sf.nn.Dropout(1.0)
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda: sf.nn.Linear(8, 0), r"Linear\(in_features=8, out_features=0\): out_features must be"),
+        (lambda: sf.nn.Linear(0, 8), "in_features must be an integer >= 1"),
+        (lambda: sf.nn.MLP([4, 0, 2]), "out_features must be"),
+        (lambda: sf.nn.Embedding(10, 0), "embedding_dim must be"),
+        (lambda: sf.nn.LayerNorm(0), r"LayerNorm\(dim=0\)"),
+        (lambda: sf.nn.Linear(8, 2.0), "out_features must be an integer"),  # type: ignore[arg-type]
+        (lambda: sf.nn.Linear(8, True), "out_features must be an integer"),
+    ],
+)
+def test_a_zero_width_layer_is_refused_where_it_is_made(make: Any, words: str) -> None:
+    with pytest.raises(sf.SbpflowError, match=words):
+        make()
+    assert sf.nn.Linear(np.int64(3), np.int64(2)).weight.shape == (3, 2)  # numpy's integers are sizes too
