@@ -18,7 +18,10 @@ over one job store and job manager.
 - Submit reads its request bytes itself, so a malformed protobuf is INVALID_ARGUMENT, not INTERNAL;
 - messages over ``max_message_bytes`` are refused by gRPC (RESOURCE_EXHAUSTED) and the job inside by
   validation; with a token every call but the health service needs it (``auth.py``); with a
-  certificate and key both gRPC and HTTP use TLS.
+  certificate and key both gRPC and HTTP use TLS;
+- each client, connection and host holds at most its fair share of the calls and streams in flight, and
+  gRPC bounds metadata, streams per connection, handshakes and idle connections before the token is
+  checked (``isolation.py``); a refusal is RESOURCE_EXHAUSTED with ``retry-after-ms``, never CANCELLED.
 """
 
 from __future__ import annotations
