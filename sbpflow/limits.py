@@ -64,7 +64,7 @@ class Limits:
     int_attr: int = 1 << 62  # |x| of an integer attribute
     # what compiling a job may cost the control plane (``compiler/plan_size.py``, :class:`CompileBudget`);
     # a task costs the control plane ~2 KB while built and ~50-100 us to build (measured on GPT, 1F1B)
-    pipeline_slots: int = 1 << 19  # stages x micro-batches: the schedule's actions
+    pipeline_slots: int = 1 << 17  # stages x micro-batches (the schedule holds twice as many actions)
     walk_steps: int = 1 << 22  # op emissions of one lowering walk: ~ compiled ops x micro-batches
     rank_tasks: int = 1 << 18  # tasks of one rank's DevicePlan
     rank_registers: int = 1 << 19  # registers of one rank's DevicePlan

@@ -71,6 +71,7 @@ from sbpflow.control_plane.store.job_store import AlreadyResuming, JobStore
 from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
+from sbpflow.limits import LIMITS, Limits
 from sbpflow.runs.options import MANAGER_DEFAULTS, RunOptions
 from sbpflow.runs.states import JobState
 from sbpflow.v1 import service_pb2 as sp
@@ -96,6 +97,7 @@ class ManagerConfig:
     checkpoint_root: str | None = None  # job ID's checkpoints go to <root>/<ID> (checkpoint_every > 0)
     data_policy: DataPolicy | None = None  # which files jobs' data may name (data_policy.py); None: any
     device_memory: int | None = None  # bytes per device at Submit; None: Ray's or the machine's; 0: off
+    limits: Limits = LIMITS  # a job's values and its compile's size, checked at Submit (sbpflow.limits)
     tensorboard_dir: str | None = None  # job ID's TensorBoard scalars go to <dir>/<ID>
 
 
@@ -257,7 +259,9 @@ class JobManager:
             raise Draining()
         if self._closed:
             raise SbpflowError("the control plane is shutting down; submit to another or retry later")
-        compiled = compile_submit(job_bytes, self.cluster, self.config.max_job_bytes, self.config.data_policy)
+        compiled = compile_submit(
+            job_bytes, self.cluster, self.config.max_job_bytes, self.config.data_policy, self.config.limits
+        )
         job = compiled.state.job
         slots = len(job_ranks(job))
         if slots > self.capacity:

@@ -165,6 +165,19 @@ def test_a_schedule_over_its_limit_is_refused_before_any_pass(mlp: ModuleType) -
     )
 
 
+def test_a_job_manager_sizes_jobs_with_its_own_limits(tmp_path: Path, mlp: ModuleType) -> None:
+    from sbpflow.control_plane.service.jobs import JobManager, ManagerConfig
+    from sbpflow.control_plane.store.job_store import JobStore
+
+    small = dataclasses.replace(LIMITS, rank_tasks=100)
+    with JobStore(tmp_path / "j.db") as store:
+        m = JobManager(store, ManagerConfig(slots=2, limits=small))
+        with pytest.raises(ValidationError) as e:
+            m.submit(proto(mlp, ranks=2, pp=2, layers=2, micro_batches=8).SerializeToString())
+        assert e.value.field == "rank_tasks" and store.list() == []
+        m.shutdown()
+
+
 def test_cancel_while_compiling_ends_the_job_cancelled_within_seconds(tmp_path: Path) -> None:
     """A job under every limit whose lowering takes ~15 s here (~150,000 tasks): a Cancel while it is
     COMPILING stops the lowering at its next check, and the job ends CANCELLED, not FAILED."""
