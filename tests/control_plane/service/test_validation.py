@@ -178,6 +178,33 @@ def test_a_job_manager_sizes_jobs_with_its_own_limits(tmp_path: Path, mlp: Modul
         m.shutdown()
 
 
+def test_a_launch_past_the_managers_budget_ends_failed_compile_limit(tmp_path: Path, mlp: ModuleType) -> None:
+    """Under every Submit limit, but the in-process backend builds both ranks' tasks in one walk, over a
+    ``built_tasks`` that holds one rank's: the run stops there and the job ends FAILED, COMPILE_LIMIT."""
+    from sbpflow.control_plane.service.jobs import JobManager, ManagerConfig
+    from sbpflow.control_plane.store.job_store import JobStore
+    from sbpflow.runs.options import MANAGER_DEFAULTS
+    from sbpflow.runs.states import JobState
+
+    blob = proto(mlp, ranks=2, steps=2).SerializeToString()
+    size = plan_size.estimate(compile_submit(blob, 2).state)
+    tight = dataclasses.replace(LIMITS, built_tasks=size.rank_tasks + 5)
+    with JobStore(tmp_path / "j.db") as store:
+        m = JobManager(
+            store, ManagerConfig(run=MANAGER_DEFAULTS.replace(backend="inprocess"), slots=2, limits=tight)
+        )
+        m.start()
+        rec = m.submit(blob)
+        deadline = time.monotonic() + 60
+        while not store.get(rec.id).state.terminal:
+            assert time.monotonic() < deadline, "the job never ended"
+            time.sleep(0.05)
+        end = store.get(rec.id)
+        m.shutdown()
+    assert end.state == JobState.FAILED and end.reason == "COMPILE_LIMIT"
+    assert "(Limits.built_tasks)" in end.message and "use fewer micro-batches" in end.message
+
+
 def test_cancel_while_compiling_ends_the_job_cancelled_within_seconds(tmp_path: Path) -> None:
     """A job under every limit whose lowering takes ~15 s here (~150,000 tasks): a Cancel while it is
     COMPILING stops the lowering at its next check, and the job ends CANCELLED, not FAILED."""
