@@ -143,7 +143,10 @@ def run_job(m: RunHost, job_id: str, r: RunningJob, flush_seconds: float) -> Non
 
 def _ending(m: RunHost, job_id: str, r: RunningJob, e: Exception) -> tuple[JobState, str, str] | None:
     """How a run that raised ``e`` ends its job: (state, reason, message); None: it stays in flight."""
-    asked = m.store.get(job_id).cancel_requested  # a Cancel is stored before it is acknowledged
+    try:
+        asked = m.store.get(job_id).cancel_requested  # a Cancel is stored before it is acknowledged
+    except Exception:  # a store closed under a stopping server: the next one reads the Cancel (reconcile)
+        asked = ""
     if asked:  # even when a drain stopped the run too: a cancelled job is never resumed
         return JobState.CANCELLED, CANCELLED_BY_USER, asked
     if r.drained:
