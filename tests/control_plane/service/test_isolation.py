@@ -11,6 +11,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -116,7 +117,7 @@ def test_data_outside_the_roots_is_refused_naming_them(tmp_path: Path, mlp: Modu
         nothing.stop()
 
 
-def _proto(blob: bytes) -> object:
+def _proto(blob: bytes) -> Any:
     from sbpflow.v1 import job_pb2
 
     return job_pb2.Job.FromString(blob)
@@ -538,3 +539,39 @@ def test_a_stream_message_waits_for_the_unary_calls_in_flight_at_most_a_moment()
     t = time.monotonic()
     calls.wait_idle(10.0)  # woken as the call ends
     assert time.monotonic() - t < 5 and calls.busy == 0
+
+
+def _until_closed(port: int, send: bytes) -> tuple[float, list[int]]:
+    """Seconds until the server closes a raw connection that sent ``send`` and then nothing, and the
+    HTTP/2 frame types it sent meanwhile (4 SETTINGS, 7 GOAWAY, 8 WINDOW_UPDATE)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.sendall(send)
+        t, data = time.monotonic(), b""
+        while chunk := s.recv(65536):
+            data += chunk
+        took, types, i = time.monotonic() - t, [], 0
+    while i + 9 <= len(data):
+        types.append(data[i + 3])
+        i += 9 + int.from_bytes(data[i : i + 3], "big")
+    return took, types
+
+
+def test_a_silent_connection_and_an_idle_one_are_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sbpflow.control_plane.service import isolation
+
+    monkeypatch.setattr(isolation, "HANDSHAKE_MS", 500)
+    monkeypatch.setattr(isolation, "IDLE_MS", 5000)
+    plane = start(tmp_path)
+    try:
+        for half in (b"", b"PRI * HTTP/2.0\r\n"):  # nothing, or half the HTTP/2 preface: a slow handshake
+            took, _ = _until_closed(plane.port, half)
+            assert took < 4, took  # the handshake's bound, well before the idle one
+        preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(
+            [0, 0, 0, 4, 0, 0, 0, 0, 0]
+        )  # and empty SETTINGS
+        took, types = _until_closed(plane.port, preface)
+        assert 4 <= took < 30 and types[-1] == 7, (took, types)  # idle: GOAWAY, then closed
+    finally:
+        plane.stop()
