@@ -8,6 +8,7 @@ make one job, and a retried Resume returns it."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -286,3 +287,43 @@ def test_a_failures_reason_comes_from_its_causes_type_in_process_and_from_ray() 
         assert reason_of(cls("x"), "RUN_ERROR") == reason, cls  # raised by the control plane itself
     assert reason_of(ray("ValueError"), "WORKER_ERROR") == "WORKER_ERROR"
     assert reason_of(RuntimeFailure(0, "a", "sink", OSError(28, "full")), "WORKER_ERROR") == "WORKER_ERROR"
+
+
+def test_a_real_sigterm_racing_a_cancel_never_resumes_the_job(tmp_path: Path, mlp: ModuleType) -> None:
+    """The probe that found it, on real processes: `sbpflow server` gets SIGTERM while a Cancel of its
+    checkpointing job is on its way (before, with and after the signal, and once the drain stopped the
+    job's run); the next server on the same store never runs the job again."""
+    from tests.control_plane.service.test_drain import _server
+
+    root = tmp_path / "ckpt"
+    for attempt, delay in enumerate((-0.05, 0.0, 0.5, 2.0)):  # 2 s: the drain has stopped the job
+        db = tmp_path / f"jobs-{attempt}.db"
+        proc, address = _server(db, root)
+        try:
+            with Client(address) as c:
+                job_id = c.submit(job_of(mlp, LONG, every=5)).job_id
+                c.submit(job_of(mlp, LONG, every=0))  # never saved: holds the drain open for its grace (4 s)
+                until(lambda j=job_id: ck_read.latest(root / j) is not None, "a first checkpoint", 60)
+                if delay < 0:
+                    c.cancel(job_id, f"try {attempt}")
+                proc.send_signal(signal.SIGTERM)
+                time.sleep(max(delay, 0.0))
+                if delay >= 0:
+                    c.cancel(job_id, f"try {attempt}")
+            proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+        plane = start(tmp_path, store=str(db), checkpoint_root=str(root))  # the next server
+        try:
+            time.sleep(0.5)  # a resumed job would be queued and started by now
+            rec = plane.store.get(job_id)
+            assert (rec.state, rec.reason, rec.message) == (
+                JobState.CANCELLED,
+                "CANCELLED_BY_USER",
+                f"try {attempt}",
+            )
+            assert rec.attempt == 1, rec
+        finally:
+            plane.stop()
