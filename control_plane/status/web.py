@@ -5,6 +5,10 @@ re-reads the page every few seconds and swaps in its ``data-live`` parts, so a c
 while the job runs and a plan picture with a block opened stays as it is. The script stops once every
 job on the page has finished; "auto-refresh" unticked pauses it. Without script the pages still read
 whole (reload by hand). A job's own page is ``web_job.py``.
+
+:data:`CSP` is the Content-Security-Policy every page is served with (``http.py``): the script and the
+style blocks run because their hashes are in it, so a new inline ``<script>`` or ``<style>`` on a page
+must be one of these constants (or its hash added there), or the browser refuses it.
 """
 
 from __future__ import annotations
