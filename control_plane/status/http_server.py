@@ -247,6 +247,8 @@ async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
 
 
 def _check_head(req: h11.Request, lim: Limits) -> h11.Request:
+    if req.http_version not in (b"1.0", b"1.1"):  # h11 parses any digit.digit
+        raise Refused(505, f"HTTP/{req.http_version.decode()} is not served; speak HTTP/1.1")
     if len(req.headers) > lim.max_headers:
         raise Refused(431, f"{len(req.headers)} header fields: at most {lim.max_headers}")
     size = dict(req.headers).get(b"content-length", b"0")

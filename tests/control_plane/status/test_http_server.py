@@ -261,3 +261,14 @@ def test_a_header_bomb_is_refused_and_memory_stays_flat() -> None:
         child.communicate(timeout=30)
         if child.poll() is None:
             os.kill(child.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [(b"GET / HTTP/9.9\r\n\r\n", 505), (b"GARBAGE\r\n\r\n", 400), (b"GET /\x00 HTTP/1.1\r\n\r\n", 400)],
+)
+def test_a_request_h11_cannot_serve_gets_a_json_error(plane: ControlPlane, raw: bytes, code: int) -> None:
+    with endpoint(plane) as port, socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(raw)
+        reply = reply_of(s)
+    assert reply.startswith(b"HTTP/1.1 %d " % code) and b'"error"' in reply, reply[:200]
