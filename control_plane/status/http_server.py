@@ -120,6 +120,8 @@ class Server:
             asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(timeout=30)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
+        if not self._loop.is_running():
+            self._loop.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._sock.close()
 
