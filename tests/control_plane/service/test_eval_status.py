@@ -67,6 +67,7 @@ def test_a_version_4_store_is_migrated_and_then_keeps_held_out_losses(tmp_path: 
         job_id = s.create(b"x", "j").id
     con = sqlite3.connect(path)  # what version 4 wrote: no evaluation columns
     con.executescript(
+        "DROP INDEX jobs_live_resume; ALTER TABLE jobs DROP COLUMN cancel_requested; "  # version 7's
         "ALTER TABLE jobs DROP COLUMN eval_step; ALTER TABLE jobs DROP COLUMN eval_loss; ALTER TABLE jobs DROP COLUMN options; PRAGMA user_version=4;"
     )
     con.commit()

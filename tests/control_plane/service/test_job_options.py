@@ -170,7 +170,10 @@ def test_a_version_5_store_is_migrated_and_then_keeps_options(tmp_path: Path) ->
     with JobStore(path) as s:
         job_id = s.create(b"x", "j").id
     con = sqlite3.connect(path)  # what version 5 wrote: no options column
-    con.executescript("ALTER TABLE jobs DROP COLUMN options; PRAGMA user_version=5;")
+    con.executescript(  # no options column (version 6's), no cancel_requested nor its index (version 7's)
+        "DROP INDEX jobs_live_resume; ALTER TABLE jobs DROP COLUMN cancel_requested; "
+        "ALTER TABLE jobs DROP COLUMN options; PRAGMA user_version=5;"
+    )
     con.commit()
     con.close()
     with JobStore(path) as s:
@@ -178,4 +181,4 @@ def test_a_version_5_store_is_migrated_and_then_keeps_options(tmp_path: Path) ->
         kept = sp.RunOptions(timeout=3).SerializeToString()
         rec = s.create(b"y", "k", options=kept)
         assert s.get(rec.id).options == kept and s.get(rec.id).state == JobState.PENDING
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
