@@ -9,7 +9,8 @@
 
 Server errors come back as ``ClientError`` with the gRPC status code and the server's message (for a
 refused job, the op, the tensors and the fix). ``tls_ca``: a PEM file to trust (the server's certificate
-or its CA); without it the channel is plaintext.
+or its CA); without it the channel is plaintext. Each call carries ``sbpflow-client-id`` metadata (the
+``client_id`` given, else a fresh one per Client), which the server's fair shares count by.
 
 Retries (``RetryPolicy``): a unary call that ends UNAVAILABLE or DEADLINE_EXCEEDED is tried again after a
 jittered, doubling back-off, within the policy's attempts and overall deadline; RESOURCE_EXHAUSTED only
@@ -34,6 +35,7 @@ from typing import Any, TextIO
 import grpc
 import numpy as np
 
+from sbpflow.control_plane.service.isolation import CLIENT_ID_KEY, RETRY_AFTER_KEY
 from sbpflow.errors import SbpflowError
 from sbpflow.runs.options import CLIENT_FIELDS, FIELD_NAMES
 from sbpflow.v1 import job_pb2
@@ -81,7 +83,7 @@ class RetryPolicy:
 # idempotency key a Submit that did reach it is answered with the same job); RESOURCE_EXHAUSTED only with
 # the server's own retry-after-ms, since it also means "this request is too large", which no retry cures
 RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-RETRY_AFTER = "retry-after-ms"
+RETRY_AFTER = RETRY_AFTER_KEY
 
 
 def _retry_after(e: grpc.RpcError) -> float | None:
@@ -179,9 +181,14 @@ class Client:
         tls_ca: str | None = None,
         timeout: float = 30.0,
         retry: RetryPolicy = RetryPolicy(),
+        client_id: str | None = None,
     ) -> None:
         self.address, self.timeout, self.retry = address, timeout, retry
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        # which client this is, for the server's fair shares (two Clients of one process share a
+        # connection, since gRPC pools them): a fresh id unless the caller names one
+        self.client_id = client_id or uuid.uuid4().hex
+        auth = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = ((CLIENT_ID_KEY, self.client_id), *auth)
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]  # fmt: skip
         if tls_ca:

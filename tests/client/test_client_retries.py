@@ -18,6 +18,7 @@ import pytest
 
 from sbpflow.client.client import RETRY_AFTER, Client, ClientError, RetryPolicy
 from sbpflow.codec.wire import job_to_proto
+from sbpflow.control_plane.service.isolation import CLIENT_ID_KEY
 from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
 from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.v1 import service_pb2 as sp
@@ -112,9 +113,11 @@ class _Crowded(sg.JobServiceServicer):
     def __init__(self, refusals: int, hint_ms: str | None) -> None:
         self.refusals, self.hint_ms = refusals, hint_ms
         self.calls: list[float] = []
+        self.client_ids: list[str] = []
 
     def Submit(self, request: sp.SubmitJobRequest, context: grpc.ServicerContext) -> sp.SubmitJobResponse:
         self.calls.append(time.monotonic())
+        self.client_ids.append(dict(context.invocation_metadata()).get(CLIENT_ID_KEY, ""))
         if len(self.calls) <= self.refusals:
             if self.hint_ms is not None:
                 context.set_trailing_metadata(((RETRY_AFTER, self.hint_ms),))
@@ -145,6 +148,19 @@ def test_resource_exhausted_waits_for_the_servers_hint(crowded: Any, tiny_job: A
         assert c.submit(tiny_job, idempotency_key="abcdef0123456789xyz").job_id == "abcdef0123456789"
     gaps = [b - a for a, b in zip(service.calls, service.calls[1:], strict=False)]
     assert len(service.calls) == 3 and all(g >= 0.29 for g in gaps)
+
+
+def test_each_client_names_itself_on_every_attempt(crowded: Any, tiny_job: Any) -> None:
+    # the server's fair shares count by this id: two Clients of one process share gRPC's pooled
+    # connection, so without it they would share one share
+    address, service = crowded(1, "10")
+    with Client(address) as a, Client(address) as b, Client(address, client_id="trainer-7") as named:
+        a.submit(tiny_job)  # refused once, then taken: two attempts, one id
+        b.submit(tiny_job)
+        named.submit(tiny_job)
+    first, again, other, given = service.client_ids
+    assert first == again == a.client_id and other == b.client_id and given == "trainer-7"
+    assert len(first) == 32 and first != other
 
 
 @pytest.mark.parametrize("hint", [None, "soon"])
