@@ -21,6 +21,7 @@ the job's listeners (``run_listeners.py``), and ends the job's record:
 
 from __future__ import annotations
 
+import threading
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -34,6 +35,7 @@ from sbpflow.control_plane.service.run_listeners import RunListeners
 from sbpflow.control_plane.service.running import Manager, RunningJob
 from sbpflow.control_plane.store.job_store import CANCELLED_BY_USER
 from sbpflow.errors import SbpflowError
+from sbpflow.limits import CompileBudget, Limits
 from sbpflow.runs.numerics import NonFinite
 from sbpflow.runs.options import RunOptions
 from sbpflow.runs.states import JobState
@@ -60,6 +62,8 @@ class RunConfig(Protocol):
     def tensorboard_dir(self) -> str | None: ...
     @property
     def keep_run_results(self) -> bool: ...
+    @property
+    def limits(self) -> Limits: ...
 
 
 class RunHost(Manager, Protocol):
@@ -81,10 +85,19 @@ class RunHost(Manager, Protocol):
         """A run could not write its checkpoint for its disk: not ready until a write there succeeds."""
 
 
+def _compile_again(job: Any, limits: Limits, cancel: threading.Event) -> Any:
+    """A re-queued job's compile (Submit's was lost with its server), sized and budgeted under the same
+    limits as at Submit: over one it fails ``COMPILE_LIMIT``, a Cancel stops it at the next check."""
+    from sbpflow.control_plane.compiler import pipeline, plan_size
+
+    compiled = pipeline.compile(job, lower="none", budget=CompileBudget.start(limits, cancel))
+    plan_size.check(compiled.state, limits)
+    return compiled
+
+
 def run_job(m: RunHost, job_id: str, r: RunningJob, flush_seconds: float) -> None:
     """Run one job to its end (see the module's rules); its held store writes are retried for at most
     ``flush_seconds`` at the end."""
-    from sbpflow.control_plane.compiler import pipeline
     from sbpflow.control_plane.launch.launcher import launch
     from sbpflow.control_plane.launch.run_context import RunRequest
 
@@ -101,7 +114,7 @@ def run_job(m: RunHost, job_id: str, r: RunningJob, flush_seconds: float) -> Non
         if policy is not None:  # a re-queued job was checked under the roots of its day; every file is
             r.job = policy.bind(r.job)  # checked again as the workers open it (data_policy.py)
             how = how.replace(data_roots=policy.run_roots)
-        compiled = r.compiled or pipeline.compile(r.job, lower="none")
+        compiled = r.compiled or _compile_again(r.job, m.config.limits, r.cancel)
         if checkpoints.checkpoint_dir:  # a read-only or full root: CHECKPOINT_STORAGE_*, before any work
             make_dir(checkpoints.checkpoint_dir)
         if r.cancel.is_set():  # cancelled while it compiled

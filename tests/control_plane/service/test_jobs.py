@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from sbpflow.control_plane.service.jobs import WAITING, JobManager, ManagerConfi
 from sbpflow.control_plane.service.validation import ValidationError
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import SCHEMA_VERSION
+from sbpflow.limits import LIMITS
 from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.runs.states import JobState
 from tests.examples.test_examples import load
@@ -70,6 +72,20 @@ def test_pending_jobs_are_requeued_after_a_restart(tmp_path: Path, mlp: ModuleTy
         m = JobManager(store, ManagerConfig(run=MANAGER_DEFAULTS.replace(backend="inprocess"), slots=2))
         m.start()
         assert wait_end(m, rec.id) == JobState.SUCCEEDED
+
+
+def test_a_requeued_job_is_compiled_under_the_servers_limits(tmp_path: Path, mlp: ModuleType) -> None:
+    run = MANAGER_DEFAULTS.replace(backend="inprocess")
+    with JobStore(tmp_path / "j.db") as store:
+        rec = JobManager(store, ManagerConfig(run=run, slots=2)).submit(blob(mlp, steps=2))  # never started
+    small = dataclasses.replace(LIMITS, rank_tasks=8)  # the next server's limits are lower
+    with JobStore(tmp_path / "j.db") as store:
+        m = JobManager(store, ManagerConfig(run=run, slots=2, limits=small))
+        m.start()
+        assert wait_end(m, rec.id) == JobState.FAILED
+        end = store.get(rec.id)
+        assert end.reason == "COMPILE_LIMIT" and "Limits.rank_tasks" in end.message, end.message
+        m.shutdown()
 
 
 def test_shutdown_cancels_running_jobs(tmp_path: Path, mlp: ModuleType) -> None:
