@@ -310,7 +310,7 @@ class Client:
         return self._unary("Cancel", sp.CancelJobRequest(job_id=job_id, reason=reason))  # type: ignore[no-any-return]
 
     def result(self, job_id: str, parameters: builtins.list[str] | None = None) -> JobOutcome:
-        from sbpflow.codec.wire import array_from_proto
+        from sbpflow.codec.values import array_from_proto
 
         r = self._unary("GetResult", sp.GetResultRequest(job_id=job_id, parameters=parameters or []))
         return JobOutcome(

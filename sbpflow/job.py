@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 
+from sbpflow.data.checks import check_data
 from sbpflow.data.sources import DataSource
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import Graph
@@ -17,7 +18,6 @@ from sbpflow.limits import (
     LIMITS,
     Limits,
     check_count,
-    check_data,
     check_float,
     check_graph,
     check_int,
@@ -281,10 +281,9 @@ class Job:
         """Every input tensor of the graph is fed by a field of the data source with its dtype and shape
         (``[global_batch_size, *sample_shape]``). A file-backed array source declares no fields without
         opening its files, so it is checked when a worker opens them."""
-        from sbpflow.data.sources import ArrayFileSource
         from sbpflow.graph import TensorKind
 
-        if self.data is None or isinstance(self.data, ArrayFileSource):
+        if self.data is None or _opens_files(self.data):
             return
         given = {f.name: f for f in self.data.fields()}
         for t in self.graph.of_kind(TensorKind.input):
@@ -306,9 +305,9 @@ class Job:
 
 def _opens_files(*sources: DataSource) -> bool:
     """Whether a source declares its fields only by opening its files (checked by the workers then)."""
-    from sbpflow.data.sources import ArrayFileSource
+    from sbpflow.data.sources import FileSource
 
-    return any(isinstance(s, ArrayFileSource) for s in sources)
+    return any(isinstance(s, FileSource) and s.fields_need_files for s in sources)
 
 
 def _first_repeat(names: Iterable[str]) -> tuple[int, int, str] | None:

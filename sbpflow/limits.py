@@ -2,8 +2,8 @@
 
 A job is untrusted input at Submit: anything the compiler or a worker does in proportion to a number
 the user chose (a stage, a step count, a shape, a name written into every store row and metric label)
-must be bounded before that work starts. :class:`Limits` is the table (a server may pass its own); :func:`check_graph` and
-:func:`check_data` walk a job's graph and data source and raise :class:`LimitError` at the first value
+must be bounded before that work starts. :class:`Limits` is the table (a server may pass its own); :func:`check_graph`
+(and ``sbpflow.data.checks.check_data``) walk a job's graph and data source and raise :class:`LimitError` at the first value
 outside it, naming the field, the value, the limit and the fix (``sbpflow.job.check_job`` walks the rest of
 a job with the same helpers, as part of ``Job.verify``). ``sbpflow.codec.wire`` calls the same helpers while it
 converts a protobuf (a shape is checked before numpy multiplies it out).
@@ -22,14 +22,12 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sbpflow.errors import SbpflowError
 
 if TYPE_CHECKING:
-    from sbpflow.data.sources import DataSource
     from sbpflow.graph import Graph
     from sbpflow.placement import Placement
 
@@ -307,64 +305,3 @@ def check_graph(g: Graph, limits: Limits = LIMITS) -> None:
             check_attr(f"{where}.attrs[{key!r}]", value, limits)
         if node.placement is not None:
             check_placement(f"{where}.placement", node.placement, limits)
-
-
-def check_data(d: DataSource, limits: Limits = LIMITS) -> None:
-    """The source's own fields (file paths by length and characters only: whether a path may be read is
-    the data-root policy's to say, and its contents the worker's)."""
-    from sbpflow.data.sources import ArrayFileSource, ArraySource, SyntheticSource, TokenFileSource
-
-    check_int("job.data.global_batch_size", d.batch_size, 1, limits.batch_size)
-    check_int("job.data.seed", d.seed, 0, (1 << 64) - 1)
-    if isinstance(d, SyntheticSource):
-        check_name("job.data.synthetic.kind", d.kind, limits)
-        check_int(
-            "job.data.synthetic.num_samples",
-            d.num_samples,
-            d.batch_size,
-            limits.samples,
-            f"give at least one batch ({d.batch_size}) and at most {limits.samples} samples",
-        )
-        check_count("job.data.synthetic.params", d.params, limits, limits.list_items)
-        for key, value in d.params.items():
-            check_name("job.data.synthetic.params key", key, limits)
-            check_float(f"job.data.synthetic.params[{key!r}]", value)
-        for key in ("in", "out", "seq_len", "vocab"):
-            if key in d.params:
-                check_whole(f"job.data.synthetic.params[{key!r}]", d.params[key], 1, limits.numel)
-        _check_fields("job.data.fields", d.sample_fields, limits)
-    elif isinstance(d, TokenFileSource):
-        check_name("job.data.token_file.path", d.path, limits, chars=limits.path_chars)
-        check_int("job.data.token_file.seq_len", d.seq_len, 1, limits.numel)
-    elif isinstance(d, ArrayFileSource):
-        check_count("job.data.array_files.paths", d.paths, limits)
-        for key, path in d.paths.items():
-            check_name("job.data.array_files.paths key", key, limits)
-            check_name(f"job.data.array_files.paths[{key!r}]", path, limits, chars=limits.path_chars)
-    elif isinstance(d, ArraySource):
-        check_count("job.data.in_memory.arrays", d.arrays, limits)
-        lengths = {k: len(a) if a.ndim else 0 for k, a in d.arrays.items()}
-        for key in d.arrays:
-            check_name("job.data.in_memory.arrays key", key, limits)
-            check_int(
-                f"job.data.in_memory.arrays[{key!r}] samples",
-                lengths[key],
-                d.batch_size,
-                limits.samples,
-                f"give every array at least one batch ({d.batch_size}) of samples",
-            )
-        if len(set(lengths.values())) > 1:
-            raise refuse(
-                "job.data.in_memory.arrays",
-                lengths,
-                "hold different sample counts",
-                "give every array the same first dimension",
-            )
-
-
-def _check_fields(where: str, items: Iterable[Any], limits: Limits) -> None:
-    items = tuple(items)
-    check_count(where, items, limits)
-    for i, f in enumerate(items):
-        check_name(f"{where}[{i}].name", f.name, limits)
-        check_shape(f"{where}[{i}].sample_shape", f.sample_shape, limits)

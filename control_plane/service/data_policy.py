@@ -1,6 +1,7 @@
 """Which files a job's data may name: only those under the server's data roots (``--data-root``).
 
-A data source names files (``ArrayFileSource``'s ``.npy`` paths, ``TokenFileSource``'s token file); the
+A data source names files (every ``FileSource``'s ``file_paths()``: ``.npy`` arrays, token files, text,
+tables, images); the
 workers would read whatever they name, ``/etc/passwd`` included. :class:`DataPolicy` refuses, at
 Submit (``validation.compile_submit``) and again before a run starts (a job re-queued after a restart
 was validated under the roots of its day), every path that does not resolve under a root: paths are
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from sbpflow.checkpoint.write import STORAGE_ERRORS, CheckpointStorageError
 from sbpflow.data.access import DENIED, MAX_SHOWN, DataAccessDenied, refusal, resolved, within
-from sbpflow.data.sources import ArrayFileSource, DataSource, TokenFileSource, with_roots
+from sbpflow.data.sources import DataSource, FileSource, with_roots
 from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
 from sbpflow.limits import CompileLimitError
@@ -41,11 +42,7 @@ from sbpflow.limits import CompileLimitError
 
 def data_paths(source: DataSource | None) -> list[tuple[str, str]]:
     """``(what, path)`` of every file ``source`` would read."""
-    if isinstance(source, ArrayFileSource):
-        return [(f"data field {k!r}", p) for k, p in source.paths.items()]
-    if isinstance(source, TokenFileSource):
-        return [("token file", source.path)]
-    return []
+    return source.file_paths() if isinstance(source, FileSource) else []
 
 
 @dataclass(frozen=True)

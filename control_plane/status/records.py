@@ -126,7 +126,7 @@ def result_proto(job_id: str, result: RunResult, history: Sequence[float] = ()) 
     """The JobResult of a finished run: its losses and its trained parameters (when it kept them). The
     losses are the job's ``history`` (the store's: every attempt's, a run resumed after a control-plane
     restart included) where it holds at least the run's own."""
-    from sbpflow.codec.wire import array_to_proto
+    from sbpflow.codec.values import array_to_proto
 
     losses = list(history) if len(history) >= len(result.losses) else result.losses
     m = sp.JobResult(job_id=job_id, state=sp.JOB_STATE_SUCCEEDED, losses=losses)

@@ -8,23 +8,17 @@ on untrusted input at Submit.
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
+from sbpflow.codec.data_wire import data_from_proto, data_to_proto
 from sbpflow.codec.scaling import loss_scaling_from_proto, loss_scaling_to_proto
-from sbpflow.data.sources import (
-    ArrayFileSource,
-    ArraySource,
-    DataField,
-    DataSource,
-    SyntheticSource,
-    TokenFileSource,
+from sbpflow.codec.values import (  # WireError and dtype_*: many callers import them from here
+    WireError,
+    dtype_from_proto,
+    dtype_to_proto,
+    inverse,
 )
 from sbpflow.dtype import DType
-from sbpflow.errors import SbpflowError
 from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.job import (
     ELASTIC_GRACE,
@@ -41,7 +35,6 @@ from sbpflow.job import (
     Precision,
     WarmupCosine,
 )
-from sbpflow.limits import LIMITS, check_shape, check_whole
 from sbpflow.ops.base import AttrValue
 from sbpflow.placement import Placement
 from sbpflow.random import Initializer, make_initializer
@@ -49,40 +42,18 @@ from sbpflow.sbp import B, NdSbp, P, Sbp, Split
 from sbpflow.tensor_meta import TensorMeta
 from sbpflow.v1 import job_pb2 as pb
 
-
-class WireError(SbpflowError, ValueError):
-    """A protobuf that does not describe a valid job."""
-
-
 # ---- enums: one table each way ------------------------------------------------------------------
 
-_DTYPE = {d: getattr(pb, f"DTYPE_{d.name.upper()}") for d in DType}
 _DEVICE = {"cpu": pb.DEVICE_TYPE_CPU, "cuda": pb.DEVICE_TYPE_CUDA}
 _KIND = {k: getattr(pb, f"TENSOR_KIND_{k.name.upper()}") for k in TensorKind}
 _PRECISION = {p: getattr(pb, f"PRECISION_{p.name.upper()}") for p in Precision}
 _SCHEDULE = {s: getattr(pb, f"PIPELINE_SCHEDULE_{s.name.upper()}") for s in PipelineSchedule}
 
 
-def _inverse(table: Mapping[Any, int], what: str) -> Any:
-    inv = {v: k for k, v in table.items()}
-
-    def lookup(value: int) -> Any:
-        if value not in inv:
-            raise WireError(f"{what} enum value {value} is unspecified or unknown; set it explicitly")
-        return inv[value]
-
-    return lookup
-
-
-dtype_from_proto = _inverse(_DTYPE, "DType")
-_device_from_proto = _inverse(_DEVICE, "DeviceType")
-_kind_from_proto = _inverse(_KIND, "TensorKind")
-_precision_from_proto = _inverse(_PRECISION, "Precision")
-_schedule_from_proto = _inverse(_SCHEDULE, "PipelineSchedule")
-
-
-def dtype_to_proto(d: DType) -> int:
-    return _DTYPE[d]
+_device_from_proto = inverse(_DEVICE, "DeviceType")
+_kind_from_proto = inverse(_KIND, "TensorKind")
+_precision_from_proto = inverse(_PRECISION, "Precision")
+_schedule_from_proto = inverse(_SCHEDULE, "PipelineSchedule")
 
 
 # ---- placement and SBP ----------------------------------------------------------------------------
@@ -129,7 +100,7 @@ def attr_to_proto(v: AttrValue) -> pb.AttrValue:
     if v is None:
         return pb.AttrValue(none=True)
     if isinstance(v, DType):
-        return pb.AttrValue(dtype=_DTYPE[v])
+        return pb.AttrValue(dtype=dtype_to_proto(v))
     if isinstance(v, bool):
         return pb.AttrValue(b=v)
     if isinstance(v, int):
@@ -171,7 +142,7 @@ def tensor_to_proto(t: TensorDecl) -> pb.Tensor:
     m = pb.Tensor(
         name=t.name,
         shape=t.meta.shape,
-        dtype=_DTYPE[t.meta.dtype],
+        dtype=dtype_to_proto(t.meta.dtype),
         kind=_KIND[t.kind],
         requires_grad=t.requires_grad,
     )
@@ -254,91 +225,6 @@ def initializer_from_proto(m: pb.Initializer) -> Initializer:
         return make_initializer(m.kind, **dict(m.params))
     except (TypeError, ValueError) as e:
         raise WireError(f"initializer {m.kind!r} with params {dict(m.params)}: {e}") from None
-
-
-def array_to_proto(a: np.ndarray) -> pb.ArrayData:
-    from sbpflow.dtype import as_dtype
-
-    return pb.ArrayData(
-        dtype=_DTYPE[as_dtype(a.dtype)],
-        shape=a.shape,
-        data=np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes(),
-    )
-
-
-def array_from_proto(m: pb.ArrayData) -> np.ndarray:
-    dtype = dtype_from_proto(m.dtype).to_numpy().newbyteorder("<")
-    shape = check_shape("ArrayData.shape", m.shape)  # before numpy multiplies it out in int64
-    expected = math.prod(shape) * dtype.itemsize
-    if len(m.data) != expected:
-        raise WireError(
-            f"array of shape {list(shape)} {dtype.name} needs {expected} bytes, got {len(m.data)}"
-        )
-    return np.frombuffer(m.data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
-
-
-def _field_to_proto(f: DataField) -> pb.DataField:
-    return pb.DataField(name=f.name, sample_shape=f.sample_shape, dtype=_DTYPE[f.dtype])
-
-
-def _field_from_proto(m: pb.DataField) -> DataField:
-    return DataField(m.name, tuple(m.sample_shape), dtype_from_proto(m.dtype))
-
-
-def data_to_proto(d: DataSource) -> pb.DataSource:
-    m = pb.DataSource(global_batch_size=d.batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=d.drop_last)
-    if isinstance(d, ArraySource):
-        for k, a in d.arrays.items():
-            m.in_memory.arrays[k].CopyFrom(array_to_proto(a))
-    elif isinstance(d, ArrayFileSource):
-        m.array_files.paths.update(d.paths)
-    elif isinstance(d, TokenFileSource):
-        m.token_file.CopyFrom(pb.TokenFile(path=d.path, dtype=_DTYPE[d.dtype], seq_len=d.seq_len))
-    else:
-        m.synthetic.CopyFrom(
-            pb.Synthetic(kind=d.kind, params={**d.params, "num_samples": float(d.num_samples)})
-        )
-        m.fields.extend(_field_to_proto(f) for f in d.sample_fields)
-    return m
-
-
-def data_from_proto(m: pb.DataSource) -> DataSource:
-    for unread in ("placement", "sbp"):  # the inputs' placements and SBPs are the graph's input tensors'
-        if m.HasField(unread):
-            raise WireError(
-                f"DataSource.{unread} is set, but sbpflow does not read it: the graph's input tensors carry "
-                "the placement and SBP of the data; leave it unset"
-            )
-    if m.fields and m.WhichOneof("kind") != "synthetic":
-        raise WireError(
-            "DataSource.fields is set for a non-synthetic source, which declares its own fields; leave it unset"
-        )
-    common: dict[str, Any] = dict(
-        batch_size=m.global_batch_size, shuffle=m.shuffle, seed=m.seed, drop_last=m.drop_last
-    )
-    kind = m.WhichOneof("kind")
-    if kind == "in_memory":
-        return ArraySource(
-            arrays={k: array_from_proto(m.in_memory.arrays[k]) for k in m.in_memory.arrays}, **common
-        )
-    if kind == "array_files":
-        return ArrayFileSource(paths=dict(sorted(m.array_files.paths.items())), **common)
-    if kind == "token_file":
-        t = m.token_file
-        return TokenFileSource(path=t.path, dtype=dtype_from_proto(t.dtype), seq_len=t.seq_len, **common)
-    if kind == "synthetic":
-        params = dict(m.synthetic.params)
-        n = check_whole(
-            "DataSource.synthetic.params['num_samples']",
-            params.pop("num_samples", 1 << 20),
-            1,
-            LIMITS.samples,
-        )
-        fields = tuple(_field_from_proto(f) for f in m.fields)
-        return SyntheticSource(
-            kind=m.synthetic.kind, sample_fields=fields, params=params, num_samples=n, **common
-        )
-    raise WireError("the DataSource sets no kind; give in_memory, array_files, token_file or synthetic")
 
 
 # ---- optimizer and config -------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from sbpflow.data.clicks import click_shapes, read_clicks
 from sbpflow.data.mlm import mlm_shapes, read_mlm
 from sbpflow.dtype import DType, as_dtype
 from sbpflow.errors import SbpflowError
+from sbpflow.limits import Limits, check_count, check_int, check_name
 from sbpflow.random import RandomKey, normal, normal_at, row_offsets, tensor_rng_id, uniform_at
 
 
@@ -99,12 +100,39 @@ class ArraySource(_Common):
 
 
 @dataclass(frozen=True, kw_only=True)
-class _FileBacked(_Common):
-    """A source that reads files. ``allowed_roots``: set by the control plane from its data policy
-    (``--data-root``), never carried by the wire; each file is then opened once and checked as opened
-    (:mod:`sbpflow.data.access`). None: read what the process can (a user's own ``sf.run``)."""
+class FileSource(_Common):
+    """A source that reads files: the base of every file format. ``allowed_roots``: set by the control
+    plane from its data policy (``--data-root``), never carried by the wire; each file is then opened once
+    and checked as opened (:mod:`sbpflow.data.access`). None: read what the process can (a user's own
+    ``sf.run``).
+
+    A format defines ``num_samples``, ``fields()``, ``read()`` (as every source), ``file_paths()`` (every file
+    it would read, which the data policy checks at Submit) and ``check_limits()`` (its own values against
+    :class:`sbpflow.limits.Limits`, before any file is opened), and registers its wire form in
+    :data:`sbpflow.data.formats.FORMATS`. ``fields_need_files``: its fields are known only once its files
+    are opened (the workers check the graph's inputs then, not Submit).
+    """
 
     allowed_roots: tuple[str, ...] | None = field(default=None, compare=False)
+    fields_need_files: ClassVar[bool] = False
+
+    @property
+    def num_samples(self) -> int:
+        raise NotImplementedError(type(self).__name__)
+
+    def fields(self) -> tuple[DataField, ...]:
+        raise NotImplementedError(type(self).__name__)
+
+    def read(self, batch: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        raise NotImplementedError(type(self).__name__)
+
+    def file_paths(self) -> list[tuple[str, str]]:
+        """``(what, path)`` of every file this source would read, ``what`` naming it in a message."""
+        raise NotImplementedError(type(self).__name__)
+
+    def check_limits(self, limits: Limits) -> None:
+        """Refuse (:class:`sbpflow.limits.LimitError`) a value of this source outside ``limits``."""
+        raise NotImplementedError(type(self).__name__)
 
     @contextmanager
     def _file(self, what: str, path: str, fix: str) -> Iterator[str]:
@@ -124,10 +152,11 @@ class _FileBacked(_Common):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ArrayFileSource(_FileBacked):
+class ArrayFileSource(FileSource):
     """One ``.npy`` file per field, memory-mapped: a rank reads only its rows."""
 
     paths: Mapping[str, str] = field(default_factory=dict)
+    fields_need_files: ClassVar[bool] = True
 
     def _open(self) -> dict[str, np.ndarray]:
         out = {}
@@ -137,6 +166,15 @@ class ArrayFileSource(_FileBacked):
             ) as name:
                 out[k] = np.load(name, mmap_mode="r")
         return out
+
+    def file_paths(self) -> list[tuple[str, str]]:
+        return [(f"data field {k!r}", p) for k, p in self.paths.items()]
+
+    def check_limits(self, limits: Limits) -> None:
+        check_count("job.data.array_files.paths", self.paths, limits)
+        for key, path in self.paths.items():
+            check_name("job.data.array_files.paths key", key, limits)
+            check_name(f"job.data.array_files.paths[{key!r}]", path, limits, chars=limits.path_chars)
 
     @property
     def num_samples(self) -> int:
@@ -154,7 +192,7 @@ class ArrayFileSource(_FileBacked):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TokenFileSource(_FileBacked):
+class TokenFileSource(FileSource):
     """A flat binary file of token ids (GPT-style): sample i is the window at ``i*seq_len``.
 
     Yields ``tokens`` and ``targets`` (the same window shifted by one token).
@@ -167,6 +205,13 @@ class TokenFileSource(_FileBacked):
     def _tokens(self) -> np.ndarray:
         with self._file("token file", self.path, f"give a flat file of {self.dtype.name} token ids") as name:
             return np.memmap(name, dtype=self.dtype.to_numpy(), mode="r")
+
+    def file_paths(self) -> list[tuple[str, str]]:
+        return [("token file", self.path)]
+
+    def check_limits(self, limits: Limits) -> None:
+        check_name("job.data.token_file.path", self.path, limits, chars=limits.path_chars)
+        check_int("job.data.token_file.seq_len", self.seq_len, 1, limits.numel)
 
     @property
     def num_samples(self) -> int:
@@ -259,13 +304,13 @@ class SyntheticSource(_Common):
         return {f.name: self._draw(f, ids) for f in self.fields()}
 
 
-DataSource = ArraySource | ArrayFileSource | TokenFileSource | SyntheticSource
+DataSource = ArraySource | SyntheticSource | FileSource  # FileSource: ArrayFileSource, TokenFileSource, ...
 
 
 def with_roots(source: DataSource | None, roots: tuple[str, ...] | None) -> DataSource | None:
     """``source`` whose files are checked as opened against ``roots`` (a source without files as it is):
     how the control plane's data policy reaches a source decoded from the wire."""
-    if isinstance(source, ArrayFileSource | TokenFileSource):
+    if isinstance(source, FileSource):
         return dataclasses.replace(source, allowed_roots=roots)
     return source
 

@@ -19,6 +19,9 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from sbpflow.v1 import data_image_pb2 as _data_image_pb2
+from sbpflow.v1 import data_table_pb2 as _data_table_pb2
+from sbpflow.v1 import data_text_pb2 as _data_text_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -940,6 +943,9 @@ class DataSource(_message.Message):
     ARRAY_FILES_FIELD_NUMBER: _builtins.int
     TOKEN_FILE_FIELD_NUMBER: _builtins.int
     SYNTHETIC_FIELD_NUMBER: _builtins.int
+    TEXT_FILES_FIELD_NUMBER: _builtins.int
+    IMAGE_FILES_FIELD_NUMBER: _builtins.int
+    TABLE_FILES_FIELD_NUMBER: _builtins.int
     global_batch_size: _builtins.int
     """Samples per step over all ranks (before micro-batching)."""
     shuffle: _builtins.bool
@@ -976,6 +982,18 @@ class DataSource(_message.Message):
     def synthetic(self) -> Global___Synthetic:
         """Generated data."""
 
+    @_builtins.property
+    def text_files(self) -> _data_text_pb2.TextFiles:
+        """Text files, tokenized and packed (data_text.proto)."""
+
+    @_builtins.property
+    def image_files(self) -> _data_image_pb2.ImageFiles:
+        """An image folder or tar shards, decoded and transformed (data_image.proto)."""
+
+    @_builtins.property
+    def table_files(self) -> _data_table_pb2.TableFiles:
+        """Parquet, Arrow, CSV or JSON-lines tables (data_table.proto)."""
+
     def __init__(
         self,
         *,
@@ -990,12 +1008,15 @@ class DataSource(_message.Message):
         array_files: Global___ArrayFiles | None = ...,
         token_file: Global___TokenFile | None = ...,
         synthetic: Global___Synthetic | None = ...,
+        text_files: _data_text_pb2.TextFiles | None = ...,
+        image_files: _data_image_pb2.ImageFiles | None = ...,
+        table_files: _data_table_pb2.TableFiles | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["array_files", b"array_files", "in_memory", b"in_memory", "kind", b"kind", "placement", b"placement", "sbp", b"sbp", "synthetic", b"synthetic", "token_file", b"token_file"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["array_files", b"array_files", "image_files", b"image_files", "in_memory", b"in_memory", "kind", b"kind", "placement", b"placement", "sbp", b"sbp", "synthetic", b"synthetic", "table_files", b"table_files", "text_files", b"text_files", "token_file", b"token_file"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["array_files", b"array_files", "drop_last", b"drop_last", "fields", b"fields", "global_batch_size", b"global_batch_size", "in_memory", b"in_memory", "kind", b"kind", "placement", b"placement", "sbp", b"sbp", "seed", b"seed", "shuffle", b"shuffle", "synthetic", b"synthetic", "token_file", b"token_file"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["array_files", b"array_files", "drop_last", b"drop_last", "fields", b"fields", "global_batch_size", b"global_batch_size", "image_files", b"image_files", "in_memory", b"in_memory", "kind", b"kind", "placement", b"placement", "sbp", b"sbp", "seed", b"seed", "shuffle", b"shuffle", "synthetic", b"synthetic", "table_files", b"table_files", "text_files", b"text_files", "token_file", b"token_file"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["in_memory", "array_files", "token_file", "synthetic"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["in_memory", "array_files", "token_file", "synthetic", "text_files", "image_files", "table_files"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

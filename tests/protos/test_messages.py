@@ -11,7 +11,7 @@ from google.protobuf import timestamp_pb2
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FileDescriptor
 from google.protobuf.message import Message
 
-from sbpflow.v1 import job_pb2, plan_pb2, service_pb2
+from sbpflow.v1 import data_image_pb2, data_table_pb2, data_text_pb2, job_pb2, plan_pb2, service_pb2
 
 M = TypeVar("M", bound=Message)
 
@@ -61,6 +61,11 @@ DATA_KINDS = {
     "synthetic": job_pb2.DataSource(
         synthetic=job_pb2.Synthetic(kind="teacher_regression", params={"noise": 0.01})
     ),
+    "text_files": job_pb2.DataSource(
+        text_files=data_text_pb2.TextFiles(paths=["/data/*.txt"], tokenizer="bytes", seq_len=128)
+    ),
+    "image_files": job_pb2.DataSource(image_files=data_image_pb2.ImageFiles(paths=["/data/train"], size=224)),
+    "table_files": job_pb2.DataSource(table_files=data_table_pb2.TableFiles(paths=["/data/clicks.parquet"])),
 }
 
 

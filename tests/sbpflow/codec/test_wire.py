@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import sbpflow.ops  # noqa: F401
-from sbpflow.codec import wire
+from sbpflow.codec import values, wire
 from sbpflow.data.sources import ArrayFileSource, ArraySource, DataField, SyntheticSource, TokenFileSource
 from sbpflow.dtype import DType
 from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind
@@ -125,7 +125,7 @@ def test_unspecified_enum_is_refused() -> None:
 
 
 def test_truncated_array_bytes_are_refused() -> None:
-    m = wire.array_to_proto(np.zeros((2, 3)))
+    m = values.array_to_proto(np.zeros((2, 3)))
     m.data = m.data[:-8]
     with pytest.raises(wire.WireError, match="needs 48 bytes"):
-        wire.array_from_proto(m)
+        values.array_from_proto(m)
