@@ -1,7 +1,7 @@
 """An example file on the command line: loaded, its ``make_job`` called with the command's flags.
 
 Every command that takes an example (``run``, ``plan``, ``trace``, ``submit``, ``resume``, ``generate``)
-loads it here: ``--ranks/--tp/--dp/--layers/--device`` and each ``--set KEY=VALUE`` (typed by what
+loads it here: ``--ranks/--tp/--dp/--layers/--device/--data`` and each ``--set KEY=VALUE`` (typed by what
 ``make_job`` says KEY takes) become its keyword arguments, options it does not take are refused, and
 ``--steps``/``--checkpoint-every`` override the traced job's config; ``--auto`` lays the job out as the
 plan search's winner.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,12 @@ def make_kwargs(args: argparse.Namespace, make_job: Callable[..., Any] | None = 
     from sbpflow.client.cli.set_values import param_types, parse_set
 
     kw: dict[str, Any] = {
-        k: getattr(args, k) for k in ("ranks", "dp", "layers", "device") if getattr(args, k, None) is not None
+        k: getattr(args, k)
+        for k in ("ranks", "dp", "layers", "device", "data")
+        if getattr(args, k, None) is not None
     }
+    if "data" in kw and args.command == "run":  # read here: the workers' working folder may differ
+        kw["data"] = os.path.abspath(os.path.expanduser(kw["data"]))
     if args.tp:
         kw["tp"] = True
     types = param_types(make_job) if make_job is not None else {}
@@ -63,8 +68,10 @@ def job_from_args(args: argparse.Namespace) -> Any:
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     unknown = sorted(k for k in kw if k not in params and not takes_any)
     if unknown:
+        hint = "; --data needs a make_job(data=...) parameter" if "data" in unknown else ""
         raise UsageError(
             f"{args.example}: make_job() takes no {unknown}; it takes {[p for p in params if p != 'self']}"
+            + hint
         )
     if kw.get("device") == "cuda" and args.command == "run" and not getattr(args, "ray_address", None):
         from sbpflow.device import array_module  # it runs on this machine: refuse before any work

@@ -144,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
                 help="the device type to place the job on (make_job's device=); cuda runs kernels on cupy "
                 "and needs a GPU per rank where the job runs (default: the example's own)",
             )
+            p.add_argument(
+                "--data",
+                metavar="PATH",
+                help="train on this file, folder or glob (make_job's data=): text for GPT, charlm and BERT, an "
+                "image folder for ResNet and InsightFace, a Parquet/CSV/JSON-lines table for Wide & Deep and "
+                "the MLP; with submit, a path as the server's workers see it, under its --data-root",
+            )
             p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other make_job argument")
         if name == "submit":  # the job's own run options, within the server's (unset: the server's)
             add_run_flags(p, None, only=CLIENT_FIELDS)

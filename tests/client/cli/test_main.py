@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sbpflow.client.cli.main import main
+from sbpflow.client.cli.main import build_parser, main
 from sbpflow.v1 import plan_pb2 as pp
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -122,3 +122,19 @@ def test_server_flags_make_its_config(tmp_path: Path) -> None:
 def test_server_refuses_negative_restarts(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["server", "--max-restarts", "-1"]) == 2
     assert "--max-restarts -1: give 0 (never restart) or more" in capsys.readouterr().err
+
+
+def test_data_reaches_make_job_as_a_path_and_needs_a_data_parameter(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sbpflow.client.cli.examples import make_kwargs
+
+    monkeypatch.chdir(tmp_path)
+    given = build_parser().parse_args(["run", "x.py", "--data", "corpus/*.txt"])
+    assert make_kwargs(given)["data"] == str(tmp_path / "corpus" / "*.txt")  # as this machine sees it
+    sent = build_parser().parse_args(["submit", "x.py", "--data", "corpus/a.txt"])
+    assert make_kwargs(sent)["data"] == "corpus/a.txt"  # as the server's workers see it, unchanged
+    takes_none = tmp_path / "fixed.py"
+    takes_none.write_text("def make_job(ranks: int = 1):\n    raise AssertionError('not called')\n")
+    assert main(["plan", str(takes_none), "--data", "x.txt"]) == 2
+    assert "make_job() takes no ['data']" in capsys.readouterr().err
