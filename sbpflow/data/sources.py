@@ -193,8 +193,11 @@ class ArrayFileSource(FileSource):
 
 @dataclass(frozen=True, kw_only=True)
 class TokenFileSource(FileSource):
-    """A flat binary file of token ids (GPT-style): sample i is the window at ``i*seq_len``.
+    """A file of token ids (GPT-style): sample i is the window at ``i*seq_len``.
 
+    ``path``: a flat little-endian file of ``dtype`` ids (int32 or int64), or a ``.npy`` array of integer
+    ids of one axis, whose own header gives their type (uint16 included: nanoGPT's uint16 ``.bin``, which
+    the wire's DType cannot name, becomes one by ``np.save("train.npy", np.memmap("train.bin", np.uint16))``).
     Yields ``tokens`` and ``targets`` (the same window shifted by one token).
     """
 
@@ -203,6 +206,13 @@ class TokenFileSource(FileSource):
     seq_len: int = 0
 
     def _tokens(self) -> np.ndarray:
+        if self.path.endswith(".npy"):
+            fix = "give a .npy array of integer token ids, one axis, written with numpy.save"
+            with self._file("token file", self.path, fix) as name:
+                ids = np.load(name, mmap_mode="r")
+            if ids.ndim != 1 or ids.dtype.kind not in "iu":
+                raise DataError(f"token file {self.path!r} holds {ids.dtype} of shape {ids.shape}; {fix}")
+            return ids
         with self._file("token file", self.path, f"give a flat file of {self.dtype.name} token ids") as name:
             return np.memmap(name, dtype=self.dtype.to_numpy(), mode="r")
 
@@ -226,10 +236,20 @@ class TokenFileSource(FileSource):
     def read(self, batch: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
         toks = self._tokens()
         ids = self._sample_ids((len(toks) - 1) // self.seq_len, batch, rows)
-        # one gather of every window's positions, not a slice and a copy per sample
-        at = ids[:, None] * self.seq_len + np.arange(self.seq_len + 1)
-        windows = np.asarray(toks)[at].astype(np.int64, copy=False).reshape(len(ids), self.seq_len + 1)
+        return self.samples(toks, ids, self.seq_len)
+
+    @staticmethod
+    def samples(toks: np.ndarray, ids: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+        """``tokens`` and ``targets`` of samples ``ids`` of the flat ids ``toks`` (any source of them)."""
+        windows = TokenFileSource.windows(toks, ids, seq_len, seq_len + 1)
         return {"tokens": windows[:, :-1].copy(), "targets": windows[:, 1:].copy()}
+
+    @staticmethod
+    def windows(toks: np.ndarray, ids: np.ndarray, stride: int, length: int) -> np.ndarray:
+        """The ``length`` ids at ``i * stride`` for each ``i`` of ``ids``, int64 ``[len(ids), length]``."""
+        # one gather of every window's positions, not a slice and a copy per sample
+        at = ids[:, None] * stride + np.arange(length)
+        return np.asarray(toks)[at].astype(np.int64, copy=False).reshape(len(ids), length)
 
 
 @dataclass(frozen=True, kw_only=True)

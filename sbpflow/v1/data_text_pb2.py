@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asbpflow/v1/data_text.proto\x12\nsbpflow.v1\">\n\tTextFiles\x12\r\n\x05paths\x18\x01 \x03(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12\x0f\n\x07seq_len\x18\x03 \x01(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asbpflow/v1/data_text.proto\x12\nsbpflow.v1\"`\n\tTextFiles\x12\r\n\x05paths\x18\x01 \x03(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12\x0f\n\x07seq_len\x18\x03 \x01(\x03\x12 \n\x03mlm\x18\x04 \x01(\x0b\x32\x13.sbpflow.v1.TextMlm\"~\n\x07TextMlm\x12\x11\n\tmask_prob\x18\x01 \x01(\x01\x12\x13\n\x06\x63ls_id\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x13\n\x06sep_id\x18\x03 \x01(\x03H\x01\x88\x01\x01\x12\x14\n\x07mask_id\x18\x04 \x01(\x03H\x02\x88\x01\x01\x42\t\n\x07_cls_idB\t\n\x07_sep_idB\n\n\x08_mask_idb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,5 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sbpflow.v1.data_text_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TEXTFILES']._serialized_start=42
-  _globals['_TEXTFILES']._serialized_end=104
+  _globals['_TEXTFILES']._serialized_end=138
+  _globals['_TEXTMLM']._serialized_start=140
+  _globals['_TEXTMLM']._serialized_end=266
 # @@protoc_insertion_point(module_scope)

@@ -23,7 +23,8 @@ DESCRIPTOR: _descriptor.FileDescriptor
 @_typing.final
 class TextFiles(_message.Message):
     """Text files, tokenized and packed into samples of seq_len tokens (fields "tokens" and "targets", the
-    same window shifted by one token).
+    same window shifted by one token; with mlm, BERT's masked-language-model fields instead). The files
+    are documents, joined with the tokenizer's end-of-text token where it has one.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -31,15 +32,23 @@ class TextFiles(_message.Message):
     PATHS_FIELD_NUMBER: _builtins.int
     TOKENIZER_FIELD_NUMBER: _builtins.int
     SEQ_LEN_FIELD_NUMBER: _builtins.int
+    MLM_FIELD_NUMBER: _builtins.int
     tokenizer: _builtins.str
-    """"bytes": each UTF-8 byte is a token (ids 0..255); otherwise the path of a Hugging Face `tokenizers`
-    JSON file (tokenizer.json), read by the workers.
+    """"bytes": each UTF-8 byte is a token (ids 0..255, no end-of-text token); otherwise the path of a
+    Hugging Face `tokenizers` JSON file (tokenizer.json), read by the workers. Under a tokenizer file the
+    text must be UTF-8: a file that is not is refused, naming its first bad byte.
     """
     seq_len: _builtins.int
     """Tokens per sample."""
     @_builtins.property
     def paths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Files or glob patterns, as the workers see them; the matched files are read in sorted order."""
+        """Files or glob patterns, as the workers see them; the matched files are read in sorted order. A
+        pattern that matches nothing is an error.
+        """
+
+    @_builtins.property
+    def mlm(self) -> Global___TextMlm:
+        """Absent: next-token samples ("tokens", "targets"). Set: masked-language-model samples for BERT."""
 
     def __init__(
         self,
@@ -47,11 +56,65 @@ class TextFiles(_message.Message):
         paths: _abc.Iterable[_builtins.str] | None = ...,
         tokenizer: _builtins.str = ...,
         seq_len: _builtins.int = ...,
+        mlm: Global___TextMlm | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["mlm", b"mlm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["paths", b"paths", "seq_len", b"seq_len", "tokenizer", b"tokenizer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mlm", b"mlm", "paths", b"paths", "seq_len", b"seq_len", "tokenizer", b"tokenizer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TextFiles: _TypeAlias = TextFiles  # noqa: Y015
+
+@_typing.final
+class TextMlm(_message.Message):
+    """BERT's masked-language-model samples from text: "[CLS] window [SEP]" of seq_len tokens (windows of
+    seq_len - 2 tokens of the packed text), with a fraction of the window's positions masked 80 % [MASK],
+    10 % a random token, 10 % kept; fields "tokens", "token_types" (all 0), "positions" (the masked
+    positions, increasing) and "labels" (the original tokens there). Drawn per (seed, epoch, sample).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MASK_PROB_FIELD_NUMBER: _builtins.int
+    CLS_ID_FIELD_NUMBER: _builtins.int
+    SEP_ID_FIELD_NUMBER: _builtins.int
+    MASK_ID_FIELD_NUMBER: _builtins.int
+    mask_prob: _builtins.float
+    """Fraction of each window's tokens predicted, in (0, 1]: round(mask_prob * (seq_len - 2)) positions,
+    at least one. BERT: 0.15.
+    """
+    cls_id: _builtins.int
+    """The [CLS], [SEP] and [MASK] ids. Unset: the tokenizer's tokens "[CLS]"/"<s>", "[SEP]"/"</s>" and
+    "[MASK]"/"<mask>"; under "bytes", 256, 257 and 258 (the vocabulary grows to 259).
+    """
+    sep_id: _builtins.int
+    """See cls_id."""
+    mask_id: _builtins.int
+    """See cls_id."""
+    def __init__(
+        self,
+        *,
+        mask_prob: _builtins.float = ...,
+        cls_id: _builtins.int | None = ...,
+        sep_id: _builtins.int | None = ...,
+        mask_id: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cls_id", b"_cls_id", "_mask_id", b"_mask_id", "_sep_id", b"_sep_id", "cls_id", b"cls_id", "mask_id", b"mask_id", "sep_id", b"sep_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cls_id", b"_cls_id", "_mask_id", b"_mask_id", "_sep_id", b"_sep_id", "cls_id", b"cls_id", "mask_id", b"mask_id", "mask_prob", b"mask_prob", "sep_id", b"sep_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cls_id: _TypeAlias = _typing.Literal["cls_id"]  # noqa: Y015
+    _WhichOneofArgType__cls_id: _TypeAlias = _typing.Literal["_cls_id", b"_cls_id"]  # noqa: Y015
+    _WhichOneofReturnType__mask_id: _TypeAlias = _typing.Literal["mask_id"]  # noqa: Y015
+    _WhichOneofArgType__mask_id: _TypeAlias = _typing.Literal["_mask_id", b"_mask_id"]  # noqa: Y015
+    _WhichOneofReturnType__sep_id: _TypeAlias = _typing.Literal["sep_id"]  # noqa: Y015
+    _WhichOneofArgType__sep_id: _TypeAlias = _typing.Literal["_sep_id", b"_sep_id"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cls_id) -> _WhichOneofReturnType__cls_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mask_id) -> _WhichOneofReturnType__mask_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sep_id) -> _WhichOneofReturnType__sep_id | None: ...
+
+Global___TextMlm: _TypeAlias = TextMlm  # noqa: Y015
