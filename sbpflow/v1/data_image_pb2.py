@@ -24,13 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsbpflow/v1/data_image.proto\x12\nsbpflow.v1\")\n\nImageFiles\x12\r\n\x05paths\x18\x01 \x03(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsbpflow/v1/data_image.proto\x12\nsbpflow.v1\"\xb3\x02\n\nImageFiles\x12\r\n\x05paths\x18\x01 \x03(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\'\n\x06layout\x18\x03 \x01(\x0e\x32\x17.sbpflow.v1.ImageLayout\x12\x0f\n\x07\x63lasses\x18\x04 \x01(\x03\x12#\n\x04\x63rop\x18\x05 \x01(\x0e\x32\x15.sbpflow.v1.ImageCrop\x12\x11\n\tscale_min\x18\x06 \x01(\x01\x12\x11\n\tscale_max\x18\x07 \x01(\x01\x12\x11\n\tratio_min\x18\x08 \x01(\x01\x12\x11\n\tratio_max\x18\t \x01(\x01\x12\x0e\n\x06resize\x18\n \x01(\x03\x12\x0c\n\x04\x66lip\x18\x0b \x01(\x08\x12\x0c\n\x04mean\x18\x0c \x03(\x01\x12\x0b\n\x03std\x18\r \x03(\x01\x12\x13\n\x0b\x66ull_decode\x18\x0e \x01(\x08\x12\x0f\n\x07threads\x18\x0f \x01(\x03*S\n\x0bImageLayout\x12\x1c\n\x18IMAGE_LAYOUT_UNSPECIFIED\x10\x00\x12\x10\n\x0cIMAGE_FOLDER\x10\x01\x12\x14\n\x10IMAGE_TAR_SHARDS\x10\x02*t\n\tImageCrop\x12\x1a\n\x16IMAGE_CROP_UNSPECIFIED\x10\x00\x12\x1d\n\x19IMAGE_CROP_RANDOM_RESIZED\x10\x01\x12\x15\n\x11IMAGE_CROP_CENTER\x10\x02\x12\x15\n\x11IMAGE_CROP_RESIZE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sbpflow.v1.data_image_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_IMAGEFILES']._serialized_start=43
-  _globals['_IMAGEFILES']._serialized_end=84
+  _globals['_IMAGELAYOUT']._serialized_start=353
+  _globals['_IMAGELAYOUT']._serialized_end=436
+  _globals['_IMAGECROP']._serialized_start=438
+  _globals['_IMAGECROP']._serialized_end=554
+  _globals['_IMAGEFILES']._serialized_start=44
+  _globals['_IMAGEFILES']._serialized_end=351
 # @@protoc_insertion_point(module_scope)

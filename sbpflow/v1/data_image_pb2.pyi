@@ -9,6 +9,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -20,31 +21,160 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _ImageLayout:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ImageLayoutEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ImageLayout.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    IMAGE_LAYOUT_UNSPECIFIED: _ImageLayout.ValueType  # 0
+    """Refused: say which layout the paths are."""
+    IMAGE_FOLDER: _ImageLayout.ValueType  # 1
+    """One path, a folder holding one subfolder per class (classes numbered in sorted order of their
+    names); the .jpg/.jpeg/.png files under each class folder, in sorted order, are its samples.
+    """
+    IMAGE_TAR_SHARDS: _ImageLayout.ValueType  # 2
+    """WebDataset-style tar shards (files or glob patterns, matched files in sorted order): members grouped
+    by key (the name up to its first dot), each sample an image member (.jpg/.jpeg/.png) and a .cls
+    member holding its class as a decimal integer.
+    """
+
+class ImageLayout(_ImageLayout, metaclass=_ImageLayoutEnumTypeWrapper):
+    """Where the images are and how they are grouped into samples."""
+
+IMAGE_LAYOUT_UNSPECIFIED: ImageLayout.ValueType  # 0
+"""Refused: say which layout the paths are."""
+IMAGE_FOLDER: ImageLayout.ValueType  # 1
+"""One path, a folder holding one subfolder per class (classes numbered in sorted order of their
+names); the .jpg/.jpeg/.png files under each class folder, in sorted order, are its samples.
+"""
+IMAGE_TAR_SHARDS: ImageLayout.ValueType  # 2
+"""WebDataset-style tar shards (files or glob patterns, matched files in sorted order): members grouped
+by key (the name up to its first dot), each sample an image member (.jpg/.jpeg/.png) and a .cls
+member holding its class as a decimal integer.
+"""
+Global___ImageLayout: _TypeAlias = ImageLayout  # noqa: Y015
+
+class _ImageCrop:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ImageCropEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ImageCrop.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    IMAGE_CROP_UNSPECIFIED: _ImageCrop.ValueType  # 0
+    """Refused: say which crop."""
+    IMAGE_CROP_RANDOM_RESIZED: _ImageCrop.ValueType  # 1
+    """Training: a random box of scale_min..scale_max of the area and aspect ratio ratio_min..ratio_max
+    (torchvision's RandomResizedCrop), resized to size x size.
+    """
+    IMAGE_CROP_CENTER: _ImageCrop.ValueType  # 2
+    """Evaluation: the shorter side resized to `resize`, then the centre size x size."""
+    IMAGE_CROP_RESIZE: _ImageCrop.ValueType  # 3
+    """The whole image resized to size x size, its aspect ratio not kept (aligned faces, say)."""
+
+class ImageCrop(_ImageCrop, metaclass=_ImageCropEnumTypeWrapper):
+    """How an image becomes a size x size sample."""
+
+IMAGE_CROP_UNSPECIFIED: ImageCrop.ValueType  # 0
+"""Refused: say which crop."""
+IMAGE_CROP_RANDOM_RESIZED: ImageCrop.ValueType  # 1
+"""Training: a random box of scale_min..scale_max of the area and aspect ratio ratio_min..ratio_max
+(torchvision's RandomResizedCrop), resized to size x size.
+"""
+IMAGE_CROP_CENTER: ImageCrop.ValueType  # 2
+"""Evaluation: the shorter side resized to `resize`, then the centre size x size."""
+IMAGE_CROP_RESIZE: ImageCrop.ValueType  # 3
+"""The whole image resized to size x size, its aspect ratio not kept (aligned faces, say)."""
+Global___ImageCrop: _TypeAlias = ImageCrop  # noqa: Y015
+
 @_typing.final
 class ImageFiles(_message.Message):
-    """An image folder (one subfolder per class, classes numbered in sorted order) or WebDataset-style tar
-    shards; yields the fields "images" ([3, size, size]) and "labels".
+    """An image folder or WebDataset-style tar shards; yields the fields "images" (float32 [3, size, size],
+    RGB: grayscale, palette and RGBA images are converted) and "labels" (int64, the class). Every random
+    choice is drawn from (seed, epoch, sample), so every layout sees the same samples.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     PATHS_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    CLASSES_FIELD_NUMBER: _builtins.int
+    CROP_FIELD_NUMBER: _builtins.int
+    SCALE_MIN_FIELD_NUMBER: _builtins.int
+    SCALE_MAX_FIELD_NUMBER: _builtins.int
+    RATIO_MIN_FIELD_NUMBER: _builtins.int
+    RATIO_MAX_FIELD_NUMBER: _builtins.int
+    RESIZE_FIELD_NUMBER: _builtins.int
+    FLIP_FIELD_NUMBER: _builtins.int
+    MEAN_FIELD_NUMBER: _builtins.int
+    STD_FIELD_NUMBER: _builtins.int
+    FULL_DECODE_FIELD_NUMBER: _builtins.int
+    THREADS_FIELD_NUMBER: _builtins.int
     size: _builtins.int
     """Side of the square images a sample holds, after the transforms."""
+    layout: Global___ImageLayout.ValueType
+    """How the paths hold the images."""
+    classes: _builtins.int
+    """Number of classes; 0: as many as the folder has class subfolders (tar shards: the largest label
+    plus one). A label outside 0..classes-1, or a folder with another number of classes, is an error.
+    """
+    crop: Global___ImageCrop.ValueType
+    """How an image is cropped to size x size."""
+    scale_min: _builtins.float
+    """IMAGE_CROP_RANDOM_RESIZED: the range of the box's share of the image's area, 0 < min <= max <= 1."""
+    scale_max: _builtins.float
+    ratio_min: _builtins.float
+    """IMAGE_CROP_RANDOM_RESIZED: the range of the box's aspect ratio (width / height), 0 < min <= max."""
+    ratio_max: _builtins.float
+    resize: _builtins.int
+    """IMAGE_CROP_CENTER: the shorter side's length before the centre crop; 0: size * 8 / 7, rounded
+    (256 for 224).
+    """
+    flip: _builtins.bool
+    """Flip each image left to right with probability 1/2."""
+    full_decode: _builtins.bool
+    """Decode JPEGs at full size even where a reduced one (1/2, 1/4, 1/8, decoded faster) still holds
+    every pixel the crop needs.
+    """
+    threads: _builtins.int
+    """Threads decoding one batch on a worker; 0: one per core the worker may use."""
     @_builtins.property
     def paths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """A folder, or tar shards (files or glob patterns), as the workers see them."""
+        """The folder (IMAGE_FOLDER), or tar shards: files or glob patterns (IMAGE_TAR_SHARDS), as the workers
+        see them.
+        """
 
+    @_builtins.property
+    def mean(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Per channel (R, G, B) mean and standard deviation of the pixels scaled to [0, 1]: a sample is
+        (pixel / 255 - mean) / std. Three each, or none (pixels / 255 as they are).
+        """
+
+    @_builtins.property
+    def std(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     def __init__(
         self,
         *,
         paths: _abc.Iterable[_builtins.str] | None = ...,
         size: _builtins.int = ...,
+        layout: Global___ImageLayout.ValueType = ...,
+        classes: _builtins.int = ...,
+        crop: Global___ImageCrop.ValueType = ...,
+        scale_min: _builtins.float = ...,
+        scale_max: _builtins.float = ...,
+        ratio_min: _builtins.float = ...,
+        ratio_max: _builtins.float = ...,
+        resize: _builtins.int = ...,
+        flip: _builtins.bool = ...,
+        mean: _abc.Iterable[_builtins.float] | None = ...,
+        std: _abc.Iterable[_builtins.float] | None = ...,
+        full_decode: _builtins.bool = ...,
+        threads: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["paths", b"paths", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["classes", b"classes", "crop", b"crop", "flip", b"flip", "full_decode", b"full_decode", "layout", b"layout", "mean", b"mean", "paths", b"paths", "ratio_max", b"ratio_max", "ratio_min", b"ratio_min", "resize", b"resize", "scale_max", b"scale_max", "scale_min", b"scale_min", "size", b"size", "std", b"std", "threads", b"threads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
