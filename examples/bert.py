@@ -3,6 +3,7 @@
     sbpflow run examples/bert.py --ranks 2                          # 2 layers, width 32, TP over 2 ranks
     sbpflow run examples/bert.py --ranks 4 --dp 2                   # a 2x2 mesh: DP groups of 2 TP ranks
     sbpflow plan examples/bert.py --ranks 64 --dp 8 --set size=large --set batch_size=64   # BERT-Large, 8x8
+    sbpflow run examples/bert.py --data "corpus/*.txt" --set seq_len=64 --steps 100    # MLM on your text
 
 The mesh is ``dp`` data-parallel groups of ``ranks / dp`` tensor-parallel ranks: the batch is ``S(0)``
 over mesh axis 0 and whole (``B``) over axis 1, where ``sf.nn.bert.tensor_parallel`` splits the
@@ -10,7 +11,11 @@ encoder Megatron's way and the word embedding (tied to the MLM decoder) by vocab
 the cross entropy at the masked positions only (BERT's 15 %: ``predictions`` per sequence).
 
 Data: ``SyntheticSource(kind="mlm")`` (:mod:`sbpflow.data.mlm`): sentence pairs whose second sentence
-repeats the first, masked 80 / 10 / 10 as BERT does, each sample a pure function of (seed, sample).
+repeats the first, masked 80 / 10 / 10 as BERT does, each sample a pure function of (seed, sample). Or
+your text, ``--data FILE`` (a file or glob pattern; :class:`~sbpflow.data.text.TextFileSource` with
+``mlm``): ``[CLS] window [SEP]`` samples tokenized by ``tokenizer`` (``bytes``, or a tokenizer.json with
+[CLS]/[SEP]/[MASK] tokens), ``mask_prob`` of each window masked afresh each epoch; the vocabulary is the
+tokenizer's, padded to a multiple of 128 so that tensor parallelism splits it evenly.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import argparse
 import sbpflow as sf
 from sbpflow.client.cli.summary import summarize
 from sbpflow.client.nn.bert import BertConfig, BertForMaskedLM, tensor_parallel
-from sbpflow.data import SyntheticSource
+from sbpflow.data import DataSource, SyntheticSource
+from sbpflow.data.text import TextFileSource, TextMlm
+from sbpflow.limits import LIMITS
 
 # named configurations: "small" for tests and laptops; "base" and "large" as in the paper, with BERT's
 # 30,522 WordPiece ids padded to 30,720 (a multiple of 128 x 8, as Megatron pads) so that TP up to 8
@@ -74,13 +81,33 @@ def make_job(
     warmup: int = 2,
     seed: int = 0,
     device: str = "cpu",
+    data: str = "",
+    tokenizer: str = "bytes",
+    mask_prob: float = 0.15,
 ) -> sf.Job:
     """``size`` picks a configuration; a non-zero ``layers``/``heads``/``width``/``vocab``/``seq_len``
-    overrides its entry."""
+    overrides its entry. ``data``: MLM on this text file or glob pattern (module docstring)."""
     if size not in SIZES:
         raise SystemExit(f"--size {size!r}: use one of {sorted(SIZES)}")
     given = {"layers": layers, "heads": heads, "width": width, "vocab": vocab, "seq_len": seq_len}
     c = {k: v or SIZES[size][k] for k, v in given.items()}
+    data_source: DataSource
+    if data:
+        mlm = TextMlm(mask_prob=mask_prob)
+        data_source = TextFileSource(
+            paths=(data,),
+            tokenizer=tokenizer,
+            seq_len=c["seq_len"],
+            mlm=mlm,
+            batch_size=batch_size,
+            seed=seed,
+        )
+        data_source.check_limits(LIMITS)  # mask_prob and seq_len named before the model is built
+        c["vocab"] = -(-max(c["vocab"], data_source.vocab_size) // 128) * 128
+    else:
+        predictions = max(1, round(0.15 * c["seq_len"]))
+        params = {"seq_len": c["seq_len"], "vocab": c["vocab"], "predictions": predictions}
+        data_source = SyntheticSource(batch_size=batch_size, kind="mlm", params=params, seed=seed)
     cfg = BertConfig(
         vocab_size=c["vocab"],
         seq_len=c["seq_len"],
@@ -91,16 +118,9 @@ def make_job(
     )
     where = mesh(ranks, dp, device)
     model = tensor_parallel(BertForMaskedLM(cfg), where, tp_axis=1)
-    predictions = max(1, round(0.15 * c["seq_len"]))
-    data = SyntheticSource(
-        batch_size=batch_size,
-        kind="mlm",
-        params={"seq_len": c["seq_len"], "vocab": c["vocab"], "predictions": predictions},
-        seed=seed,
-    )
     graph = TrainBert(model, lr, steps, warmup)
     graph.config.seed = seed
-    return graph.trace(data, placement=where, input_sbp=(sf.sbp.split(0), sf.sbp.broadcast))
+    return graph.trace(data_source, placement=where, input_sbp=(sf.sbp.split(0), sf.sbp.broadcast))
 
 
 def main() -> None:
@@ -114,6 +134,9 @@ def main() -> None:
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--data", default="", help="MLM on this text file or glob pattern")
+    ap.add_argument("--tokenizer", default="bytes", help="with --data: bytes, or a tokenizer.json")
+    ap.add_argument("--mask-prob", type=float, default=0.15)
     job = make_job(**vars(ap.parse_args()))
     print(summarize(job, show_parameters=False))
 

@@ -5,14 +5,17 @@
     sbpflow generate examples/charlm.py --checkpoint CKPT --prompt "def " --ranks 2 --tp
 
 The text is the Python standard library's own source code (``sf.corpus``: on every machine, offline),
-read character by character (vocabulary 128). The model is :mod:`gpt`'s GPT-2 with the text swapped in;
-``--tp`` / ``--pp`` work as there.
+read character by character (vocabulary 128), or your own: ``--data FILE`` (a text file or glob pattern,
+read byte by byte, vocabulary 256; ``--set tokenizer=tokenizer.json`` for BPE). The model is :mod:`gpt`'s
+GPT-2 with the text swapped in; ``--tp`` / ``--pp`` and gpt's other options work as there, and a key
+neither takes is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -59,10 +62,20 @@ def held_out(seq_len: int, batch_size: int) -> sf.data.TokenFileSource:
     )
 
 
-def make_job(eval_every: int = 0, eval_batches: int = 4, **kwargs: Any) -> sf.Job:
-    """The job; ``eval_every`` > 0 (``--set eval_every=50``) also reports the loss on held-out text
-    every that many steps, over ``eval_batches`` batches."""
-    args = {**DEFAULTS, **kwargs, "text": "pysrc"}
+def make_job(eval_every: int = 0, eval_batches: int = 4, data: str = "", **kwargs: Any) -> sf.Job:
+    """The job; ``data``: your text (a file or glob pattern) instead of Python's sources; any other key is
+    one of gpt's ``make_job``. ``eval_every`` > 0 (``--set eval_every=50``) also reports the loss on
+    held-out Python sources every that many steps, over ``eval_batches`` batches."""
+    known = [k for k in inspect.signature(_gpt().make_job).parameters if k not in ("text", "data")]
+    unknown = sorted(k for k in kwargs if k not in known)
+    if unknown:
+        hint = " (the text is data=FILE)" if "text" in unknown else ""
+        raise SystemExit(
+            f"charlm: make_job() takes no {unknown}{hint}; it takes eval_every, eval_batches, data and {known}"
+        )
+    if eval_every and data:
+        raise SystemExit("charlm: eval_every evaluates on held-out Python sources, not on data=; drop one")
+    args = {**DEFAULTS, **kwargs, "text": "pysrc", "data": data}
     job = _gpt().make_job(**args)
     if eval_every:
         every = job.config.checkpoint_every or eval_every  # an evaluation reads its step's checkpoint
@@ -77,16 +90,16 @@ def make_job(eval_every: int = 0, eval_batches: int = 4, **kwargs: Any) -> sf.Jo
 def make_model(
     ranks: int = 1,
     tp: bool = False,
+    vocab: int = sf.corpus.VOCAB,
     layers: int = DEFAULTS["layers"],
     heads: int = DEFAULTS["heads"],
     width: int = DEFAULTS["width"],
     seq_len: int = DEFAULTS["seq_len"],
 ) -> tuple[sf.nn.GPT, sf.Placement, Any]:
     """The trained model for ``sbpflow generate``, its placement and the tokens' SBP: give the layers,
-    heads, width and seq_len it was trained with; ``--ranks N --tp`` splits it as Megatron does."""
-    cfg = sf.nn.GPTConfig(
-        vocab_size=sf.corpus.VOCAB, seq_len=seq_len, n_layer=layers, n_head=heads, n_embd=width
-    )
+    heads, width, seq_len and vocab it was trained with (256 for ``--data`` read byte by byte); ``--ranks
+    N --tp`` splits it as Megatron does."""
+    cfg = sf.nn.GPTConfig(vocab_size=vocab, seq_len=seq_len, n_layer=layers, n_head=heads, n_embd=width)
     model, where = sf.nn.GPT(cfg), sf.placement("cpu", ranks=list(range(ranks)))
     if tp:
         sf.nn.parallel.megatron(model, where, tp_axis=-1)

@@ -1,6 +1,14 @@
-"""A small GPT-2 language model on synthetic tokens, traced into a Job.
+"""A small GPT-2 language model on synthetic tokens or your own text, traced into a Job.
 
     python examples/gpt.py --ranks 4 --layers 2 --heads 4 --width 128 --vocab 512 --seq-len 64 --tp
+    sbpflow run examples/gpt.py --data "corpus/*.txt" --steps 100     # your text, byte-level (vocab 256)
+    sbpflow run examples/gpt.py --data book.txt --set tokenizer=tokenizer.json   # a tokenizers BPE file
+    sbpflow run examples/gpt.py --data train.npy      # token ids (.npy of any int type, or int32 .bin)
+
+``--data`` (``make_job(data=...)``): a text file or glob pattern, tokenized by ``tokenizer`` (``bytes``,
+or a Hugging Face ``tokenizer.json``) and packed into ``seq_len`` windows, shuffled each epoch; or a
+token file. The vocabulary is the tokenizer's (the largest id + 1 for a token file) unless ``--vocab``
+is larger. Without it, ``--text`` picks random ids (``synthetic``) or Python's own sources (``pysrc``).
 
 Data parallel by default (tokens S(0) over the ranks); ``--tp`` applies the Megatron layout
 (``sf.nn.parallel.megatron``) on the same ranks, ``--vocab-parallel`` with it splits the vocabulary too, and ``--dp N`` with ``--tp`` makes a 2-d mesh of N
@@ -12,10 +20,14 @@ parallel inside each; ``--micro-batches`` and ``--grad-accum`` cut each step's b
 from __future__ import annotations
 
 import argparse
+from typing import Any
+
+import numpy as np
 
 import sbpflow as sf
 from sbpflow.client.cli.summary import summarize
-from sbpflow.data import SyntheticSource
+from sbpflow.data import DataSource, SyntheticSource, TokenFileSource
+from sbpflow.data.text import TextFileSource
 
 
 class LossHead(sf.nn.Module):
@@ -73,10 +85,15 @@ def make_job(
     schedule: str = "1f1b",
     text: str = "synthetic",
     device: str = "cpu",
+    data: str = "",
+    tokenizer: str = "bytes",
 ) -> sf.Job:
     if text not in TEXTS:
         raise SystemExit(f"--text {text!r}: use one of {sorted(TEXTS)}")
-    if text == "pysrc":
+    source: DataSource
+    if data:
+        source, vocab = own_data(data, tokenizer, seq_len, batch_size, vocab, seed)
+    elif text == "pysrc":
         vocab = max(vocab, sf.corpus.VOCAB)
     cfg = sf.nn.GPTConfig(
         vocab_size=vocab, seq_len=seq_len, n_layer=layers, n_head=heads, n_embd=width, dropout=dropout
@@ -102,22 +119,36 @@ def make_job(
         head = LossHead()
         where = stage_blocks(model, head, stage_placements(ranks, pp, stage_ranks, device))
         input_sbp = (sf.sbp.split(0),)
-    data = TEXTS[text](seq_len, batch_size, vocab, seed)
+    if not data:
+        source = TEXTS[text](seq_len, batch_size, vocab, seed)
     graph = TrainGPT(model, lr, steps, warmup, head)
     graph.config.seed = seed
     graph.config.micro_batches, graph.config.gradient_accumulation_steps = micro_batches, grad_accum
     graph.config.pipeline_schedule = schedule
-    return graph.trace(data, placement=where, input_sbp=input_sbp)
+    return graph.trace(source, placement=where, input_sbp=input_sbp)
 
 
 # Where the tokens come from: random ids (no file, any size), or a real character-level corpus (the
 # Python standard library's sources, available offline on every machine; vocabulary 128).
-TEXTS = {
+TEXTS: dict[str, Any] = {
     "synthetic": lambda seq_len, batch_size, vocab, seed: SyntheticSource(
         batch_size=batch_size, kind="tokens", params={"seq_len": seq_len, "vocab": vocab}, seed=seed
     ),
     "pysrc": lambda seq_len, batch_size, vocab, seed: sf.corpus.char_source(seq_len, batch_size, seed),
 }
+
+
+def own_data(
+    data: str, tokenizer: str, seq_len: int, batch_size: int, vocab: int, seed: int
+) -> tuple[DataSource, int]:
+    """The source of ``--data`` and the vocabulary it needs (at least ``vocab``): a token file (``.npy``,
+    or ``.bin`` of int32 ids), else text files or a glob pattern under ``tokenizer``."""
+    common: dict[str, Any] = {"seq_len": seq_len, "batch_size": batch_size, "seed": seed, "shuffle": True}
+    if data.endswith((".npy", ".bin")):
+        ids = np.load(data, mmap_mode="r") if data.endswith(".npy") else np.memmap(data, np.int32, mode="r")
+        return TokenFileSource(path=data, dtype=sf.int32, **common), max(vocab, int(ids.max()) + 1)
+    text = TextFileSource(paths=(data,), tokenizer=tokenizer, **common)
+    return text, max(vocab, text.vocab_size)
 
 
 def stage_placements(
@@ -175,6 +206,8 @@ def main() -> None:
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     ap.add_argument("--text", choices=sorted(TEXTS), default="synthetic", help="pysrc: Python's own sources")
+    ap.add_argument("--data", default="", help="a text file or glob, or a .npy/.bin token file")
+    ap.add_argument("--tokenizer", default="bytes", help="with --data text: bytes, or a tokenizer.json")
     job = make_job(**vars(ap.parse_args()))
     print(summarize(job, show_parameters=False))
 

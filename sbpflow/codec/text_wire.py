@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from sbpflow.codec.formats import FileFormat, register
 from sbpflow.codec.values import WireError
 from sbpflow.data.text import TextFileSource, TextMlm
 from sbpflow.v1 import data_text_pb2 as pb
 
-SPECIALS = ("cls_id", "sep_id", "mask_id")
+SPECIALS: tuple[Literal["cls_id"], Literal["sep_id"], Literal["mask_id"]] = ("cls_id", "sep_id", "mask_id")
 
 
 def text_to_proto(s: TextFileSource) -> pb.TextFiles:
