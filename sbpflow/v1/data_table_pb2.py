@@ -24,13 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsbpflow/v1/data_table.proto\x12\nsbpflow.v1\"\x1b\n\nTableFiles\x12\r\n\x05paths\x18\x01 \x03(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsbpflow/v1/data_table.proto\x12\nsbpflow.v1\"\x83\x02\n\nTableField\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63olumns\x18\x02 \x03(\t\x12,\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x1a.sbpflow.v1.ColumnEncoding\x12%\n\x05\x64type\x18\x04 \x01(\x0e\x32\x16.sbpflow.v1.TableDType\x12\x0e\n\x06scalar\x18\x05 \x01(\x08\x12\x0f\n\x07\x62uckets\x18\x06 \x01(\x03\x12\x16\n\x0eoffset_columns\x18\x07 \x01(\x08\x12\x11\n\x04\x66ill\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\rfill_category\x18\t \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05_fillB\x10\n\x0e_fill_category\"l\n\nTableFiles\x12\r\n\x05paths\x18\x01 \x03(\t\x12\'\n\x06\x66ormat\x18\x02 \x01(\x0e\x32\x17.sbpflow.v1.TableFormat\x12&\n\x06\x66ields\x18\x03 \x03(\x0b\x32\x16.sbpflow.v1.TableField*\x90\x01\n\x0bTableFormat\x12\x1c\n\x18TABLE_FORMAT_UNSPECIFIED\x10\x00\x12\x18\n\x14TABLE_FORMAT_PARQUET\x10\x01\x12\x16\n\x12TABLE_FORMAT_ARROW\x10\x02\x12\x14\n\x10TABLE_FORMAT_CSV\x10\x03\x12\x1b\n\x17TABLE_FORMAT_JSON_LINES\x10\x04*\x8a\x01\n\x0e\x43olumnEncoding\x12\x1f\n\x1b\x43OLUMN_ENCODING_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43OLUMN_ENCODING_NUMERIC\x10\x01\x12\x1a\n\x16\x43OLUMN_ENCODING_HASHED\x10\x02\x12\x1e\n\x1a\x43OLUMN_ENCODING_VOCABULARY\x10\x03*\x89\x01\n\nTableDType\x12\x1b\n\x17TABLE_DTYPE_UNSPECIFIED\x10\x00\x12\x17\n\x13TABLE_DTYPE_FLOAT32\x10\x01\x12\x17\n\x13TABLE_DTYPE_FLOAT64\x10\x02\x12\x15\n\x11TABLE_DTYPE_INT32\x10\x03\x12\x15\n\x11TABLE_DTYPE_INT64\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sbpflow.v1.data_table_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TABLEFILES']._serialized_start=43
-  _globals['_TABLEFILES']._serialized_end=70
+  _globals['_TABLEFORMAT']._serialized_start=416
+  _globals['_TABLEFORMAT']._serialized_end=560
+  _globals['_COLUMNENCODING']._serialized_start=563
+  _globals['_COLUMNENCODING']._serialized_end=701
+  _globals['_TABLEDTYPE']._serialized_start=704
+  _globals['_TABLEDTYPE']._serialized_end=841
+  _globals['_TABLEFIELD']._serialized_start=44
+  _globals['_TABLEFIELD']._serialized_end=303
+  _globals['_TABLEFILES']._serialized_start=305
+  _globals['_TABLEFILES']._serialized_end=413
 # @@protoc_insertion_point(module_scope)

@@ -10,6 +10,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -21,27 +22,183 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _TableFormat:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TableFormatEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TableFormat.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TABLE_FORMAT_UNSPECIFIED: _TableFormat.ValueType  # 0
+    """by each file's suffix (.parquet, .arrow/.feather, .csv/.tsv, .jsonl)"""
+    TABLE_FORMAT_PARQUET: _TableFormat.ValueType  # 1
+    TABLE_FORMAT_ARROW: _TableFormat.ValueType  # 2
+    """an Arrow IPC file (Feather v2) or stream, told apart by the file's first bytes"""
+    TABLE_FORMAT_CSV: _TableFormat.ValueType  # 3
+    """with a header row; converted once per worker into an Arrow file in its cache"""
+    TABLE_FORMAT_JSON_LINES: _TableFormat.ValueType  # 4
+    """one JSON object a line; converted once as CSV is"""
+
+class TableFormat(_TableFormat, metaclass=_TableFormatEnumTypeWrapper):
+    """How the table files are read."""
+
+TABLE_FORMAT_UNSPECIFIED: TableFormat.ValueType  # 0
+"""by each file's suffix (.parquet, .arrow/.feather, .csv/.tsv, .jsonl)"""
+TABLE_FORMAT_PARQUET: TableFormat.ValueType  # 1
+TABLE_FORMAT_ARROW: TableFormat.ValueType  # 2
+"""an Arrow IPC file (Feather v2) or stream, told apart by the file's first bytes"""
+TABLE_FORMAT_CSV: TableFormat.ValueType  # 3
+"""with a header row; converted once per worker into an Arrow file in its cache"""
+TABLE_FORMAT_JSON_LINES: TableFormat.ValueType  # 4
+"""one JSON object a line; converted once as CSV is"""
+Global___TableFormat: _TypeAlias = TableFormat  # noqa: Y015
+
+class _ColumnEncoding:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ColumnEncodingEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ColumnEncoding.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    COLUMN_ENCODING_UNSPECIFIED: _ColumnEncoding.ValueType  # 0
+    COLUMN_ENCODING_NUMERIC: _ColumnEncoding.ValueType  # 1
+    """the columns' numbers, stacked: [columns], or [] when scalar"""
+    COLUMN_ENCODING_HASHED: _ColumnEncoding.ValueType  # 2
+    """each value's bytes (an int's decimal text) to FNV-1a 64 % buckets: int64"""
+    COLUMN_ENCODING_VOCABULARY: _ColumnEncoding.ValueType  # 3
+    """each value to its id in its column's vocabulary (see buckets): int64"""
+
+class ColumnEncoding(_ColumnEncoding, metaclass=_ColumnEncodingEnumTypeWrapper):
+    """How a field's columns become its values."""
+
+COLUMN_ENCODING_UNSPECIFIED: ColumnEncoding.ValueType  # 0
+COLUMN_ENCODING_NUMERIC: ColumnEncoding.ValueType  # 1
+"""the columns' numbers, stacked: [columns], or [] when scalar"""
+COLUMN_ENCODING_HASHED: ColumnEncoding.ValueType  # 2
+"""each value's bytes (an int's decimal text) to FNV-1a 64 % buckets: int64"""
+COLUMN_ENCODING_VOCABULARY: ColumnEncoding.ValueType  # 3
+"""each value to its id in its column's vocabulary (see buckets): int64"""
+Global___ColumnEncoding: _TypeAlias = ColumnEncoding  # noqa: Y015
+
+class _TableDType:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TableDTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TableDType.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TABLE_DTYPE_UNSPECIFIED: _TableDType.ValueType  # 0
+    TABLE_DTYPE_FLOAT32: _TableDType.ValueType  # 1
+    TABLE_DTYPE_FLOAT64: _TableDType.ValueType  # 2
+    TABLE_DTYPE_INT32: _TableDType.ValueType  # 3
+    TABLE_DTYPE_INT64: _TableDType.ValueType  # 4
+
+class TableDType(_TableDType, metaclass=_TableDTypeEnumTypeWrapper):
+    """Element type of a numeric field (job.proto's DType, which this file cannot import)."""
+
+TABLE_DTYPE_UNSPECIFIED: TableDType.ValueType  # 0
+TABLE_DTYPE_FLOAT32: TableDType.ValueType  # 1
+TABLE_DTYPE_FLOAT64: TableDType.ValueType  # 2
+TABLE_DTYPE_INT32: TableDType.ValueType  # 3
+TABLE_DTYPE_INT64: TableDType.ValueType  # 4
+Global___TableDType: _TypeAlias = TableDType  # noqa: Y015
+
+@_typing.final
+class TableField(_message.Message):
+    """One field of a sample, fed by columns of one encoding."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    COLUMNS_FIELD_NUMBER: _builtins.int
+    ENCODING_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SCALAR_FIELD_NUMBER: _builtins.int
+    BUCKETS_FIELD_NUMBER: _builtins.int
+    OFFSET_COLUMNS_FIELD_NUMBER: _builtins.int
+    FILL_FIELD_NUMBER: _builtins.int
+    FILL_CATEGORY_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The field's name: the graph input it feeds ("dense", "ids", "label", "x", "y")."""
+    encoding: Global___ColumnEncoding.ValueType
+    """How the columns' values become the field's."""
+    dtype: Global___TableDType.ValueType
+    """NUMERIC: the field's element type. Categorical fields are int64: leave it unspecified."""
+    scalar: _builtins.bool
+    """NUMERIC with one column: the field's sample shape is [] (a label), not [1]."""
+    buckets: _builtins.int
+    """HASHED: buckets a column's values hash into (ids 0 .. buckets-1). VOCABULARY: ids per column: the
+    buckets-1 most frequent values of the column over every file (ties by value, bytewise) get ids
+    1 .. buckets-1, in that order, and any other value id 0 (out of vocabulary).
+    """
+    offset_columns: _builtins.bool
+    """Categorical: column c's ids are shifted by c * buckets, so that the columns share one embedding
+    table, each owning its own rows.
+    """
+    fill: _builtins.float
+    """NUMERIC: what an empty cell (null) or NaN becomes. Unset: such a cell fails the run, naming it."""
+    fill_category: _builtins.str
+    """Categorical: the value an empty cell (null) counts as. Unset: such a cell fails the run, naming it."""
+    @_builtins.property
+    def columns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The columns feeding it, in order: column c is the field's element c."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        columns: _abc.Iterable[_builtins.str] | None = ...,
+        encoding: Global___ColumnEncoding.ValueType = ...,
+        dtype: Global___TableDType.ValueType = ...,
+        scalar: _builtins.bool = ...,
+        buckets: _builtins.int = ...,
+        offset_columns: _builtins.bool = ...,
+        fill: _builtins.float | None = ...,
+        fill_category: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_fill", b"_fill", "_fill_category", b"_fill_category", "fill", b"fill", "fill_category", b"fill_category"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fill", b"_fill", "_fill_category", b"_fill_category", "buckets", b"buckets", "columns", b"columns", "dtype", b"dtype", "encoding", b"encoding", "fill", b"fill", "fill_category", b"fill_category", "name", b"name", "offset_columns", b"offset_columns", "scalar", b"scalar"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__fill: _TypeAlias = _typing.Literal["fill"]  # noqa: Y015
+    _WhichOneofArgType__fill: _TypeAlias = _typing.Literal["_fill", b"_fill"]  # noqa: Y015
+    _WhichOneofReturnType__fill_category: _TypeAlias = _typing.Literal["fill_category"]  # noqa: Y015
+    _WhichOneofArgType__fill_category: _TypeAlias = _typing.Literal["_fill_category", b"_fill_category"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__fill) -> _WhichOneofReturnType__fill | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__fill_category) -> _WhichOneofReturnType__fill_category | None: ...
+
+Global___TableField: _TypeAlias = TableField  # noqa: Y015
+
 @_typing.final
 class TableFiles(_message.Message):
-    """Table files, read a rank's rows at a time."""
+    """Table files, read a rank's rows at a time; yields one field per TableField."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     PATHS_FIELD_NUMBER: _builtins.int
+    FORMAT_FIELD_NUMBER: _builtins.int
+    FIELDS_FIELD_NUMBER: _builtins.int
+    format: Global___TableFormat.ValueType
+    """How to read the files. Unspecified: by each file's suffix."""
     @_builtins.property
     def paths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Files or glob patterns, as the workers see them; the matched files are read in sorted order, their
-        rows one after another.
+        """Files or glob patterns, as the workers see them; each pattern's matches are read in sorted order,
+        the files' rows one after another.
         """
+
+    @_builtins.property
+    def fields(self) -> _containers.RepeatedCompositeFieldContainer[Global___TableField]:
+        """The fields of a sample, at least one."""
 
     def __init__(
         self,
         *,
         paths: _abc.Iterable[_builtins.str] | None = ...,
+        format: Global___TableFormat.ValueType = ...,
+        fields: _abc.Iterable[Global___TableField] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["paths", b"paths"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "format", b"format", "paths", b"paths"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
