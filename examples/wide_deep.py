@@ -2,6 +2,16 @@
 
     sbpflow run examples/wide_deep.py --ranks 2          # on Ray workers
     python examples/wide_deep.py --ranks 2 --train       # in-process, then AUC on held-out batches
+    sbpflow run examples/wide_deep.py --data clicks.parquet --steps 100   # your own click log
+
+``data``: a Parquet, Arrow, CSV or JSON-lines table (or a glob of them) instead of synthetic clicks. By
+default every numeric column but the label is a dense feature, every string column a categorical one,
+and the label is the column ``label``; ``dense_columns``/``categorical_columns``/``label`` choose others.
+Each categorical column gets its own ``vocab`` ids of the one shared table: by ``encoding="vocabulary"``
+its ``vocab - 1`` most frequent values and id 0 for the rest, by ``"hash"`` its values hashed into
+``vocab`` buckets. ``dense``, ``fields`` and ``vocab`` come from the table unless given (``vocab``: the
+most distinct values of a column, plus one, at most 65,536); a given size that the table contradicts is an
+error. Empty cells become ``dense_fill`` and ``category_fill`` (None: an empty cell is an error).
 
 OneFlow's case study: both embedding tables split by rows S(0) over the ranks (``columns=True``: the
 deep table by columns S(1) instead), so each rank holds 1/p of the vocabulary and looks up only the
@@ -17,13 +27,15 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 import sbpflow as sf
 from sbpflow.client.cli.summary import summarize
-from sbpflow.data import SyntheticSource
+from sbpflow.data import DataSource, SyntheticSource
+from sbpflow.data.columns import HASHED, VOCABULARY, TableField, describe, distinct
+from sbpflow.data.tables import TableFileSource
 from sbpflow.oracle import reference
 from sbpflow.random import Normal, Zeros
 
@@ -67,9 +79,9 @@ class TrainWideDeep(sf.Graph):
 
 def make_job(
     ranks: int = 2,
-    dense: int = 4,
-    fields: int = 4,
-    vocab: int = 128,
+    dense: int = 0,
+    fields: int = 0,
+    vocab: int = 0,
     dim: int = 8,
     hidden: tuple[int, ...] = (32, 16),
     batch_size: int = 32,
@@ -78,22 +90,96 @@ def make_job(
     seed: int = 0,
     columns: bool = False,
     device: str = "cpu",
+    data: str = "",
+    label: str = "label",
+    dense_columns: tuple[str, ...] = (),
+    categorical_columns: tuple[str, ...] = (),
+    encoding: str = "vocabulary",
+    dense_fill: float | None = 0.0,
+    category_fill: str | None = "",
 ) -> sf.Job:
-    """The small configuration (tests); the paper's is ``vocab=2**20 // fields, dim=16, hidden=(1024,) * 3``."""
+    """The small configuration (tests; synthetic: ``dense=4, fields=4, vocab=128``); the paper's is
+    ``vocab=2**20 // fields, dim=16, hidden=(1024,) * 3``. ``data``: a table instead (module docstring)."""
     where = sf.placement(device, ranks=list(range(ranks)))
+    source: DataSource
+    if data:
+        cols = TableColumns(label, dense_columns, categorical_columns, encoding, dense_fill, category_fill)
+        source, (dense, fields, vocab) = click_table(data, cols, (dense, fields, vocab), batch_size, seed)
+    else:
+        dense, fields, vocab = dense or 4, fields or 4, vocab or 128
+        source = SyntheticSource(
+            batch_size=batch_size,
+            kind="clicks",
+            params={"dense": dense, "fields": fields, "vocab": vocab},
+            seed=seed,
+        )
     model = WideDeep(dense, fields, vocab, dim, hidden)
     sf.nn.parallel.data_parallel(model, where)  # the dense tower and the wide linear term: replicated
     model.wide.weight.to_global(where, sf.sbp.split(0))  # tables split by rows over the ranks
     model.deep.weight.to_global(where, sf.sbp.split(1) if columns else sf.sbp.split(0))
-    data = SyntheticSource(
-        batch_size=batch_size,
-        kind="clicks",
-        params={"dense": dense, "fields": fields, "vocab": vocab},
-        seed=seed,
-    )
     graph = TrainWideDeep(model, lr, steps)
     graph.config.seed = seed
-    return graph.trace(data, placement=where, input_sbp=sf.sbp.split(0))
+    return graph.trace(source, placement=where, input_sbp=sf.sbp.split(0))
+
+
+# ---- a table of clicks -----------------------------------------------------------------------------------
+
+
+class TableColumns(NamedTuple):
+    label: str
+    dense: tuple[str, ...]
+    categorical: tuple[str, ...]
+    encoding: str
+    dense_fill: float | None
+    category_fill: str | None
+
+
+def click_table(
+    path: str, cols: TableColumns, sizes: tuple[int, int, int], batch_size: int, seed: int
+) -> tuple[TableFileSource, tuple[int, int, int]]:
+    """The source of ``dense``, ``ids`` and ``label`` from the table at ``path`` and the sizes it gives
+    (dense, fields, vocab): what the caller gave, else what the table holds. The table is looked at here
+    only for what was not given (under ``sbpflow submit`` the file may be the server's alone)."""
+    if cols.encoding not in ("vocabulary", "hash"):
+        raise SystemExit(f"encoding={cols.encoding!r}: use 'vocabulary' or 'hash'")
+    dense, fields, vocab = sizes
+    kinds = {} if cols.dense and cols.categorical and vocab else describe([path])
+    if kinds and cols.label not in kinds:
+        raise SystemExit(
+            f"{path}: no label column {cols.label!r} (columns: {', '.join(kinds)}); give label=..."
+        )
+    numeric = tuple(c for c, k in kinds.items() if k == "number" and c != cols.label)
+    dense_cols = cols.dense or numeric
+    cat_cols = cols.categorical or tuple(c for c, k in kinds.items() if k == "category" and c != cols.label)
+    for what, found, given in (("dense", dense_cols, dense), ("categorical", cat_cols, fields)):
+        if not found:
+            raise SystemExit(f"{path}: no {what} columns; name them with {what}_columns=(...)")
+        if given and given != len(found):
+            raise SystemExit(
+                f"{path}: {what} columns {list(found)} are {len(found)}, but {what if what == 'dense' else 'fields'}"
+                f"={given} was given; give the same number, or leave it unset to take the table's"
+            )
+    if not vocab:
+        vocab = min(max(distinct([path], cat_cols).values()) + 1, 1 << 16)
+    source = TableFileSource(
+        paths=(path,),
+        batch_size=batch_size,
+        shuffle=True,
+        seed=seed,
+        table_fields=(
+            TableField("dense", dense_cols, fill=cols.dense_fill),
+            TableField(
+                "ids",
+                cat_cols,
+                encoding=VOCABULARY if cols.encoding == "vocabulary" else HASHED,
+                buckets=vocab,
+                offset_columns=True,
+                fill_category=cols.category_fill,
+            ),
+            TableField("label", (cols.label,), scalar=True),
+        ),
+    )
+    return source, (len(dense_cols), len(cat_cols), vocab)
 
 
 # ---- evaluation ----------------------------------------------------------------------------------
@@ -137,9 +223,11 @@ def evaluate(job: sf.Job, parameters: Mapping[str, Any], batches: int = 8, first
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--dense", type=int, default=4)
-    ap.add_argument("--fields", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=128, help="ids per field")
+    ap.add_argument("--dense", type=int, default=0, help="dense features (default: 4, or the table's)")
+    ap.add_argument("--fields", type=int, default=0, help="categorical fields (default: 4, or the table's)")
+    ap.add_argument("--vocab", type=int, default=0, help="ids per field (default: 128, or the table's)")
+    ap.add_argument("--data", default="", help="a Parquet, Arrow, CSV or JSON-lines table of clicks")
+    ap.add_argument("--label", default="label", help="the table's label column")
     ap.add_argument("--dim", type=int, default=8)
     ap.add_argument("--hidden", type=lambda s: tuple(map(int, s.split(","))), default=(32, 16))
     ap.add_argument("--batch-size", type=int, default=32)
