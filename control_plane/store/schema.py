@@ -15,7 +15,9 @@ set). Version 6 keeps the run options a client set for its job at Submit (``opti
 again. Version 7 makes Cancel durable and Resume single: ``cancel_requested`` holds a Cancel's message
 from the moment it is asked ('' = none), so a restarted control plane ends the job CANCELLED instead
 of resuming it, and the unique index ``jobs_live_resume`` lets at most one job in flight (or PENDING)
-hold a given ``resumed_from``, so two Resumes of one job racing cannot both start from its checkpoint.
+hold a given ``resumed_from``, so two Resumes of one job racing cannot both start from its checkpoint
+(a version-6 file that already holds two is migrated keeping the first: the others end FAILED,
+``DUPLICATE_RESUME``).
 A file of an older version is migrated in place on open by ``MIGRATIONS[v]`` for each version
 ``v`` it is behind. The table ``loss_scaling`` (a dynamically loss-scaled job's scale after its last
 step and its steps skipped so far) is created on open in a file of any version that lacks it, and read
@@ -207,6 +209,17 @@ CREATE UNIQUE INDEX IF NOT EXISTS jobs_live_resume ON jobs(resumed_from)
 
 SCHEMA = _JOBS + _V2 + _V7
 
+_NOW = "((julianday('now') - 2440587.5) * 86400.0)"  # unix seconds, as the store writes times
+# Version 6 did not stop two live jobs resuming one: before version 7's index, every live resume of a job
+# but its first is failed (a retry's duplicate), so the index can hold and the file still opens.
+_ONE_LIVE_RESUME = f"""
+UPDATE jobs SET state = '{JobState.FAILED}', reason = 'DUPLICATE_RESUME', updated = {_NOW}, finished = {_NOW},
+    message = 'another job was already resuming job ' || resumed_from || ' when this store was upgraded; '
+        || 'resume it again if that one did not finish it'
+WHERE resumed_from != '' AND state IN {LIVE_STATES} AND rowid NOT IN (
+    SELECT MIN(rowid) FROM jobs WHERE resumed_from != '' AND state IN {LIVE_STATES} GROUP BY resumed_from
+)"""
+
 # from-version -> statements that bring a file of that version to the next one.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (
@@ -232,7 +245,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE jobs ADD COLUMN eval_loss REAL",
     ),
     5: ("ALTER TABLE jobs ADD COLUMN options BLOB NOT NULL DEFAULT x''",),
-    6: ("ALTER TABLE jobs ADD COLUMN cancel_requested TEXT NOT NULL DEFAULT ''",),
+    6: ("ALTER TABLE jobs ADD COLUMN cancel_requested TEXT NOT NULL DEFAULT ''", _ONE_LIVE_RESUME),
 }
 
 COLUMNS = (

@@ -281,6 +281,27 @@ def test_a_resumed_job_names_the_job_and_checkpoint_it_goes_on_from(store: JobSt
 V6 = "DROP INDEX jobs_live_resume; ALTER TABLE jobs DROP COLUMN cancel_requested; "  # what version 6 lacks
 
 
+def test_a_version_6_store_with_two_live_resumes_of_a_job_opens_keeping_the_first(tmp_path: Path) -> None:
+    path = tmp_path / "v6.db"
+    with JobStore(path) as s:
+        old = s.create(b"x", "old").id
+        first = s.create(b"x", "r1", resumed_from=old, resume_checkpoint="/c/old/step-00000004").id
+    con = sqlite3.connect(path)  # version 6 let a second live job resume the same one
+    con.executescript(
+        f"{V6}INSERT INTO jobs (id, name, state, created, updated, job_proto, resumed_from) "
+        f"VALUES ('second', 'r2', 'JOB_STATE_RUNNING', 1, 1, x'', '{old}'); PRAGMA user_version=6;"
+    )
+    con.commit()
+    con.close()
+    with JobStore(path) as s:
+        assert s.get(first).state == S.PENDING
+        dup = s.get("second")
+        assert (dup.state, dup.reason) == (S.FAILED, "DUPLICATE_RESUME") and old in dup.message
+        assert dup.finished is not None and dup.finished > 1e9  # a unix time, as the store writes them
+        with pytest.raises(AlreadyResuming):  # the index holds from now on
+            s.create(b"x", "r3", resumed_from=old, resume_checkpoint="/c/old/step-00000004")
+
+
 def test_a_version_2_store_is_migrated(tmp_path: Path) -> None:
     path = tmp_path / "v2.db"
     with JobStore(path) as s:
