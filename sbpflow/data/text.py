@@ -152,6 +152,8 @@ class TextFileSource(FileSource):
         return max(1, min(self._window, round(self.mlm.mask_prob * self._window)))
 
     def read(self, batch: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        if self.mlm is not None:
+            self.special_ids()  # a tokenizer without them is named before its text is tokenized
         tokens, n = self._tokens(), self.num_samples
         if n < self.batch_size:
             raise DataError(

@@ -148,7 +148,7 @@ def _write(path: Path, files: list[str], tok: Tokenizer, opener: Opener) -> None
     try:
         with open(tmp, "wb") as out:
             for f in files:
-                with opener("text file", f, FIX_TEXT) as name, open(name, "rb") as src:
+                with _opened(opener, f) as src:
                     if tok.hf is None:
                         _copy_bytes(src, out)
                         continue
@@ -160,6 +160,13 @@ def _write(path: Path, files: list[str], tok: Tokenizer, opener: Opener) -> None
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _opened(opener: Opener, path: str) -> BinaryIO:
+    """The text file ``path`` opened through ``opener``, read outside its block (whose error handling
+    would reword this module's own errors)."""
+    with opener("text file", path, FIX_TEXT) as name:
+        return open(name, "rb")
 
 
 def _copy_bytes(src: BinaryIO, out: BinaryIO) -> None:
