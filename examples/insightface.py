@@ -1,6 +1,7 @@
 """InsightFace-style face recognition: a data-parallel ResNet and a model-parallel classifier.
 
     sbpflow run examples/insightface.py --ranks 2                      # ResNet-18, 8x8 images, 24 identities
+    sbpflow run examples/insightface.py --set data=DIR --set image_size=112   # DIR/<identity>/*.jpg
     sbpflow plan examples/insightface.py --ranks 8 --set depth=50 --set width=64 --set image_size=112 \
         --set embedding=512 --set classes=1000000 --set batch_size=512
 
@@ -17,7 +18,11 @@ sums ``P``, reduced over the ranks (2 N numbers). The logits are cosines with Co
 (``scale * (cos - margin)`` at the label), as InsightFace trains.
 
 Data: generated faces (``SyntheticSource``: N(0, 1) pixels and uniform identities, each a pure
-function of (seed, sample)); a model can only memorise them.
+function of (seed, sample)); a model can only memorise them. ``--data DIR``: a folder of aligned face
+images, one subfolder per identity (or WebDataset-style tar shards, ``<key>.jpg`` + ``<key>.cls``), read
+by the workers (``ImageFileSource``): each face resized whole to ``image_size`` (aligned faces are not
+cropped), flipped at random, its pixels scaled to [-1, 1] as InsightFace does. The identities are the
+folder's unless ``classes`` says (a folder of another number is an error).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import sbpflow as sf
 from sbpflow.client.cli.summary import summarize
 from sbpflow.client.nn.resnet import DEPTHS, ResNet
 from sbpflow.data import DataField, SyntheticSource
+from sbpflow.data.images import ImageFileSource, image_source
 from sbpflow.dtype import DType
 from sbpflow.random import Normal
 
@@ -86,13 +92,28 @@ def faces(batch_size: int, image_size: int, classes: int, seed: int) -> Syntheti
     return SyntheticSource(batch_size=batch_size, sample_fields=fields, params={"vocab": classes}, seed=seed)
 
 
+def face_folder(path: str, batch_size: int, image_size: int, classes: int, seed: int) -> ImageFileSource:
+    """Aligned faces: resized whole, flipped at random, (pixel / 255 - 0.5) / 0.5."""
+    half = (0.5, 0.5, 0.5)
+    return image_source(
+        path,
+        batch_size=batch_size,
+        size=image_size,
+        classes=classes,
+        seed=seed,
+        crop="resize",
+        mean=half,
+        std=half,
+    )
+
+
 def make_job(
     ranks: int = 2,
     depth: int = 18,
     width: int = 4,
     image_size: int = 8,
     embedding: int = 16,
-    classes: int = 24,
+    classes: int = 0,
     batch_size: int = 8,
     steps: int = 10,
     lr: float = 0.1,
@@ -100,14 +121,19 @@ def make_job(
     margin: float = 0.2,
     model_parallel: bool = True,
     seed: int = 0,
+    data: str = "",
     device: str = "cpu",
 ) -> sf.Job:
-    """``model_parallel=False`` replicates the classifier too (plain data parallelism), for comparison."""
+    """``model_parallel=False`` replicates the classifier too (plain data parallelism), for comparison.
+    ``classes``: 0 is the folder's number of identities, else 24."""
     if depth not in DEPTHS:
         raise SystemExit(f"--depth {depth}: use one of {sorted(DEPTHS)}")
+    source = face_folder(data, batch_size, image_size, classes, seed) if data else None
+    classes = source.num_classes if source is not None else classes or 24
     if model_parallel and classes % ranks:
+        of = f"the {data!r} folder's {classes} identities" if data else f"--classes {classes}"
         raise SystemExit(
-            f"--classes {classes} do not split into {ranks} equal parts; pick a multiple of --ranks"
+            f"{of} do not split into {ranks} equal parts; pick a multiple of --ranks, or --data-parallel"
         )
     where = sf.placement(device, ranks=list(range(ranks)))
     backbone = ResNet(depth, embedding, width, small_stem=image_size <= 32)
@@ -116,8 +142,8 @@ def make_job(
     head.weight.to_global(where, sf.sbp.split(1) if model_parallel else sf.sbp.broadcast)
     graph = TrainFace(backbone, head, where if model_parallel else None, lr, steps)
     graph.config.seed = seed
-    data = faces(batch_size, image_size, classes, seed)
-    return graph.trace(data, placement=where, input_sbp=sf.sbp.split(0))
+    data_source = source or faces(batch_size, image_size, classes, seed)
+    return graph.trace(data_source, placement=where, input_sbp=sf.sbp.split(0))
 
 
 def main() -> None:
@@ -127,9 +153,10 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--image-size", type=int, default=8)
     ap.add_argument("--embedding", type=int, default=16)
-    ap.add_argument("--classes", type=int, default=24)
+    ap.add_argument("--classes", type=int, default=0, help="0: the folder's identities, else 24")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--data", default="", help="a folder of aligned faces, a subfolder per identity")
     ap.add_argument(
         "--data-parallel", dest="model_parallel", action="store_false", help="replicate the classifier"
     )

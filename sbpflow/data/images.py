@@ -15,6 +15,7 @@ and resize), one thread per core the process may use unless ``threads`` says.
 
 from __future__ import annotations
 
+import glob
 import io
 import os
 import threading
@@ -29,6 +30,7 @@ from sbpflow.data.image_index import ImageIndex, expand, folder_index, tar_index
 from sbpflow.data.image_transforms import center_box, decode, draws, normalizer, random_resized_box, to_chw
 from sbpflow.data.sources import DataError, DataField, FileSource
 from sbpflow.dtype import DType
+from sbpflow.errors import SbpflowError
 from sbpflow.limits import Limits, check_count, check_float, check_int, check_name, refuse
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -164,7 +166,7 @@ class ImageFileSource(FileSource):
                 if len(data) != index.size[i]:
                     raise OSError("the shard is shorter than when it was indexed")
                 return decode(io.BytesIO(data), self._box_for(u), self.size, flip, not self.full_decode)[0]
-        except DataError:
+        except SbpflowError:  # DataError, DataAccessDenied: worded already
             raise
         except Exception as e:  # Pillow's other failures: SyntaxError, DecompressionBombError, struct.error
             raise DataError(
@@ -234,7 +236,7 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 
 
 def image_source(path: str, **options: Any) -> ImageFileSource:
-    """An image folder if ``path`` is a folder, else tar shards (a file or a glob pattern), shuffled;
+    """Tar shards if ``path`` is a ``.tar`` file, a glob pattern or a file, else an image folder; shuffled;
     ``options`` are :class:`ImageFileSource`'s. Where the layout is found from the path (on the client)."""
-    layout = "folder" if os.path.isdir(path) else "tar"
-    return ImageFileSource(paths=(path,), layout=layout, **{"shuffle": True, **options})
+    tar = path.endswith(".tar") or glob.has_magic(path) or os.path.isfile(path)
+    return ImageFileSource(paths=(path,), layout="tar" if tar else "folder", **{"shuffle": True, **options})
