@@ -20,9 +20,11 @@ source (a frozen value) stays cheap to copy and send.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -291,6 +293,7 @@ def _open(source: TableFileSource, path: str) -> _Chunks:
     import pyarrow as pa
 
     fmt = format_of(path, source.format)
+    failure: DataError | None = None
     with source._file("table file", path, FIX) as name:
         try:
             if fmt == "parquet":
@@ -300,7 +303,11 @@ def _open(source: TableFileSource, path: str) -> _Chunks:
             else:
                 chunks = _converted(name, path, fmt, source)
         except pa.ArrowException as e:  # a corrupt or truncated file (ArrowInvalid is also a ValueError)
-            raise arrow_error(path, e, FIX) from None
+            failure = arrow_error(path, e, FIX)
+        except DataError as e:  # raised past the block: _file would word it as an unreadable file
+            failure = e
+    if failure is not None:
+        raise failure
     require_columns(chunks.names, source.columns, path)
     return chunks
 
@@ -326,6 +333,8 @@ class _Table:
                 f"{source.batch_size}; give more rows or a smaller batch"
             )
         self.decoded = 0  # chunks decoded so far (tests count them)
+        self.serial = next(_SERIALS)  # its chunks' key: a table opened again never meets the old one's
+        self.stamp, self.checked = _stamp(self.paths), time.monotonic()
         self.lock = threading.Lock()
         self._vocabs: dict[tuple[str, str], Any] | None = None
 
@@ -356,7 +365,7 @@ class _Table:
             return self._vocabs
 
     def encoded(self, k: int) -> dict[str, np.ndarray]:
-        key = (self.source, self.source.allowed_roots, k)
+        key = (self.serial, k)
         got = _ENCODED.get(key)
         if got is None:
             with _ENCODED.decoding(key):
@@ -425,8 +434,36 @@ class _ChunkCache:
 
 
 _ENCODED = _ChunkCache()
-_TABLES: dict[Any, _Table] = {}
+_TABLES: OrderedDict[Any, _Table] = OrderedDict()
 _TABLES_LOCK = threading.Lock()
+_SERIALS = itertools.count()
+OPEN_TABLES = 8  # tables a process keeps open (least recently used closed first)
+RECHECK_S = 10.0  # how often an open table looks whether its files changed
+
+
+def _stamp(paths: Sequence[str]) -> tuple[tuple[int, int], ...]:
+    out = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            out.append((st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append((-1, -1))
+    return tuple(out)
+
+
+def _current(table: _Table) -> bool:
+    """Whether ``table``'s files are still those it opened (looked at every RECHECK_S at most): a worker
+    serving job after job must not read a rewritten file through its old index."""
+    now = time.monotonic()
+    if now - table.checked < RECHECK_S:
+        return True
+    try:
+        same = expand(table.source.paths) == table.paths and _stamp(table.paths) == table.stamp
+    except DataError:
+        same = False
+    table.checked = now
+    return same
 
 
 def _table(source: TableFileSource) -> _Table:
@@ -434,8 +471,11 @@ def _table(source: TableFileSource) -> _Table:
     key = (source, source.allowed_roots)
     with _TABLES_LOCK:
         table = _TABLES.get(key)
-        if table is None:
+        if table is None or not _current(table):
             table = _TABLES[key] = _Table(source)
+            while len(_TABLES) > OPEN_TABLES:
+                _TABLES.popitem(last=False)
+        _TABLES.move_to_end(key)
         return table
 
 
