@@ -102,6 +102,7 @@ def peer_epoch(paths: list[Path], tokenizer: Path, fast: bool) -> tuple[float, i
     t0 = time.perf_counter()
     tok = Tokenizer.from_file(str(tokenizer))
     eot = tok.token_to_id("<|endoftext|>")
+    assert eot is not None
     docs = [p.read_text(encoding="utf-8") for p in paths]
     encode = tok.encode_batch_fast if fast else tok.encode_batch
     ids = np.concatenate(

@@ -84,6 +84,7 @@ def test_bpe_ids_equal_tokenizers_encode_batch_joined_by_end_of_text(
     s = source(corpus, tokenizer=str(bpe), batch_size=1)
     hf = Tokenizer.from_file(str(bpe))
     eot = hf.token_to_id("<|endoftext|>")
+    assert eot is not None
     want = np.concatenate([np.append(e.ids, eot) for e in hf.encode_batch(DOCS, add_special_tokens=False)])
     got = np.concatenate([s.read(i)["tokens"][0] for i in range(s.num_samples)])
     assert s.vocab_size == hf.get_vocab_size() and s.num_samples == (len(want) - 1) // 16

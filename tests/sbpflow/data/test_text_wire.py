@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,7 @@ from sbpflow.limits import LimitError
 from sbpflow.v1 import job_pb2
 from tests.examples.test_examples import load
 
-COMMON = {"batch_size": 4, "shuffle": True, "seed": 7, "drop_last": True}
+COMMON: dict[str, Any] = {"batch_size": 4, "shuffle": True, "seed": 7, "drop_last": True}
 
 
 @pytest.mark.parametrize(
