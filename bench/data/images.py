@@ -37,7 +37,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, cast  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -59,7 +59,7 @@ def make_folder(root: Path, images: int, classes: int = 10, seed: int = 0) -> No
         folder.mkdir(parents=True, exist_ok=True)
         w, h = (500, 375) if i % 4 else (375, 500)
         coarse = Image.fromarray(rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)).resize(
-            (w, h), Image.BICUBIC
+            (w, h), Image.Resampling.BICUBIC
         )
         grain = rng.normal(0, 12, (h, w, 3))
         pixels = np.clip(np.asarray(coarse, dtype=np.float64) + grain, 0, 255).astype(np.uint8)
@@ -133,9 +133,9 @@ class TorchvisionLike:
         with open(path, "rb") as f:  # torchvision's pil_loader
             img = Image.open(f).convert("RGB")
         i, j, h, w = self._params(*img.size)
-        img = img.crop((j, i, j + w, i + h)).resize((self.size, self.size), Image.BILINEAR)
+        img = img.crop((j, i, j + w, i + h)).resize((self.size, self.size), Image.Resampling.BILINEAR)
         if torch.rand(1) < 0.5:
-            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         t = torch.from_numpy(np.array(img, np.uint8, copy=True)).view(self.size, self.size, 3)
         t = t.permute((2, 0, 1)).contiguous().to(dtype=torch.float32).div(255)  # ToTensor
         return t.sub_(self.mean).div_(self.std), label  # Normalize (on ToTensor's fresh tensor)
@@ -147,8 +147,8 @@ def torch_rate(root: Path, args: argparse.Namespace) -> float:
 
     torch.set_num_threads(1)
     data = TorchvisionLike(root, args.size)
-    loader = DataLoader(
-        data, batch_size=args.batch_size, shuffle=True, num_workers=args.workers, drop_last=True
+    loader: Any = DataLoader(
+        cast(Any, data), batch_size=args.batch_size, shuffle=True, num_workers=args.workers, drop_last=True
     )
     it = iter(loader)
     next(it)  # the workers started
