@@ -3,6 +3,8 @@
     python bench/data/images.py                  # 512 JPEGs of 500x375, crops of 224, 2 workers, batch 32
     python bench/data/images.py --size 112       # smaller crops (where a reduced JPEG decode pays more)
     python bench/data/images.py --quick          # 96 images, one repeat: a smoke run
+    python bench/data/images.py --trace T.json   # T.json from `sbpflow run examples/resnet.py --set data=DIR
+                                                 # --trace T.json`: how long each step's first conv waited
 
 Both sides read the same folder of generated JPEGs (10 class subfolders; photo-like: smooth colour fields
 with grain, quality 90, ~500x375 as ImageNet's typical image) and do the same work per sample: decode,
@@ -31,6 +33,7 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_v] = "1"  # before numpy/torch are imported: the workers are the parallelism
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -157,6 +160,31 @@ def torch_rate(root: Path, args: argparse.Namespace) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def stem_waits(path: str) -> list[tuple[int, float]]:
+    """(iteration, ms) that rank 0's first convolution (``model.stem.conv2d``) waited for its batch: the
+    part of the compute thread's idle gap before it that ends when the batch's last DATA_LOAD act ends."""
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    acts = [e for e in events if e.get("ph") == "X" and e["pid"] == 0]
+    compute = sorted((e for e in acts if names[(0, e["tid"])] == "compute"), key=lambda e: e["ts"])
+    ready: dict[int, float] = {}
+    for e in acts:
+        if names[(0, e["tid"])] == "data":
+            it = e["args"]["iteration"]
+            ready[it] = max(ready.get(it, 0.0), e["ts"] + e["dur"])
+    out = []
+    for before, e in zip(compute, compute[1:], strict=False):
+        if e["name"].startswith("kernel model.stem.conv2d"):
+            idle_from = before["ts"] + before["dur"]
+            out.append(
+                (
+                    e["args"]["iteration"],
+                    max(0.0, min(ready[e["args"]["iteration"]], e["ts"]) - idle_from) / 1e3,
+                )
+            )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=int, default=512)
@@ -166,7 +194,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--full-decode", action="store_true", help="sbpflow: no reduced JPEG decode")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--trace", default="", help="report a ResNet run's waits on data from its trace instead")
     args = ap.parse_args()
+    if args.trace:
+        for it, ms in stem_waits(args.trace):
+            print(f"step {it}: the first convolution waited {ms:.2f} ms for its batch")
+        return
     if args.quick:
         args.images, args.repeat = 96, 1
     with tempfile.TemporaryDirectory() as tmp:
