@@ -151,32 +151,44 @@ class Where:
 # ---- categorical values ----------------------------------------------------------------------------
 
 
-def category_bytes(col: Any, f: TableField, column: str, where: Where) -> Any:
-    """``col`` as a large_binary array without nulls: each value's bytes (an int's decimal text)."""
+def categories(col: Any, f: TableField, column: str, where: Where) -> tuple[Any, np.ndarray]:
+    """``col`` as its distinct values (large_binary, each value's bytes, an int's decimal text; the fill
+    among them) and each row's index into them: a column repeats its values, so each distinct value is
+    hashed or looked up once. A dictionary-encoded column (Parquet's strings, read so) is taken as it is."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    if pa.types.is_dictionary(col.type):
-        col = col.cast(col.type.value_type)
-    t = col.type
-    if pa.types.is_integer(t) or pa.types.is_boolean(t) or pa.types.is_floating(t):
-        col = col.cast(pa.string())
-    elif not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)):
-        if not (pa.types.is_large_binary(t) or pa.types.is_null(t)):
-            raise DataError(
-                f"{where.at(column, 0)}: a categorical column must hold strings or integers, not {t}; "
-                "declare another column or convert this one"
-            )
-    col = col.cast(pa.large_binary())
-    if col.null_count:
+    if isinstance(col, pa.ChunkedArray):  # one array: a row group's column may come in pieces
+        pieces = col.chunks
+        if len(pieces) == 1:
+            col = pieces[0]
+        elif pa.types.is_dictionary(col.type):  # their own dictionaries each: decoded, encoded anew below
+            col = col.cast(col.type.value_type).combine_chunks()
+        else:
+            col = col.combine_chunks()
+    t = col.type.value_type if pa.types.is_dictionary(col.type) else col.type
+    text = pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+    number = pa.types.is_integer(t) or pa.types.is_boolean(t) or pa.types.is_floating(t)
+    if not (text or number or pa.types.is_large_binary(t) or pa.types.is_null(t)):
+        raise DataError(
+            f"{where.at(column, 0)}: a categorical column must hold strings or integers, not {t}; "
+            "declare another column or convert this one"
+        )
+    if not pa.types.is_dictionary(col.type):
+        col = pc.dictionary_encode(col)
+    values = col.dictionary.cast(pa.string()) if number else col.dictionary
+    values, indices = values.cast(pa.large_binary()), col.indices
+    if indices.null_count:
         if f.fill_category is None:
-            row = pc.indices_nonzero(pc.is_null(col))[0].as_py()
+            row = pc.indices_nonzero(pc.is_null(indices))[0].as_py()
             raise DataError(
                 f"{where.at(column, row)} is empty (null); give field {f.name!r} a fill_category, or fill "
                 "the table"
             )
-        col = pc.fill_null(col, pa.scalar(f.fill_category.encode(), pa.large_binary()))
-    return col
+        fill = pa.array([f.fill_category.encode()], pa.large_binary())
+        indices = pc.fill_null(indices, len(values))
+        values = pa.concat_arrays([values, fill])
+    return values, indices.to_numpy(zero_copy_only=False)
 
 
 def fnv1a64(values: Any) -> np.ndarray:
@@ -200,34 +212,33 @@ def fnv1a64(values: Any) -> np.ndarray:
     return h
 
 
-def hashed_ids(col: Any, buckets: int) -> np.ndarray:
-    """Each value's bucket, hashing each distinct value once (a column repeats its values)."""
-    import pyarrow.compute as pc
-
-    encoded = (
-        pc.dictionary_encode(col).combine_chunks() if hasattr(col, "chunks") else pc.dictionary_encode(col)
-    )
-    per_value = (fnv1a64(encoded.dictionary) % np.uint64(buckets)).astype(np.int64)
-    return per_value[encoded.indices.to_numpy(zero_copy_only=False)]
+def hashed_ids(values: Any, indices: np.ndarray, buckets: int) -> np.ndarray:
+    """Each row's bucket: ``fnv1a64(value) % buckets`` of its value (``categories``)."""
+    return (fnv1a64(values) % np.uint64(buckets)).astype(np.int64)[indices]
 
 
-def vocabulary(values: Sequence[Any], buckets: int) -> Any:
-    """The ``buckets - 1`` most frequent values of ``values`` (arrays of bytes), by count then by value
-    (bytewise): the same on every machine; value ``k`` of it gets id ``k + 1``."""
+def value_counts(values: Any, indices: np.ndarray) -> Any:
+    """A table of ``value`` and ``count``: how many rows hold each value."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
-    counts = pc.value_counts(pa.chunked_array(list(values), pa.large_binary()))
-    table = pa.table({"value": counts.field("values"), "count": counts.field("counts")})
-    ranked = table.sort_by([("count", "descending"), ("value", "ascending")])
+    return pa.table({"value": values, "count": np.bincount(indices, minlength=len(values))})
+
+
+def vocabulary(counts: Sequence[Any], buckets: int) -> Any:
+    """The ``buckets - 1`` most frequent values over ``counts`` (tables of ``value_counts``), by count then
+    by value (bytewise): the same on every machine; value ``k`` of it gets id ``k + 1``."""
+    import pyarrow as pa
+
+    total = pa.concat_tables(counts).group_by("value").aggregate([("count", "sum")])
+    ranked = total.sort_by([("count_sum", "descending"), ("value", "ascending")])
     return ranked.column("value").slice(0, buckets - 1).combine_chunks()
 
 
-def vocabulary_ids(col: Any, vocab: Any) -> np.ndarray:
+def vocabulary_ids(values: Any, indices: np.ndarray, vocab: Any) -> np.ndarray:
     import pyarrow.compute as pc
 
-    at = pc.index_in(col, value_set=vocab)
-    return pc.fill_null(pc.add(at.cast("int64"), 1), 0).to_numpy(zero_copy_only=False)
+    at = pc.index_in(values, value_set=vocab)
+    return pc.fill_null(pc.add(at.cast("int64"), 1), 0).to_numpy(zero_copy_only=False)[indices]
 
 
 # ---- numbers -----------------------------------------------------------------------------------------
@@ -297,11 +308,11 @@ def encode(
             if f.encoding == NUMERIC:
                 values = numbers(col, f, column, where)
             else:
-                data = category_bytes(col, f, column, where)
+                cats = categories(col, f, column, where)
                 values = (
-                    hashed_ids(data, f.buckets)
+                    hashed_ids(*cats, f.buckets)
                     if f.encoding == HASHED
-                    else vocabulary_ids(data, vocabs[f.name, column])
+                    else vocabulary_ids(*cats, vocabs[f.name, column])
                 )
                 if f.offset_columns:
                     values = values + c * f.buckets

@@ -43,11 +43,12 @@ from sbpflow.data.columns import (
     TableField,
     Where,
     arrow_error,
-    category_bytes,
+    categories,
     encode,
     expand,
     format_of,
     require_columns,
+    value_counts,
     vocabulary,
 )
 from sbpflow.data.corpus import cache_dir
@@ -101,6 +102,11 @@ class TableFileSource(FileSource):
         return table.take(self._sample_ids(table.rows, batch, rows))
 
     @property
+    def categorical(self) -> tuple[str, ...]:
+        """The columns of hashed and vocabulary fields."""
+        return tuple(dict.fromkeys(c for f in self.table_fields if f.encoding != NUMERIC for c in f.columns))
+
+    @property
     def columns(self) -> tuple[str, ...]:
         """Every column a field reads, each once, in declaration order."""
         return tuple(dict.fromkeys(c for f in self.table_fields for c in f.columns))
@@ -123,17 +129,22 @@ class _Chunks:
 
 
 class _Parquet(_Chunks):
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, categorical: Sequence[str]) -> None:
         import pyarrow.parquet as pq
 
         super().__init__()
-        self.file = pq.ParquetFile(name, memory_map=True)
+        # strings of categorical columns stay dictionary-encoded as stored: each distinct value is hashed
+        # or looked up once a row group, and no string is copied out per row
+        names = pq.ParquetFile(name, memory_map=True).schema_arrow.names  # read_dictionary needs them all
+        self.file = pq.ParquetFile(
+            name, memory_map=True, read_dictionary=[c for c in categorical if c in names]
+        )
         self.names = self.file.schema_arrow.names
         self.counts = [self.file.metadata.row_group(i).num_rows for i in range(self.file.num_row_groups)]
 
     def chunk(self, i: int, columns: Sequence[str]) -> Any:
         with self.lock:
-            return self.file.read_row_group(i, columns=list(columns), use_threads=False)
+            return self.file.read_row_group(i, columns=list(columns))
 
 
 class _ArrowFile(_Chunks):
@@ -297,7 +308,7 @@ def _open(source: TableFileSource, path: str) -> _Chunks:
     with source._file("table file", path, FIX) as name:
         try:
             if fmt == "parquet":
-                chunks: _Chunks = _Parquet(name)
+                chunks: _Chunks = _Parquet(name, source.categorical)
             elif fmt == "arrow":
                 chunks = _arrow(name)
             else:
@@ -360,7 +371,7 @@ class _Table:
                 for k in range(len(self.chunks)) if wanted else ():
                     chunk, where = self._chunk(k, columns)
                     for f, c in wanted:
-                        values[f.name, c].append(category_bytes(chunk.column(c), f, c, where))
+                        values[f.name, c].append(value_counts(*categories(chunk.column(c), f, c, where)))
                 self._vocabs = {(f.name, c): vocabulary(values[f.name, c], f.buckets) for f, c in wanted}
             return self._vocabs
 
