@@ -141,7 +141,7 @@ class FileSource(_Common):
         try:
             with opened(path, self.allowed_roots, what) as name:
                 yield name
-        except DataAccessDenied:
+        except (DataAccessDenied, DataError):  # already says which file and what to do
             raise
         except FileNotFoundError:
             raise DataError(f"{what} {path[:MAX_SHOWN]!r} does not exist") from None
