@@ -22,6 +22,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ import numpy as np
 
 from sbpflow.data.sources import DataError
 from sbpflow.dtype import DType
-from sbpflow.limits import Limits, check_count, check_float, check_int, check_name
+from sbpflow.limits import LIMITS, Limits, check_count, check_float, check_int, check_name
 
 NUMERIC, HASHED, VOCABULARY = "numeric", "hashed", "vocabulary"
 ENCODINGS = (NUMERIC, HASHED, VOCABULARY)
@@ -72,7 +73,7 @@ class TableField:
             )
         if not self.columns:
             raise DataError(f"{where} names no columns; give at least one")
-        repeated = sorted({c for c in self.columns if self.columns.count(c) > 1})
+        repeated = sorted(c for c, k in Counter(self.columns).items() if k > 1)
         if repeated:
             raise DataError(f"{where} names column(s) {repeated} twice; name each column once")
         if self.encoding == NUMERIC:
@@ -352,14 +353,19 @@ def expand(patterns: Sequence[str]) -> list[str]:
             out.extend(matched)
         else:
             out.append(p)
-    twice = sorted({p for p in out if out.count(p) > 1})
+    if len(out) > LIMITS.count:
+        raise DataError(
+            f"table files {list(patterns)[:3]} name {len(out):,} files, over {LIMITS.count:,}; merge them"
+        )
+    twice = sorted(p for p, k in Counter(out).items() if k > 1)
     if twice:
         raise DataError(f"table files {twice[:3]} are named twice; name each file once")
     return out
 
 
 def require_columns(names: Sequence[str], columns: Sequence[str], path: str) -> None:
-    gone = [c for c in columns if c not in names]
+    present = set(names)
+    gone = [c for c in columns if c not in present]
     if gone:
         have = ", ".join(names[:40]) + (" ..." if len(names) > 40 else "")
         raise DataError(

@@ -25,7 +25,7 @@ import os
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +75,7 @@ class TableFileSource(FileSource):
         if not self.table_fields:
             raise DataError("a table source declares no fields; give table_fields (columns -> fields)")
         names = [f.name for f in self.table_fields]
-        twice = sorted({n for n in names if names.count(n) > 1})
+        twice = sorted(n for n, k in Counter(names).items() if k > 1)
         if twice:
             raise DataError(f"table fields {twice} are declared twice; give each field one name")
 
