@@ -304,7 +304,6 @@ def _open(source: TableFileSource, path: str) -> _Chunks:
     import pyarrow as pa
 
     fmt = format_of(path, source.format)
-    failure: DataError | None = None
     with source._file("table file", path, FIX) as name:
         try:
             if fmt == "parquet":
@@ -314,11 +313,7 @@ def _open(source: TableFileSource, path: str) -> _Chunks:
             else:
                 chunks = _converted(name, path, fmt, source)
         except pa.ArrowException as e:  # a corrupt or truncated file (ArrowInvalid is also a ValueError)
-            failure = arrow_error(path, e, FIX)
-        except DataError as e:  # raised past the block: _file would word it as an unreadable file
-            failure = e
-    if failure is not None:
-        raise failure
+            raise arrow_error(path, e, FIX) from None
     require_columns(chunks.names, source.columns, path)
     return chunks
 
