@@ -146,3 +146,15 @@ def test_files_outside_the_roots_are_refused_at_submit_and_as_opened(tmp_path: P
         linked.read(0)
     inside = dataclasses.replace(linked, allowed_roots=(str(tmp_path),))
     assert inside.read(0)["dense"].shape == (4, 1)
+
+
+@pytest.mark.parametrize(("column", "kind"), [("x", "numeric"), ("c", "categorical")])
+def test_a_column_of_lists_is_refused_as_either_kind(tmp_path: Path, column: str, kind: str) -> None:
+    t = good()
+    lists = pa.array([[i, i] for i in range(8)])
+    pq.write_table(t.set_column(t.schema.get_field_index(column), column, lists), tmp_path / "t.parquet")
+    with pytest.raises(
+        DataError,
+        match=rf"column '{column}', row 0 \(from 0\): a {kind} .*(?:holds|not) list<",
+    ):
+        read(tmp_path / "t.parquet")
