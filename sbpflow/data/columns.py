@@ -138,6 +138,13 @@ class TableField:
             check_name(f"{where}.fill_category", self.fill_category, limits, empty=True)
 
 
+def is_text(t: Any) -> bool:
+    """Whether pyarrow type ``t`` holds strings or bytes (what a Parquet dictionary can hold)."""
+    import pyarrow as pa
+
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t))
+
+
 @dataclass(frozen=True)
 class Where:
     """Where a chunk lies, for messages: its file and the file's row of its first row."""
@@ -168,7 +175,7 @@ def categories(col: Any, f: TableField, column: str, where: Where) -> tuple[Any,
         else:
             col = col.combine_chunks()
     t = col.type.value_type if pa.types.is_dictionary(col.type) else col.type
-    text = pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+    text = is_text(t)
     number = pa.types.is_integer(t) or pa.types.is_boolean(t) or pa.types.is_floating(t)
     if not (text or number or pa.types.is_large_binary(t) or pa.types.is_null(t)):
         raise DataError(
@@ -416,7 +423,7 @@ def describe(paths: Sequence[str], format: str = "") -> dict[str, str]:
     for name, t in zip(schema.names, schema.types, strict=True):
         t = t.value_type if pa.types.is_dictionary(t) else t
         number = pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
-        text = pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+        text = is_text(t)
         kinds[name] = "number" if number else "category" if text else "other"
     return kinds
 

@@ -47,6 +47,7 @@ from sbpflow.data.columns import (
     encode,
     expand,
     format_of,
+    is_text,
     require_columns,
     value_counts,
     vocabulary,
@@ -136,7 +137,7 @@ class _Parquet(_Chunks):
         # strings of categorical columns stay dictionary-encoded as stored: each distinct value is hashed
         # or looked up once a row group, and no string is copied out per row
         schema = pq.ParquetFile(name, memory_map=True).schema_arrow  # read_dictionary takes only text columns
-        text = [c for c in categorical if c in schema.names and _is_text(schema.field(c).type)]
+        text = [c for c in categorical if c in schema.names and is_text(schema.field(c).type)]
         self.file = pq.ParquetFile(name, memory_map=True, read_dictionary=text)
         self.names = self.file.schema_arrow.names
         self.counts = [self.file.metadata.row_group(i).num_rows for i in range(self.file.num_row_groups)]
@@ -144,12 +145,6 @@ class _Parquet(_Chunks):
     def chunk(self, i: int, columns: Sequence[str]) -> Any:
         with self.lock:
             return self.file.read_row_group(i, columns=list(columns))
-
-
-def _is_text(t: Any) -> bool:
-    import pyarrow as pa
-
-    return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t))
 
 
 class _ArrowFile(_Chunks):
