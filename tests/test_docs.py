@@ -84,3 +84,27 @@ def test_the_readme_server_block_sets_the_token_first_and_waits_until_ready() ->
     export, server = block.index("export SBPFLOW_TOKEN="), block.index("sbpflow server")
     ready, submit = block.index("/readyz"), block.index("sbpflow submit")
     assert export < server < ready < submit, block
+
+
+def test_the_own_data_page_runs_real_examples_with_options_they_take() -> None:
+    import inspect
+
+    from tests.examples.test_examples import load
+
+    assert "docs/own-data.md" in (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "own-data.md").read_text()
+    commands = re.findall(r"sbpflow run examples/(\w+)\.py (.*)", text)
+    assert {name for name, _ in commands} >= {
+        "gpt",
+        "charlm",
+        "bert",
+        "resnet",
+        "insightface",
+        "wide_deep",
+        "mlp",
+    }
+    for name, rest in commands:
+        params = inspect.signature(load(name).make_job).parameters
+        assert "data" in params, name
+        for key in re.findall(r"--set \"?(\w+)=", rest):
+            assert key in params, f"docs/own-data.md: examples/{name}.py's make_job takes no {key!r}"
