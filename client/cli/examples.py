@@ -37,6 +37,13 @@ def load_example(path: str) -> Any:
     return module
 
 
+# make_job arguments naming files on this machine, made absolute under `run` (where they name one)
+LOCAL_PATHS: dict[str, Callable[[str], bool]] = {
+    "data": lambda v: True,  # a file, a folder or a glob pattern
+    "tokenizer": lambda v: os.path.isfile(os.path.expanduser(v)),  # not the built-in "bytes"
+}
+
+
 def make_kwargs(args: argparse.Namespace, make_job: Callable[..., Any] | None = None) -> dict[str, Any]:
     """make_job keyword arguments from --ranks/--tp/--dp/--layers and any --set KEY=VALUE, each --set
     value typed by ``make_job``'s annotation of KEY (or its default's type) where it has one."""
@@ -47,14 +54,16 @@ def make_kwargs(args: argparse.Namespace, make_job: Callable[..., Any] | None = 
         for k in ("ranks", "dp", "layers", "device", "data")
         if getattr(args, k, None) is not None
     }
-    if "data" in kw and args.command == "run":  # read here: the workers' working folder may differ
-        kw["data"] = os.path.abspath(os.path.expanduser(kw["data"]))
     if args.tp:
         kw["tp"] = True
     types = param_types(make_job) if make_job is not None else {}
     for item in args.set or ():
         key, value = parse_set(item, types)
         kw[key] = value
+    if args.command == "run":  # read here: a worker's working folder may differ
+        for key, is_path in LOCAL_PATHS.items():
+            if isinstance(kw.get(key), str) and is_path(kw[key]):
+                kw[key] = os.path.abspath(os.path.expanduser(kw[key]))
     return kw
 
 

@@ -132,6 +132,10 @@ def test_data_reaches_make_job_as_a_path_and_needs_a_data_parameter(
     monkeypatch.chdir(tmp_path)
     given = build_parser().parse_args(["run", "x.py", "--data", "corpus/*.txt"])
     assert make_kwargs(given)["data"] == str(tmp_path / "corpus" / "*.txt")  # as this machine sees it
+    (tmp_path / "tok.json").write_text("{}")
+    for value, kept in (("tok.json", str(tmp_path / "tok.json")), ("bytes", "bytes")):
+        named = build_parser().parse_args(["run", "x.py", "--set", f"tokenizer={value}"])
+        assert make_kwargs(named)["tokenizer"] == kept
     sent = build_parser().parse_args(["submit", "x.py", "--data", "corpus/a.txt"])
     assert make_kwargs(sent)["data"] == "corpus/a.txt"  # as the server's workers see it, unchanged
     takes_none = tmp_path / "fixed.py"
