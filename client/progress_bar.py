@@ -1,8 +1,10 @@
 """A plain-terminal progress bar for a training job: step/total, elapsed time and ETA, samples/s, loss.
 
 On a terminal it redraws one line (``\\r``, padded so that no stale characters stay when the line
-shrinks); elsewhere (a pipe, a log file, a test) it prints one line per step, loss last so a script can
-read it with ``line.split()[-1]``::
+shrinks); elsewhere (a pipe, a log file, a test) it prints plain lines, loss last so a script can read it
+with ``line.split()[-1]``: each of an attempt's first ``FIRST_STEPS`` steps (a short job whole), then one
+at most every ``every`` seconds of the job's own time (10 by default; 0: every step), and always the last
+step before the job's end line, so that a log of a long run is not a line per step::
 
     step    3/10  [######--------------]  0:01<0:02  1234.5 samples/s  loss 0.123456
 
@@ -24,6 +26,8 @@ from typing import Any, TextIO
 from sbpflow.v1 import service_pb2 as sp
 
 WIDTH = 20
+EVERY_SECONDS = 10.0  # off a terminal: a step line at most this often, after the first steps
+FIRST_STEPS = 5  # off a terminal: these first steps of an attempt each get their line
 _ENDED = frozenset({sp.JOB_STATE_SUCCEEDED, sp.JOB_STATE_FAILED, sp.JOB_STATE_CANCELLED})
 
 
@@ -45,10 +49,16 @@ def _seconds(event: sp.JobEvent) -> float:
 class ProgressBar:
     """Feed it ``JobEvent``s (``update``); ``close()`` ends the redrawn line."""
 
-    def __init__(self, stream: TextIO | None = None, label: str = "") -> None:
+    def __init__(self, stream: TextIO | None = None, label: str = "", every: float = EVERY_SECONDS) -> None:
         self.stream = stream or sys.stdout
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.label = label
+        self.every = every
+        self._printed = (
+            0,
+            -1e300,
+        )  # off a terminal: step lines printed this attempt, and the last one's time
+        self._held = ""  # off a terminal: the latest step line not printed (printed before the end line)
         self._width = 0  # characters of the redrawn line now on the terminal
         self._keep = False  # whether that line shows a step (kept: ended by a newline) or a passing state
         self._start: tuple[float, int] | None = None  # (time, step) when the job (re)entered RUNNING
@@ -69,18 +79,32 @@ class ProgressBar:
             loss = st.loss if st.HasField("loss") else None
             elapsed = _seconds(event) - self._start[0]
             text = self.line(st.step, st.total_steps, loss, st.samples_per_second, elapsed)
-            self._draw(text, keep=True) if self.tty else self.stream.write(text + "\n")
+            self._draw(text, keep=True) if self.tty else self._plain(
+                text, _seconds(event), st.step == st.total_steps
+            )
         elif event.HasField("state_change"):
             self._state_change(event)
         self.stream.flush()
 
+    def _plain(self, text: str, at: float, last: bool) -> None:
+        """Off a terminal: the step line ``text`` (the job's time ``at``) now, or held for later."""
+        count, before = self._printed
+        if count < FIRST_STEPS or at - before >= self.every or last:
+            self.stream.write(text + "\n")
+            self._printed, self._held = (count + 1, at), ""
+        else:
+            self._held = text
+
     def _state_change(self, event: sp.JobEvent) -> None:
         st = event.status
+        if self._held:  # the last step seen, before any state line
+            self.stream.write(self._held + "\n")
+            self._held = ""
         said = ": ".join(x for x in (st.reason, st.message) if x)
         why = f" ({said})" if said else ""
         who = f"job {event.job_id}" + (f" {self.label}" if self.label else "")
         if st.state == sp.JOB_STATE_RUNNING:
-            self._start = (_seconds(event), st.step)
+            self._start, self._printed = (_seconds(event), st.step), (0, -1e300)
             if not why and st.HasField("created") and st.HasField("started"):
                 ready = (st.started.ToNanoseconds() - st.created.ToNanoseconds()) / 1e9
                 why = f" (ready in {ready:.2f} s)"
@@ -103,5 +127,8 @@ class ProgressBar:
             self._width = 0
 
     def close(self) -> None:
+        if self._held:
+            self.stream.write(self._held + "\n")
+            self._held = ""
         self._end_line()
         self.stream.flush()

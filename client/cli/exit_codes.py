@@ -10,14 +10,20 @@
 
 Errors print one line on stderr, ``sbpflow: error: ...``; an ``OSError`` no command turned into words
 (a file name too long for the file system, say) prints its reason and file name, exit 1, never a
-traceback.
+traceback. An example's own failure (an exception raised in its make_job, its model code, or a module
+of its own they call) prints that line and then the traceback's frames of the user's files only, not
+sbpflow's or Python's, exit 1 (``SBPFLOW_TRACEBACK=1``: the whole traceback); any other exception is a
+bug of sbpflow's and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
 from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
 
 from sbpflow.errors import SbpflowError
 
@@ -46,6 +52,40 @@ def _quiet_stdout() -> None:
         os.close(devnull)
 
 
+def _not_users() -> tuple[Path, ...]:
+    """The folders whose files are not a user's: sbpflow's packages and Python's own (stdlib, site-packages)."""
+    import sbpflow
+    import sbpflow.actor_workers
+    import sbpflow.client
+    import sbpflow.control_plane
+
+    packages = (sbpflow, sbpflow.actor_workers, sbpflow.client, sbpflow.control_plane)
+    found = {Path(str(m.__file__)).resolve().parent for m in packages}
+    return (*found, *{Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+
+
+def users_frames(tb: TracebackType | None) -> traceback.StackSummary:
+    """The frames of ``tb`` in a user's own files (an example, a module of its own), outermost first."""
+    skip = _not_users()
+    own = [
+        f
+        for f in traceback.extract_tb(tb)
+        if not f.filename.startswith("<")
+        and not any(Path(f.filename).resolve().is_relative_to(d) for d in skip)
+    ]
+    return traceback.StackSummary.from_list(own)
+
+
+def _users_failure(e: Exception) -> bool:
+    """Print ``e`` as one line and the user's own frames if any frame of it is theirs; whether it was."""
+    own = users_frames(e.__traceback__)
+    if not own or os.environ.get("SBPFLOW_TRACEBACK"):
+        return False
+    print(f"sbpflow: error: {type(e).__name__}: {e}", file=sys.stderr)
+    print("".join(own.format()), end="", file=sys.stderr)
+    return True
+
+
 def run_command(fn: Callable[[], int]) -> int:
     """``fn()``'s exit code, with each way a command can fail mapped to its code above."""
     try:
@@ -68,3 +108,7 @@ def run_command(fn: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print("sbpflow: interrupted", file=sys.stderr)
         return INTERRUPTED
+    except Exception as e:  # last: raised in the user's code, or a bug of sbpflow's (its traceback kept)
+        if _users_failure(e):
+            return FAILED
+        raise

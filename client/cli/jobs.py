@@ -1,8 +1,7 @@
 """The job commands of the ``sbpflow`` CLI: ``server``, ``submit``, ``status``, ``watch``, ``cancel``,
 ``logs``, ``resume`` (a new job from an ended one's latest checkpoint, as it was or re-traced under
 another layout: ``sbpflow resume ID examples/mlp.py --ranks 2 --tp``), ``checkpoints``, ``export``, and
-``run`` — the embedded default, which runs the job through an in-process control plane
-(job manager and a store in a temporary folder, no network) with the same progress bar as ``watch``.
+and their flags; ``run``, the embedded default, is ``embedded_run.py``.
 
 The client commands find the server with ``--address`` (or ``SBPFLOW_ADDRESS``, default
 ``127.0.0.1:50051``), ``--token`` (or ``SBPFLOW_TOKEN``) and ``--tls-ca``.
@@ -20,16 +19,11 @@ from typing import Any
 from sbpflow.client.cli.byte_sizes import parse_bytes
 from sbpflow.client.cli.exit_codes import UsageError
 from sbpflow.client.cli.generate import cmd_generate, generate_flags
-from sbpflow.client.cli.output_files import output_path, write_output
+from sbpflow.client.cli.output_files import output_path
 from sbpflow.client.cli.run_flags import add_run_flags, given_run_flags, run_options_from_args
-from sbpflow.errors import SbpflowError
 from sbpflow.runs.options import MANAGER_DEFAULTS
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-# `sbpflow run`: the embedded manager's options, parameters not kept (nothing shows them); its --trace
-# names a file, and without a checkpoint root there is nothing to restart from
-RUN_DEFAULTS = MANAGER_DEFAULTS.replace(return_parameters=False)
-RUN_EXCLUDED = ("trace", "return_parameters", "max_restarts")
 # `sbpflow server`: a server keeps no act traces (a job's result does not carry one)
 SERVER_EXCLUDED = ("trace",)
 
@@ -95,11 +89,11 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """Trace an example and submit it; print its id (and follow it with --watch)."""
-    from sbpflow.client.cli.examples import job_from_args
+    from sbpflow.client.cli.embedded_run import example_job
 
     with _client(args) as client:
         handle = client.submit(
-            job_from_args(args), client_id=os.environ.get("USER", ""), **given_run_flags(args)
+            example_job(args), client_id=os.environ.get("USER", ""), **given_run_flags(args)
         )
         print(handle.job_id, flush=True)
         return _ended(handle.watch()) if args.watch else 0
@@ -108,11 +102,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     """Resume an ended job from its latest checkpoint as a new job; print the new job's id (and follow
     it with --watch). With an example file, the job is re-traced from it (--ranks/--tp/--dp/--set)."""
-    from sbpflow.client.cli.examples import job_from_args, make_kwargs
+    from sbpflow.client.cli.embedded_run import example_job
+    from sbpflow.client.cli.examples import make_kwargs
 
     job = None
     if args.example:
-        job = job_from_args(args)
+        job = example_job(args)
     elif make_kwargs(args) or args.steps is not None or args.checkpoint_every is not None:
         raise UsageError(
             "--ranks/--tp/--dp/--layers/--set/--steps/--checkpoint-every re-trace the job's example: give the "
@@ -186,58 +181,6 @@ def cmd_logs(args: argparse.Namespace) -> int:
             who = "control" if line.rank < 0 else f"rank {line.rank}"
             print(f"{line.time.ToDatetime():%H:%M:%S} {who:>8} {line.level:7} {line.text}", flush=True)
         return 0
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    """Train an example through an in-process control plane (no server) with the progress bar."""
-    import json
-    import tempfile
-    from pathlib import Path
-
-    from sbpflow.client.cli.examples import job_from_args
-    from sbpflow.client.progress_bar import ProgressBar
-    from sbpflow.codec import wire
-    from sbpflow.control_plane.service.data_policy import DataPolicy
-    from sbpflow.control_plane.service.jobs import JobManager, ManagerConfig, job_ranks
-    from sbpflow.control_plane.store.job_store import JobStore
-
-    job = job_from_args(args)
-    config = ManagerConfig(
-        run=run_options_from_args(args, RUN_DEFAULTS, trace=bool(args.trace)),
-        slots=max(1, len(job_ranks(job))),
-        keep_run_results=True,
-        data_policy=DataPolicy.embedded(),  # the working directory and sf.corpus's cache
-    )
-    with tempfile.TemporaryDirectory(prefix="sbpflow-run-") as tmp, JobStore(Path(tmp) / "jobs.db") as store:
-        manager = JobManager(store, config)
-        manager.start()
-        rec = manager.submit(wire.job_to_proto(job).SerializeToString())
-        bar = ProgressBar(label=f"({rec.name}, {args.backend})")
-        try:
-            for ev in manager.follow(rec.id):
-                bar.update(ev)
-        except KeyboardInterrupt:
-            manager.cancel(rec.id, "interrupted (Ctrl-C)")
-            raise
-        finally:
-            bar.close()
-            manager.shutdown()
-        end = store.get(rec.id)
-        if end.state.name != "SUCCEEDED":
-            raise SbpflowError(f"job {rec.name!r} {end.state.name}: {end.reason}: {end.message}")
-        result = manager.run_results[rec.id]
-    n = len(result.losses)
-    print(
-        f"{n} steps in {result.seconds:.2f} s ({n / max(result.seconds, 1e-9):.2f} steps/s, {args.backend})"
-    )
-    for step, loss in result.evals:  # config.eval_every: the held-out split's loss
-        print(f"step {step}: held-out loss {loss:.6f}")
-    if args.trace:
-        from sbpflow.actor_workers.runtime.trace import chrome_trace
-
-        write_output(args.trace, json.dumps(chrome_trace(result.trace or [])), "--trace")
-        print(f"wrote {args.trace} (open it in https://ui.perfetto.dev)")
-    return 0
 
 
 def client_flags(p: argparse.ArgumentParser) -> None:

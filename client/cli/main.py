@@ -8,11 +8,13 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from sbpflow.client.cli import embedded_run
 from sbpflow.client.cli.argument_checks import check_arguments
 from sbpflow.client.cli.auto import add_auto_flags
-from sbpflow.client.cli.examples import job_from_args, load_example
+from sbpflow.client.cli.embedded_run import cmd_run, example_job
+from sbpflow.client.cli.examples import load_example
 from sbpflow.client.cli.exit_codes import run_command
-from sbpflow.client.cli.jobs import JOB_COMMANDS, RUN_DEFAULTS, RUN_EXCLUDED, client_flags, cmd_run
+from sbpflow.client.cli.jobs import JOB_COMMANDS, client_flags
 from sbpflow.client.cli.output_files import write_output
 from sbpflow.client.cli.run_flags import add_run_flags
 from sbpflow.errors import SbpflowError
@@ -39,7 +41,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from sbpflow.control_plane.compiler.pipeline import compile
     from sbpflow.control_plane.render import graph_page
 
-    compiled = compile(job_from_args(args))
+    compiled = compile(example_job(args))
     if args.json:
         from sbpflow.client.cli import json_output
 
@@ -93,7 +95,10 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "trace": (cmd_trace, "trace an example file into a Job and print or save it"),
-    "run": (cmd_run, "train an example through an embedded control plane, with a progress bar"),
+    "run": (
+        cmd_run,
+        "train an example through an embedded control plane, with a progress bar; keep it with --checkpoint-dir",
+    ),
     "plan": (cmd_plan, "compile an example file and print its plan summary; write the plan and a picture"),
     "ops": (cmd_ops, "list the op library"),
     "version": (cmd_version, "print the installed version"),
@@ -165,9 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("plan", "run"):
             add_auto_flags(p)
         if name == "run":
-            p.add_argument("--steps", type=int, help="train this many steps (default: the job's own)")
-            p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of every act (Perfetto)")
-            add_run_flags(p, RUN_DEFAULTS, exclude=RUN_EXCLUDED)
+            embedded_run.add_flags(p)
         if name == "plan":
             p.add_argument("--out", help="write the Plan protobuf to this file")
             p.add_argument("--html", help="write a self-contained HTML picture of the graph to this file")

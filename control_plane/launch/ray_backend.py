@@ -74,6 +74,7 @@ def ensure_ray(address: str | None, cpus: int) -> None:
 
     if ray.is_initialized():
         return
+    quiet_ray()
     address = address or os.environ.get("RAY_ADDRESS") or None  # as ray.init() does: a RayJob sets it
     try:
         if address:
@@ -89,6 +90,24 @@ def ensure_ray(address: str | None, cpus: int) -> None:
     except Exception as exc:
         where = f"the Ray cluster at {address!r}" if address else "a local Ray"
         raise SchedulingError(f"could not start or reach {where}: {type(exc).__name__}: {exc}") from exc
+
+
+def quiet_ray() -> None:
+    """Silence Ray's start-up narration (its token-auth banner; its errors still print, and worker errors
+    come through the report hub and Ray's exceptions), and the colour reset its vendored colorama (wrapped
+    round stdout/stderr by Ray's CLI logger) writes to a terminal at exit."""
+    import atexit
+    import logging
+    import sys
+
+    import ray.autoscaler._private.cli_logger  # noqa: F401  - what calls colorama.init(strip=False)
+
+    logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
+    init = getattr(sys.modules.get("colorama"), "initialise", None)
+    if init is not None:  # its streams unwrapped only where still in place (a test may have swapped them)
+        atexit.unregister(init.reset_all)
+        sys.stdout = init.orig_stdout if sys.stdout is init.wrapped_stdout else sys.stdout
+        sys.stderr = init.orig_stderr if sys.stderr is init.wrapped_stderr else sys.stderr
 
 
 def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker) -> RunResult:

@@ -18,6 +18,7 @@ which the workers set on the sources they decode from the plan; each file is the
     DataPolicy.under(["/data"])   # `sbpflow server --data-root /data`
     DataPolicy.under([])          # no --data-root: no file data at all (synthetic or inline only)
     DataPolicy.embedded()         # `sbpflow run`: the working directory and sf.corpus's cache
+    DataPolicy.embedded(["/d/x"]) # `sbpflow run --data /d/x`: and the folder of what --data names
 
 A failed run's reason comes from its cause's type (:data:`FAILURE_REASONS`, :func:`reason_of`):
 ``PERMISSION_DENIED`` for a refused file, ``CHECKPOINT_STORAGE_FULL``/``_READ_ONLY``/``_ERROR`` for a
@@ -45,9 +46,16 @@ def data_paths(source: DataSource | None) -> list[tuple[str, str]]:
     return source.file_paths() if isinstance(source, FileSource) else []
 
 
+# `sbpflow run` has no --data-root: what to do there instead
+EMBEDDED_FIX = (
+    "give it with --data PATH (its folder may then be read), or run `sbpflow run` from a folder that holds it"
+)
+
+
 @dataclass(frozen=True)
 class DataPolicy:
     roots: tuple[Path, ...]  # resolved
+    embedded_run: bool = False  # `sbpflow run`'s: a refusal says what to do there (no --data-root)
 
     @classmethod
     def under(cls, roots: Iterable[str | Path]) -> DataPolicy:
@@ -60,11 +68,13 @@ class DataPolicy:
         return cls(tuple(out))
 
     @classmethod
-    def embedded(cls) -> DataPolicy:
-        """The embedded run's: the working directory and the corpus cache (``sbpflow.data.corpus``)."""
+    def embedded(cls, also: Iterable[str] = ()) -> DataPolicy:
+        """The embedded run's: the working directory, the corpus cache (``sbpflow.data.corpus``) and the
+        folder of each path in ``also`` (``--data``: a folder itself, a file's or a glob's folder)."""
         from sbpflow.data.corpus import cache_dir
 
-        return cls(tuple(p for p in (resolved(Path.cwd()), resolved(cache_dir())) if p is not None))
+        found = (resolved(p) for p in (Path.cwd(), cache_dir(), *map(folder_of, also)))
+        return cls(tuple(p for p in found if p is not None), embedded_run=True)
 
     @property
     def run_roots(self) -> tuple[str, ...]:
@@ -80,6 +90,12 @@ class DataPolicy:
         the roots."""
         held_out = [(f"held-out {what}", path) for what, path in data_paths(job.eval_data)]
         for what, path in [*data_paths(job.data), *held_out]:
+            if not self.allows(path) and self.embedded_run:
+                shown = [str(r) for r in self.roots]
+                raise DataAccessDenied(
+                    f"job {job.name[:MAX_SHOWN]!r}: {what} {path[:MAX_SHOWN]!r} is outside the folders `sbpflow "
+                    f"run` reads ({shown}: the working directory, the corpus cache, --data's); {EMBEDDED_FIX}"
+                )
             if not self.allows(path):
                 raise refusal(what, path, self.roots, job.name)
 
@@ -91,6 +107,14 @@ class DataPolicy:
         return dataclasses.replace(
             job, data=with_roots(job.data, roots), eval_data=with_roots(job.eval_data, roots)
         )
+
+
+def folder_of(path: str) -> Path:
+    """The folder ``path`` names: itself, a file's, or a glob's (the part before its first ``*?[``)."""
+    if Path(path).is_dir():
+        return Path(path)
+    fixed = path[: min((i for i in map(path.find, "*?[") if i >= 0), default=len(path))]
+    return Path(fixed) if fixed.endswith("/") else Path(fixed or ".").parent
 
 
 # A failed run's cause (its type, or a base of it) -> the job's reason. A Ray worker's cause arrives as its

@@ -40,7 +40,7 @@ class NonFiniteLoss(NonFinite):
     def __init__(self, job: str, step: int, value: float) -> None:
         super().__init__(
             f"job {job!r}: the loss of step {step} is {value} (not finite): training diverged there; lower "
-            "the learning rate, clip gradients (max_grad_norm) or, under fp16, scale the loss"
+            "the learning rate, clip gradients (the optimizer's clip_grad_norm) or, under fp16, scale the loss"
         )
         self.step, self.value = step, value
 
@@ -56,7 +56,7 @@ class NonFiniteParameters(NonFinite):
         super().__init__(
             f"job {job!r}: after step {step} the parameters {names[:SHOWN]}{more} hold NaN or infinite "
             "values, though every loss was finite (the last update overflowed); lower the learning rate "
-            "or clip gradients (max_grad_norm)"
+            "or clip gradients (the optimizer's clip_grad_norm)"
         )
         self.step, self.names = step, tuple(names)
 

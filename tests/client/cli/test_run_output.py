@@ -1,0 +1,103 @@
+"""What ``sbpflow run`` says: an example's own failure as one line and its own frames, a make_job of the
+wrong type named, refusals that name real options, step lines off a terminal at most every N seconds, and
+Ray's start-up narration silenced."""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+
+import pytest
+
+from sbpflow.client.cli.main import main
+from sbpflow.client.progress_bar import FIRST_STEPS, ProgressBar
+from sbpflow.runs.numerics import NonFiniteLoss, NonFiniteParameters
+from sbpflow.v1 import service_pb2 as sp
+
+MLP = str(Path(__file__).resolve().parents[3] / "examples" / "mlp.py")
+BROKEN = """
+def helper(x):
+    return {"a": 1}[x]
+
+
+def make_job(**kwargs):
+    return helper("b")
+"""
+
+
+def test_an_examples_own_error_is_one_line_and_its_own_frames(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = tmp_path / "broken.py"
+    example.write_text(BROKEN)
+    for command in ("run", "plan"):
+        assert main([command, str(example), "--backend", "inprocess"][: 2 if command == "plan" else 4]) == 1
+        err = capsys.readouterr().err
+        lines = err.splitlines()
+        assert lines[0] == "sbpflow: error: KeyError: 'b'"
+        files = [line.split('"')[1] for line in lines if line.startswith("  File ")]
+        assert files == [str(example), str(example)]  # make_job, then helper: no sbpflow or Python frame
+        assert "Traceback" not in err and "sbpflow/" not in err.replace("sbpflow: error", "")
+
+
+def test_a_make_job_of_the_wrong_type_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    example = tmp_path / "wrong.py"
+    example.write_text("def make_job(**kwargs):\n    return {'steps': 3}\n")
+    assert main(["run", str(example), "--steps", "3", "--backend", "inprocess"]) == 1  # --steps: still named
+    assert capsys.readouterr().err.strip() == (
+        f"sbpflow: error: {example}: make_job returned a dict; return a sbpflow.Job (graph.trace(...))"
+    )
+
+
+def test_refusals_name_real_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "clip_grad_norm" in str(NonFiniteLoss("j", 3, float("nan")))
+    assert "clip_grad_norm" in str(NonFiniteParameters("j", 3, ["w"]))
+    table = tmp_path / "rows.csv"
+    table.write_text("a,b,y\n" + "".join(f"{i},{i % 3},{i % 2}\n" for i in range(40)))
+    run = ["run", MLP, "--backend", "inprocess", "--steps", "1", "--set", "batch_size=8"]
+    assert main([*run, "--set", f"data={table}"]) == 1  # outside the working directory: refused
+    err = capsys.readouterr().err
+    assert "--data PATH" in err and "--data-root" not in err and "sbpflow run" in err
+    assert main([*run, "--data", str(table)]) == 0, capsys.readouterr().err  # --data's folder may be read
+
+
+def _step(step: int, at: float, total: int = 100) -> sp.JobEvent:
+    ev = sp.JobEvent(job_id="j", status=sp.JobStatus(job_id="j", step=step, total_steps=total, loss=1.0))
+    ev.time.FromNanoseconds(int((1_700_000_000 + at) * 1e9))
+    ev.step.step = step
+    return ev
+
+
+def _ended(at: float, state: str = "SUCCEEDED") -> sp.JobEvent:
+    ev = _step(0, at)
+    ev.ClearField("step")
+    ev.status.state = ev.state_change.current = sp.JobState.Value("JOB_STATE_" + state)
+    return ev
+
+
+def _printed(events: list[sp.JobEvent], every: float = 10.0) -> list[int]:
+    out = io.StringIO()
+    bar = ProgressBar(out, every=every)
+    for ev in events:
+        bar.update(ev)
+    bar.close()
+    return [
+        int(line.split()[1].split("/")[0]) for line in out.getvalue().splitlines() if line.startswith("step")
+    ]
+
+
+def test_off_a_terminal_a_step_line_every_n_seconds_and_the_last() -> None:
+    steps = [_step(i, at=i * 0.5) for i in range(1, 101)]  # 100 steps over 50 s
+    first = list(range(1, FIRST_STEPS + 1))
+    assert _printed(steps) == first + [25, 45, 65, 85, 100]  # then every 10 s of the job's time, and the last
+    assert _printed(steps, every=0) == list(range(1, 101))
+    failed = [*steps[:40], _ended(20.5, "FAILED")]  # the last step seen comes before the end line
+    assert _printed(failed)[-1] == 40
+
+
+def test_ray_start_up_narration_is_silenced() -> None:
+    from sbpflow.control_plane.launch.ray_backend import quiet_ray
+
+    quiet_ray()  # starts nothing
+    assert logging.getLogger("ray._private.authentication").getEffectiveLevel() == logging.ERROR
