@@ -73,16 +73,11 @@ class TextFileSource(FileSource):
                     check_int(f"job.data.text_files.mlm.{k}", v, 0, limits.int_attr)
 
     def file_paths(self) -> list[tuple[str, str]]:
-        """Every file the patterns match (at most ``LIMITS.count``), and each pattern itself (so a pattern
-        matching nothing, or what it would match later, is checked too), and the tokenizer file."""
+        """Each path or pattern as given (a pattern resolves by its folders: ``..`` and symlinks there are
+        followed) and the tokenizer file. A pattern is not expanded here: at Submit that would be work
+        proportional to a folder the job may not read; each match is checked as a worker opens it."""
         out = [("text file", p) for p in self.paths]
-        out += [("text file", f) for f in itertools.islice(self._matches(), LIMITS.count)]
         return out if self.tokenizer == BYTES else [*out, ("tokenizer file", self.tokenizer)]
-
-    def _matches(self) -> itertools.chain[str]:
-        return itertools.chain.from_iterable(
-            sorted(glob.iglob(p)) if glob.has_magic(p) else [p] for p in self.paths
-        )
 
     # ---- what a worker reads -------------------------------------------------------------------------
 
