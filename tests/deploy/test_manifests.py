@@ -418,6 +418,14 @@ def test_both_images_carry_one_python_and_the_manifests_ray() -> None:
         rest for ins, rest in gpu_steps if ins == "FROM"
     ]
     assert "cupy-cuda12x[ctk]" in " ".join(rest for ins, rest in gpu_steps if ins == "RUN")
+
+    # the GPU image's deps stage starts with the CPU one's very steps (Ray included), so a host building
+    # both (the tests do) builds those layers once
+    def deps(steps: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        start = steps.index(("FROM", "${BASE} AS deps"))
+        return steps[start : next(i for i in range(start + 1, len(steps)) if steps[i][0] == "FROM")]
+
+    assert deps(gpu_steps)[: len(deps(cpu_steps))] == deps(cpu_steps)
     assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in " ".join(
         rest for ins, rest in gpu_steps if ins == "ENV"
     )
