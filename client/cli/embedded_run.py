@@ -129,7 +129,8 @@ def example_job(args: argparse.Namespace) -> Any:
         raise SbpflowError(
             f"{args.example}: make_job returned a {type(job).__name__}; return a sbpflow.Job (graph.trace(...))"
         )
-    return auto_job(with_config(job, args), args)
+    quiet = vars(args) | {"json": getattr(args, "json", False) or getattr(args, "json_lines", False)}
+    return auto_job(with_config(job, args), argparse.Namespace(**quiet))  # its table off a JSON stdout
 
 
 def _job(args: argparse.Namespace) -> Any:

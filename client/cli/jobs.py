@@ -21,6 +21,7 @@ from sbpflow.client.cli.exit_codes import UsageError
 from sbpflow.client.cli.generate import cmd_generate, generate_flags
 from sbpflow.client.cli.output_files import output_path
 from sbpflow.client.cli.run_flags import add_run_flags, given_run_flags, run_options_from_args
+from sbpflow.errors import SbpflowError
 from sbpflow.runs.options import MANAGER_DEFAULTS
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -289,9 +290,22 @@ def _logs(p: argparse.ArgumentParser) -> None:
 
 
 def _checkpoint_dir(args: argparse.Namespace) -> Path:
-    """A job's checkpoint folder: ``ID`` under ``--checkpoint-root`` (the server's), or a path."""
+    """A job's checkpoint folder: ``ID`` under ``--checkpoint-root`` (the server's, or ``sbpflow run``'s
+    --checkpoint-dir), or a path; without either, the root's job with the newest complete checkpoint."""
+    from sbpflow.checkpoint.read import list_checkpoints
+
+    root = Path(args.checkpoint_root)
+    if args.id is None:
+        kept = [
+            (found[-1].path.stat().st_mtime, d) for d in root.glob("*/") if (found := list_checkpoints(d))
+        ]
+        if not kept:
+            raise SbpflowError(
+                f"no job under --checkpoint-root {root} has a complete checkpoint; give a job id"
+            )
+        return max(kept)[1]
     given = Path(args.id)
-    return given if given.exists() else Path(args.checkpoint_root) / args.id
+    return given if given.exists() else root / args.id
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
@@ -319,7 +333,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from sbpflow.checkpoint.read import export, resolve
 
     src = resolve(_checkpoint_dir(args))
-    out = Path(args.out or f"{Path(args.id).name}-{src.name}.{args.format}")
+    out = Path(args.out or f"{src.parent.name}-{src.name}.{args.format}")
     convert = _layout_of(args)
     # the writers take a path; theirs is a file in output_path's private folder (np.savez adds ".npz"
     # to a name without it, so the name has the format's suffix)
@@ -349,7 +363,12 @@ def _layout_of(args: argparse.Namespace) -> Callable[[Any], Any] | None:
 
 
 def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("id", help="a job id (its checkpoints under --checkpoint-root), or a checkpoint folder")
+    p.add_argument(
+        "id",
+        nargs="?",
+        help="a job id (its checkpoints under --checkpoint-root), or a checkpoint folder; default: the job "
+        "under --checkpoint-root with the newest checkpoint",
+    )
     p.add_argument(
         "--checkpoint-root",
         default=os.environ.get("SBPFLOW_CHECKPOINTS", "sbpflow-checkpoints"),
@@ -365,7 +384,7 @@ def _checkpoints_flags(p: argparse.ArgumentParser) -> None:
 def _export_flags(p: argparse.ArgumentParser) -> None:
     _checkpoint_flags(p)
     p.add_argument("--format", choices=("safetensors", "npz"), default="safetensors")
-    p.add_argument("--out", help="the file to write (default: <id>-step-NNNNNNNN.<format>)")
+    p.add_argument("--out", help="the file to write (default: <job id>-step-NNNNNNNN.<format>)")
     p.add_argument(
         "--layout",
         choices=("sbpflow", "torch", "gpt2"),

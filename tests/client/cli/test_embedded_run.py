@@ -63,6 +63,8 @@ def test_run_keeps_checkpoints_a_store_and_scalars_and_resumes_them(
         last["step"] == 6 and len(last["workers"]) == 1 and last["last_checkpoint"].endswith("step-00000006")
     )
     assert f"resumes job {job_id}" in err
+    assert main(["checkpoints", "--checkpoint-root", str(keep), "--json"]) == 0  # no id: the newest job's
+    assert [c["step"] for c in json.loads(capsys.readouterr().out)["checkpoints"]] == [6]
 
 
 def test_a_job_that_cannot_fit_is_refused_before_ray_starts(capsys: pytest.CaptureFixture[str]) -> None:
@@ -88,3 +90,26 @@ def test_one_run_a_folder_and_flags_that_need_one(tmp_path: Path, capsys: pytest
     assert rc == 2 and "give one" in err
     rc, _, err = _run(capsys, "--checkpoint-dir", str(keep), "--resume")  # an empty store
     assert rc == 2 and "no job in --checkpoint-dir's store yet" in err
+
+
+def test_jobs_an_earlier_run_left_are_settled_not_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sbpflow.runs.states import JobState
+
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    with JobStore(keep / "jobs.db") as store:  # a run killed while training, one killed before it started
+        running = store.create(b"", "killed").id
+        for state in (JobState.COMPILING, JobState.STARTING, JobState.RUNNING):
+            store.transition(running, state)
+        queued = store.create(b"", "queued").id
+    rc, out, err = _run(capsys, "--steps", "2", "--checkpoint-dir", str(keep), "--json")
+    assert rc == 0, err
+    with JobStore(keep / "jobs.db") as store:
+        assert (
+            store.get(running).state == JobState.FAILED
+            and store.get(running).reason == "CONTROL_PLANE_RESTARTED"
+        )
+        assert store.get(queued).state == JobState.CANCELLED
+        assert store.get(json.loads(out)["job_id"]).state == JobState.SUCCEEDED  # ran alone
