@@ -81,6 +81,7 @@ def ensure_ray(address: str | None, cpus: int) -> None:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
         else:
             ray.init(
+                address="local",  # a new one even where `ray start` left a cluster (plain init joins it)
                 num_cpus=max(cpus, os.cpu_count() or 1),
                 include_dashboard=False,
                 _node_ip_address="127.0.0.1",

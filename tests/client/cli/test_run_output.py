@@ -101,3 +101,21 @@ def test_ray_start_up_narration_is_silenced() -> None:
 
     quiet_ray()  # starts nothing
     assert logging.getLogger("ray._private.authentication").getEffectiveLevel() == logging.ERROR
+
+
+def test_keep_ray_joins_the_ray_an_earlier_run_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    from sbpflow.client.cli import embedded_run
+
+    monkeypatch.setattr(embedded_run, "KEPT_RAY", tmp_path)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # kept_ray sets it; monkeypatch restores it
+    with socket.socket() as kept:  # stands in for the kept Ray's GCS port: it answers, so nothing starts
+        kept.bind(("127.0.0.1", 0))
+        kept.listen()
+        (tmp_path / "address").write_text(f"127.0.0.1:{kept.getsockname()[1]}")
+        assert embedded_run.kept_ray(2) == f"127.0.0.1:{kept.getsockname()[1]}"
+    assert main(["run", MLP, "--keep-ray", "--backend", "inprocess"]) == 2
+    assert "--keep-ray is a local Ray of backend ray's" in capsys.readouterr().err
