@@ -113,3 +113,12 @@ def test_jobs_an_earlier_run_left_are_settled_not_run(
         )
         assert store.get(queued).state == JobState.CANCELLED
         assert store.get(json.loads(out)["job_id"]).state == JobState.SUCCEEDED  # ran alone
+
+
+def test_a_failed_job_still_prints_its_json_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _run(capsys, "--steps", "5", "--set", "lr=1e30", "--json")  # diverges at step 2
+    doc = json.loads(out)
+    assert rc == 1 and doc["state"] == "JOB_STATE_FAILED" and doc["reason"] == "NON_FINITE_LOSS"
+    assert doc["losses"][-1] in ("Infinity", "NaN") and doc["run"]["seconds"] is None
+    assert err.splitlines()[-1].startswith("sbpflow: error: job 'TrainMLP' FAILED: NON_FINITE_LOSS")
+    assert "clip_grad_norm" in err
