@@ -196,12 +196,15 @@ def _store(args: argparse.Namespace) -> Iterator[Any]:
 
 
 def _resumed_id(store: Any, wanted: str) -> str:
-    if wanted != LATEST:
-        return wanted
-    latest = store.list(limit=1)
-    if not latest:
+    """The job ``--resume`` names (``latest``: the store's newest), or a UsageError naming those it holds."""
+    ids = [r.id for r in store.list(limit=1 << 30)]  # newest first
+    if not ids:
         raise UsageError("--resume: no job in --checkpoint-dir's store yet; run once without --resume first")
-    return str(latest[0].id)
+    if wanted == LATEST:
+        return str(ids[0])
+    if wanted not in ids:
+        raise UsageError(f"--resume {shown(wanted)}: no such job in --checkpoint-dir; its newest: {ids[:5]}")
+    return wanted
 
 
 def _manager(args: argparse.Namespace, store: Any, job: Any, job_bytes: bytes) -> Any:

@@ -65,6 +65,8 @@ def test_run_keeps_checkpoints_a_store_and_scalars_and_resumes_them(
     assert f"resumes job {job_id}" in err
     assert main(["checkpoints", "--checkpoint-root", str(keep), "--json"]) == 0  # no id: the newest job's
     assert [c["step"] for c in json.loads(capsys.readouterr().out)["checkpoints"]] == [6]
+    rc, _, err = _run(capsys, "--checkpoint-dir", str(keep), "--resume", "nope")
+    assert rc == 2 and "--resume 'nope': no such job in --checkpoint-dir; its newest: [" in err
 
 
 def test_a_job_that_cannot_fit_is_refused_before_ray_starts(capsys: pytest.CaptureFixture[str]) -> None:
