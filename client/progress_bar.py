@@ -19,6 +19,7 @@ from) and rich brings its own dependencies and a slower import, for a bar of one
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Any, TextIO
@@ -28,6 +29,7 @@ from sbpflow.v1 import service_pb2 as sp
 WIDTH = 20
 EVERY_SECONDS = 10.0  # off a terminal: a step line at most this often, after the first steps
 FIRST_STEPS = 5  # off a terminal: these first steps of an attempt each get their line
+_NONE_YET = (0, -math.inf)  # (step lines printed, the last one's time) as an attempt starts
 _ENDED = frozenset({sp.JOB_STATE_SUCCEEDED, sp.JOB_STATE_FAILED, sp.JOB_STATE_CANCELLED})
 
 
@@ -54,10 +56,7 @@ class ProgressBar:
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.label = label
         self.every = every
-        self._printed = (
-            0,
-            -1e300,
-        )  # off a terminal: step lines printed this attempt, and the last one's time
+        self._printed = _NONE_YET  # off a terminal: step lines printed this attempt, and the last one's time
         self._held = ""  # off a terminal: the latest step line not printed (printed before the end line)
         self._width = 0  # characters of the redrawn line now on the terminal
         self._keep = False  # whether that line shows a step (kept: ended by a newline) or a passing state
@@ -79,9 +78,10 @@ class ProgressBar:
             loss = st.loss if st.HasField("loss") else None
             elapsed = _seconds(event) - self._start[0]
             text = self.line(st.step, st.total_steps, loss, st.samples_per_second, elapsed)
-            self._draw(text, keep=True) if self.tty else self._plain(
-                text, _seconds(event), st.step == st.total_steps
-            )
+            if self.tty:
+                self._draw(text, keep=True)
+            else:
+                self._plain(text, _seconds(event), last=st.step == st.total_steps)
         elif event.HasField("state_change"):
             self._state_change(event)
         self.stream.flush()
@@ -104,7 +104,7 @@ class ProgressBar:
         why = f" ({said})" if said else ""
         who = f"job {event.job_id}" + (f" {self.label}" if self.label else "")
         if st.state == sp.JOB_STATE_RUNNING:
-            self._start, self._printed = (_seconds(event), st.step), (0, -1e300)
+            self._start, self._printed = (_seconds(event), st.step), _NONE_YET
             if not why and st.HasField("created") and st.HasField("started"):
                 ready = (st.started.ToNanoseconds() - st.created.ToNanoseconds()) / 1e9
                 why = f" (ready in {ready:.2f} s)"
