@@ -41,6 +41,7 @@ CONTROL_PLANE = {
     "render": 1,
     "store": 1,
     "launch": 2,
+    "generation": 3,
     "profiling": 3,
     "status": 3,
     "service": 4,

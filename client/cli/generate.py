@@ -14,11 +14,8 @@ placement and the tokens' SBP, and ``encode`` / ``decode`` between text and ids.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,7 +24,7 @@ from sbpflow.client.cli.exit_codes import UsageError
 from sbpflow.client.nn.module import Module
 from sbpflow.client.static_graph import Graph
 from sbpflow.client.tensor import Tensor
-from sbpflow.data.sources import ArrayFileSource
+from sbpflow.data.sources import ArraySource
 from sbpflow.errors import SbpflowError
 from sbpflow.placement import Placement
 
@@ -71,37 +68,59 @@ class _Forward(Graph):
         return self.model(tokens)  # logits: [1, T, V]
 
 
+def stream(
+    model: Module,
+    prompts: Sequence[Sequence[int]],
+    sampling: Sampling,
+    checkpoint: str | None,
+    placement: Placement,
+    input_sbp: Any,
+    timeout: float = 600.0,
+    threads: int | None = None,
+) -> Iterator[list[int]]:
+    """Per new position, the token each prompt of ``prompts`` (a batch) draws next, as they come:
+    ``sampling.max_new_tokens`` lists of ``len(prompts)`` tokens. The model's forward runs as one live
+    plan (:mod:`sbpflow.control_plane.generation.live_plan`): compiled once, its actors up until the last
+    token, a step of it a token, on the last ``seq_len`` tokens of each row (padding after them, which a
+    causal model's earlier positions never see). Parameters: ``checkpoint`` (strict: the example must
+    build the model that was trained), or the model's own values (None)."""
+    from sbpflow.control_plane.generation.live_plan import LivePlan
+
+    if not prompts or not all(prompts):
+        raise SbpflowError("a prompt is empty: give at least one token (a character) to continue from")
+    window, rows = int(model.config.seq_len), len(prompts)
+    ids, rng = [list(p) for p in prompts], np.random.default_rng(sampling.seed)
+    tokens = np.zeros((rows, window), np.int64)
+    data = ArraySource(batch_size=rows, arrays={"tokens": tokens})
+    job = _Forward(model.eval()).trace(data, placement=placement, input_sbp=input_sbp)
+    with LivePlan(job, init_from=checkpoint, threads_=threads) as plan:
+        for _ in range(sampling.max_new_tokens):
+            tokens[:] = 0
+            for r, row in enumerate(ids):
+                context = row[-window:]
+                tokens[r, : len(context)] = context
+            logits = plan({"tokens": tokens}, timeout)  # [B, T, V]
+            new = [
+                next_token(logits[r, min(len(row), window) - 1], sampling, rng) for r, row in enumerate(ids)
+            ]
+            for row, t in zip(ids, new, strict=True):
+                row.append(t)
+            yield new
+
+
 def generate(
     model: Module,
     prompt: Sequence[int],
     sampling: Sampling,
-    checkpoint: str,
+    checkpoint: str | None,
     placement: Placement,
     input_sbp: Any,
     **run: Any,
 ) -> list[int]:
-    """``prompt`` followed by ``sampling.max_new_tokens`` tokens the model draws, each from a run of
-    the model (keywords ``run``: ``sf.run``'s, default the in-process backend) under ``placement``."""
-    from sbpflow.control_plane.compiler import pipeline
-    from sbpflow.control_plane.launch.launcher import launch
-
-    if not prompt:
-        raise SbpflowError("the prompt is empty: give at least one character to continue from")
-    window = int(model.config.seq_len)
-    ids, rng = list(prompt), np.random.default_rng(sampling.seed)
-    with tempfile.TemporaryDirectory(prefix="sbpflow-generate-") as scratch:
-        tokens = Path(scratch) / "tokens.npy"
-        np.save(tokens, np.zeros((1, window), np.int64))
-        data = ArrayFileSource(batch_size=1, paths={"tokens": str(tokens)})
-        job = _Forward(model.eval()).trace(data, placement=placement, input_sbp=input_sbp)
-        compiled = pipeline.compile(dataclasses.replace(job, bound=None))  # the module keeps its values
-        for _ in range(sampling.max_new_tokens):
-            context = ids[-window:]
-            np.save(tokens, np.asarray([context + [0] * (window - len(context))], np.int64))
-            result = launch(compiled, init_from=checkpoint, **{"backend": "inprocess", **run})
-            (logits,) = result.outputs.values()
-            ids.append(next_token(logits[0][0, len(context) - 1], sampling, rng))
-    return ids
+    """``prompt`` followed by ``sampling.max_new_tokens`` tokens the model draws (:func:`stream`, its
+    keywords ``run``: ``timeout``, ``threads``) under ``placement``."""
+    drawn = [t for (t,) in stream(model, [prompt], sampling, checkpoint, placement, input_sbp, **run)]
+    return [*prompt, *drawn]
 
 
 # ---- the command ---------------------------------------------------------------------------------------
@@ -126,8 +145,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else args.checkpoint
     )
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)
-    ids = generate(model, example.encode(args.prompt), sampling, checkpoint, where, sbp, timeout=args.timeout)
-    print(example.decode(ids), flush=True)
+    prompts = [example.encode(text) for text in args.prompt or ["def "]]
+    ids = [list(p) for p in prompts]
+    shown = example.decode(ids[0]) if len(ids) == 1 else ""
+    print(shown, end="", flush=True)
+    for new in stream(model, prompts, sampling, checkpoint, where, sbp, args.timeout, args.threads):
+        for row, t in zip(ids, new, strict=True):
+            row.append(t)
+        if len(ids) == 1:  # one prompt: its text as it comes (a token may complete a character later)
+            text = example.decode(ids[0])
+            print(text[len(shown) :], end="", flush=True)
+            shown = text
+    print("" if len(ids) == 1 else "\n".join(example.decode(row) for row in ids), flush=True)
     return 0
 
 
@@ -136,12 +165,17 @@ def generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checkpoint", required=True, help="a checkpoint, a folder of them (the latest), or a .safetensors"
     )
-    p.add_argument("--prompt", default="def ", help="the text to continue")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        help='the text to continue (default "def "); again for a batch of prompts',
+    )
     p.add_argument("--max-new-tokens", type=int, default=200, help="how many tokens to write")
     p.add_argument("--temperature", type=float, default=0.8, help="0 takes the likeliest token")
     p.add_argument("--top-k", type=int, default=0, help="draw from the k likeliest only (0: all)")
     p.add_argument("--seed", type=int, default=0, help="the sampling seed")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds for each forward run")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds for each token")
+    p.add_argument("--threads", type=int, help="BLAS threads (default: as they are)")
     p.add_argument("--ranks", type=int, help="number of ranks (make_model's ranks=)")
     p.add_argument("--tp", action="store_true", help="tensor parallel (make_model's tp=True)")
     p.add_argument("--layers", type=int, help="make_model's layers= (as trained)")

@@ -11,7 +11,7 @@ import pytest
 
 import sbpflow as sf
 from sbpflow.checkpoint.read import read_logical, resolve
-from sbpflow.client.cli.generate import Sampling, generate, next_token
+from sbpflow.client.cli.generate import Sampling, generate, next_token, stream
 from sbpflow.client.cli.main import main
 from sbpflow.oracle import reference
 from tests.examples.test_examples import load
@@ -60,16 +60,33 @@ def test_greedy_text_is_the_models_likeliest_token_each_time_on_one_rank_and_und
     model, where, sbp = _model(charlm, 2, True)
     tp = generate(model, prompt, greedy, str(trained), where, sbp)
     assert one[: len(prompt)] == prompt and len(one) == len(prompt) + 3 and tp == one
-    # the first new token, from the oracle on the checkpoint's values
+    # every new token, from the oracle on the checkpoint's values: a forward of the context each time
     from tests.control_plane.launch.test_run_outputs import Logits
 
     values = read_logical(resolve(trained))
-    job = Logits(sf.nn.GPT(_model(charlm, 1, False)[0].config)).trace(
-        sf.data.ArraySource(batch_size=1, arrays={"tokens": np.array([prompt])})
-    )
-    (name,) = job.fetches
-    logits = reference.forward(job, fetches=[name], parameters=values)[name]
-    assert one[len(prompt)] == int(np.argmax(logits[0, -1]))
+    for n in range(len(prompt), len(one)):
+        job = Logits(sf.nn.GPT(_model(charlm, 1, False)[0].config)).trace(
+            sf.data.ArraySource(batch_size=1, arrays={"tokens": np.array([one[:n]])})
+        )
+        (name,) = job.fetches
+        logits = reference.forward(job, fetches=[name], parameters=values)[name]
+        assert one[n] == int(np.argmax(logits[0, -1]))
+
+
+def test_a_batch_of_prompts_of_any_lengths_gives_each_the_tokens_it_gets_alone(trained: Path) -> None:
+    charlm = load("charlm")
+    prompts = [charlm.encode(t) for t in ("def ", "x", "return a + ")]  # the last is past the window
+    sampling = Sampling(max_new_tokens=4, temperature=0)
+    rows = [list(p) for p in prompts]
+    model, where, sbp = _model(charlm, 1, False)
+    for new in stream(model, prompts, sampling, str(trained), where, sbp):
+        for row, t in zip(rows, new, strict=True):
+            row.append(t)
+    for p, row in zip(prompts, rows, strict=True):
+        model, where, sbp = _model(charlm, 1, False)
+        assert generate(model, p, sampling, str(trained), where, sbp) == row
+    with pytest.raises(sf.SbpflowError, match="a prompt is empty"):
+        next(stream(model, [[1], []], sampling, None, where, sbp))
 
 
 def _model(charlm, ranks: int, tp: bool):  # type: ignore[no-untyped-def]
@@ -94,6 +111,9 @@ def test_the_command_prints_the_prompt_and_its_continuation(
     assert main([*args, "--max-new-tokens", "4", "--layers", "1", *sets]) == 0
     text = capsys.readouterr().out
     assert text.startswith("def ") and len(text.rstrip("\n")) == 8
+    assert main([*args, "--prompt", "x", "--max-new-tokens", "2", "--layers", "1", *sets]) == 0
+    text = capsys.readouterr().out  # a batch: each prompt's text on its line (a new line may be text)
+    assert text.startswith("def ") and text[6:8] == "\nx" and len(text) == 6 + 1 + 3 + 1
     with pytest.raises(SystemExit):
         main([*args[:3], "--prompt", "x"])  # --checkpoint is required
     assert main(["generate", "examples/mlp.py", "--checkpoint", str(trained)]) == 2  # no make_model

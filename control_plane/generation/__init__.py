@@ -1,0 +1,1 @@
+"""Generation from a live plan: a forward plan compiled once whose actors stay up between calls."""
