@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from sbpflow.client import functional as F
+from sbpflow.client.nn.layouts import EVERY, Rules
 from sbpflow.client.nn.module import Module
 from sbpflow.client.nn.parameter import Parameter
 from sbpflow.client.tensor import Tensor
@@ -76,6 +79,9 @@ class BatchNorm2d(Module):
     reduce-scattering the statistics instead of all-reducing them). ``track_running_stats=False`` keeps
     none (and normalises by the batch's statistics in eval mode too).
     """
+
+    # PyTorch counts the batches seen (for momentum=None, which this module does not offer): exported as 0
+    LAYOUTS = {EVERY: Rules(buffers={"num_batches_tracked": np.array(0, np.int64)})}
 
     def __init__(
         self,

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from sbpflow.client import functional as F
+from sbpflow.client.nn.layouts import EVERY, Rules
 from sbpflow.client.nn.module import Module
 from sbpflow.client.nn.parameter import Parameter
 from sbpflow.client.tensor import Tensor
@@ -39,6 +40,8 @@ def check_sizes(layer: str, **sizes: Any) -> None:
 
 class Linear(Module):
     """y = x @ weight + bias, weight [in_features, out_features]; default init xavier-uniform, bias 0."""
+
+    LAYOUTS = {EVERY: Rules(transpose=("weight",))}  # nn.Linear's weight is [out, in]
 
     def __init__(
         self,

@@ -7,18 +7,22 @@ parameter attribute reads as the traced ``Tensor``; outside one it is the ``Para
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
-from sbpflow.checkpoint.imports import Mismatch
+from sbpflow.checkpoint.format import CheckpointError
+from sbpflow.checkpoint.imports import Mismatch, check
 from sbpflow.client import context
-from sbpflow.client.nn import state
+from sbpflow.client.nn import layouts, state
 from sbpflow.client.nn.parameter import Parameter
 from sbpflow.errors import SbpflowError
 from sbpflow.placement import Placement
 
 
 class Module:
+    # layout -> how this class's parameters are named and stored there (see layouts): names as they are
+    LAYOUTS: ClassVar[Mapping[str, layouts.LayoutRules]] = {layouts.EVERY: layouts.Rules()}
     training: bool
     activation_checkpointing: bool
     stage: tuple[int, Placement] | None
@@ -116,14 +120,60 @@ class Module:
 
     # ---- values ------------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """Every parameter's logical value (numpy) by its path here; see :mod:`~sbpflow.client.nn.state`."""
-        return state.state_dict(self.named_parameters())
+    def state_dict(self, layout: str | None = None) -> dict[str, Any]:
+        """Every parameter's logical value (numpy) by its path here; see :mod:`~sbpflow.client.nn.state`.
+        ``layout``: under that framework's names and orientation (``"torch"``, ``"gpt2"``, ``"hf-bert"``,
+        ``"torchvision"``: :mod:`~sbpflow.client.nn.layouts`), tied copies and buffers included."""
+        values = state.state_dict(self.named_parameters())
+        return values if layout is None else layouts.to_layout(values, layouts.plan(self, layout))
 
-    def load_state_dict(self, values: Mapping[str, Any], strict: bool = True) -> Mismatch:
-        """Set the parameters from ``values`` (by path); strict: names, shapes and dtypes must all match,
-        every problem named. Returns the missing and unexpected names (empty under ``strict``)."""
-        return state.load_state_dict(self.named_parameters(), values, strict)
+    def load_state_dict(
+        self,
+        values: Mapping[str, Any] | str | os.PathLike[str],
+        strict: bool = True,
+        layout: str | None = None,
+    ) -> Mismatch:
+        """Set the parameters from ``values``: arrays or PyTorch tensors by name, or a file (safetensors,
+        ``.npz``, a ``torch.save`` ``.pt``/``.bin``). Strict: names, shapes and dtypes must all match,
+        every problem named. ``layout``: the names and orientation of that framework (``state_dict``'s).
+        Returns the missing and unexpected names (empty under ``strict``)."""
+        given = state.arrays_of(values)
+        if layout is None:
+            return state.load_state_dict(self.named_parameters(), given, strict, self._own_names_fix())
+        plan = layouts.plan(self, layout)
+        here = {n: (p.shape, p.dtype.to_numpy()) for n, p in self.named_parameters()}
+        want = layouts.wanted(plan, here)
+        if strict:
+            layouts.refuse_untied(plan, given)
+        skip = plan.optional() - set(want)
+        hint = layouts.orientation_hint(plan, want, given, self._other_plans(layout))
+        fix = hint or f"give names as model.state_dict(layout={layout!r}) gives them"
+        found = check(
+            want,
+            {n: (a.shape, a.dtype) for n, a in given.items() if n not in skip},
+            strict,
+            "the state dict",
+            fix,
+        )
+        state.load_state_dict(self.named_parameters(), layouts.from_layout(given, plan), strict=False)
+        return found
+
+    def _other_plans(self, layout: str) -> dict[str, layouts.Plan]:
+        """This model's plans under the layouts other than ``layout`` that apply to it."""
+        out = {}
+        for name in layouts.NAMES:
+            if name != layout:
+                try:
+                    out[name] = layouts.plan(self, name)
+                except CheckpointError:
+                    continue
+        return out
+
+    def _own_names_fix(self) -> str:
+        fits = list(self._other_plans(""))
+        return "pass one of this model's own (model.state_dict() names)" + (
+            f", or a PyTorch state dict with its layout: layout= {', '.join(map(repr, fits))}" if fits else ""
+        )
 
     def to(self, dtype: Any) -> Module:
         """Every floating parameter as ``dtype`` (``model.to(sf.float64)``); returns self."""

@@ -10,12 +10,14 @@ names are the module's own paths (``blocks.0.attn.c_attn.weight``), as in PyTorc
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from sbpflow.checkpoint.imports import Mismatch, check
+from sbpflow.checkpoint.read import read_tensors
 from sbpflow.client.nn.parameter import Parameter
 from sbpflow.dtype import DType, as_dtype
 from sbpflow.errors import SbpflowError
@@ -39,10 +41,31 @@ def state_dict(named: Named) -> dict[str, np.ndarray]:
     return {n: value_of(n, p).copy() for n, p in named}
 
 
-def load_state_dict(named: Named, values: Mapping[str, Any], strict: bool = True) -> Mismatch:
-    """Set every named parameter from ``values``; the :class:`Mismatch` found (missing and unexpected
-    names). Strict: every name, shape and dtype must match; otherwise what matches by name is loaded
-    (cast to the parameter's dtype) and a shape that differs is still an error."""
+def as_array(value: Any) -> np.ndarray:
+    """A numpy array of ``value``: an array, or a PyTorch tensor (detached, on the CPU)."""
+    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch.Tensor, read without importing torch
+        value = value.detach().cpu()
+        return np.asarray(value.float().numpy() if str(value.dtype) == "torch.bfloat16" else value.numpy())
+    return np.asarray(value)
+
+
+def arrays_of(values: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """A state dict as numpy arrays: from a mapping of arrays or PyTorch tensors, or a file (safetensors,
+    ``.npz``, a ``torch.save`` ``.pt``/``.bin``) or an sbpflow checkpoint."""
+    if isinstance(values, (str, os.PathLike)):
+        return read_tensors(os.fspath(values))
+    if not isinstance(values, Mapping):
+        raise SbpflowError(
+            f"load_state_dict got {type(values).__name__}; give a mapping of name -> array or tensor "
+            "(model.state_dict()), or the path of a safetensors, .pt or .bin file"
+        )
+    return {str(n): as_array(v) for n, v in values.items()}
+
+
+def load_state_dict(named: Named, values: Mapping[str, Any], strict: bool = True, fix: str = "") -> Mismatch:
+    """Set every named parameter from ``values`` (arrays by name here); the :class:`Mismatch` found
+    (missing and unexpected names). Strict: every name, shape and dtype must match; otherwise what
+    matches by name is loaded (cast to the parameter's dtype) and a shape that differs is still an error."""
     params = dict(named)
     given = {n: np.asarray(v) for n, v in values.items()}
     found = check(
@@ -50,7 +73,7 @@ def load_state_dict(named: Named, values: Mapping[str, Any], strict: bool = True
         {n: (a.shape, a.dtype) for n, a in given.items()},
         strict,
         "the state dict",
-        "pass one of this model's own (model.state_dict() names)",
+        fix or "pass one of this model's own (model.state_dict() names)",
     )
     for n, a in given.items():
         if n in params:

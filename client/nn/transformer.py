@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from sbpflow.client import functional as F
 from sbpflow.client.nn.layers import Dropout, Embedding, LayerNorm, Linear, ModuleList
+from sbpflow.client.nn.layouts import Rules
 from sbpflow.client.nn.module import Module
 from sbpflow.client.tensor import Tensor
 from sbpflow.errors import SbpflowError
@@ -45,6 +46,13 @@ def _init(std: float = 0.02) -> Normal:
 
 
 class CausalSelfAttention(Module):
+    # nanoGPT's c_attn columns are [3, H, Dh]; Hugging Face GPT-2's projections are Conv1D ([in, out]),
+    # and its older files hold the causal mask as buffers
+    LAYOUTS = {
+        "torch": Rules(qkv={"c_attn": ()}),
+        "gpt2": Rules(qkv={"c_attn": ()}, conv1d=("c_attn", "c_proj"), ignored=("bias", "masked_bias")),
+    }
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head, self.n_embd, self.dropout = cfg.n_head, cfg.n_embd, cfg.dropout
@@ -74,6 +82,8 @@ class CausalSelfAttention(Module):
 class FeedForward(Module):
     """GPT-2's MLP: D -> 4D (GELU) -> D."""
 
+    LAYOUTS = {"torch": Rules(), "gpt2": Rules(conv1d=("c_fc", "c_proj"))}
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         d = cfg.n_embd
@@ -88,6 +98,8 @@ class FeedForward(Module):
 
 class Block(Module):
     """Pre-LN transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
+
+    LAYOUTS = {"torch": Rules(), "gpt2": Rules()}
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -104,7 +116,22 @@ class Block(Module):
         return x + self.mlp(self.ln_2(x))  # x: [B, T, D]  B
 
 
+# nanoGPT and Hugging Face GPT-2 keep the model's layers in `transformer` and name a tied head twice
+_GPT = Rules(
+    names={
+        "wte": "transformer.wte",
+        "wpe": "transformer.wpe",
+        "blocks": "transformer.h",
+        "ln_f": "transformer.ln_f",
+    },
+    tied={"lm_head.weight": "wte.weight"},
+    untied_fix="GPTConfig(tie_embeddings=True)",
+)
+
+
 class GPT(Module):
+    LAYOUTS = {"torch": _GPT, "gpt2": _GPT}
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.config = cfg

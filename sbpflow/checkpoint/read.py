@@ -9,7 +9,8 @@ the previous one. The reader verifies each piece's CRC before it first reads it,
 the wrong size when it opens the checkpoint. :class:`CheckpointReader` gives any
 slice of any logical tensor of a checkpoint from whichever files hold it, through memory maps, so a rank
 of a new layout reads exactly the bytes of its shard. :func:`export` writes logical tensors to
-safetensors or ``.npz``; :func:`open_tensors` reads either back (or a checkpoint) with the same ``read``.
+safetensors or ``.npz``; :func:`open_tensors` reads either back (or a checkpoint, or a ``torch.save`` file
+through torch) with the same ``read``.
 The format is in :mod:`sbpflow.checkpoint.format`.
 """
 
@@ -268,8 +269,51 @@ def export(
     return Path(out)
 
 
+# what a torch.save file starts with: a zip archive (PyTorch >= 1.6), or a pickle (the legacy format)
+TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
+# the keys under which training scripts commonly save a model's state dict inside a larger one
+STATE_KEYS = ("state_dict", "model", "model_state_dict", "module")
+
+
+def is_torch_file(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head.startswith(TORCH_MAGIC) or path.suffix in (".pt", ".pth", ".bin", ".ckpt")
+
+
+def read_torch(path: Path) -> dict[str, np.ndarray]:
+    """The tensors of a ``torch.save`` file (a state dict, or one under a key of ``STATE_KEYS``), read by
+    ``torch.load(weights_only=True)``: no code in the file runs."""
+    try:
+        import torch
+    except ImportError:
+        raise CheckpointError(
+            f"{path} is a PyTorch torch.save file; reading it needs torch (pip install torch), or convert it "
+            "to safetensors where torch is installed (safetensors.torch.save_file(torch.load(path), out))"
+        ) from None
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises pickle, zip and its own errors alike
+        raise CheckpointError(f"{path}: torch.load(weights_only=True) could not read it: {exc}") from None
+    for key in STATE_KEYS:
+        if isinstance(loaded, Mapping) and isinstance(loaded.get(key), Mapping):
+            loaded = loaded[key]
+            break
+    tensors = dict(loaded) if isinstance(loaded, Mapping) else {}
+    bad = [str(k) for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
+    if not tensors or bad:
+        what = (
+            f"holds {', '.join(bad[:5])}, which are not tensors"
+            if bad
+            else f"holds a {type(loaded).__name__}"
+        )
+        raise CheckpointError(f"{path} {what}; save a state dict: torch.save(model.state_dict(), path)")
+    return {str(k): (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in tensors.items()}
+
+
 class TensorFile:
-    """Logical tensors from a safetensors or .npz file, with :class:`CheckpointReader`'s ``read``."""
+    """Logical tensors from a safetensors, .npz or ``torch.save`` file, with :class:`CheckpointReader`'s
+    ``read``."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -277,6 +321,8 @@ class TensorFile:
         if self.path.suffix == ".npz":
             with np.load(self.path) as z:
                 self._arrays: Mapping[str, np.ndarray] = {k: z[k] for k in z.files}
+        elif is_torch_file(self.path):
+            self._arrays = read_torch(self.path)
         else:
             f = SafetensorsFile(self.path)
             self._arrays = {k: f[k] for k in f.keys()}
@@ -298,3 +344,14 @@ def open_tensors(path: str | Path) -> CheckpointReader | TensorFile:
     """A reader of a checkpoint directory (or root), a ``.safetensors`` or a ``.npz`` file."""
     p = Path(path)
     return TensorFile(p) if p.is_file() else CheckpointReader(p)
+
+
+def read_tensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of a file (safetensors, .npz, ``torch.save``) or a checkpoint's parameters, by name."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(
+            f"{p} does not exist; give a safetensors, .npz, .pt or .bin file or a checkpoint"
+        )
+    reader = open_tensors(p)
+    return {n: reader.read(n) for n in reader.names(("parameter",))}
