@@ -1,7 +1,9 @@
-"""``sf.nn``: modules, parameters, layers, the GPT model, ``functional`` and the ``parallel`` layout helpers."""
+"""``sf.nn``: modules, parameters, layers, the GPT, BERT and ResNet models, ``functional`` and the
+``parallel`` layout helpers."""
 
 from sbpflow.client import functional
 from sbpflow.client.nn import parallel
+from sbpflow.client.nn.bert import BERT, BertConfig, BertForMaskedLM
 from sbpflow.client.nn.conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d
 from sbpflow.client.nn.layers import (
     GELU,
@@ -19,9 +21,16 @@ from sbpflow.client.nn.layers import (
 )
 from sbpflow.client.nn.module import Module
 from sbpflow.client.nn.parameter import Parameter
+from sbpflow.client.nn.resnet import ResNet, resnet18, resnet50
 from sbpflow.client.nn.transformer import GPT, Block, CausalSelfAttention, FeedForward, GPTConfig
 
 __all__ = [
+    "BERT",
+    "BertConfig",
+    "BertForMaskedLM",
+    "ResNet",
+    "resnet18",
+    "resnet50",
     "AdaptiveAvgPool2d",
     "AvgPool2d",
     "BatchNorm2d",

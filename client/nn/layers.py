@@ -17,7 +17,7 @@ from sbpflow.client import functional as F
 from sbpflow.client.nn.layouts import EVERY, Rules
 from sbpflow.client.nn.module import Module
 from sbpflow.client.nn.parameter import Parameter
-from sbpflow.client.tensor import Tensor
+from sbpflow.client.tensor import Tensor, emit
 from sbpflow.errors import SbpflowError
 from sbpflow.random import Initializer, Normal, Ones, Zeros, xavier_uniform
 
@@ -73,19 +73,42 @@ class Linear(Module):
 
 
 class Embedding(Module):
-    """Rows of weight [num_embeddings, dim] looked up by integer ids; default init N(0, 1) as PyTorch."""
+    """Rows of weight [num_embeddings, dim] looked up by integer ids; default init N(0, 1) as PyTorch.
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, init: Initializer | None = None) -> None:
+    ``padding_idx``: that id reads as a zero vector and its row takes no gradient, as PyTorch's padding
+    row does while it holds its initial zeros (the lookup's output is masked there: a padding row
+    loaded with other values reads as zeros too).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        init: Initializer | None = None,
+        padding_idx: int | None = None,
+    ) -> None:
         super().__init__()
         check_sizes("Embedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim)
+        if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+            raise SbpflowError(
+                f"Embedding({num_embeddings}, {embedding_dim}, padding_idx={padding_idx}): the padding id "
+                f"must be a row, in [-{num_embeddings}, {num_embeddings})"
+            )
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
         self.weight = Parameter((num_embeddings, embedding_dim), init or Normal(0.0, 1.0))
 
     def forward(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, self.weight)  # [...] -> [..., dim]
+        rows = F.embedding(ids, self.weight)  # [...] -> [..., dim]
+        if self.padding_idx is None:
+            return rows
+        pad = (ids == self.padding_idx).reshape(*ids.shape, 1)  # [..., 1]: the gradient stops there too
+        (out,) = emit("masked_fill", rows, pad, value=0.0)
+        return out
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}"
 
 
 class LayerNorm(Module):
