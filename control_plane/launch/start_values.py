@@ -56,7 +56,12 @@ def start_file(
     given = {n: (a.shape, a.dtype) for n, a in tensors.items()} if tensors is not None else None
     if given is None:
         given = metas_of(open_tensors(init_from))
-    check(wanted(job), given, strict, f"init_from={init_from}", FIX)
+    fix = (
+        FIX
+        if layout is None
+        else f"give a file in layout {layout!r} (model.state_dict(layout={layout!r}) names)"
+    )
+    check(wanted(job), given, strict, f"init_from={init_from}", fix)
     if tensors is None:
         yield init_from
         return

@@ -73,7 +73,14 @@ def check(wanted: Metas, given: Metas, strict: bool, source: str, fix: str) -> M
     problems = found.problems(strict)
     if problems:
         relax = "" if not strict or found.shapes else " (or pass strict=False to load what matches)"
-        raise CheckpointError(f"{source} does not fit the model: " + "; ".join(problems) + f"; {fix}{relax}")
+        # ``fix`` is about names and shapes: a file that differs in dtypes only needs a cast
+        names = found.missing or found.unexpected or found.shapes
+        hint = (
+            fix
+            if names
+            else "cast the values to the model's dtypes, or the model to theirs (model.to(dtype))"
+        )
+        raise CheckpointError(f"{source} does not fit the model: " + "; ".join(problems) + f"; {hint}{relax}")
     return found
 
 
