@@ -138,7 +138,7 @@ def test_bert_gives_transformers_logits_loss_and_step_with_a_padding_mask() -> N
 
 def torchvision_resnet18(classes: int, width: int) -> Any:
     """torchvision.models.resnet18's structure and names (BasicBlock, layer1..4, downsample), in torch."""
-    nn = torch.nn
+    nn: Any = torch.nn
 
     class BasicBlock(nn.Module):
         def __init__(self, c_in: int, c: int, stride: int) -> None:
