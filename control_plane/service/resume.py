@@ -136,7 +136,8 @@ def check_compatible(job: Job, reader: CheckpointReader) -> None:
     if job.config.steps <= reader.step:
         raise ValidationError(
             f"job {job.name!r} trains {job.config.steps} steps and {where} is past them: nothing is left to "
-            f"train; give the job more steps (e.g. `sbpflow resume ID EXAMPLE --steps {reader.step * 2}`)",
+            f"train; give the job more steps (e.g. `sbpflow resume ID EXAMPLE --steps {reader.step * 2}`, or "
+            f"`sbpflow run EXAMPLE --checkpoint-dir DIR --resume --steps {reader.step * 2}`)",
             kind="checkpoint",
             field="job.config.steps",
         )

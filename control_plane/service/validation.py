@@ -248,7 +248,8 @@ def _admit_memory(compiled: Compiled, memory: Mapping[str, int]) -> None:
             f"job {compiled.state.job.name!r} needs at least {_gb(most)} per device (rank {rank}: its "
             f"parameters, gradients and optimizer state), but the workers have {_gb(per_device)} each; "
             "shard it over more devices (ZeRO, tensor or pipeline parallelism), use a smaller model, or "
-            "run it on workers with more memory (the server's --device-memory)",
+            "run it on workers with more memory (--device-memory of `sbpflow server` or `sbpflow run` sets "
+            "what a device holds where it cannot be read)",
             kind="memory",
             field="job.graph",
         )
