@@ -1,18 +1,52 @@
 """Session fixtures of the container tests: the base image and the CPU image, built once per session
-from this checkout (:mod:`tests.deploy.containers`); the image's tag is removed when the session ends."""
+from this checkout (:mod:`tests.deploy.containers`); the image's tag is removed when the session ends.
+
+Most of an image's build is its deps stage (the base's OS packages, Ray, the CUDA wheels): downloads
+and unpacking, mostly waiting on the network and the disk. So once the session has collected a
+container test, a thread makes the base and the deps stages the collected tests need while the other
+tests run, and the fixtures wait for it; they then find those stages in podman's cache. A failure there
+is left to the fixtures, which build again and say what failed."""
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.deploy import containers
 
+HERE = Path(__file__).resolve().parent
+_warming: list[threading.Thread] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    ours = [
+        i for i in session.items if i.get_closest_marker("containers") and HERE in Path(str(i.path)).parents
+    ]
+    if not ours or os.environ.get("SBPFLOW_NO_IMAGE_WARMUP"):
+        return
+    wanted = ["Dockerfile.cpu"] + (["Dockerfile.gpu"] if any("gpu_image" in i.name for i in ours) else [])
+    _warming.append(threading.Thread(target=_warm, args=(wanted,), name="image warm-up", daemon=True))
+    _warming[0].start()
+
+
+def _warm(dockerfiles: list[str]) -> None:
+    try:
+        if containers.unavailable() is None:
+            base = containers.base_image()
+            for dockerfile in dockerfiles:
+                containers.build_deps(dockerfile, base)
+    except Exception:  # noqa: BLE001  the fixtures build again and report it
+        pass
+
 
 @pytest.fixture(scope="session")
 def podman_base() -> str:
+    for warm_up in _warming:  # the base and the deps stages it makes are then in podman's cache
+        warm_up.join()
     why = containers.unavailable()
     if why is not None:
         pytest.skip(why)

@@ -138,16 +138,34 @@ def _drop_older_deps(dockerfile: str, keep: str) -> None:
             podman("rmi", ref, check=False)
 
 
+def _build_args(dockerfile: str, base: str) -> list[str]:
+    return [*RUN_FLAGS, "-f", str(DEPLOY / dockerfile), "--build-arg", f"BASE={base}", "--layers"]
+
+
+def build_deps(dockerfile: str, base: str) -> None:
+    """Build ``deploy/<dockerfile>``'s deps stage on ``base`` and tag it as the kept cache (nothing to do
+    when the cache holds it); the session starts this early, beside the other tests (conftest.py)."""
+    deps = _deps_tag(dockerfile, base)
+    podman(
+        "build",
+        *_build_args(dockerfile, base),
+        "--target",
+        "deps",
+        "-t",
+        deps,
+        str(CONTEXT),
+        timeout=BUILD_SECONDS,
+    )
+    _drop_older_deps(dockerfile, deps)
+
+
 def build(dockerfile: str, tag: str, base: str) -> Built:
     """Build ``deploy/<dockerfile>`` from the repository root (``CONTEXT``) as ``tag`` on ``base``: first its deps stage
     (tagged and kept as the cache), then the whole image."""
-    common = [*RUN_FLAGS, "-f", str(DEPLOY / dockerfile), "--build-arg", f"BASE={base}", "--layers"]
-    deps = _deps_tag(dockerfile, base)
     before, t0 = dangling(), time.monotonic()
-    podman("build", *common, "--target", "deps", "-t", deps, str(CONTEXT), timeout=BUILD_SECONDS)
+    build_deps(dockerfile, base)
     t1 = time.monotonic()
-    _drop_older_deps(dockerfile, deps)
-    podman("build", *common, "-t", tag, str(CONTEXT), timeout=BUILD_SECONDS)
+    podman("build", *_build_args(dockerfile, base), "-t", tag, str(CONTEXT), timeout=BUILD_SECONDS)
     return Built(tag, time.monotonic() - t0, image_size(tag), t1 - t0, before)
 
 
