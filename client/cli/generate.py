@@ -1,12 +1,16 @@
 """Sampling text from a trained language model: ``sbpflow generate examples/charlm.py --checkpoint DIR
---prompt "def "``, under any layout its example builds (``--ranks 2 --tp``: the Megatron split).
+--prompt "def "`` (``--prompt`` again: a batch), under any layout its example builds (``--ranks 2 --tp``:
+the Megatron split), the text printed as it comes.
 
-Each new token is one forward-only run of the model on the last ``seq_len`` tokens, its parameters
-imported from the checkpoint (strict: the example must build the model that was trained); the logits of
-the context's last position, divided by the temperature and cut to the ``top_k`` likeliest, give the
-next token. The job is compiled once: its input is always ``seq_len`` tokens long (the context, then
-padding that a causal model's earlier positions never see), read from a file rewritten before each run.
-Temperature 0 takes the likeliest (greedy). The example provides ``make_model(**kwargs)``, returning the
+The model runs as one live plan (:mod:`sbpflow.control_plane.generation.live_plan`): compiled once, its
+actors up until the last token, one step of it a token; its parameters imported from the checkpoint
+(strict: the example must build the model that was trained). A GPT whose prompts and new tokens fit its
+``seq_len`` runs one position a step, each layer's keys and values kept in the plan as variables (a
+``running_stat`` gives each its next value: the new token's written at its position), so a token costs
+O(T) attention; any other model, or a longer text, a forward of each row's last ``seq_len`` tokens a
+step (padding after them, which a causal model's earlier positions never see). The logits of a row's
+last position, divided by the temperature and cut to the ``top_k`` likeliest, give its next token;
+temperature 0 takes the likeliest (greedy). The example provides ``make_model(**kwargs)``, returning the
 model (a module whose forward maps ids [B, T] to logits [B, T, V], ``config.seq_len`` long at most), its
 placement and the tokens' SBP, and ``encode`` / ``decode`` between text and ids.
 """
@@ -14,6 +18,7 @@ placement and the tokens' SBP, and ``encode`` / ``decode`` between text and ids.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,12 +26,19 @@ from typing import Any
 import numpy as np
 
 from sbpflow.client.cli.exit_codes import UsageError
+from sbpflow.client.functional import matmul, softmax, split
+from sbpflow.client.nn.layers import ModuleList
 from sbpflow.client.nn.module import Module
+from sbpflow.client.nn.parameter import Parameter
+from sbpflow.client.nn.transformer import GPT
 from sbpflow.client.static_graph import Graph
-from sbpflow.client.tensor import Tensor
+from sbpflow.client.tensor import Tensor, emit
 from sbpflow.data.sources import ArraySource
 from sbpflow.errors import SbpflowError
+from sbpflow.job import Job
 from sbpflow.placement import Placement
+from sbpflow.random import Zeros
+from sbpflow.sbp import B, S
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,18 @@ def next_token(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int
     return int(rng.choice(z.size, p=p / p.sum()))
 
 
+@dataclass(frozen=True)
+class Where:
+    """Where and how a generation runs: its parameters' file (None: the model's values), the model's
+    placement and its inputs' SBP, seconds a token at most, BLAS threads (None: as they are)."""
+
+    checkpoint: str | None
+    placement: Placement
+    input_sbp: Any
+    timeout: float = 600.0
+    threads: int | None = None
+
+
 class _Forward(Graph):
     def __init__(self, model: Module) -> None:
         super().__init__()
@@ -79,33 +103,157 @@ def stream(
     threads: int | None = None,
 ) -> Iterator[list[int]]:
     """Per new position, the token each prompt of ``prompts`` (a batch) draws next, as they come:
-    ``sampling.max_new_tokens`` lists of ``len(prompts)`` tokens. The model's forward runs as one live
-    plan (:mod:`sbpflow.control_plane.generation.live_plan`): compiled once, its actors up until the last
-    token, a step of it a token, on the last ``seq_len`` tokens of each row (padding after them, which a
-    causal model's earlier positions never see). Parameters: ``checkpoint`` (strict: the example must
-    build the model that was trained), or the model's own values (None)."""
-    from sbpflow.control_plane.generation.live_plan import LivePlan
-
+    ``sampling.max_new_tokens`` lists of ``len(prompts)`` tokens, each row drawing as it would alone (its
+    own generator, seeded ``sampling.seed``). The model runs as one live plan
+    (:mod:`sbpflow.control_plane.generation.live_plan`): compiled once, its actors up until the last token.
+    A GPT whose rows fit its ``seq_len`` runs a token a step with its keys and values kept in the plan
+    (:func:`_cached`); any other model a forward of each row's last ``seq_len`` tokens a step
+    (:func:`_windowed`). Parameters: ``checkpoint`` (strict: the example must build the model that was
+    trained), or the model's own values (None)."""
     if not prompts or not all(prompts):
         raise SbpflowError("a prompt is empty: give at least one token (a character) to continue from")
-    window, rows = int(model.config.seq_len), len(prompts)
-    ids, rng = [list(p) for p in prompts], np.random.default_rng(sampling.seed)
-    tokens = np.zeros((rows, window), np.int64)
-    data = ArraySource(batch_size=rows, arrays={"tokens": tokens})
-    job = _Forward(model.eval()).trace(data, placement=placement, input_sbp=input_sbp)
-    with LivePlan(job, init_from=checkpoint, threads_=threads) as plan:
+    fits = all(len(p) + sampling.max_new_tokens <= model.config.seq_len for p in prompts)
+    run = _cached if fits and cacheable(model) else _windowed
+    how = Where(checkpoint, placement, input_sbp, timeout, threads)
+    return run(model, [list(p) for p in prompts], sampling, how)
+
+
+def _windowed(model: Module, ids: list[list[int]], sampling: Sampling, how: Where) -> Iterator[list[int]]:
+    """A step a token: the model on each row's last ``seq_len`` tokens (padding after them, which a
+    causal model's earlier positions never see), the next token from the last one's logits."""
+    from sbpflow.control_plane.generation.live_plan import LivePlan
+
+    window, rngs = int(model.config.seq_len), [np.random.default_rng(sampling.seed) for _ in ids]
+    tokens = np.zeros((len(ids), window), np.int64)
+    data = ArraySource(batch_size=len(ids), arrays={"tokens": tokens})
+    job = _Forward(model.eval()).trace(data, placement=how.placement, input_sbp=how.input_sbp)
+    with LivePlan(job, init_from=how.checkpoint, threads_=how.threads) as plan:
         for _ in range(sampling.max_new_tokens):
             tokens[:] = 0
             for r, row in enumerate(ids):
                 context = row[-window:]
                 tokens[r, : len(context)] = context
-            logits = plan({"tokens": tokens}, timeout)  # [B, T, V]
+            logits = plan({"tokens": tokens}, how.timeout)  # [B, T, V]
             new = [
-                next_token(logits[r, min(len(row), window) - 1], sampling, rng) for r, row in enumerate(ids)
+                next_token(logits[r, min(len(row), window) - 1], sampling, rngs[r])
+                for r, row in enumerate(ids)
             ]
             for row, t in zip(ids, new, strict=True):
                 row.append(t)
             yield new
+
+
+# ---- a KV cache as plan state ----------------------------------------------------------------------------
+
+CACHE = "cache"  # the step graph's attribute holding the caches: their names start with it, no file has them
+
+
+def cacheable(model: Module) -> bool:
+    """A GPT (``sf.nn.GPT``'s attributes) whose residual stream is not split by sequence."""
+    return isinstance(model, GPT) and model.sequence_layout is None
+
+
+class _LayerCache(Module):
+    """One layer's keys and values for every row and position: [B, H, T, Dh], heads split as its qkv."""
+
+    def __init__(self, shape: tuple[int, ...], like: Parameter) -> None:
+        super().__init__()
+        self.k = Parameter(shape, Zeros(), requires_grad=False)
+        self.v = Parameter(shape, Zeros(), requires_grad=False)
+        if like.placement is not None and like.sbp is not None:  # Megatron: qkv S(1) -> heads S(1)
+            sbp = [S(1) if x == S(1) else B for x in like.sbp]
+            self.k.to_global(like.placement, sbp)
+            self.v.to_global(like.placement, sbp)
+
+
+class _CachedStep(Graph):
+    """One token per row through a GPT, each layer's keys and values kept in the plan between steps: the
+    new token's written at its position (``write`` one-hot there, ``keep`` its complement), the earlier
+    ones read back; ``bias`` masks the positions after it. O(T) attention a token, not a whole forward."""
+
+    def __init__(self, model: GPT, rows: int) -> None:
+        super().__init__()
+        self.model = model  # the attribute the training graph used: the checkpoint's names
+        cfg = model.config
+        shape = (rows, cfg.n_head, cfg.seq_len, cfg.n_embd // cfg.n_head)
+        like = model.blocks[0].attn.c_attn.weight
+        setattr(self, CACHE, ModuleList(_LayerCache(shape, like) for _ in range(cfg.n_layer)))
+
+    def build(self, tokens: Tensor, positions: Tensor, write: Tensor, keep: Tensor, bias: Tensor) -> Tensor:
+        m = self.model
+        x = m.wte(tokens) + m.wpe(positions)  # x: [B, 1, D]
+        for block, cache in zip(m.blocks, getattr(self, CACHE), strict=True):
+            x = x + _attend(block.attn, block.ln_1(x), cache, (write, keep, bias))
+            x = x + block.mlp(block.ln_2(x))
+        x = m.ln_f(x)
+        if m.config.tie_embeddings:
+            return matmul(x, m.wte.weight, transpose_b=True)  # logits: [B, 1, V]
+        return m.lm_head(x)
+
+
+def _attend(attn: Any, h: Tensor, cache: _LayerCache, masks: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    write, keep, bias = masks  # [B, 1, T, 1], [B, 1, T, 1], [B, 1, 1, T]
+    b, _, d = h.shape
+    heads = attn.n_head
+    qkv = attn.c_attn(h).reshape(b, 1, heads, 3, d // heads)  # as CausalSelfAttention: whole heads a rank
+    q, k, v = (z.reshape(b, 1, heads, d // heads).permute(0, 2, 1, 3) for z in split(qkv, 1, axis=3))
+    keys = cache.k * keep + k * write  # [B, H, T, Dh]: the new key at its position
+    values = cache.v * keep + v * write
+    emit("running_stat", cache.k, keys, momentum=1.0)  # the plan's next value of the cache
+    emit("running_stat", cache.v, values, momentum=1.0)
+    (att,) = emit("batch_matmul", q, keys, transpose_b=True)  # [B, H, 1, T]
+    (att,) = emit("mul_scalar", att, value=1.0 / math.sqrt(d // heads))
+    att = softmax(att + bias, axis=-1)
+    (y,) = emit("batch_matmul", att, values)  # [B, H, 1, Dh]
+    return attn.c_proj(y.permute(0, 2, 1, 3).reshape(b, 1, d))
+
+
+def _cached(model: Module, ids: list[list[int]], sampling: Sampling, how: Where) -> Iterator[list[int]]:
+    """A step a position: each row's token there in, its keys and values into the cache, the next
+    token's logits out. A row whose prompt ends earlier draws earlier; its k-th tokens go out together."""
+    from sbpflow.control_plane.generation.live_plan import LivePlan
+
+    assert isinstance(model, GPT)
+    rows, window = len(ids), model.config.seq_len
+    lengths, rngs = [len(r) for r in ids], [np.random.default_rng(sampling.seed) for _ in ids]
+    feed = {
+        "tokens": np.zeros((rows, 1), np.int64),
+        "positions": np.zeros((rows, 1), np.int64),
+        "write": np.zeros((rows, 1, window, 1), np.float32),
+        "keep": np.ones((rows, 1, window, 1), np.float32),
+        "bias": np.zeros((rows, 1, 1, window), np.float32),
+    }
+    job = _CachedStep(model.eval(), rows).trace(
+        ArraySource(batch_size=rows, arrays=feed), placement=how.placement, input_sbp=how.input_sbp
+    )
+    if how.checkpoint is not None:
+        _check_without_cache(job, how.checkpoint)
+    sent = 0
+    with LivePlan(job, init_from=how.checkpoint, threads_=how.threads, strict=False) as plan:
+        for step in range(max(lengths) + sampling.max_new_tokens - 1):
+            for r, row in enumerate(ids):
+                at = min(step, len(row) - 1)  # a row done keeps rewriting its last position
+                feed["tokens"][r, 0], feed["positions"][r, 0] = row[at], at
+                feed["write"][r, 0, :, 0] = np.arange(window) == at
+                feed["keep"][r] = 1 - feed["write"][r]
+                feed["bias"][r, 0, 0] = np.where(np.arange(window) <= at, 0.0, -1e30)
+            logits = plan(feed, how.timeout)  # [B, 1, V]
+            for r, row in enumerate(ids):
+                if step == len(row) - 1 and len(row) < lengths[r] + sampling.max_new_tokens:
+                    row.append(next_token(logits[r, 0], sampling, rngs[r]))
+            while all(len(row) > lengths[r] + sent for r, row in enumerate(ids)):
+                yield [row[lengths[r] + sent] for r, row in enumerate(ids)]
+                sent += 1
+
+
+def _check_without_cache(job: Job, checkpoint: str) -> None:
+    """``checkpoint`` holds every parameter of the model in its shape and dtype, the caches aside."""
+    from sbpflow.checkpoint.imports import check, metas_of
+    from sbpflow.checkpoint.read import open_tensors
+    from sbpflow.control_plane.launch.start_values import FIX, wanted
+
+    model = {n: meta for n, meta in wanted(job).items() if not n.startswith(CACHE + ".")}
+    check(model, metas_of(open_tensors(checkpoint)), True, f"the checkpoint {checkpoint}", FIX)
 
 
 def generate(

@@ -26,8 +26,10 @@ import numpy as np
 
 from sbpflow.actor_workers import snapshots
 from sbpflow.actor_workers.execution import executor
-from sbpflow.actor_workers.runtime import threads
+from sbpflow.actor_workers.runtime import heap, threads
+from sbpflow.actor_workers.runtime.engine import Engine
 from sbpflow.actor_workers.runtime.errors import RuntimeFailure
+from sbpflow.actor_workers.runtime.group import EngineGroup
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.control_plane.launch.launcher import compile_for_run
 from sbpflow.control_plane.launch.start_values import start_file
@@ -37,6 +39,7 @@ from sbpflow.job import Job
 from sbpflow.sharding import assemble_value
 
 CAPACITY = 1 << 40  # steps the actors are built for: a live plan ends when closed, never by count
+ORDERED = (*executor.ORDERED_STREAMS, "data")
 IDLE = 24 * 3600.0  # seconds the engines wait, idle between calls, before they time out
 
 
@@ -89,9 +92,12 @@ class Feed:
 class LivePlan:
     """``job`` (forward only, one fetch) compiled once and run step by step on call (module docstring).
     ``init_from``: a parameters file or checkpoint (default: the values of the job's traced modules);
-    ``threads``: BLAS threads while it lives (None: as they are)."""
+    ``strict=False``: the file may lack parameters (plan state such as a KV cache: their initializers);
+    ``threads_``: BLAS threads while it lives (None: as they are)."""
 
-    def __init__(self, job: Job, init_from: str | None = None, threads_: int | None = None) -> None:
+    def __init__(
+        self, job: Job, init_from: str | None = None, threads_: int | None = None, strict: bool = True
+    ) -> None:
         if job.loss or job.optimizer is not None:
             raise LivePlanError(
                 f"job {job.name!r} trains (a loss or an optimizer); a live plan runs a forward-only job: "
@@ -112,7 +118,7 @@ class LivePlan:
         inputs = job.graph.of_kind(TensorKind.input)
         self.feed = Feed({t.name: (t.meta.shape, t.meta.dtype.to_numpy()) for t in inputs})
         self._stack = ExitStack()
-        init = self._stack.enter_context(start_file(job, init_from))
+        init = self._stack.enter_context(start_file(job, init_from, None, strict))
         ranks = [d.rank for d in plan.devices]
         world = self._stack.enter_context(InProcessWorld(ranks, timeout=IDLE))
         self._world = world
@@ -166,7 +172,15 @@ class LivePlan:
         try:
             with threads.limited(self._threads):
                 hooks = [self._world.abort, self._close_feed]  # a load waiting for a batch wakes
-                executor.execute(self.program, IDLE, cancel=self._stop, abort_hooks=hooks)
+                # the data stream ordered as the communication one: every load of step s before any of
+                # s + 1, which waits in its read for the next call (the first input's would run ahead
+                # and starve the others' loads of step s on the stream's one thread)
+                engines = [
+                    Engine(rp.actors, rp.registers, rank=r, ordered_streams=ORDERED, busy=rp.context.busy)
+                    for r, rp in sorted(self.program.ranks.items())
+                ]
+                with heap.frozen():
+                    EngineGroup(engines, hooks).run(IDLE, self._stop)
         except RuntimeFailure as failure:
             if not self._stop.is_set():
                 self._failure = failure

@@ -11,7 +11,7 @@ import pytest
 
 import sbpflow as sf
 from sbpflow.checkpoint.read import read_logical, resolve
-from sbpflow.client.cli.generate import Sampling, generate, next_token, stream
+from sbpflow.client.cli.generate import Sampling, Where, _cached, _windowed, generate, next_token, stream
 from sbpflow.client.cli.main import main
 from sbpflow.oracle import reference
 from tests.examples.test_examples import load
@@ -117,3 +117,34 @@ def test_the_command_prints_the_prompt_and_its_continuation(
     with pytest.raises(SystemExit):
         main([*args[:3], "--prompt", "x"])  # --checkpoint is required
     assert main(["generate", "examples/mlp.py", "--checkpoint", str(trained)]) == 2  # no make_model
+
+
+@pytest.mark.parametrize(("ranks", "tp"), [(1, False), (2, True)])
+def test_the_kv_cache_in_the_plan_gives_the_tokens_of_a_whole_forward_a_token(
+    trained: Path, ranks: int, tp: bool
+) -> None:
+    charlm = load("charlm")
+    prompts = [charlm.encode(t) for t in ("de", "x")]  # of two lengths: the rows draw at different steps
+    for sampling in (
+        Sampling(max_new_tokens=5, temperature=0),
+        Sampling(5, temperature=2.0, top_k=4, seed=1),
+    ):
+        got = {}
+        for path in (_cached, _windowed):
+            model, where, sbp = _model(charlm, ranks, tp)
+            got[path] = list(
+                path(model, [list(p) for p in prompts], sampling, Where(str(trained), where, sbp))
+            )
+        assert got[_cached] == got[_windowed] and len(got[_cached]) == 5
+
+
+def test_a_checkpoint_without_a_parameter_of_the_model_is_refused_on_the_cached_path(
+    trained: Path, tmp_path: Path
+) -> None:
+    from sbpflow.checkpoint.format import write_safetensors
+
+    values = read_logical(resolve(trained))
+    write_safetensors(tmp_path / "part.safetensors", {n: v for n, v in values.items() if "ln_f" not in n})
+    model, where, sbp = _model(load("charlm"), 1, False)
+    with pytest.raises(sf.SbpflowError, match="ln_f"):
+        generate(model, [1, 2], Sampling(max_new_tokens=2), str(tmp_path / "part.safetensors"), where, sbp)
