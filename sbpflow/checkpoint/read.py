@@ -276,8 +276,12 @@ STATE_KEYS = ("state_dict", "model", "model_state_dict", "module")
 
 
 def is_torch_file(path: Path) -> bool:
+    """A ``torch.save`` file, not safetensors (whose JSON header opens at byte 8, after its length, which
+    may start with either magic)."""
     with open(path, "rb") as f:
-        head = f.read(4)
+        head = f.read(9)
+    if head[8:9] == b"{":
+        return False
     return head.startswith(TORCH_MAGIC) or path.suffix in (".pt", ".pth", ".bin", ".ckpt")
 
 
