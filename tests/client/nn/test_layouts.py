@@ -148,3 +148,10 @@ def test_a_torch_save_file_loads_through_torch(tmp_path: Path) -> None:
     torch.save([1, 2], tmp_path / "list.pt")
     with pytest.raises(sf.SbpflowError, match="save a state dict"):
         other.load_state_dict(tmp_path / "list.pt")
+
+
+def test_a_safetensors_file_is_never_taken_for_a_torch_file(tmp_path: Path) -> None:
+    there = MODELS["torch"]().state_dict(layout="torch")
+    for name in ("m.bin", "m.pt"):  # Hugging Face names safetensors .safetensors, but a user may not
+        write_safetensors(tmp_path / name, there)
+        MODELS["torch"]().load_state_dict(tmp_path / name, layout="torch")
