@@ -16,11 +16,11 @@ this machine's memory over the job's ranks for an in-process or local Ray run, t
 
 What it prints: the progress bar on stdout (a line every ``--progress-every`` s off a terminal), then a
 summary. ``--json``: one JSON object at the end (the bar on stderr), the job as the HTTP API's
-``/v1/jobs/{id}`` has it (``records.as_json`` of JobStatus with its workers and ``last_checkpoint``, plus
+``/v1/jobs/{id}`` has it (``control_plane/status/job_json.py``: with its workers, ``last_checkpoint`` and
 ``losses``) and ``"run"``: ``{"backend", "steps", "seconds", "steps_per_second", "evals": [{"step",
 "loss"}], "checkpoint_dir", "tensorboard_dir", "trace"}`` (its figures; null where the job did not
-finish a run). ``--json-lines``: each step as a line as it comes (``{"job_id", "seq", "time", "step":
-{...}, "status": {...}}``, Watch's JobEvent as JSON), then that object.
+finish a run). ``--json-lines``: each step as a line as it comes (``job_json.event``: ``{"version", "job_id", "seq",
+"time", "kind": "step", "step", "loss", ...}``), then that object.
 """
 
 from __future__ import annotations
@@ -273,14 +273,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _follow(manager: Any, job_id: str, bar: Any, lines: bool) -> None:
-    from sbpflow.control_plane.status.records import as_json
+    from sbpflow.control_plane.status import job_json
 
     try:
         for ev in manager.follow(job_id):
             if bar is not None:
                 bar.update(ev)
             if lines and ev.HasField("step"):
-                print(json.dumps(as_json(ev)), flush=True)
+                print(json.dumps(job_json.event(ev)), flush=True)
     except KeyboardInterrupt:
         manager.cancel(job_id, "interrupted (Ctrl-C)")
         raise
@@ -327,12 +327,11 @@ def _final_json(
     args: argparse.Namespace, manager: Any, store: Any, job_id: str, result: Any
 ) -> dict[str, Any]:
     """The job as ``/v1/jobs/{id}`` has it (``records.py``), with ``last_checkpoint``, and the run's figures."""
-    from sbpflow.control_plane.status import records
+    from sbpflow.control_plane.status import job_json, records
 
     status = records.job_status(store.get(job_id), manager.workers(job_id))
     status.last_checkpoint = manager.last_checkpoint(job_id)
-    doc = records.as_json(status)
-    doc["losses"] = [records.json_float(p.loss) for p in store.losses(job_id)]
+    doc = job_json.document(status, (p.loss for p in store.losses(job_id)))
     n = len(result.losses) if result is not None else 0
     seconds = result.seconds if result is not None else None
     doc["run"] = {

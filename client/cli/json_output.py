@@ -1,20 +1,13 @@
-"""What ``--json`` prints: ``sbpflow status [ID]``, ``plan`` and ``checkpoints`` as one JSON document on
-stdout, with keys that stay (a script may rely on them; a new key may be added, none renamed or removed).
+"""What ``--json`` prints: ``sbpflow status [ID]``, ``run``, ``plan`` and ``checkpoints`` as one JSON
+document on stdout, each with ``"version"`` (:data:`job_json.VERSION`): keys stay (a script may rely on
+them; a new key may be added, none renamed or removed).
 
-``status ID``: one job object; ``status``: ``{"jobs": [job, ...]}``, newest first. A job object::
-
-    {"job_id", "name", "state", "reason", "message", "attempt", "step", "total_steps",
-     "loss" (null before the first step), "samples_per_second",
-     "created", "started", "finished" (ISO 8601 UTC, null when not yet),
-     "last_checkpoint", "resumed_from", "resume_checkpoint",
-     "workers": [{"rank", "state", "step", "host"}],
-     "eval_step" (0 before the first evaluation), "eval_loss" (null then)}
-
-``plan``: ``{"job", "ops": [{"name", "op_type", "inputs", "outputs"}] (SBP per tensor, e.g. "(S(0), B)"),
-"boxing": [{"from", "to", "plan", "bytes"}], "boxing_bytes", "memory": {"RANK": {"parameters",
-"gradients", "optimizer_state", "peak_activations", "total"}} (bytes), "notes"}``.
-
-``checkpoints``: ``{"checkpoints": [{"step", "bytes", "path"}]}``, oldest first.
+A job (``status ID``, ``run --json``) and a list of jobs (``status``) are the HTTP API's objects
+(``control_plane/status/job_json.py`` documents them). ``plan``: ``{"version", "job", "ops": [{"name",
+"op_type", "inputs", "outputs"}] (SBP per tensor, e.g. "(S(0), B)"), "boxing": [{"from", "to", "plan",
+"bytes"}], "boxing_bytes", "memory": {"RANK": {"parameters", "gradients", "optimizer_state",
+"peak_activations", "total"}} (bytes), "notes"}``. ``checkpoints``: ``{"version", "checkpoints":
+[{"step", "bytes", "path"}]}``, oldest first.
 """
 
 from __future__ import annotations
@@ -23,13 +16,11 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-JOB_KEYS = (
-    "job_id", "name", "state", "reason", "message", "attempt", "step", "total_steps", "loss",
-    "samples_per_second", "created", "started", "finished", "last_checkpoint", "resumed_from",
-    "resume_checkpoint", "workers", "eval_step", "eval_loss",
-)  # fmt: skip
-WORKER_KEYS = ("rank", "state", "step", "host")
-PLAN_KEYS = ("job", "ops", "boxing", "boxing_bytes", "memory", "notes")
+from sbpflow.control_plane.status import job_json
+
+JOB_KEYS = ("version", *job_json.JOB_KEYS)
+WORKER_KEYS = job_json.WORKER_KEYS
+PLAN_KEYS = ("version", "job", "ops", "boxing", "boxing_bytes", "memory", "notes")
 CHECKPOINT_KEYS = ("step", "bytes", "path")
 
 
@@ -37,48 +28,13 @@ def emit(doc: Any) -> None:
     print(json.dumps(doc, indent=2))
 
 
-def _time(st: Any, name: str) -> str | None:
-    if not st.HasField(name):
-        return None
-    return str(getattr(st, name).ToDatetime().isoformat(timespec="milliseconds")) + "Z"
-
-
 def job(st: Any) -> dict[str, Any]:
-    """A ``JobStatus`` as the job object above."""
-    from sbpflow.v1 import service_pb2 as sp
-
-    doc: dict[str, Any] = {
-        "job_id": st.job_id,
-        "name": st.name,
-        "state": sp.JobState.Name(st.state).removeprefix("JOB_STATE_"),
-        "reason": st.reason,
-        "message": st.message,
-        "attempt": st.attempt,
-        "step": st.step,
-        "total_steps": st.total_steps,
-        "loss": st.loss if st.HasField("loss") else None,
-        "samples_per_second": st.samples_per_second,
-        **{k: _time(st, k) for k in ("created", "started", "finished")},
-        "last_checkpoint": st.last_checkpoint,
-        "resumed_from": st.resumed_from,
-        "resume_checkpoint": st.resume_checkpoint,
-        "workers": [
-            {
-                "rank": w.rank,
-                "state": sp.WorkerState.Name(w.state).removeprefix("WORKER_STATE_"),
-                "step": w.step,
-                "host": w.host,
-            }
-            for w in st.workers
-        ],
-        "eval_step": st.eval_step,
-        "eval_loss": st.eval_loss if st.HasField("eval_loss") else None,
-    }
-    return doc
+    """A ``JobStatus`` as one job document (``control_plane/status/job_json.py``: the HTTP API's too)."""
+    return job_json.document(st)
 
 
 def jobs(statuses: Iterable[Any]) -> dict[str, Any]:
-    return {"jobs": [job(st) for st in statuses]}
+    return job_json.jobs(statuses)
 
 
 def plan(compiled: Any) -> dict[str, Any]:
@@ -95,6 +51,7 @@ def plan(compiled: Any) -> dict[str, Any]:
     ops = [o for o in g.ops if o.op_type != BOXING]
     boxes = [(o, state.boxings.get(o.name)) for o in g.ops if o.op_type == BOXING]
     return {
+        "version": job_json.VERSION,
         "job": state.job.name,
         "ops": [
             {
@@ -130,4 +87,7 @@ def plan(compiled: Any) -> dict[str, Any]:
 
 
 def checkpoints(found: Iterable[Any]) -> dict[str, Any]:
-    return {"checkpoints": [{"step": c.step, "bytes": c.bytes, "path": str(c.path)} for c in found]}
+    return {
+        "version": job_json.VERSION,
+        "checkpoints": [{"step": c.step, "bytes": c.bytes, "path": str(c.path)} for c in found],
+    }

@@ -334,7 +334,8 @@ class ControlPlane:
             # past this gRPC answers RESOURCE_EXHAUSTED itself, at once: no call queues for long
             maximum_concurrent_rpcs=2 * pool,
         )
-        server.add_generic_rpc_handlers([_job_service_handler(JobServicer(self.manager))])
+        self.servicer = JobServicer(self.manager)
+        server.add_generic_rpc_handlers([_job_service_handler(self.servicer)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
@@ -367,6 +368,7 @@ class ControlPlane:
                 cfg.tls_key,
                 open_paths=OPEN_HTTP_PATHS | ({"/metrics"} if cfg.open_metrics else set()),
                 unready=self._unready,
+                status_of=self.servicer.status_of,
             )
             self.http_port = self._http.start()
         for name in ("", SERVICE):

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from sbpflow.checkpoint.read import CheckpointInfo
-from sbpflow.control_plane.status import records, web, web_job
+from sbpflow.control_plane.status import job_json, records, web, web_job
 from sbpflow.control_plane.status.auth import COOKIE, OPEN_HTTP_PATHS, SESSION_SECONDS, TokenCheck, too_many
 from sbpflow.control_plane.status.http_server import Incoming, Limits, Outgoing, Server
 from sbpflow.control_plane.status.metrics import CONTENT_TYPE, Metrics
@@ -155,8 +155,12 @@ class StatusEndpoint:
         open_paths: frozenset[str] = OPEN_HTTP_PATHS,
         unready: Callable[[], str] = lambda: "",
         limits: Limits = FORM_LIMITS,
+        status_of: Callable[[str], Any] | None = None,
     ) -> None:
         self.manager, self.store, self.check = manager, manager.store, check
+        # a job's JobStatus as the gRPC Get answers it (live worker rows, last checkpoint, options), so
+        # /v1/jobs/{id} is the object `sbpflow status ID --json` prints; None: the store's record
+        self.status_of = status_of
         self.unready = unready  # why the server cannot take calls now ("" when it can): /readyz
         self.open_paths = open_paths | {"/login"}  # answered without the token: the probes, sign-in
         self.secure = bool(tls_cert and tls_key)
@@ -261,13 +265,14 @@ class StatusEndpoint:
         states = [_state(s) for v in req.query.get("state", []) for s in v.split(",")] or None
         limit = _int(req.query, "limit", 100, 1, MAX_LIMIT)
         recs = self.store.list(states, limit=limit)
-        return _json(200, {"jobs": [records.as_json(records.job_status(r)) for r in recs]})
+        return _json(200, job_json.jobs(records.job_status(r) for r in recs))
 
     def job(self, job_id: str) -> Reply:
-        rec = self.store.get(job_id)
-        body = records.as_json(records.job_status(rec, self.manager.workers(job_id)))
-        body["losses"] = [records.json_float(p.loss) for p in self.store.losses(job_id)]
-        return _json(200, body)
+        if self.status_of is not None:
+            status = self.status_of(job_id)
+        else:
+            status = records.job_status(self.store.get(job_id), self.manager.workers(job_id))
+        return _json(200, job_json.document(status, (p.loss for p in self.store.losses(job_id))))
 
     def metrics(self, req: Request) -> Reply:
         assert self.manager.metrics is not None

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sbpflow.client.cli.main import main
-from sbpflow.control_plane.status import records
+from sbpflow.control_plane.status import job_json, records
 from sbpflow.control_plane.store.job_store import JobStore
 
 MLP = str(Path(__file__).resolve().parents[3] / "examples" / "mlp.py")
@@ -33,12 +33,12 @@ def test_run_keeps_checkpoints_a_store_and_scalars_and_resumes_them(
     assert rc == 0, err
     doc = json.loads(out)  # one object, the bar on stderr
     job_id = doc["job_id"]
-    assert doc["state"] == "JOB_STATE_SUCCEEDED" and doc["step"] == 4 and "step    4/4" in err
+    assert doc["state"] == "SUCCEEDED" and doc["step"] == 4 and "step    4/4" in err
     assert doc["last_checkpoint"] == str(keep / job_id / "step-00000004") and len(doc["losses"]) == 4
     assert doc["run"]["steps"] == 4 and doc["run"]["backend"] == "inprocess" and doc["run"]["seconds"] > 0
     with JobStore(keep / "jobs.db") as store:  # the HTTP API's /v1/jobs/{id}, from the store it kept
-        http = records.as_json(records.job_status(store.get(job_id), store.workers(job_id)))
-        http["losses"] = [p.loss for p in store.losses(job_id)]
+        status = records.job_status(store.get(job_id), store.workers(job_id))
+        http = job_json.document(status, (p.loss for p in store.losses(job_id)))
     assert {k: v for k, v in doc.items() if k != "run"} == http | {"last_checkpoint": doc["last_checkpoint"]}
     assert list((tb / job_id).glob("events.out.tfevents.*"))
 
@@ -57,7 +57,7 @@ def test_run_keeps_checkpoints_a_store_and_scalars_and_resumes_them(
     )
     assert rc == 0, err
     *steps, last = [json.loads(line) for line in out.splitlines()]
-    assert [s["step"]["step"] for s in steps] == [5, 6] and all("seq" in s for s in steps)
+    assert [s["step"] for s in steps] == [5, 6] and all(s["kind"] == "step" and "seq" in s for s in steps)
     assert last["resumed_from"] == job_id and last["resume_checkpoint"] == doc["last_checkpoint"]
     assert (
         last["step"] == 6 and len(last["workers"]) == 1 and last["last_checkpoint"].endswith("step-00000006")
@@ -120,7 +120,7 @@ def test_jobs_an_earlier_run_left_are_settled_not_run(
 def test_a_failed_job_still_prints_its_json_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _run(capsys, "--steps", "5", "--set", "lr=1e30", "--json")  # diverges at step 2
     doc = json.loads(out)
-    assert rc == 1 and doc["state"] == "JOB_STATE_FAILED" and doc["reason"] == "NON_FINITE_LOSS"
+    assert rc == 1 and doc["state"] == "FAILED" and doc["reason"] == "NON_FINITE_LOSS"
     assert doc["losses"][-1] in ("Infinity", "NaN") and doc["run"]["seconds"] is None
     assert err.splitlines()[-1].startswith("sbpflow: error: job 'TrainMLP' FAILED: NON_FINITE_LOSS")
     assert "clip_grad_norm" in err

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
         store=str(tmp / "jobs.db"),
         run=MANAGER_DEFAULTS.replace(backend="inprocess"),
         slots=4,
-        http_port=None,
+        http_port=0,
         auth_token="t",
         checkpoint_root=str(tmp / "ckpts"),
     )
@@ -73,6 +74,15 @@ def test_status_json_has_the_documented_keys(plane: ControlPlane, done_job: str)
     assert tuple(one["workers"][0]) == json_output.WORKER_KEYS
     listed = json.loads(sbpflow("status", "--json", "--address", plane.address).stdout)
     assert done_job in [j["job_id"] for j in listed["jobs"]]
+
+    # one schema: the HTTP API serves the very objects the CLI prints
+    def served(path: str) -> dict:
+        ask = urllib.request.Request(f"{plane.http_address}{path}", headers={"Authorization": "Bearer t"})
+        with urllib.request.urlopen(ask, timeout=30) as r:
+            return dict(json.loads(r.read()))
+
+    assert {k: v for k, v in served(f"/v1/jobs/{done_job}").items() if k != "losses"} == one
+    assert served("/v1/jobs")["version"] == listed["version"] == one["version"] == 1
 
 
 def test_checkpoints_and_plan_json(plane: ControlPlane, done_job: str, tmp_path: Path) -> None:

@@ -62,7 +62,7 @@ def test_jobs_as_json(served: tuple[ControlPlane, JobHandle]) -> None:
     code, ctype, body = get(f"{plane.http_address}/v1/jobs", "tok")
     assert code == 200 and ctype == "application/json"
     (job,) = json.loads(body)["jobs"]
-    assert job["job_id"] == h.job_id and job["state"] == "JOB_STATE_SUCCEEDED" and job["step"] == 5
+    assert job["job_id"] == h.job_id and job["state"] == "SUCCEEDED" and job["step"] == 5
     code, _, body = get(f"{plane.http_address}/v1/jobs/{h.job_id}", "tok")
     one = json.loads(body)
     assert code == 200 and len(one["losses"]) == 5 and [w["rank"] for w in one["workers"]] == [0, 1]
