@@ -2,31 +2,23 @@
 
 ``sf.Graph.trace`` puts one on every Job it makes (``Job.bound``): ``sf.run`` starts the parameters
 from the values the modules hold, writes the trained values back into them, and reads files in another
-layout (``layout="torch"``, :mod:`sbpflow.client.torch_layout`) through it.
+layout (``layout="torch"``, ``"gpt2"``, ``"hf-bert"``, ``"torchvision"``: the modules' own rules,
+:mod:`sbpflow.client.nn.layouts`, applied to the graph's names by :mod:`sbpflow.client.torch_layout`)
+through it.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from sbpflow.client.nn.layouts import NAMES, Plan, from_layout, to_layout
 from sbpflow.client.nn.module import Module
 from sbpflow.client.nn.parameter import Parameter
-from sbpflow.client.torch_layout import TorchRule, from_torch, to_torch, torch_rules
+from sbpflow.client.torch_layout import graph_plan
 from sbpflow.errors import SbpflowError
-
-Convert = Callable[[Mapping[str, np.ndarray], tuple[TorchRule, ...]], dict[str, np.ndarray]]
-# layout -> (to it, from it)
-LAYOUTS: dict[str, tuple[Convert, Convert]] = {
-    "torch": (to_torch, from_torch),  # nanoGPT: nn.Linear everywhere
-    "gpt2": (  # Hugging Face's GPT-2: Conv1D in the blocks
-        functools.partial(to_torch, conv1d=True),
-        functools.partial(from_torch, conv1d=True),
-    ),
-}
 
 
 class GraphValues:
@@ -48,16 +40,15 @@ class GraphValues:
             if p is not None:
                 p.value = np.array(v, dtype=p.dtype.to_numpy())
 
-    def _convert(self, layout: str, which: int) -> Convert:
-        pair = LAYOUTS.get(layout)
-        if pair is None:
+    def _plan(self, layout: str) -> Plan:
+        if layout not in NAMES:
             raise SbpflowError(
-                f"layout {layout!r} is unknown; use one of {sorted(LAYOUTS)} (or none: sbpflow's own)"
+                f"layout {layout!r} is unknown; use one of {list(NAMES)} (or none: sbpflow's own)"
             )
-        return pair[which]
+        return graph_plan(self._modules, layout)
 
     def from_layout(self, layout: str, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self._convert(layout, 1)(tensors, torch_rules(self._modules))
+        return from_layout(tensors, self._plan(layout))
 
     def to_layout(self, layout: str, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self._convert(layout, 0)(tensors, torch_rules(self._modules))
+        return to_layout(tensors, self._plan(layout))

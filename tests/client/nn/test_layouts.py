@@ -155,3 +155,20 @@ def test_a_safetensors_file_is_never_taken_for_a_torch_file(tmp_path: Path) -> N
     for name in ("m.bin", "m.pt"):  # Hugging Face names safetensors .safetensors, but a user may not
         write_safetensors(tmp_path / name, there)
         MODELS["torch"]().load_state_dict(tmp_path / name, layout="torch")
+
+
+@pytest.mark.parametrize(("example", "layout"), [("bert", "hf-bert"), ("gpt", "gpt2"), ("gpt", "torch")])
+def test_a_traced_jobs_values_go_to_and_from_every_layout_of_its_model(example: str, layout: str) -> None:
+    """init_from= and `sbpflow export --layout` convert through Job.bound: the modules' own rules."""
+    from tests.examples.test_examples import load
+
+    job = load(example).make_job(ranks=1, layers=1)
+    assert job.bound is not None
+    rng = np.random.default_rng(0)
+    held = {p.tensor: rng.normal(size=job.graph.tensors[p.tensor].meta.shape) for p in job.parameters}
+    theirs = job.bound.to_layout(layout, held)
+    assert set(theirs) != set(held)  # PyTorch's names, not the graph's
+    back = job.bound.from_layout(layout, theirs)
+    assert set(back) == set(held) and all(np.array_equal(back[k], held[k]) for k in held)
+    with pytest.raises(sf.SbpflowError, match="layout 'keras' is unknown"):
+        job.bound.to_layout("keras", held)
