@@ -365,10 +365,25 @@ def in_range(xp: Any, ids: Any, rows_here: slice) -> tuple[Any, Any]:
     return local, (local >= 0) & (local < rows_here.stop - rows_here.start)
 
 
+def check_ids(ids: Any, vocab: int, op: str) -> None:
+    """Refuse an id outside ``[0, vocab)``: the data holds a token the model has no row for. (Under a
+    vocabulary split each rank sees every id of its batch rows, so the check is the same on any layout.)
+    On numpy only: on a GPU the check would wait for the device each step."""
+    if isinstance(ids, np.ndarray) and ids.size:
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab:
+            bad = high if high >= vocab else low
+            raise ShapeError(
+                f"op {op!r}: id {bad} is outside the vocabulary [0, {vocab}): the data holds a token the "
+                f"model has no row for; give ids below {vocab} (a tokenizer of that vocabulary, or a larger "
+                "vocab_size)"
+            )
+
+
 def _embedding_kernel(ctx: KernelContext, weight: Any, ids: Any) -> Any:
-    # under a vocabulary split (S(0) -> P) each rank looks up its own rows and writes zeros for the rest;
-    # ids outside [0, V) look up zeros everywhere, the same on one rank as on many
+    # under a vocabulary split (S(0) -> P) each rank looks up its own rows and writes zeros for the rest
     xp = ctx.xp
+    check_ids(ids, ctx.in_metas[0].shape[0], "embedding")
     if _int_rows(ids) and (jit := jit_rows(xp, weight)) is not None and weight.ndim == 2:
         shape = (*ids.shape, weight.shape[1])
         out = ctx.out_array(0)  # the runtime's dead previous output, where it lends one

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import sbpflow.ops  # noqa: F401  (registers every op family)
 from sbpflow.dtype import DType
+from sbpflow.errors import ShapeError
 from sbpflow.ops.base import KernelContext, get_op
 from sbpflow.ops.eager import EagerBuilder, full_index
 from sbpflow.ops.kernels.rowwise import jit_rows
@@ -352,16 +353,21 @@ def test_vocab_loss_and_its_gradient_match_numpys(dtype: Any, label_dtype: Any) 
 @pytest.mark.parametrize("rows_here", [slice(0, 9), slice(3, 7)])
 def test_embedding_gather_matches_numpys(dtype: Any, ids_shape: tuple[int, ...], rows_here: slice) -> None:
     """rows_jit.take_rows against the numpy kernel (the ids strided): on a shard of the vocabulary
-    (rows 3..6 of 9, as under S(0)) the ids off it, and those outside 0..V-1, look up zeros."""
+    (rows 3..6 of 9, as under S(0)) the ids off it look up zeros; an id outside 0..V-1 is refused."""
     rng = np.random.default_rng(13)
     weight = rng.standard_normal((rows_here.stop - rows_here.start, 4)).astype(dtype)
-    ids = rng.integers(-2, 11, size=ids_shape).astype(np.int64)
+    ids = rng.integers(0, 9, size=ids_shape).astype(np.int64)
     meta = (TensorMeta((9, 4), DType(np.dtype(dtype).name)), TensorMeta(ids_shape, DType.int64))
     ctx = KernelContext(np, {}, meta, (), ((rows_here, slice(0, 4)), full_index(meta[1])), ())
     op = get_op("embedding")
     (got,) = op.run_kernel(ctx, [weight, ids])
     (want,) = op.run_kernel(ctx, [weight, strided(ids)])
     np.testing.assert_array_equal(got, want)  # a gather: exact
+    if ids.size:
+        for bad in (-1, 9):
+            ids.flat[0] = bad
+            with pytest.raises(ShapeError, match=f"id {bad} is outside the vocabulary \\[0, 9\\)"):
+                op.run_kernel(ctx, [weight, ids])
 
 
 def test_concat_of_inputs_that_differ_off_the_axis_raises_numpys_error() -> None:
