@@ -169,6 +169,16 @@ def batch_norm(
 # ---- lookup and losses ----------------------------------------------------------------------------------
 
 
+def detach(x: Tensor) -> Tensor:
+    """``x`` with no gradient flowing back to it (PyTorch's ``x.detach()``)."""
+    return _op("detach", x)
+
+
+def where(cond: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``a`` where ``cond`` (bool, broadcast) holds, else ``b``."""
+    return _op("where", cond, a, b)
+
+
 def embedding(ids: Tensor, weight: Any) -> Tensor:
     """Rows of ``weight`` [num, dim] at ``ids`` [...]: out [..., dim] (PyTorch's argument order)."""
     return _op("embedding", weight, ids)

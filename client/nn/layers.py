@@ -17,7 +17,7 @@ from sbpflow.client import functional as F
 from sbpflow.client.nn.layouts import EVERY, Rules
 from sbpflow.client.nn.module import Module
 from sbpflow.client.nn.parameter import Parameter
-from sbpflow.client.tensor import Tensor, emit
+from sbpflow.client.tensor import Tensor
 from sbpflow.errors import SbpflowError
 from sbpflow.random import Initializer, Normal, Ones, Zeros, xavier_uniform
 
@@ -75,9 +75,8 @@ class Linear(Module):
 class Embedding(Module):
     """Rows of weight [num_embeddings, dim] looked up by integer ids; default init N(0, 1) as PyTorch.
 
-    ``padding_idx``: that id reads as a zero vector and its row takes no gradient, as PyTorch's padding
-    row does while it holds its initial zeros (the lookup's output is masked there: a padding row
-    loaded with other values reads as zeros too).
+    ``padding_idx``: that id's row takes no gradient and reads as it holds (PyTorch's padding row:
+    ``where(ids == padding_idx, detach(rows), rows)``); load zeros there, as PyTorch starts it.
     """
 
     def __init__(
@@ -102,9 +101,8 @@ class Embedding(Module):
         rows = F.embedding(ids, self.weight)  # [...] -> [..., dim]
         if self.padding_idx is None:
             return rows
-        pad = (ids == self.padding_idx).reshape(*ids.shape, 1)  # [..., 1]: the gradient stops there too
-        (out,) = emit("masked_fill", rows, pad, value=0.0)
-        return out
+        pad = (ids == self.padding_idx).reshape(*ids.shape, 1)  # [..., 1]
+        return F.where(pad, F.detach(rows), rows)  # the padding row's value, without its gradient
 
     def extra_repr(self) -> str:
         pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"

@@ -404,6 +404,17 @@ defop(
     flops=0,
     view=True,  # the same bytes as x: the cost model counts none moved
 )
+defop(  # PyTorch's x.detach(): no gradient flows back through it
+    "detach",
+    inputs=("x",),
+    infer=_unary_infer("detach", "any"),
+    rows=same_shape_rows((True,)),
+    kernel=lambda ctx, x: x.copy(),
+    grad=lambda g: [None],
+    doc="x, with no gradient to x",
+    flops=0,
+    view=True,
+)
 
 
 def grad_infer(op: str, other_name: str) -> InferFn:

@@ -74,3 +74,32 @@ def test_a_zero_width_layer_is_refused_where_it_is_made(make: Any, words: str) -
     with pytest.raises(sf.SbpflowError, match=words):
         make()
     assert sf.nn.Linear(np.int64(3), np.int64(2)).weight.shape == (3, 2)  # numpy's integers are sizes too
+
+
+class _PaddedSum(sf.Graph):
+    def __init__(self, emb: sf.nn.Embedding) -> None:
+        super().__init__()
+        self.emb = emb
+        self.add_optimizer(sf.optim.SGD(emb.parameters(), lr=0.5))
+
+    def build(self, ids: sf.Tensor) -> Any:
+        out = self.emb(ids)  # [B, T, D]
+        loss = (out * out).sum()
+        loss.backward()
+        return loss, out
+
+
+def test_the_padding_row_reads_as_it_holds_and_takes_no_gradient() -> None:
+    """PyTorch's padding_idx: the row's value in the forward, no update to it in the backward."""
+    emb = sf.nn.Embedding(5, 3, padding_idx=1)
+    emb.load_state_dict({"weight": np.arange(15, dtype=np.float32).reshape(5, 3) + 1})  # row 1 non-zero
+    ids = np.array([[1, 2, 1, 4]], np.int64)
+    job = _PaddedSum(emb).trace(sf.data.ArraySource(batch_size=1, arrays={"ids": ids}))
+    got = sf.run(job, steps=1, return_parameters=True, backend="inprocess", timeout=60)
+    start = np.arange(15, dtype=np.float32).reshape(5, 3) + 1
+    (rows,) = [v[0] for v in got.outputs.values() if np.ndim(v[0]) == 3]  # the step's lookup [B, T, D]
+    np.testing.assert_array_equal(rows[0], start[ids[0]])
+    assert got.parameters is not None
+    after = got.parameters["emb.weight"]
+    np.testing.assert_array_equal(after[[0, 1, 3]], start[[0, 1, 3]])  # the padding row and unused rows
+    assert not np.array_equal(after[[2, 4]], start[[2, 4]])  # the others trained

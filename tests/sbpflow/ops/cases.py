@@ -36,6 +36,8 @@ class OpCase:
     # relative tolerance of the finite-difference check (raise for ops with kinks or large curvature)
     grad_rtol: float = 1e-5
     name: str = ""
+    # the rule gives no gradient on purpose (detach): checked to be None, as a non-differentiable input's
+    stops_gradient: bool = False
 
 
 CASES: Registry[OpCase] = Registry("op test case")

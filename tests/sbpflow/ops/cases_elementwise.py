@@ -101,6 +101,7 @@ case(OpCase("log", unary(positive=True), lambda x: [np.log(x)]))
 case(OpCase("sqrt", unary(positive=True), lambda x: [np.sqrt(x)]))
 case(OpCase("neg", unary(), lambda x: [0.0 - x]))
 case(OpCase("identity", unary(), lambda x: [x.copy()]))
+case(OpCase("detach", unary(), lambda x: [x.copy()], differentiable=(), stops_gradient=True))
 
 # ---- casts and comparisons ------------------------------------------------------------------------------
 

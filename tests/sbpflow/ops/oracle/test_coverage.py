@@ -60,7 +60,7 @@ def case_problems(op: OpDef) -> list[str]:
     cases = CASES_BY_OP.get(op.name, [])
     if not cases:
         return [f"no OpCase: add case(OpCase({op.name!r}, ...)) to the family's tests/sbpflow/ops/cases_*.py"]
-    checked = [c.name or c.op for c in cases if c.differentiable]
+    checked = [c.name or c.op for c in cases if c.differentiable or c.stops_gradient]
     if isinstance(op.grad, NoGrad) and checked:
         return [f"takes no gradient ({op.grad.reason}) but case(s) {checked} mark inputs differentiable"]
     if not isinstance(op.grad, NoGrad) and op.inputs and not checked:

@@ -29,7 +29,7 @@ STEP = 1e-6
 MAX_COORDS = 48  # per input; larger inputs get a random subset (plus the random direction)
 EPS = float(np.finfo(np.float64).eps)
 
-GRAD_CASES = [name for name, c in CASES.items() if c.differentiable]
+GRAD_CASES = [name for name, c in CASES.items() if c.differentiable or c.stops_gradient]
 
 
 def is_float(x: Any) -> bool:
