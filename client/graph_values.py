@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.client.nn.layouts import NAMES, Plan, from_layout, to_layout
+from sbpflow.client.nn.layouts import NAMES, Plan, from_layout, rooted, to_layout
 from sbpflow.client.nn.module import Module
 from sbpflow.client.nn.parameter import Parameter
 from sbpflow.client.torch_layout import graph_plan
@@ -48,7 +48,8 @@ class GraphValues:
         return graph_plan(self._modules, layout)
 
     def from_layout(self, layout: str, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return from_layout(tensors, self._plan(layout))
+        plan = self._plan(layout)
+        return from_layout(rooted(plan, tensors), plan)  # a hub file's base-model names too
 
     def to_layout(self, layout: str, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return to_layout(tensors, self._plan(layout))

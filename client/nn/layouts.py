@@ -245,6 +245,21 @@ def from_layout(values: Mapping[str, np.ndarray], p: Plan) -> dict[str, np.ndarr
 Metas = Mapping[str, tuple[tuple[int, ...], np.dtype]]
 
 
+def rooted(p: Plan, given: Mapping[str, Any]) -> dict[str, Any]:
+    """A base model's state dict under the names of the model with a head: Hugging Face's hub files hold
+    ``GPT2Model``'s names (``h.0.attn.c_attn.weight``), ``GPT2LMHeadModel`` and this layout
+    ``transformer.h.0...``. Where no name of ``given`` is the layout's but, under the root the layout's
+    names share, most are, they take that root; otherwise ``given`` is returned as it is."""
+    names = {n for r in p.rules for n in r.names} | p.optional()
+    if not given or set(given) & names:
+        return dict(given)
+    for root in sorted({n.split(".", 1)[0] for n in names if "." in n}):
+        moved = {f"{root}.{n}": a for n, a in given.items()}
+        if 2 * len(set(moved) & names) > len(moved):
+            return moved
+    return dict(given)
+
+
 def wanted(p: Plan, here: Metas) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """The tensors a state dict in the layout holds for parameters of ``here``'s shapes and dtypes."""
     return {n: (there_shape(r, here[r.tensor][0]), here[r.tensor][1]) for r in p.rules for n in r.names}

@@ -141,6 +141,7 @@ class Module:
         if layout is None:
             return state.load_state_dict(self.named_parameters(), given, strict, self._own_names_fix())
         plan = layouts.plan(self, layout)
+        given = layouts.rooted(plan, given)  # a hub file's base-model names take the head model's root
         here = {n: (p.shape, p.dtype.to_numpy()) for n, p in self.named_parameters()}
         want = layouts.wanted(plan, here)
         if strict:

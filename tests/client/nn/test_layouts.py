@@ -172,3 +172,17 @@ def test_a_traced_jobs_values_go_to_and_from_every_layout_of_its_model(example: 
     assert set(back) == set(held) and all(np.array_equal(back[k], held[k]) for k in held)
     with pytest.raises(sf.SbpflowError, match="layout 'keras' is unknown"):
         job.bound.to_layout("keras", held)
+
+
+def test_a_hub_gpt2_file_of_base_model_names_loads_into_the_model_with_a_head() -> None:
+    """Hugging Face's gpt2 files hold GPT2Model's names (h.0..., wte.weight), not 'transformer.h.0...'."""
+    cfg = sf.nn.GPTConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, n_embd=8, tie_embeddings=True)
+    source, target = sf.nn.GPT(cfg), sf.nn.GPT(cfg)
+    theirs = source.state_dict(layout="gpt2")
+    assert all(n.startswith("transformer.") for n in theirs if n != "lm_head.weight")
+    hub = {n.removeprefix("transformer."): a for n, a in theirs.items() if n != "lm_head.weight"}
+    assert target.load_state_dict(hub, layout="gpt2") == target.load_state_dict(theirs, layout="gpt2")
+    mine, want = target.state_dict(), source.state_dict()
+    assert set(mine) == set(want) and all(np.array_equal(mine[k], want[k]) for k in want)
+    with pytest.raises(Exception, match="unexpected"):  # names of some other model still refused
+        target.load_state_dict({f"encoder.{n}": a for n, a in hub.items()}, layout="gpt2")
