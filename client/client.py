@@ -28,7 +28,7 @@ import random
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -163,12 +163,15 @@ def _refuse_held_values(job: Any) -> None:
 
 @dataclass(frozen=True)
 class JobOutcome:
-    """What a finished job produced: its end state, the loss per step and the trained parameters."""
+    """What a finished job produced: its end state, the loss per step, the trained parameters and the last
+    value of each tensor ``build`` returned besides the loss."""
 
     job_id: str
     state: str  # "SUCCEEDED", "FAILED" or "CANCELLED"
     losses: list[float]
     parameters: dict[str, np.ndarray]
+    fetches: dict[str, np.ndarray] = field(default_factory=dict)  # each fetch's last step (logits, ...)
+    omitted_fetches: list[str] = field(default_factory=list)  # over the result's size limit
 
 
 class Client:
@@ -318,6 +321,8 @@ class Client:
             state=sp.JobState.Name(r.state).removeprefix("JOB_STATE_"),
             losses=list(r.losses),
             parameters={k: array_from_proto(v) for k, v in r.parameters.items()},
+            fetches={k: array_from_proto(v) for k, v in r.fetches.items()},
+            omitted_fetches=list(r.omitted_fetches),
         )
 
 

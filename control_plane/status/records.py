@@ -123,7 +123,8 @@ def log_line(r: LogRecord) -> sp.LogLine:
 
 
 def result_proto(job_id: str, result: RunResult, history: Sequence[float] = ()) -> sp.JobResult:
-    """The JobResult of a finished run: its losses and its trained parameters (when it kept them). The
+    """The JobResult of a finished run: its losses, its trained parameters (when it kept them) and each
+    fetch's last value (within :data:`MAX_FETCH_BYTES`; the others named in ``omitted_fetches``). The
     losses are the job's ``history`` (the store's: every attempt's, a run resumed after a control-plane
     restart included) where it holds at least the run's own."""
     from sbpflow.codec.values import array_to_proto
@@ -131,9 +132,24 @@ def result_proto(job_id: str, result: RunResult, history: Sequence[float] = ()) 
     losses = list(history) if len(history) >= len(result.losses) else result.losses
     m = sp.JobResult(job_id=job_id, state=sp.JOB_STATE_SUCCEEDED, losses=losses)
     for name, value in (result.parameters or {}).items():
-        host = value.get() if hasattr(value, "get") and not isinstance(value, np.ndarray) else value  # cupy
-        m.parameters[name].CopyFrom(array_to_proto(np.asarray(host)))
+        m.parameters[name].CopyFrom(array_to_proto(_host(value)))
+    room = MAX_FETCH_BYTES
+    for name, per_step in sorted(result.outputs.items()):  # each fetch's last step
+        last = _host(per_step[-1]) if per_step else None
+        if last is None or last.nbytes > room:
+            m.omitted_fetches.append(name)
+            continue
+        room -= last.nbytes
+        m.fetches[name].CopyFrom(array_to_proto(last))
     return m
+
+
+MAX_FETCH_BYTES = 32 << 20  # a JobResult's fetches together: the client's messages are at most 64 MiB
+
+
+def _host(value: Any) -> np.ndarray:
+    """A value on this host (a cupy array copied off its device)."""
+    return np.asarray(value.get() if hasattr(value, "get") and not isinstance(value, np.ndarray) else value)
 
 
 def json_float(x: float) -> float | str:

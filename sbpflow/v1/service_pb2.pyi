@@ -822,6 +822,7 @@ class JobResult(_message.Message):
     LOSSES_FIELD_NUMBER: _builtins.int
     PARAMETERS_FIELD_NUMBER: _builtins.int
     FETCHES_FIELD_NUMBER: _builtins.int
+    OMITTED_FETCHES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     state: Global___JobState.ValueType
     """State the job ended in."""
@@ -835,7 +836,13 @@ class JobResult(_message.Message):
 
     @_builtins.property
     def fetches(self) -> _containers.MessageMap[_builtins.str, _job_pb2.ArrayData]:
-        """Last value of each of Job.fetches."""
+        """Last value of each of Job.fetches (a forward-only job's logits, ...), the loss aside (losses has it)."""
+
+    @_builtins.property
+    def omitted_fetches(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Fetches left out of `fetches`: together over the result's size limit (sbpflow.control_plane.status.
+        records.MAX_FETCH_BYTES); run the job with sf.run to get them.
+        """
 
     def __init__(
         self,
@@ -845,10 +852,11 @@ class JobResult(_message.Message):
         losses: _abc.Iterable[_builtins.float] | None = ...,
         parameters: _abc.Mapping[_builtins.str, _job_pb2.ArrayData] | None = ...,
         fetches: _abc.Mapping[_builtins.str, _job_pb2.ArrayData] | None = ...,
+        omitted_fetches: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fetches", b"fetches", "job_id", b"job_id", "losses", b"losses", "parameters", b"parameters", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fetches", b"fetches", "job_id", b"job_id", "losses", b"losses", "omitted_fetches", b"omitted_fetches", "parameters", b"parameters", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -14,10 +14,12 @@ from pathlib import Path
 from types import ModuleType
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+import sbpflow as sf
 from sbpflow.client.client import Client, ClientError
 from sbpflow.codec import run_options, wire
 from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
@@ -95,6 +97,17 @@ def test_submit_watch_result_and_list(client: Client, mlp: ModuleType) -> None:
     assert client.list(states=["RUNNING"]) == []
     logs = [line.text for line in h.logs()]
     assert any("compiled" in t for t in logs) and logs[-1].startswith("SUCCEEDED")
+
+
+def test_get_result_carries_the_last_value_of_what_build_returned(client: Client) -> None:
+    from tests.client.nn.test_batch_norm import fit_job
+
+    job = fit_job(2)  # build returns (loss, y): y is fetched
+    (name,) = [f for f in job.fetches if f != job.loss]
+    got = client.submit(job).result()
+    assert got.state == "SUCCEEDED" and len(got.losses) == job.config.steps and got.omitted_fetches == []
+    want = sf.run(job, backend="inprocess").outputs[name][-1]  # the same run, in this process
+    np.testing.assert_allclose(got.fetches[name], want, rtol=1e-6, atol=1e-7)
 
 
 def test_cancel_a_running_job(client: Client, mlp: ModuleType) -> None:
