@@ -158,6 +158,10 @@ class RunListeners:
     def finish(self, state: JobState, reason: str, message: str) -> None:
         """The job's end, behind every write still queued: its closing log line, then its terminal state
         (last: a stream that sees it has every line)."""
+        if state == JobState.CANCELLED:  # its workers were stopped, not broken: they read as cancelled
+            for rank, w in list(self.r.workers.items()):
+                if w.state != WorkerState.DONE:
+                    self.r.workers[rank] = dataclasses.replace(w, state=WorkerState.CANCELLED)
         level = "INFO" if state == JobState.SUCCEEDED else "ERROR"
         text = f"{state.name} {reason}: {message}".replace(" :", ":")
         self.write(self.m.store.append_log, self.job_id, -1, level, text)

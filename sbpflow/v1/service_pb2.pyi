@@ -87,6 +87,8 @@ class _WorkerStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WorkerSta
     """Reported an error."""
     WORKER_STATE_LOST: _WorkerState.ValueType  # 5
     """Stopped reporting (heartbeat timeout or its Ray actor died)."""
+    WORKER_STATE_CANCELLED: _WorkerState.ValueType  # 6
+    """Stopped because its job was cancelled (by a user, or a control plane shutting down)."""
 
 class WorkerState(_WorkerState, metaclass=_WorkerStateEnumTypeWrapper):
     """Lifecycle of one worker (one device)."""
@@ -102,6 +104,8 @@ WORKER_STATE_FAILED: WorkerState.ValueType  # 4
 """Reported an error."""
 WORKER_STATE_LOST: WorkerState.ValueType  # 5
 """Stopped reporting (heartbeat timeout or its Ray actor died)."""
+WORKER_STATE_CANCELLED: WorkerState.ValueType  # 6
+"""Stopped because its job was cancelled (by a user, or a control plane shutting down)."""
 Global___WorkerState: _TypeAlias = WorkerState  # noqa: Y015
 
 @_typing.final

@@ -118,6 +118,9 @@ def test_cancel_a_running_job(client: Client, mlp: ModuleType) -> None:
     assert sp.JobState.Name(st.state) == "JOB_STATE_CANCELLED"
     assert st.reason == "CANCELLED_BY_USER" and st.message == "enough" and 2 <= st.step < LONG
     assert h.result().state == "CANCELLED"
+    # its workers were stopped, not broken
+    rows = {w.rank: sp.WorkerState.Name(w.state) for w in h.status().workers}
+    assert {0, 1} <= set(rows) and set(rows.values()) == {"WORKER_STATE_CANCELLED"}, rows
 
 
 def test_a_job_that_does_not_fit_waits_then_can_be_cancelled(tmp_path: Path, mlp: ModuleType) -> None:
