@@ -174,6 +174,17 @@ class JobOutcome:
     omitted_fetches: list[str] = field(default_factory=list)  # over the result's size limit
 
 
+def _inside(root: Path, checkpoint: str, file: str) -> Path:
+    """Where a checkpoint file from the server goes: under ``root``, never outside it."""
+    parts = [checkpoint, *file.split("/")]
+    if not checkpoint or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
+        raise ClientError(
+            grpc.StatusCode.DATA_LOSS,
+            f"the server named a checkpoint file {checkpoint!r}/{file!r} outside its folder; refused",
+        )
+    return root.joinpath(*parts)
+
+
 class Client:
     """A connection to one control plane."""
 
@@ -311,6 +322,35 @@ class Client:
 
     def cancel(self, job_id: str, reason: str = "") -> sp.JobStatus:
         return self._unary("Cancel", sp.CancelJobRequest(job_id=job_id, reason=reason))  # type: ignore[no-any-return]
+
+    def checkpoints(self, job_id: str) -> builtins.list[sp.CheckpointInfo]:
+        """The job's complete checkpoints on the server, oldest first."""
+        r = self._unary("ListCheckpoints", sp.ListCheckpointsRequest(job_id=job_id))
+        return list(r.checkpoints)
+
+    def download_checkpoint(self, job_id: str, into: str | Path, step: int = 0) -> Path:
+        """Copy the job's checkpoint at ``step`` (0: its latest) from the server into ``into`` (made if
+        missing) as ``into/<step folder>``; returns that folder, which ``sbpflow.checkpoint.read`` reads."""
+        into = Path(into)
+        folder: Path | None = None
+        out = None
+        try:
+            for chunk in self._stream("ReadCheckpoint", sp.ReadCheckpointRequest(job_id=job_id, step=step)):
+                path = _inside(into, chunk.checkpoint, chunk.file)
+                folder = into / chunk.checkpoint
+                if chunk.offset == 0:
+                    if out is not None:
+                        out.close()
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    out = open(path, "wb")  # noqa: SIM115  closed at the next file or the end
+                assert out is not None
+                out.write(chunk.data)
+        finally:
+            if out is not None:
+                out.close()
+        if folder is None:
+            raise ClientError(grpc.StatusCode.NOT_FOUND, f"the server sent no checkpoint of job {job_id}")
+        return folder
 
     def result(self, job_id: str, parameters: builtins.list[str] | None = None) -> JobOutcome:
         from sbpflow.codec.values import array_from_proto

@@ -289,12 +289,29 @@ def _logs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
 
 
+LOCAL_ROOT = "sbpflow-checkpoints"  # the local --checkpoint-root where none is given and it exists
+
+
+def _on_server(args: argparse.Namespace) -> bool:
+    """Whether the checkpoints are read through the server at --address: unless --checkpoint-root (or
+    $SBPFLOW_CHECKPOINTS) is given, ID is a folder here, or ./sbpflow-checkpoints exists."""
+    local = args.checkpoint_root is not None or (args.id is not None and Path(args.id).exists())
+    if local or Path(LOCAL_ROOT).is_dir():
+        return False
+    if args.id is None:
+        raise UsageError(
+            "give a job id (`sbpflow status` lists them) to read its checkpoints through the server, or "
+            "--checkpoint-root DIR to read them on this machine"
+        )
+    return True
+
+
 def _checkpoint_dir(args: argparse.Namespace) -> Path:
     """A job's checkpoint folder: ``ID`` under ``--checkpoint-root`` (the server's, or ``sbpflow run``'s
     --checkpoint-dir), or a path; without either, the root's job with the newest complete checkpoint."""
     from sbpflow.checkpoint.read import list_checkpoints
 
-    root = Path(args.checkpoint_root)
+    root = Path(args.checkpoint_root or LOCAL_ROOT)
     if args.id is None:
         kept = [
             (found[-1].path.stat().st_mtime, d) for d in root.glob("*/") if (found := list_checkpoints(d))
@@ -310,11 +327,17 @@ def _checkpoint_dir(args: argparse.Namespace) -> Path:
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     """List a job's complete checkpoints (partial ones are never listed)."""
-    from sbpflow.checkpoint.read import list_checkpoints
+    from sbpflow.checkpoint.read import CheckpointInfo, list_checkpoints
     from sbpflow.client.cli import json_output
 
-    where = _checkpoint_dir(args)
-    found = list_checkpoints(where)
+    if _on_server(args):
+        with _client(args) as client:
+            kept = client.checkpoints(args.id)
+        where = Path(f"{args.address}:{args.id}")  # shown: the server and the job
+        found = [CheckpointInfo(c.step, Path(args.id) / c.name, c.bytes) for c in kept]
+    else:
+        where = _checkpoint_dir(args)
+        found = list_checkpoints(where)
     if args.json:
         json_output.emit(json_output.checkpoints(found))
         return 0 if found else 1
@@ -330,17 +353,28 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Write a checkpoint's logical parameters to one safetensors or .npz file, in sbpflow's layout or
     PyTorch's (``--layout torch --example FILE``: the example's modules say how)."""
-    from sbpflow.checkpoint.read import export, resolve
+    import tempfile
 
-    src = resolve(_checkpoint_dir(args))
-    out = Path(args.out or f"{src.parent.name}-{src.name}.{args.format}")
+    from sbpflow.checkpoint.read import resolve
+
     convert = _layout_of(args)
+    if not _on_server(args):
+        return _export(args, resolve(_checkpoint_dir(args)), convert)
+    with tempfile.TemporaryDirectory(prefix="sbpflow-export-") as tmp, _client(args) as client:
+        src = client.download_checkpoint(args.id, Path(tmp) / args.id)  # streamed: no shared disk needed
+        return _export(args, src, convert, shown=f"job {args.id}'s {src.name} on {args.address}")
+
+
+def _export(args: argparse.Namespace, src: Path, convert: Any, shown: str = "") -> int:
+    from sbpflow.checkpoint.read import export
+
+    out = Path(args.out or f"{src.parent.name}-{src.name}.{args.format}")
     # the writers take a path; theirs is a file in output_path's private folder (np.savez adds ".npz"
     # to a name without it, so the name has the format's suffix)
     with output_path(out, "--out", name=f"export.{args.format}") as tmp:
         export(src, tmp, args.format, convert=convert)
         size = tmp.stat().st_size
-    print(f"wrote {out} ({size / 1e6:.1f} MB) from {src}")
+    print(f"wrote {out} ({size / 1e6:.1f} MB) from {shown or src}")
     return 0
 
 
@@ -371,8 +405,10 @@ def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--checkpoint-root",
-        default=os.environ.get("SBPFLOW_CHECKPOINTS", "sbpflow-checkpoints"),
-        help="where the server keeps each job's checkpoints (env SBPFLOW_CHECKPOINTS)",
+        default=os.environ.get("SBPFLOW_CHECKPOINTS"),
+        help="read the checkpoints on this machine, in this folder (the server's --checkpoint-root, or "
+        "`sbpflow run`'s --checkpoint-dir; env SBPFLOW_CHECKPOINTS); without it (and without "
+        f"./{LOCAL_ROOT}) they are read through the server at --address",
     )
 
 
@@ -387,10 +423,11 @@ def _export_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="the file to write (default: <job id>-step-NNNNNNNN.<format>)")
     p.add_argument(
         "--layout",
-        choices=("sbpflow", "torch", "gpt2"),
+        choices=("sbpflow", "torch", "gpt2", "hf-bert", "torchvision"),
         default="sbpflow",
         help="torch: nanoGPT names, Linear weights [out, in], qkv as [q | k | v]; gpt2: Hugging Face's GPT-2 "
-        "(the same, its Conv1D weights [in, out]); both need --example",
+        "(the same, its Conv1D weights [in, out]); hf-bert, torchvision: Hugging Face's BERT, torchvision's "
+        "ResNet; each needs --example",
     )
     p.add_argument("--example", help="with --layout torch: the example file whose make_job() built the model")
     p.add_argument(
@@ -414,8 +451,8 @@ JOB_COMMANDS: dict[
         True,
     ),
     "logs": (cmd_logs, "print a job's log lines", _logs, True),
-    "checkpoints": (cmd_checkpoints, "list a job's complete checkpoints", _checkpoints_flags, False),
-    "export": (cmd_export, "export a checkpoint's parameters to safetensors or .npz", _export_flags, False),
+    "checkpoints": (cmd_checkpoints, "list a job's complete checkpoints", _checkpoints_flags, True),
+    "export": (cmd_export, "export a checkpoint's parameters to safetensors or .npz", _export_flags, True),
     "generate": (
         cmd_generate,
         "sample text from a trained language model's checkpoint",

@@ -7,6 +7,9 @@ Its own are taken no later than the job's last stored step (``rec.step``): a con
 with reports in flight never stored the losses of the steps after it, so those steps train again and
 the job's loss history stays whole.
 
+A client reads a job's checkpoints through the server (:func:`listed`, :func:`chunks`: the
+ListCheckpoints and ReadCheckpoint calls), so ``sbpflow export`` needs no disk shared with it.
+
 Whether the checkpoint root takes writes at all is :class:`StorageProbe`'s: the manager is not ready
 (``/readyz`` 503, saying why) from a run's failed checkpoint write (``CHECKPOINT_STORAGE_*``) or a
 failed probe until a probe writes there again; it probes at start and at most every
@@ -18,19 +21,64 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sbpflow.checkpoint.read import CorruptCheckpoint, corrupt_note
+from sbpflow.checkpoint.read import CheckpointInfo, CorruptCheckpoint, corrupt_note, list_checkpoints
 from sbpflow.checkpoint.write import CheckpointStorageError, make_dir, storage_error
 from sbpflow.control_plane.service import resume as resuming
 from sbpflow.control_plane.store.job_store import JobStore, Resumable
 from sbpflow.control_plane.store.schema import JobRecord
+from sbpflow.errors import SbpflowError
+from sbpflow.v1 import service_pb2 as sp
 
 CHECKPOINT_CORRUPT = "CHECKPOINT_CORRUPT"  # a corrupt checkpoint was passed over for an earlier one
 PROBE_SECONDS = 5.0  # at most one probe write to the checkpoint root in this long
 PROBE_BYTES = 64 * 1024  # what a probe writes (and fsyncs, then removes)
+CHUNK_BYTES = 1 << 20  # of a checkpoint file, in one ReadCheckpoint message
+
+
+def _found(root: str | None, job_id: str) -> list[CheckpointInfo]:
+    if root is None:
+        raise SbpflowError(
+            "this server keeps no checkpoints (it runs without --checkpoint-root); read them where the job "
+            "ran, with --checkpoint-root"
+        )
+    return list_checkpoints(Path(root) / job_id)
+
+
+def listed(root: str | None, job_id: str) -> sp.ListCheckpointsResponse:
+    """Job ``job_id``'s complete checkpoints under ``root``, oldest first."""
+    return sp.ListCheckpointsResponse(
+        checkpoints=[
+            sp.CheckpointInfo(step=c.step, bytes=c.bytes, name=c.path.name) for c in _found(root, job_id)
+        ]
+    )
+
+
+def chunks(root: str | None, job_id: str, step: int) -> Iterator[sp.CheckpointChunk]:
+    """The files of job ``job_id``'s checkpoint at ``step`` (0: its latest complete one), in chunks of
+    :data:`CHUNK_BYTES`, file after file. Only regular files inside the folder are sent: a symlink there
+    is not followed."""
+    found = _found(root, job_id)
+    pick = [c for c in found if c.step == step] if step else found[-1:]
+    if not pick:
+        steps = ", ".join(str(c.step) for c in found) or "none yet"
+        raise SbpflowError(f"job {job_id} has no complete checkpoint at step {step}; it has: {steps}")
+    folder = pick[0].path
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()):
+        name = path.relative_to(folder).as_posix()
+        with open(path, "rb") as f:
+            offset = 0
+            while True:
+                data = f.read(CHUNK_BYTES)
+                if not data and offset:
+                    break
+                yield sp.CheckpointChunk(checkpoint=folder.name, file=name, offset=offset, data=data)
+                offset += len(data)
+                if len(data) < CHUNK_BYTES:
+                    break
 
 
 def resumable(root: str | None, rec: JobRecord) -> Resumable | None:

@@ -42,6 +42,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sbpflow.codec.run_options import run_options_to_proto
 from sbpflow.control_plane.launch.worker_pool import PoolConfig, WorkerPool, install, uninstall
+from sbpflow.control_plane.service import job_checkpoints as files
 from sbpflow.control_plane.service.data_policy import DataPolicy
 from sbpflow.control_plane.service.drain import Drained
 from sbpflow.control_plane.service.drain import drain as drain_jobs
@@ -232,6 +233,22 @@ class JobServicer:
                 return
             self.manager.wait_changed(seen, POLL_SECONDS)
 
+    def ListCheckpoints(  # noqa: N802
+        self, request: sp.ListCheckpointsRequest, context: grpc.ServicerContext
+    ) -> sp.ListCheckpointsResponse:
+        rec = guard(context, lambda: self.store.get(valid_job_id(context, request.job_id)))
+        return guard(context, lambda: files.listed(self.manager.config.checkpoint_root, rec.id))
+
+    def ReadCheckpoint(  # noqa: N802
+        self, request: sp.ReadCheckpointRequest, context: grpc.ServicerContext
+    ) -> Iterator[sp.CheckpointChunk]:
+        rec = guard(context, lambda: self.store.get(valid_job_id(context, request.job_id)))
+        sent = guard(context, lambda: files.chunks(self.manager.config.checkpoint_root, rec.id, request.step))
+        first = guard(context, lambda: next(sent, None))  # a missing checkpoint fails the call itself
+        if first is not None:
+            yield first
+            yield from sent
+
     def GetResult(self, request: sp.GetResultRequest, context: grpc.ServicerContext) -> sp.JobResult:  # noqa: N802
         rec = guard(context, lambda: self.store.get(valid_job_id(context, request.job_id)))
         if not rec.state.terminal:
@@ -270,6 +287,8 @@ def _job_service_handler(servicer: JobServicer) -> grpc.GenericRpcHandler:
         "Logs": (stream, sp.LogsRequest),
         "GetResult": (unary, sp.GetResultRequest),
         "Resume": (unary, sp.ResumeJobRequest),
+        "ListCheckpoints": (unary, sp.ListCheckpointsRequest),
+        "ReadCheckpoint": (stream, sp.ReadCheckpointRequest),
     }
     handlers = {
         name: kind(

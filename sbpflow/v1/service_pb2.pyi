@@ -867,6 +867,133 @@ class JobResult(_message.Message):
 Global___JobResult: _TypeAlias = JobResult  # noqa: Y015
 
 @_typing.final
+class ListCheckpointsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCheckpointsRequest: _TypeAlias = ListCheckpointsRequest  # noqa: Y015
+
+@_typing.final
+class CheckpointInfo(_message.Message):
+    """One complete checkpoint of a job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """The step it holds the state after."""
+    bytes: _builtins.int
+    """Its files' bytes together."""
+    name: _builtins.str
+    """Its folder's name under the job's folder, e.g. "step-00000004"."""
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "name", b"name", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointInfo: _TypeAlias = CheckpointInfo  # noqa: Y015
+
+@_typing.final
+class ListCheckpointsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def checkpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___CheckpointInfo]:
+        """Oldest first."""
+
+    def __init__(
+        self,
+        *,
+        checkpoints: _abc.Iterable[Global___CheckpointInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCheckpointsResponse: _TypeAlias = ListCheckpointsResponse  # noqa: Y015
+
+@_typing.final
+class ReadCheckpointRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    step: _builtins.int
+    """The checkpoint's step; 0 = the job's latest complete one."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadCheckpointRequest: _TypeAlias = ReadCheckpointRequest  # noqa: Y015
+
+@_typing.final
+class CheckpointChunk(_message.Message):
+    """A piece of one file of a checkpoint; a file's chunks come in order, one file after another."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    FILE_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    checkpoint: _builtins.str
+    """The checkpoint's folder name (every chunk), e.g. "step-00000004"."""
+    file: _builtins.str
+    """The file's path inside that folder, '/'-separated, never absolute nor holding ".."."""
+    offset: _builtins.int
+    """Where data starts in the file."""
+    data: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        checkpoint: _builtins.str = ...,
+        file: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "data", b"data", "file", b"file", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointChunk: _TypeAlias = CheckpointChunk  # noqa: Y015
+
+@_typing.final
 class ResumeJobRequest(_message.Message):
     """Resume a job from its latest checkpoint as a new job linked to it (JobStatus.resumed_from): the old
     job keeps its history and state, the new one has its own id, events and checkpoints. The checkpoint is

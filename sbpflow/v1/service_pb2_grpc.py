@@ -75,6 +75,16 @@ class JobServiceStub:
                 request_serializer=sbpflow_dot_v1_dot_service__pb2.ResumeJobRequest.SerializeToString,
                 response_deserializer=sbpflow_dot_v1_dot_service__pb2.ResumeJobResponse.FromString,
                 _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/sbpflow.v1.JobService/ListCheckpoints',
+                request_serializer=sbpflow_dot_v1_dot_service__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=sbpflow_dot_v1_dot_service__pb2.ListCheckpointsResponse.FromString,
+                _registered_method=True)
+        self.ReadCheckpoint = channel.unary_stream(
+                '/sbpflow.v1.JobService/ReadCheckpoint',
+                request_serializer=sbpflow_dot_v1_dot_service__pb2.ReadCheckpointRequest.SerializeToString,
+                response_deserializer=sbpflow_dot_v1_dot_service__pb2.CheckpointChunk.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -139,6 +149,21 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCheckpoints(self, request, context):
+        """A job's complete checkpoints under the server's checkpoint root, oldest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadCheckpoint(self, request, context):
+        """One complete checkpoint's files in chunks, so that a client needs no disk shared with the server
+        (`sbpflow export`, `sbpflow checkpoints` without --checkpoint-root).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -181,6 +206,16 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=sbpflow_dot_v1_dot_service__pb2.ResumeJobRequest.FromString,
                     response_serializer=sbpflow_dot_v1_dot_service__pb2.ResumeJobResponse.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=sbpflow_dot_v1_dot_service__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=sbpflow_dot_v1_dot_service__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'ReadCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadCheckpoint,
+                    request_deserializer=sbpflow_dot_v1_dot_service__pb2.ReadCheckpointRequest.FromString,
+                    response_serializer=sbpflow_dot_v1_dot_service__pb2.CheckpointChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -400,6 +435,60 @@ class JobService:
             '/sbpflow.v1.JobService/Resume',
             sbpflow_dot_v1_dot_service__pb2.ResumeJobRequest.SerializeToString,
             sbpflow_dot_v1_dot_service__pb2.ResumeJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sbpflow.v1.JobService/ListCheckpoints',
+            sbpflow_dot_v1_dot_service__pb2.ListCheckpointsRequest.SerializeToString,
+            sbpflow_dot_v1_dot_service__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sbpflow.v1.JobService/ReadCheckpoint',
+            sbpflow_dot_v1_dot_service__pb2.ReadCheckpointRequest.SerializeToString,
+            sbpflow_dot_v1_dot_service__pb2.CheckpointChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,12 @@ class JobServiceStub:
     NOT_FOUND for an unknown id, FAILED_PRECONDITION while the job runs or when it has no checkpoint
     (or the server keeps none), INVALID_ARGUMENT when the new job does not match the checkpoint.
     """
+    ListCheckpoints: _grpc.UnaryUnaryMultiCallable[_service_pb2.ListCheckpointsRequest, _service_pb2.ListCheckpointsResponse]
+    """A job's complete checkpoints under the server's checkpoint root, oldest first."""
+    ReadCheckpoint: _grpc.UnaryStreamMultiCallable[_service_pb2.ReadCheckpointRequest, _service_pb2.CheckpointChunk]
+    """One complete checkpoint's files in chunks, so that a client needs no disk shared with the server
+    (`sbpflow export`, `sbpflow checkpoints` without --checkpoint-root).
+    """
 
 @_typing.type_check_only
 class JobServiceAsyncStub(JobServiceStub):
@@ -78,6 +84,12 @@ class JobServiceAsyncStub(JobServiceStub):
     """A new job that continues an ended one from its latest checkpoint, optionally under another layout;
     NOT_FOUND for an unknown id, FAILED_PRECONDITION while the job runs or when it has no checkpoint
     (or the server keeps none), INVALID_ARGUMENT when the new job does not match the checkpoint.
+    """
+    ListCheckpoints: _aio.UnaryUnaryMultiCallable[_service_pb2.ListCheckpointsRequest, _service_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
+    """A job's complete checkpoints under the server's checkpoint root, oldest first."""
+    ReadCheckpoint: _aio.UnaryStreamMultiCallable[_service_pb2.ReadCheckpointRequest, _service_pb2.CheckpointChunk]  # type: ignore[assignment]
+    """One complete checkpoint's files in chunks, so that a client needs no disk shared with the server
+    (`sbpflow export`, `sbpflow checkpoints` without --checkpoint-root).
     """
 
 class JobServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -148,6 +160,24 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         """A new job that continues an ended one from its latest checkpoint, optionally under another layout;
         NOT_FOUND for an unknown id, FAILED_PRECONDITION while the job runs or when it has no checkpoint
         (or the server keeps none), INVALID_ARGUMENT when the new job does not match the checkpoint.
+        """
+
+    @_abc_1.abstractmethod
+    def ListCheckpoints(
+        self,
+        request: _service_pb2.ListCheckpointsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_service_pb2.ListCheckpointsResponse, _abc.Awaitable[_service_pb2.ListCheckpointsResponse]]:
+        """A job's complete checkpoints under the server's checkpoint root, oldest first."""
+
+    @_abc_1.abstractmethod
+    def ReadCheckpoint(
+        self,
+        request: _service_pb2.ReadCheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_service_pb2.CheckpointChunk], _abc.AsyncIterator[_service_pb2.CheckpointChunk]]:
+        """One complete checkpoint's files in chunks, so that a client needs no disk shared with the server
+        (`sbpflow export`, `sbpflow checkpoints` without --checkpoint-root).
         """
 
 def add_JobServiceServicer_to_server(servicer: JobServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

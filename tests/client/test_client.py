@@ -118,3 +118,26 @@ def test_submit_refuses_a_degenerate_job_naming_the_entry(
 def _zero_width(job: Any, name: str) -> None:
     (t,) = (t for t in job.graph.tensors if t.name == name)
     t.shape[1] = 0
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "file"),
+    [
+        ("step-1", "../x"),
+        ("..", "a"),
+        ("step-1", "/etc/passwd"),
+        ("", "a"),
+        ("step-1", "a\\b"),
+        ("s", "a/./b"),
+    ],
+)
+def test_a_checkpoint_file_the_server_names_outside_its_folder_is_refused(
+    tmp_path: Path, checkpoint: str, file: str
+) -> None:
+    from sbpflow.client.client import _inside
+
+    with pytest.raises(ClientError, match="outside its folder"):
+        _inside(tmp_path, checkpoint, file)
+    assert _inside(tmp_path, "step-00000002", "rank-0/a.safetensors") == (
+        tmp_path / "step-00000002" / "rank-0" / "a.safetensors"
+    )

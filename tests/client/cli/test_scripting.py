@@ -28,14 +28,14 @@ MLP = str(ROOT / "examples" / "mlp.py")
 
 
 def sbpflow(
-    *args: str, token: str | None = "t", stdout: int | None = subprocess.PIPE
+    *args: str, token: str | None = "t", stdout: int | None = subprocess.PIPE, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SBPFLOW_")}
     if token:
         env["SBPFLOW_TOKEN"] = token
     return subprocess.run(
         [sys.executable, "-m", "sbpflow.client.cli.main", *args],
-        stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=120, env=env,
+        stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=120, env=env, cwd=cwd,
     )  # fmt: skip
 
 
@@ -96,6 +96,26 @@ def test_checkpoints_and_plan_json(plane: ControlPlane, done_job: str, tmp_path:
     assert tuple(plan) == json_output.PLAN_KEYS and plan["job"] == "TrainMLP" and "wrote" in r.stderr
     assert all(set(o) == {"name", "op_type", "inputs", "outputs"} for o in plan["ops"])
     assert set(plan["memory"]) == {"0", "1"} and plan["boxing_bytes"] >= 0
+
+
+def test_checkpoints_and_export_through_the_server_need_no_shared_disk(
+    plane: ControlPlane, done_job: str, tmp_path: Path
+) -> None:
+    away = tmp_path / "elsewhere"  # a folder with no checkpoints: the server is asked
+    away.mkdir()
+    r = sbpflow("checkpoints", done_job, "--address", plane.address, "--json", cwd=away)
+    assert r.returncode == 0, r.stderr
+    assert [c["step"] for c in json.loads(r.stdout)["checkpoints"]] == [1, 2]
+    got, want = away / "model.safetensors", tmp_path / "local.safetensors"
+    r = sbpflow("export", done_job, "--address", plane.address, "--out", str(got), cwd=away)
+    assert r.returncode == 0 and f"job {done_job}'s step-00000002 on" in r.stdout, r.stderr
+    root = plane.config.checkpoint_root or ""
+    assert sbpflow("export", done_job, "--checkpoint-root", root, "--out", str(want)).returncode == 0
+    assert got.read_bytes() == want.read_bytes()  # the same export as from the server's own disk
+    r = sbpflow("export", "0" * 32, "--address", plane.address, cwd=away)
+    assert r.returncode == 1 and "no job" in r.stderr.lower(), r.stderr
+    r = sbpflow("export", "--address", plane.address, cwd=away)
+    assert r.returncode == 2 and "give a job id" in r.stderr, r.stderr
 
 
 def test_the_readme_lists_every_json_key() -> None:
