@@ -385,8 +385,12 @@ def test_requests_and_result_roundtrip() -> None:
 def test_services_declare_their_methods() -> None:
     services = service_pb2.DESCRIPTOR.services_by_name
     job = {m.name: m for m in services["JobService"].methods}
-    assert set(job) == {"Submit", "Get", "List", "Watch", "Cancel", "Logs", "GetResult", "Resume"}
+    assert set(job) == {
+        *("Submit", "Get", "List", "Watch", "Cancel", "Logs", "GetResult", "Resume"),
+        *("ListCheckpoints", "ReadCheckpoint"),
+    }
     assert job["Watch"].server_streaming and job["Logs"].server_streaming
+    assert job["ReadCheckpoint"].server_streaming and not job["ListCheckpoints"].server_streaming
     assert not job["Submit"].server_streaming
     worker = {m.name: m for m in services["WorkerService"].methods}
     assert set(worker) == {"Report", "ReportStream", "ReportBatch"}

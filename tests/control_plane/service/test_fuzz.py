@@ -400,10 +400,12 @@ REQUESTS: dict[str, Any] = {
     "Cancel": st.builds(sp.CancelJobRequest, job_id=_TEXT, reason=_TEXT),
     "GetResult": st.builds(sp.GetResultRequest, job_id=_TEXT, parameters=st.lists(_TEXT, max_size=3)),
     "Resume": st.builds(sp.ResumeJobRequest, job_id=_TEXT, client_id=_TEXT, idempotency_key=_TEXT),
+    "ListCheckpoints": st.builds(sp.ListCheckpointsRequest, job_id=_TEXT),
 }
 STREAMS: dict[str, Any] = {
     "Watch": st.builds(sp.WatchJobRequest, job_id=_TEXT, after_seq=_INT64),
     "Logs": st.builds(sp.LogsRequest, job_id=_TEXT, rank=_INT64),
+    "ReadCheckpoint": st.builds(sp.ReadCheckpointRequest, job_id=_TEXT, step=_INT64),
 }
 
 

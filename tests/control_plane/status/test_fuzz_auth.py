@@ -155,6 +155,8 @@ _CALLS: dict[str, Any] = {
     "Resume": sp.ResumeJobRequest,
     "Watch": sp.WatchJobRequest,
     "Logs": sp.LogsRequest,
+    "ListCheckpoints": sp.ListCheckpointsRequest,
+    "ReadCheckpoint": sp.ReadCheckpointRequest,
 }
 
 
@@ -198,7 +200,7 @@ def test_calls_without_the_token_are_refused_unauthenticated(
     known: str,
 ) -> None:
     body = _body(method, known, job_bytes)
-    if method in ("Watch", "Logs"):
+    if method in ("Watch", "Logs", "ReadCheckpoint"):
         call: Any = lambda: list(channel.unary_stream(SERVICE + method)(body, metadata=metadata, timeout=10))  # noqa: E731
     else:
         call = lambda: channel.unary_unary(SERVICE + method)(body, metadata=metadata, timeout=10)  # noqa: E731
