@@ -25,7 +25,7 @@ from sbpflow.v1 import service_pb2 as sp
 from sbpflow.v1 import service_pb2_grpc as sg
 from tests.examples.test_examples import load
 
-CALLS = 100  # logical Submits in the storm (~80 ms of compiling each on the server)
+CALLS = 40  # logical Submits in the storm (~80 ms of compiling each on the server; 100 took 17-85 s)
 
 
 def _config(tmp: Path, port: int = 0) -> ServerConfig:
