@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -276,7 +279,6 @@ def generate(
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Print the prompt and the text the example's model writes after it."""
-    from sbpflow.checkpoint.read import resolve
     from sbpflow.client.cli.examples import load_example, make_kwargs
 
     example = load_example(args.example)
@@ -287,6 +289,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "examples/charlm.py)"
         )
     model, where, sbp = make_model(**make_kwargs(args, make_model))
+    if args.job is not None:  # no disk shared with the server: its checkpoint streamed here first
+        with tempfile.TemporaryDirectory(prefix="sbpflow-generate-") as tmp:
+            args.checkpoint = _downloaded(args, Path(tmp))
+            return _write(args, example, model, where, sbp)
+    return _write(args, example, model, where, sbp)
+
+
+def _downloaded(args: argparse.Namespace, into: Path) -> str:
+    from sbpflow.client.client import Client
+
+    token = args.token or os.environ.get("SBPFLOW_TOKEN") or None
+    with Client(args.address, token=token, tls_ca=args.tls_ca) as client:
+        return str(client.download_checkpoint(args.job, into))
+
+
+def _write(args: argparse.Namespace, example: Any, model: Any, where: Any, sbp: Any) -> int:
+    """Print the prompt(s) and what the model writes after them, from ``args.checkpoint``."""
+    from sbpflow.checkpoint.read import resolve
+
     checkpoint = (
         str(resolve(args.checkpoint))
         if not args.checkpoint.endswith((".safetensors", ".npz"))
@@ -310,8 +331,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("example", help="a Python file defining make_model(), encode() and decode()")
-    p.add_argument(
-        "--checkpoint", required=True, help="a checkpoint, a folder of them (the latest), or a .safetensors"
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a checkpoint, a folder of them (the latest), or a .safetensors")
+    source.add_argument(
+        "--job", metavar="ID", help="the latest checkpoint of job ID, read through the server at --address"
     )
     p.add_argument(
         "--prompt",

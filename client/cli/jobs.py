@@ -457,6 +457,6 @@ JOB_COMMANDS: dict[
         cmd_generate,
         "sample text from a trained language model's checkpoint",
         generate_flags,
-        False,
+        True,  # --job ID reads its checkpoint through the server at --address
     ),
 }

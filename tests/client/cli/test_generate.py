@@ -148,3 +148,39 @@ def test_a_checkpoint_without_a_parameter_of_the_model_is_refused_on_the_cached_
     model, where, sbp = _model(load("charlm"), 1, False)
     with pytest.raises(sf.SbpflowError, match="ln_f"):
         generate(model, [1, 2], Sampling(max_new_tokens=2), str(tmp_path / "part.safetensors"), where, sbp)
+
+
+def test_generate_from_a_job_on_a_server_needs_no_shared_disk(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sbpflow.client.client import Client
+    from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
+    from sbpflow.runs.options import MANAGER_DEFAULTS
+
+    root = tmp_path / "server-ckpts"
+    cfg = ServerConfig(
+        store=str(tmp_path / "jobs.db"),
+        run=MANAGER_DEFAULTS.replace(backend="inprocess"),
+        slots=1,
+        http_port=None,
+        checkpoint_root=str(root),
+        data_roots=(str(sf.corpus.cache_dir()),),  # charlm's text: the corpus cache
+    )
+    plane = ControlPlane(cfg).start()
+    try:
+        job = load("charlm").make_job(ranks=1, batch_size=4, steps=2, **SMALL)
+        job.config = dataclasses.replace(job.config, checkpoint_every=2)
+        with Client(plane.address) as c:
+            h = c.submit(job)
+            assert h.wait(120).state == 5  # SUCCEEDED
+        sets = [f"--set={k}={v}" for k, v in SMALL.items() if k != "layers"]
+        common = ["--temperature", "0", "--max-new-tokens", "4", "--layers", "1", *sets]
+        assert (
+            main(["generate", "examples/charlm.py", "--job", h.job_id, "--address", plane.address, *common])
+            == 0
+        )
+        streamed = capsys.readouterr().out
+        assert main(["generate", "examples/charlm.py", "--checkpoint", str(root / h.job_id), *common]) == 0
+        assert streamed == capsys.readouterr().out and len(streamed.rstrip("\n")) == 8
+    finally:
+        plane.stop()

@@ -57,12 +57,20 @@ def _base(command: str, p: argparse.ArgumentParser) -> list[str]:
             argv.append(MLP if a.dest == "example" else "0123456789abcdef")
         elif a.required:
             argv += [a.option_strings[0], "ck"]
+    for group in p._mutually_exclusive_groups:  # generate's --checkpoint | --job: one of them
+        if group.required:
+            argv += [group._group_actions[0].option_strings[0], "ck"]
     return argv
 
 
 def _with(p: argparse.ArgumentParser, argv: list[str], a: argparse.Action, value: str) -> list[str]:
     """``argv`` with ``a`` given ``value`` (a flag added, a positional replaced or added)."""
     if a.option_strings:
+        for group in p._mutually_exclusive_groups:  # a value for --job stands in for _base's --checkpoint
+            for other in group._group_actions if a in group._group_actions else ():
+                if other is not a and other.option_strings[0] in argv:
+                    at = argv.index(other.option_strings[0])
+                    argv = argv[:at] + argv[at + 2 :]
         return [*argv, a.option_strings[0], value]
     out, positionals = list(argv), [b.dest for b in _positionals(p)]
     if a.nargs == "?":  # status's id, resume's example: right after the others, as argparse reads them
