@@ -42,6 +42,7 @@ from typing import Any
 
 import grpc
 
+from sbpflow.control_plane.launch.ports import NOT_SHARED, free_port
 from sbpflow.v1 import service_pb2 as sp
 from sbpflow.v1 import service_pb2_grpc as sg
 
@@ -197,12 +198,15 @@ class ReportHub(sg.WorkerServiceServicer):
         """Serve on a server of its own at ``host:port`` (0 = any free port); returns ``host:port``."""
         if self._server is not None:
             return self.address
-        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), NOT_SHARED]
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="sbpflow-reports"), options=options
         )
         self.add_to(server)
-        bound = server.add_insecure_port(f"{host}:{port}")
+        try:
+            bound = server.add_insecure_port(f"{host}:{free_port(host, port)}")
+        except RuntimeError:  # grpc's "Failed to bind": the port is in use
+            bound = 0
         if bound == 0:
             raise OSError(
                 f"WorkerService could not bind {host}:{port}; pick another port or 0 for any free one"

@@ -24,7 +24,11 @@
   (gRPC cancels calls past it: it is set well above what the per-connection limit lets one client
   reach), handshake time, idle connections and dead peers (keepalive).
 - **Bind** (:func:`check_bind`): a server on a non-loopback address without a token would run anyone's
-  jobs; it is refused unless ``insecure`` is given.
+  jobs; it is refused unless ``insecure`` is given. A port is the server's alone (``grpc.so_reuseport``
+  off: gRPC's default let a second server on the same port take half the connections), and port 0 on a
+  name of several addresses (``localhost``: 127.0.0.1 and ::1) is a port free on all of them
+  (``launch/ports.py``): gRPC keeps the first address's port for the others and, where another process
+  holds it there, silently serves on the first alone while that process gets the other's clients.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from sbpflow.control_plane.launch.ports import NOT_SHARED
 from sbpflow.errors import SbpflowError
 
 LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
@@ -313,6 +318,7 @@ def transport_options() -> list[tuple[str, int]]:
         ("grpc.max_connection_idle_ms", IDLE_MS),
         ("grpc.keepalive_time_ms", KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        NOT_SHARED,
     ]
 
 

@@ -41,6 +41,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sbpflow.codec.run_options import run_options_to_proto
+from sbpflow.control_plane.launch.ports import free_port
 from sbpflow.control_plane.launch.worker_pool import PoolConfig, WorkerPool, install, uninstall
 from sbpflow.control_plane.service import job_checkpoints as files
 from sbpflow.control_plane.service.data_policy import DataPolicy
@@ -358,14 +359,20 @@ class ControlPlane:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
-        where = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert or cfg.tls_key:
-            key, cert = _tls_pair(cfg)
-            self.port = server.add_secure_port(where, grpc.ssl_server_credentials([(key, cert)]))
-        else:
-            self.port = server.add_insecure_port(where)
+        where = f"{cfg.host}:{free_port(cfg.host, cfg.port)}"
+        try:
+            if cfg.tls_cert or cfg.tls_key:
+                key, cert = _tls_pair(cfg)
+                self.port = server.add_secure_port(where, grpc.ssl_server_credentials([(key, cert)]))
+            else:
+                self.port = server.add_insecure_port(where)
+        except RuntimeError:  # grpc's "Failed to bind": in use, or not an address of this machine
+            self.port = 0
         if self.port == 0:
-            raise SbpflowError(f"cannot bind gRPC to {where}; pick another --port (0 = any free port)")
+            raise SbpflowError(
+                f"cannot bind gRPC to {where}: the port is in use or the host is not this machine's; pick "
+                "another --port (0 = any free port) or --host"
+            )
         if self.hub is not None:  # its own server: its thousand calls a second have their own event thread
             self.hub.serve(cfg.host, cfg.worker_port)
             self.hub.address = f"{_advertised(cfg.host)}:{self.hub.port}"

@@ -217,7 +217,9 @@ def test_cancel_right_after_submit_ends_cancelled_within_seconds(tmp_path: Path,
     try:
         with Client(plane.address) as c:
             for i in range(5):
-                h = c.submit(job_of(mlp, LONG, every=0, n_in=256, hidden=256))
+                h = c.submit(
+                    job_of(mlp, LONG, every=0, n_in=256, hidden=256, lr=0.002)
+                )  # lr 0.05 diverged by step 12: FAILED before the Cancel came
                 time.sleep(0.02 * i)  # PENDING, COMPILING or STARTING
                 t0 = time.monotonic()
                 c.cancel(h.job_id, "changed my mind")

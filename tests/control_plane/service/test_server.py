@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -368,3 +369,38 @@ def test_a_jobs_status_reports_the_options_it_runs_under(tmp_path: Path, mlp: Mo
             assert not h.result().parameters  # return_parameters=False: the server kept none
     finally:
         p.stop()
+
+
+def test_a_port_in_use_is_refused_not_shared(tmp_path: Path) -> None:
+    """gRPC's default SO_REUSEPORT let a second server start on a port in use and take part of the first
+    one's connections: the second is refused, naming the address, and the first still answers."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    first = start(tmp_path / "a")
+    try:
+        port = first.port
+        with pytest.raises(
+            sf.SbpflowError, match=rf"cannot bind gRPC to 127\.0\.0\.1:{port}: the port is in use"
+        ):
+            start(tmp_path / "b", port=port)
+        with Client(first.address) as c:
+            assert c.list() == []
+    finally:
+        first.stop()
+
+
+def test_port_zero_on_a_name_of_several_addresses_is_free_on_each() -> None:
+    """``localhost`` is 127.0.0.1 and ::1 on many machines: gRPC gives the second the first one's port,
+    and where another process holds it there, that process got the clients (seen on CI)."""
+    from sbpflow.control_plane.launch.ports import free_on_all, free_port
+
+    addresses = [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "127.0.0.2")]
+    for _ in range(5):
+        port = free_on_all(addresses)
+        held = [socket.socket(family) for family, _ in addresses]
+        try:
+            for s, (_, address) in zip(held, addresses, strict=True):
+                s.bind((address, port))  # raises where the port was taken on one of them
+        finally:
+            for s in held:
+                s.close()
+    assert free_port("localhost", 8123) == 8123 and free_port("127.0.0.1", 0) == 0
