@@ -26,7 +26,7 @@ def free_port(host: str, port: int, tries: int = 50) -> int:
         found = socket.getaddrinfo(host.strip("[]"), 0, type=socket.SOCK_STREAM)
     except OSError:
         return 0  # gRPC names the host it cannot resolve
-    addresses = list(dict.fromkeys((family, sockaddr[0]) for family, _, _, _, sockaddr in found))
+    addresses = list(dict.fromkeys((int(family), str(sockaddr[0])) for family, _, _, _, sockaddr in found))
     if len(addresses) < 2:
         return 0
     return free_on_all(addresses, tries) or _no_port(host, tries)
