@@ -33,7 +33,7 @@ import time
 from collections import deque
 from typing import Any
 
-from sbpflow.actor_workers.step_reports import report
+from sbpflow.actor_workers.step_reports import heartbeat, report
 from sbpflow.v1 import service_pb2 as sp
 
 HEARTBEAT_SECONDS = 2.0
@@ -106,7 +106,7 @@ class Reporter:
         while True:
             first = self._next(time.monotonic() + HEARTBEAT_SECONDS, hold=False)
             if first is _EMPTY:
-                first = report(*self._ids, heartbeat=sp.Heartbeat())
+                first = report(*self._ids, heartbeat=heartbeat())
             batch, end, urgent = self._gather(first, last + BATCH_SECONDS)
             if batch and self._stub is not None:
                 if not urgent:

@@ -4,10 +4,17 @@ hooks that turn a rank's SINK acts into one ``StepReport`` per completed step.
 A rank that holds the loss reports its share of it when it fetches it; any other rank reports a step
 once the last variable it assigns has come in. The control plane assembles the shares into the step's
 loss (:mod:`sbpflow.control_plane.launch.step_tracker`).
+
+Every step report (and heartbeat) carries the rank's process usage, :func:`process_usage`: its CPU
+seconds (user and system, ``time.process_time``) and its resident memory (``/proc/self/statm``, read at
+most every :data:`RSS_SECONDS`: a step of a millisecond should not pay a file read). A rank of the
+in-process backend shares its process with the control plane, and reports that process's.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -90,14 +97,65 @@ def watch_steps(rc: Any, device: pp.DevicePlan, loss: str | None, done: StepDone
     rc.assign_hooks.append(on_assign)
 
 
+RSS_SECONDS = 0.25  # the resident memory is read at most this often
+_STATM = "/proc/self/statm"  # Linux: sizes in pages, the second the resident set
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class _Resident:
+    """The resident size, read again once the last read is ``RSS_SECONDS`` old (threads share it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._when, self._bytes = -RSS_SECONDS, 0
+
+    def bytes(self) -> int:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._when >= RSS_SECONDS:
+                self._when, self._bytes = now, _read_rss()
+            return self._bytes
+
+
+def _read_rss() -> int:
+    try:
+        with open(_STATM, "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):  # not Linux: no resident size to report
+        return 0
+
+
+_RESIDENT = _Resident()
+
+
+def process_usage() -> tuple[float, int]:
+    """This process's CPU seconds and resident bytes now (bytes 0 where ``/proc`` is not there)."""
+    return time.process_time(), _RESIDENT.bytes()
+
+
+def heartbeat() -> sp.Heartbeat:
+    """A heartbeat with the process's usage."""
+    cpu, rss = process_usage()
+    return sp.Heartbeat(cpu_seconds=cpu, rss_bytes=rss)
+
+
 def step_report(
     step: int, loss: float | None, timings: Mapping[str, float] | float, scaling: Scaling | None = None
 ) -> sp.StepReport:
     """The StepReport of (0-based) ``step``: with the rank's loss share where it holds the loss,
-    ``watch_steps``'s timings (a number: the step's seconds alone), and the loss scale where it holds it."""
+    ``watch_steps``'s timings (a number: the step's seconds alone), the loss scale where it holds it, and
+    the process's usage (:func:`process_usage`)."""
     losses = [] if loss is None else [loss]
     seconds = {"step": float(timings)} if isinstance(timings, (int, float)) else timings
-    m = sp.StepReport(step=step + 1, losses=losses, loss=loss or 0.0, timings_seconds=seconds)
+    cpu, rss = process_usage()
+    m = sp.StepReport(
+        step=step + 1,
+        losses=losses,
+        loss=loss or 0.0,
+        timings_seconds=seconds,
+        cpu_seconds=cpu,
+        rss_bytes=rss,
+    )
     if scaling is not None:
         m.loss_scale, m.skipped_steps = scaling
     return m

@@ -3,7 +3,8 @@
 ``on_state`` moves the job along its lifecycle, ``on_step`` records each step (numbered from the start
 of the job, not of the run, which may resume a checkpoint), ``on_eval`` the held-out loss, ``on_attempt`` records a restart as the
 job's next attempt (reason ``WORKER_LOST``, a "state" event back to STARTING), and ``on_report`` keeps the
-live per-worker rows and the workers' log lines. Every write wakes the manager's streams.
+live per-worker rows (with each process's CPU seconds and resident memory from its latest step report or
+heartbeat) and the workers' log lines. Every write wakes the manager's streams.
 
 A store that cannot write for a while (a full disk, a lost volume) must neither lose what the run said
 nor reach into the run: every write goes through an ordered queue, a write that fails with
@@ -39,7 +40,11 @@ _WORKER_STATE: dict[str, WorkerState | None] = {
     "done": WorkerState.DONE,
     "error": WorkerState.FAILED,
 }
-
+# The payloads that carry the worker process's usage (cpu_seconds, rss_bytes), by kind.
+_USAGE: dict[str, Callable[[sp.WorkerReport], sp.StepReport | sp.Heartbeat]] = {
+    "step": lambda rep: rep.step,
+    "heartbeat": lambda rep: rep.heartbeat,
+}
 
 log = logging.getLogger(__name__)
 MAX_UNWRITTEN = 100_000  # store writes held while the store cannot write (a few MB) before the run stops
@@ -187,9 +192,13 @@ class RunListeners:
         when = rep.time.ToNanoseconds() / 1e9 if rep.HasField("time") else time.time()
         state = _WORKER_STATE.get(kind) or (old.state if old else WorkerState.STARTING)
         step = rep.step.step if kind == "step" else (old.step if old else 0)
+        cpu, rss = (old.cpu_seconds, old.rss_bytes) if old else (0.0, 0)
+        if kind in _USAGE:  # a payload that says the process's CPU and memory
+            said = _USAGE[kind](rep)
+            cpu, rss = said.cpu_seconds or cpu, said.rss_bytes or rss  # 0: not measured (an older worker)
         self.r.workers[rep.rank] = WorkerRecord(
             self.job_id, rep.rank, rep.worker_id or (old.worker_id if old else ""), state,
-            rep.host or (old.host if old else ""), step, when,
+            rep.host or (old.host if old else ""), step, when, cpu, rss,
         )  # fmt: skip
         if kind == "log":
             self.write(

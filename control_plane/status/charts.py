@@ -4,7 +4,8 @@ network: the page opens as it is.
 
     line_chart([Series("loss", ((1, 2.31), (2, 2.05)))], x_label="step", y_label="loss")
 
-NaN and infinite values are left out of the line (a caption says how many); a chart with no finite
+Several series get a legend (top right); a :class:`Marker` is a dashed vertical line at an x with its
+label (where a job's attempt began: "attempt 2 from step 200"). NaN and infinite values are left out of the line (a caption says how many); a chart with no finite
 point says so in words instead of drawing empty axes.
 """
 
@@ -28,6 +29,14 @@ class Series:
 
     name: str
     points: tuple[tuple[float, float], ...]
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A dashed vertical line at ``x``, labelled (its hover text too)."""
+
+    x: float
+    label: str
 
 
 def nice_ticks(lo: float, hi: float, want: int = 5) -> list[float]:
@@ -63,15 +72,17 @@ def line_chart(
     width: int = 560,
     height: int = 220,
     title: str = "",
+    markers: Sequence[Marker] = (),
 ) -> str:
-    """An SVG line chart of ``series`` on shared axes (a ``<p>`` saying why, when nothing is finite)."""
+    """An SVG line chart of ``series`` on shared axes, with ``markers`` (a ``<p>`` saying why, when
+    nothing is finite)."""
     esc = html.escape
     finite = [[(x, y) for x, y in s.points if math.isfinite(x) and math.isfinite(y)] for s in series]
     dropped = sum(len(s.points) for s in series) - sum(map(len, finite))
     if not any(finite):
         why = "no finite values" if dropped else "no data yet"
         return f"<p class='nodata'>{esc(title or y_label)}: {why}</p>"
-    xs = [x for pts in finite for x, _ in pts]
+    xs = [x for pts in finite for x, _ in pts] + [m.x for m in markers if math.isfinite(m.x)]
     ys = [y for pts in finite for _, y in pts]
     want = max(2, (height - PAD_TOP - PAD_BOTTOM) // 36)  # a tick label every ~36 px at most
     xt, yt = nice_ticks(min(xs), max(xs)), nice_ticks(min(ys), max(ys), want)
@@ -90,9 +101,12 @@ def line_chart(
         f"<text x='{(x0 + x1) / 2}' y='{height - 4}' text-anchor='middle'>{esc(x_label)}</text>",
         f"<text transform='translate(12,{(y0 + y1) / 2}) rotate(-90)' text-anchor='middle'>{esc(y_label)}</text>",
     ]
+    out += [_marker(m, px(m.x), y0, y1) for m in markers if math.isfinite(m.x)]
     for i, (s, pts) in enumerate(zip(series, finite, strict=True)):
         if pts:
             out.append(_line(s.name, pts, COLORS[i % len(COLORS)], px, py, x_label))
+    if len(series) > 1:
+        out.append(_legend([s.name for s in series], x1, y1))
     if dropped:
         out.append(
             f"<text x='{x0 + 4}' y='{y1 + 10}' fill='#a00'>{dropped} non-finite value(s) left out</text>"
@@ -139,3 +153,25 @@ def _line(name: str, pts: list[tuple[float, float]], color: str, px: Scale, py: 
         f"<g class='series' data-name='{esc(name)}'><polyline fill='none' stroke='{color}' "
         f"stroke-width='1.5' points='{xy}'/>{marks}{last}</g>"
     )
+
+
+def _marker(m: Marker, x: float, y0: float, y1: float) -> str:
+    label = html.escape(m.label)
+    return (
+        f"<g class='marker' data-label='{label}'><title>{label}</title>"
+        f"<line x1='{x:.1f}' y1='{y1}' x2='{x:.1f}' y2='{y0}' stroke='#666' stroke-dasharray='4 3'/>"
+        f"<text x='{x + 3:.1f}' y='{y0 - 5}' fill='#444' stroke='#fff' stroke-width='3' "
+        f"paint-order='stroke'>{label}</text></g>"
+    )
+
+
+def _legend(names: Sequence[str], x1: float, y1: float) -> str:
+    """Each series' colour and name, one a line, right-aligned in the top right corner."""
+    rows = [
+        f"<line x1='{x1 - 22}' y1='{y1 + 9 + 13 * i}' x2='{x1 - 6}' y2='{y1 + 9 + 13 * i}' "
+        f"stroke='{COLORS[i % len(COLORS)]}' stroke-width='2'/>"
+        f"<text x='{x1 - 26}' y='{y1 + 13 + 13 * i}' text-anchor='end' stroke='#fff' stroke-width='3' "
+        f"paint-order='stroke'>{html.escape(name)}</text>"
+        for i, name in enumerate(names)
+    ]
+    return f"<g class='legend'>{''.join(rows)}</g>"

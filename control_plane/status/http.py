@@ -293,7 +293,6 @@ class StatusEndpoint:
             rec=rec,
             job=job,
             workers=self.manager.workers(job_id),
-            losses=self.store.losses(job_id),
             events=self.store.events(job_id),
             logs=self.store.logs(job_id),
             checkpoints=self.manager.checkpoints(job_id),

@@ -3,7 +3,8 @@
 one schema wherever the job comes from.
 
 Version :data:`VERSION` (the ``"version"`` key of every top-level document). Keys stay: a later version
-may add keys, never rename or remove one; a change that must is a new version.
+may add keys, never rename or remove one; a change that must is a new version. Version 1 has gained
+keys and stays 1: the workers' ``cpu_seconds`` and ``rss_bytes``.
 
 A job::
 
@@ -12,7 +13,8 @@ A job::
      "created", "started", "finished" (ISO 8601 UTC, null until then),
      "last_checkpoint", "resumed_from", "resume_checkpoint",
      "workers": [{"rank", "state" ("RUNNING", "DONE", ...), "step", "host", "worker_id",
-                  "last_heartbeat"}],
+                  "last_heartbeat", "cpu_seconds", "rss_bytes" (the worker process's CPU seconds and
+                  resident bytes at its latest report while the job runs; 0 before it and once ended)}],
      "eval_step" (0 before the first evaluation), "eval_loss" (null then),
      "loss_scale" (null without dynamic loss scaling), "skipped_steps",
      "options": {the run options the job runs under, by name; unset ones absent}}
@@ -40,7 +42,7 @@ JOB_KEYS = (
     "samples_per_second", "created", "started", "finished", "last_checkpoint", "resumed_from",
     "resume_checkpoint", "workers", "eval_step", "eval_loss", "loss_scale", "skipped_steps", "options",
 )  # fmt: skip
-WORKER_KEYS = ("rank", "state", "step", "host", "worker_id", "last_heartbeat")
+WORKER_KEYS = ("rank", "state", "step", "host", "worker_id", "last_heartbeat", "cpu_seconds", "rss_bytes")
 
 
 def _time(m: Any, name: str) -> str | None:
@@ -61,6 +63,8 @@ def _worker(w: sp.WorkerStatus) -> dict[str, Any]:
         "host": w.host,
         "worker_id": w.worker_id,
         "last_heartbeat": _time(w, "last_heartbeat"),
+        "cpu_seconds": json_float(w.cpu_seconds),
+        "rss_bytes": w.rss_bytes,
     }
 
 

@@ -15,6 +15,8 @@ manager's live worker rows) at scrape time, so they are never stale:
 | ``sbpflow_job_skipped_steps_total`` | job_id, name | steps dynamic loss scaling skipped (an inf/NaN gradient) |
 | ``sbpflow_job_loss_scale`` | job_id, name | dynamic loss scaling's scale after the last step |
 | ``sbpflow_worker_up`` | job_id, rank | 1 while the worker is starting or running, else 0 |
+| ``sbpflow_worker_cpu_seconds_total`` | job_id, rank | CPU seconds its process has used (a counter) |
+| ``sbpflow_worker_resident_memory_bytes`` | job_id, rank | its process's resident memory (host) |
 | ``sbpflow_compile_seconds`` | | time from COMPILING to STARTING |
 | ``sbpflow_step_seconds`` | | wall time of each step |
 | ``sbpflow_jobs_finished_total`` | state | jobs that ended, by terminal state |
@@ -24,11 +26,13 @@ after it ended, each ended one among the ``RECENT`` newest: a job's series expir
 Labels are bounded: the job id, and the job's name cut to ``MAX_NAME`` characters (names are user
 strings), so ``/metrics`` stays bounded on a long-lived server whatever jobs were submitted.
 
-``sbpflow_worker_up`` has a series per worker: a 1,024-rank job's 1,024 samples cost ~10 ms of Python
-through prometheus-client's families on every scrape, holding the GIL while reports come in. Its lines
-are therefore written here (:class:`WorkerUpLines`): each job's label text is made once per rank set and
-kept, and a scrape joins it with each worker's 0 or 1; the text is the one prometheus-client writes for
-the same family (a test compares them byte for byte).
+The ``sbpflow_worker_*`` families have a series per worker of each job in flight: a 1,024-rank job's
+1,024 samples cost ~10 ms of Python through prometheus-client's families on every scrape, holding the
+GIL while reports come in. Their lines are therefore written here (:class:`WorkerLines`): each job's
+label text is made once per rank set and kept, and a scrape joins it with each worker's value (0 or 1,
+CPU seconds and resident bytes from its latest step report or heartbeat: the same names as
+prometheus-client's ``process_*`` metrics); the text is the one prometheus-client writes for the same
+families (a test compares them byte for byte).
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from sbpflow.control_plane.store.job_store import JobStore
 from sbpflow.control_plane.store.schema import JobRecord, WorkerRecord
@@ -107,6 +113,8 @@ class _JobGauges(Collector):
 
 
 UP_NAME, UP_HELP = "sbpflow_worker_up", "1 while a worker starts or runs"
+CPU_NAME, CPU_HELP = "sbpflow_worker_cpu_seconds_total", "CPU seconds a worker's process has used"
+RSS_NAME, RSS_HELP = "sbpflow_worker_resident_memory_bytes", "Resident memory of a worker's process"
 _UP_VALUE = {True: b" 1.0\n", False: b" 0.0\n"}
 
 
@@ -115,28 +123,55 @@ def _label(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
-class WorkerUpLines:
-    """``sbpflow_worker_up``'s text for the in-flight jobs: label text kept per job, values per scrape."""
+@dataclass(frozen=True)
+class _WorkerFamily:
+    """One per-worker family: its name, help, type and each worker's value as the sample's text."""
+
+    name: str
+    help: str
+    kind: str
+    value: Callable[[WorkerRecord], bytes]
+
+
+WORKER_FAMILIES = (
+    _WorkerFamily(UP_NAME, UP_HELP, "gauge", lambda w: _UP_VALUE[w.state in _UP]),
+    _WorkerFamily(CPU_NAME, CPU_HELP, "counter", lambda w: f" {floatToGoString(w.cpu_seconds)}\n".encode()),
+    _WorkerFamily(
+        RSS_NAME, RSS_HELP, "gauge", lambda w: f" {floatToGoString(float(w.rss_bytes))}\n".encode()
+    ),
+)
+
+
+class WorkerLines:
+    """The per-worker families' text for the in-flight jobs: label text kept per job, values per scrape."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # two scrapes at once share the kept label text
-        self._kept: dict[str, tuple[tuple[int, ...], list[bytes]]] = {}  # job id -> (ranks, line starts)
+        # job id -> (its ranks, per family the start of each worker's line)
+        self._kept: dict[str, tuple[tuple[int, ...], list[list[bytes]]]] = {}
 
     def render(self, jobs: Iterable[tuple[str, Sequence[WorkerRecord]]]) -> bytes:
-        """The family's text (its HELP and TYPE lines, then a sample per worker of each job, in order)."""
-        out = [f"# HELP {UP_NAME} {UP_HELP}\n# TYPE {UP_NAME} gauge\n".encode()]
-        kept: dict[str, tuple[tuple[int, ...], list[bytes]]] = {}
+        """Each family's text (its HELP and TYPE lines, then a sample per worker of each job, in order):
+        ``sbpflow_worker_up``, then the workers' CPU seconds and resident memory."""
+        kept: dict[str, tuple[tuple[int, ...], list[list[bytes]]]] = {}
+        shown = []
         for job_id, rows in jobs:
             ranks = tuple(w.rank for w in rows)
             with self._lock:
                 known = self._kept.get(job_id)
             if known is None or known[0] != ranks:
                 job = _label(job_id)
-                known = (ranks, [f'{UP_NAME}{{job_id="{job}",rank="{r}"}}'.encode() for r in ranks])
+                labels = [f'{{job_id="{job}",rank="{r}"}}' for r in ranks]
+                known = (ranks, [[f"{f.name}{x}".encode() for x in labels] for f in WORKER_FAMILIES])
             kept[job_id] = known
-            out += [start + _UP_VALUE[w.state in _UP] for start, w in zip(known[1], rows, strict=True)]
+            shown.append((rows, known[1]))
         with self._lock:
             self._kept = kept  # only the jobs shown now: an ended job's text goes
+        out = []
+        for i, f in enumerate(WORKER_FAMILIES):
+            out.append(f"# HELP {f.name} {f.help}\n# TYPE {f.name} {f.kind}\n".encode())
+            for rows, starts in shown:
+                out += [start + f.value(w) for start, w in zip(starts[i], rows, strict=True)]
         return b"".join(out)
 
 
@@ -160,7 +195,7 @@ class Metrics:
             "sbpflow_jobs_finished", "Jobs that ended, by terminal state", ["state"], registry=self.registry
         )
         self._store, self._workers = store, workers
-        self._up = WorkerUpLines()
+        self._up = WorkerLines()
 
     def finished(self, state: JobState) -> None:
         self._finished.labels(state.name).inc()

@@ -75,7 +75,10 @@ def add_workers(m: sp.JobStatus, workers: Iterable[WorkerRecord]) -> None:
     ~3 ms, not the ~8 ms of a message each with a ``Timestamp`` of its own, merged in)."""
     add = m.workers.add
     for w in workers:
-        row = add(rank=w.rank, worker_id=w.worker_id, state=_WORKER_STATES[w.state], host=w.host, step=w.step)
+        row = add(
+            rank=w.rank, worker_id=w.worker_id, state=_WORKER_STATES[w.state], host=w.host, step=w.step,
+            cpu_seconds=w.cpu_seconds, rss_bytes=w.rss_bytes,
+        )  # fmt: skip
         row.last_heartbeat.seconds, row.last_heartbeat.nanos = divmod(int(w.last_heartbeat * 1e9), 10**9)
 
 
@@ -88,6 +91,8 @@ def job_events(
     loss: float | None = before.loss if before is not None and before.HasField("loss") else None
     attempt = before.attempt if before is not None else 1  # as of each event: a restart's event says
     for e in events:
+        if e.kind == "eval":  # a held-out evaluation: the status page's curve, no JobEvent of its own
+            continue
         status = job_status(rec)
         attempt = int(e.data.get("attempt", attempt))  # type: ignore[call-overload]
         status.attempt = attempt

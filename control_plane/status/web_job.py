@@ -14,19 +14,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sbpflow.checkpoint.read import CheckpointInfo
-from sbpflow.control_plane.status.charts import Series, fmt, line_chart
+from sbpflow.control_plane.status.charts import Marker, Series, fmt, line_chart
+from sbpflow.control_plane.status.curves import counted, learning_rates
 from sbpflow.control_plane.status.web import (
     TERMINAL,
     badge,
     esc,
     frame,
     held_out,
-    loss_chart,
     ran_for,
     table,
     when,
 )
-from sbpflow.control_plane.store.schema import JobEvent, JobRecord, LogRecord, LossPoint, WorkerRecord
+from sbpflow.control_plane.store.schema import JobEvent, JobRecord, LogRecord, WorkerRecord
 from sbpflow.job import Job
 from sbpflow.runs.states import JobState
 
@@ -41,7 +41,6 @@ class JobView:
     rec: JobRecord
     job: Job | None  # None when the stored Job no longer decodes (an older format)
     workers: Sequence[WorkerRecord]
-    losses: Sequence[LossPoint]
     events: Sequence[JobEvent]
     logs: Sequence[LogRecord]
     checkpoints: Sequence[CheckpointInfo]
@@ -104,29 +103,42 @@ def _failure(v: JobView) -> str:
 
 
 def _curves(v: JobView) -> str:
-    started = v.rec.started if v.rec.started is not None else (v.losses[0].time if v.losses else 0.0)
-    step_seconds = tuple(
-        (float(e.data["step"]), float(e.data.get("step_seconds", 0.0)))  # type: ignore[arg-type]
-        for e in v.events
-        if e.kind == "step"
-    )
-    return "".join(
-        (
-            loss_chart(v.losses),
-            line_chart(
-                [Series("samples/s", tuple((p.time - started, p.samples_per_second) for p in v.losses))],
-                x_label="seconds since the job started",
-                y_label="samples/s",
-                title="throughput over time",
-            ),
-            line_chart(
-                [Series("step time (s)", step_seconds)],
-                x_label="step",
-                y_label="seconds",
-                title="step time",
-            ),
+    """The loss (and held-out loss) by step, the learning rate, the throughput and the step time: one
+    point per step that counts, a dashed line where each attempt after the first began (``curves.py``)."""
+    c = counted(v.events)
+    by_step = [Marker(a.step, a.label) for a in c.attempts]
+    started = v.rec.started if v.rec.started is not None else (c.steps[0].time if c.steps else 0.0)
+    losses = [Series("loss", tuple((p.step, p.loss) for p in c.steps))]
+    if c.evals:
+        losses.append(Series("held-out loss", c.evals))
+    lr = learning_rates(v.job, (p.step for p in c.steps))
+    charts = [
+        line_chart(losses, x_label="step", y_label="loss", title="training loss by step", markers=by_step),
+        line_chart(
+            [Series("learning rate", lr)],
+            x_label="step",
+            y_label="learning rate",
+            title="learning rate by step",
+            markers=by_step,
         )
-    )
+        if lr
+        else "",
+        line_chart(
+            [Series("samples/s", tuple((p.time - started, p.samples_per_second) for p in c.steps))],
+            x_label="seconds since the job started",
+            y_label="samples/s",
+            title="throughput over time",
+            markers=[Marker(a.time - started, a.label) for a in c.attempts],
+        ),
+        line_chart(
+            [Series("step time (s)", tuple((p.step, p.step_seconds) for p in c.steps))],
+            x_label="step",
+            y_label="seconds",
+            title="step time",
+            markers=by_step,
+        ),
+    ]
+    return "".join(charts)
 
 
 def _workers(workers: Sequence[WorkerRecord]) -> str:
@@ -138,10 +150,13 @@ def _workers(workers: Sequence[WorkerRecord]) -> str:
             esc(w.worker_id),
             str(w.step),
             esc(when(w.last_heartbeat)),
+            f"{w.cpu_seconds:.1f}" if w.cpu_seconds else "",
+            f"{w.rss_bytes / 2**20:,.0f} MiB" if w.rss_bytes else "",
         )
         for w in sorted(workers, key=lambda w: w.rank)
     ]
-    return table(("rank", "state", "host", "worker", "step", "last heard"), rows, "no workers yet")
+    head = ("rank", "state", "host", "worker", "step", "last heard", "CPU s", "memory (RSS)")
+    return table(head, rows, "no workers yet")
 
 
 def _checkpoints(found: Sequence[CheckpointInfo]) -> str:

@@ -241,13 +241,16 @@ class JobStore(JobSideTables):
             return self._get(job_id)
 
     def record_eval(self, job_id: str, step: int, loss: float) -> None:
-        """Record the latest evaluation on the held-out split (a later step's replaces an earlier's)."""
+        """Record an evaluation on the held-out split: an "eval" event (the status page's curve) and the
+        job's latest (a later step's replaces an earlier's)."""
+        now = time.time()
         with self._tx():
-            self._get(job_id)
+            rec = self._get(job_id)
             self._db.execute(
                 "UPDATE jobs SET eval_step = ?, eval_loss = ?, updated = ? WHERE id = ? AND eval_step <= ?",
-                (step, loss_column(loss), time.time(), job_id, step),
+                (step, loss_column(loss), now, job_id, step),
             )
+            self._append_event(job_id, "eval", rec.state, data={"step": step, "loss": float(loss)}, now=now)
 
     def record_step(
         self,

@@ -70,7 +70,9 @@ class JobEvent:
     job_id: str
     seq: int
     time: float
-    kind: str  # "created", "state" (data: "from", and "attempt" when a new attempt began), "reason", "step"
+    # "created", "state" (data: "from"; "attempt" and "step" when a new attempt began), "reason", "step",
+    # "eval" (data: "step", "loss": a held-out evaluation)
+    kind: str
     state: JobState
     reason: str
     message: str
@@ -94,6 +96,9 @@ class WorkerRecord:
     host: str
     step: int
     last_heartbeat: float
+    # its process's usage as of its latest step report or heartbeat; live rows only (the table keeps none)
+    cpu_seconds: float = 0.0
+    rss_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,8 @@ class WorkerStatus(_message.Message):
     HOST_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     LAST_HEARTBEAT_FIELD_NUMBER: _builtins.int
+    CPU_SECONDS_FIELD_NUMBER: _builtins.int
+    RSS_BYTES_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     """Global rank (device) the worker runs."""
     worker_id: _builtins.str
@@ -130,6 +132,12 @@ class WorkerStatus(_message.Message):
     """Host (node address) the worker runs on."""
     step: _builtins.int
     """Last step the worker completed."""
+    cpu_seconds: _builtins.float
+    """CPU seconds (user and system) its process has used, as of its latest step report or heartbeat; 0
+    before the first, and after the job ended (the store keeps no usage).
+    """
+    rss_bytes: _builtins.int
+    """Resident memory of its process in bytes then (host memory, not device memory); 0 likewise."""
     @_builtins.property
     def last_heartbeat(self) -> _timestamp_pb2.Timestamp:
         """Time of its last report of any kind."""
@@ -143,10 +151,12 @@ class WorkerStatus(_message.Message):
         host: _builtins.str = ...,
         step: _builtins.int = ...,
         last_heartbeat: _timestamp_pb2.Timestamp | None = ...,
+        cpu_seconds: _builtins.float = ...,
+        rss_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_heartbeat", b"last_heartbeat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "last_heartbeat", b"last_heartbeat", "rank", b"rank", "state", b"state", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_seconds", b"cpu_seconds", "host", b"host", "last_heartbeat", b"last_heartbeat", "rank", b"rank", "rss_bytes", b"rss_bytes", "state", b"state", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1082,12 +1092,20 @@ class Heartbeat(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    CPU_SECONDS_FIELD_NUMBER: _builtins.int
+    RSS_BYTES_FIELD_NUMBER: _builtins.int
+    cpu_seconds: _builtins.float
+    """The worker process's CPU seconds and resident memory now (as in StepReport); 0: not measured."""
+    rss_bytes: _builtins.int
     def __init__(
         self,
+        *,
+        cpu_seconds: _builtins.float = ...,
+        rss_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_seconds", b"cpu_seconds", "rss_bytes", b"rss_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1126,6 +1144,8 @@ class StepReport(_message.Message):
     SAMPLES_FIELD_NUMBER: _builtins.int
     LOSS_SCALE_FIELD_NUMBER: _builtins.int
     SKIPPED_STEPS_FIELD_NUMBER: _builtins.int
+    CPU_SECONDS_FIELD_NUMBER: _builtins.int
+    RSS_BYTES_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Step number, 1-based."""
     loss: _builtins.float
@@ -1136,6 +1156,10 @@ class StepReport(_message.Message):
     """Dynamic loss scaling, from a rank holding the scale: the scale after the step; absent elsewhere."""
     skipped_steps: _builtins.int
     """With loss_scale: the steps skipped so far (a non-finite gradient), this one included if it was."""
+    cpu_seconds: _builtins.float
+    """CPU seconds (user and system) the worker's process has used since it started, at the report."""
+    rss_bytes: _builtins.int
+    """Resident memory of the worker's process in bytes at the report (host memory); 0: not measured."""
     @_builtins.property
     def losses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Loss of each micro-batch (empty on ranks that do not hold the loss)."""
@@ -1154,10 +1178,12 @@ class StepReport(_message.Message):
         samples: _builtins.int = ...,
         loss_scale: _builtins.float | None = ...,
         skipped_steps: _builtins.int = ...,
+        cpu_seconds: _builtins.float = ...,
+        rss_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_loss_scale", b"_loss_scale", "loss_scale", b"loss_scale"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss_scale", b"_loss_scale", "loss", b"loss", "loss_scale", b"loss_scale", "losses", b"losses", "samples", b"samples", "skipped_steps", b"skipped_steps", "step", b"step", "timings_seconds", b"timings_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss_scale", b"_loss_scale", "cpu_seconds", b"cpu_seconds", "loss", b"loss", "loss_scale", b"loss_scale", "losses", b"losses", "rss_bytes", b"rss_bytes", "samples", b"samples", "skipped_steps", b"skipped_steps", "step", b"step", "timings_seconds", b"timings_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__loss_scale: _TypeAlias = _typing.Literal["loss_scale"]  # noqa: Y015
     _WhichOneofArgType__loss_scale: _TypeAlias = _typing.Literal["_loss_scale", b"_loss_scale"]  # noqa: Y015
@@ -1243,6 +1269,34 @@ class Done(_message.Message):
 Global___Done: _TypeAlias = Done  # noqa: Y015
 
 @_typing.final
+class EvalReport(_message.Message):
+    """A held-out evaluation the worker ran on its live parameters after a training step (config.eval_every)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    LOSSES_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """The training step (1-based, from the job's start) whose parameters were evaluated."""
+    @_builtins.property
+    def losses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """This rank's share of the held-out loss per eval batch (config.eval_batches of them), in order."""
+
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        losses: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["losses", b"losses", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvalReport: _TypeAlias = EvalReport  # noqa: Y015
+
+@_typing.final
 class WorkerReport(_message.Message):
     """What a worker tells the control plane."""
 
@@ -1259,6 +1313,7 @@ class WorkerReport(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
     LOG_FIELD_NUMBER: _builtins.int
+    EVAL_FIELD_NUMBER: _builtins.int
     HOST_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     attempt: _builtins.int
@@ -1285,6 +1340,8 @@ class WorkerReport(_message.Message):
     def done(self) -> Global___Done: ...
     @_builtins.property
     def log(self) -> Global___LogLine: ...
+    @_builtins.property
+    def eval(self) -> Global___EvalReport: ...
     def __init__(
         self,
         *,
@@ -1299,13 +1356,14 @@ class WorkerReport(_message.Message):
         error: Global___ErrorReport | None = ...,
         done: Global___Done | None = ...,
         log: Global___LogLine | None = ...,
+        eval: Global___EvalReport | None = ...,
         host: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "error", b"error", "heartbeat", b"heartbeat", "log", b"log", "memory", b"memory", "payload", b"payload", "step", b"step", "time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "error", b"error", "eval", b"eval", "heartbeat", b"heartbeat", "log", b"log", "memory", b"memory", "payload", b"payload", "step", b"step", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "done", b"done", "error", b"error", "heartbeat", b"heartbeat", "host", b"host", "job_id", b"job_id", "log", b"log", "memory", b"memory", "payload", b"payload", "rank", b"rank", "step", b"step", "time", b"time", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "done", b"done", "error", b"error", "eval", b"eval", "heartbeat", b"heartbeat", "host", b"host", "job_id", b"job_id", "log", b"log", "memory", b"memory", "payload", b"payload", "rank", b"rank", "step", b"step", "time", b"time", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["heartbeat", "step", "memory", "error", "done", "log"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["heartbeat", "step", "memory", "error", "done", "log", "eval"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
