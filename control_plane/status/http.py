@@ -4,17 +4,19 @@
 |---|---|
 | ``/healthz`` | 200 ``ok`` while the process serves (open: no token needed) |
 | ``/readyz`` | 200 ``ready`` once the store is reconciled and jobs are admitted, else 503 (open) |
-| ``/v1/jobs`` | JSON ``{"jobs": [JobStatus...]}``, newest first; ``?state=RUNNING&limit=N`` |
+| ``/v1/jobs`` | JSON ``{"jobs": [JobStatus...]}``, newest first; ``?state=RUNNING,PENDING&q=NAME&limit=N`` |
 | ``/v1/jobs/{id}`` | JSON JobStatus with its workers, plus ``losses`` (the loss history) |
 | ``/metrics`` | Prometheus exposition format (``metrics.py``) |
-| ``/`` | the jobs page: every job with its state, times and loss curve (``web.py``) |
+| ``/`` | the jobs page: every job with its state, times and loss curve (``web.py``); ``?state=&q=`` |
 | ``/jobs/{id}`` | a job's page: failure, curves, workers, checkpoints, events, log, configuration, plan |
 | ``/jobs/{id}/plan`` | the job's plan picture on a page of its own (``control_plane/render/graph_page.py``) |
 | ``/login`` | GET: the sign-in form (open); POST ``token=...&next=/path``: the session cookie, then ``next`` |
 | ``/logout`` | POST: the session revoked on the server and its cookie cleared |
 
-JSON is ``google.protobuf.json_format`` of the same messages gRPC returns (proto field names, enums by
-name). With a token, the JSON paths and ``/metrics`` need ``Authorization: Bearer <token>`` (401
+JSON is ``job_json.py``'s schema, the one every ``--json`` of the CLI prints. The job list, page and
+JSON alike, takes ``state`` (a state, or several comma-separated) and ``q`` (a part of the job's name, at
+most :data:`MAX_QUERY` printable characters, ASCII letters in either case); a bad one is answered 400
+naming what is allowed. With a token, the JSON paths and ``/metrics`` need ``Authorization: Bearer <token>`` (401
 otherwise); the pages take the bearer token or the session cookie that ``/login`` sets (``auth.py``),
 and without either answer 401 with the sign-in form. With a certificate and key the endpoint speaks
 HTTPS and the cookie is ``Secure``.
@@ -58,6 +60,7 @@ HTML = "text/html; charset=utf-8"
 PAGE_JOBS = 50
 MAX_LIMIT = 1000  # ?limit= on /v1/jobs
 MAX_ID = 256  # characters of a job id in a path
+MAX_QUERY = 200  # characters of ?q= (a part of a job's name)
 MAX_FORM = 8192  # bytes of a POSTed form
 FORM_LIMITS = Limits(max_body=MAX_FORM)  # the transport's bounds (http_server.py)
 SAFE_NEXT = "!#$%&'()*+,-./:;=?@[]^_`{|}~"  # ASCII kept as it is in a ``next`` path; the rest %-encoded
@@ -262,9 +265,9 @@ class StatusEndpoint:
         return Reply(200, "text/plain", b"ready\n")
 
     def jobs(self, req: Request) -> Reply:
-        states = [_state(s) for v in req.query.get("state", []) for s in v.split(",")] or None
+        shown = _filter(req.query)
         limit = _int(req.query, "limit", 100, 1, MAX_LIMIT)
-        recs = self.store.list(states, limit=limit)
+        recs = self.store.list(shown.states or None, limit=limit, name_contains=shown.name)
         return _json(200, job_json.jobs(records.job_status(r) for r in recs))
 
     def job(self, job_id: str) -> Reply:
@@ -281,9 +284,10 @@ class StatusEndpoint:
     # ---- pages ------------------------------------------------------------------------------------
 
     def page(self, req: Request) -> Reply:
-        recs = self.store.list(limit=PAGE_JOBS)
+        shown = _filter(req.query)
+        recs = self.store.list(shown.states or None, limit=PAGE_JOBS, name_contains=shown.name)
         losses = {r.id: self.store.losses(r.id) for r in recs}
-        return _html(web.job_list(recs, losses, signed_in=self.check.enabled))
+        return _html(web.job_list(recs, losses, signed_in=self.check.enabled, shown=shown))
 
     def job_page(self, job_id: str) -> Reply:
         rec = self.store.get(job_id)
@@ -361,6 +365,22 @@ def _int(query: Mapping[str, list[str]], name: str, default: int, lo: int, hi: i
     if not (text.isascii() and text.isdigit() and len(text) <= 12 and lo <= int(text) <= hi):
         raise ValueError(f"{name}={text[:40]!r}: give an integer in {lo}..{hi}")
     return int(text)
+
+
+def _filter(query: Mapping[str, list[str]]) -> web.JobFilter:
+    """The jobs ``?state=`` and ``?q=`` ask for (ValueError naming what is allowed otherwise)."""
+    states = tuple(_state(s) for v in query.get("state", []) for s in v.split(",") if s.strip())
+    names = query.get("q", [])
+    if len(names) > 1:
+        raise ValueError(f"q= is given {len(names)} times; give it once (a part of the job's name)")
+    name = names[0].strip() if names else ""
+    if len(name) > MAX_QUERY or not name.isprintable():
+        more = "..." if len(name) > 40 else ""
+        raise ValueError(
+            f"q={name[:40]!r}{more} ({len(name)} characters) is refused: give at most {MAX_QUERY} printable "
+            "characters of a job's name"
+        )
+    return web.JobFilter(tuple(dict.fromkeys(states)), name)
 
 
 def _state(name: str) -> JobState:

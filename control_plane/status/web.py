@@ -18,6 +18,8 @@ import hashlib
 import html
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from urllib.parse import urlencode
 
 from sbpflow.control_plane.render import graph_page, plan_picture
 from sbpflow.control_plane.status.charts import Series, fmt, line_chart
@@ -170,8 +172,59 @@ def frame(title: str, body: str, *, final: bool, signed_in: bool) -> str:
     )
 
 
-def job_list(records: Sequence[JobRecord], losses: dict[str, list[LossPoint]], signed_in: bool) -> str:
-    """The front page: every job (newest first) with its state, progress, times and loss curve."""
+@dataclass(frozen=True)
+class JobFilter:
+    """Which jobs a list shows: those in ``states`` (none: any) whose name contains ``name``."""
+
+    states: tuple[JobState, ...] = ()
+    name: str = ""
+
+    @property
+    def query(self) -> str:
+        """As a URL's query (``state=RUNNING&q=bert``), or ""."""
+        pairs = [("state", ",".join(s.name for s in self.states))] if self.states else []
+        return urlencode(pairs + ([("q", self.name)] if self.name else []))
+
+    def form(self) -> str:
+        """The filter as a plain GET form (no script needed), showing what it holds now."""
+        one = self.states[0] if len(self.states) == 1 else None
+        options = "".join(
+            f"<option value='{s.name}'{' selected' if s == one else ''}>{s.name}</option>" for s in JobState
+        )
+        several = (
+            f"<option value='{esc(','.join(s.name for s in self.states))}' selected>"
+            f"{esc(', '.join(s.name for s in self.states))}</option>"
+            if len(self.states) > 1
+            else ""
+        )
+        clear = "<a href='/' id='clear-filter'>show all</a>" if self.query else ""
+        return (
+            "<form method='get' action='/' id='filter' class='bar'>"
+            f"<label>state <select name='state' id='filter-state'><option value=''>any</option>{several}"
+            f"{options}</select></label><label>name contains <input type='search' name='q' id='filter-name' "
+            f"value='{esc(self.name)}' maxlength='200' size='24'></label>"
+            f"<button type='submit' id='filter-go'>show</button>{clear}</form>"
+        )
+
+    def empty(self) -> str:
+        """What an empty list says."""
+        if not self.query:
+            return "no jobs yet: submit one with sbpflow submit"
+        states = " or ".join(s.name for s in self.states)
+        parts = ([f"in state {states}"] if states else []) + (
+            [f"named like {self.name!r}"] if self.name else []
+        )
+        return f"no jobs {' and '.join(parts)}"
+
+
+def job_list(
+    records: Sequence[JobRecord],
+    losses: dict[str, list[LossPoint]],
+    signed_in: bool,
+    shown: JobFilter = JobFilter(),
+) -> str:
+    """The front page: the jobs ``shown`` asks for (newest first) with their state, progress, times and
+    loss curves, under the filter form."""
     rows = []
     for r in records:
         rows.append(
@@ -202,10 +255,11 @@ def job_list(records: Sequence[JobRecord], losses: dict[str, list[LossPoint]], s
         "reason",
         "loss",
     )
+    api = "/v1/jobs" + (f"?{shown.query}" if shown.query else "")
     body = (
-        "<h1>sbpflow jobs</h1>"
-        f"<div id='jobs' data-live>{table(head, rows, 'no jobs yet: submit one with sbpflow submit')}</div>"
-        "<p>JSON: <a href='/v1/jobs'>/v1/jobs</a> · metrics: <a href='/metrics'>/metrics</a></p>"
+        f"<h1>sbpflow jobs</h1>{shown.form()}"
+        f"<div id='jobs' data-live>{table(head, rows, shown.empty())}</div>"
+        f"<p>JSON: <a href='{esc(api)}'>{esc(api)}</a> · metrics: <a href='/metrics'>/metrics</a></p>"
     )
     final = all(r.state in TERMINAL for r in records)
     return frame("sbpflow jobs", body, final=final, signed_in=signed_in)

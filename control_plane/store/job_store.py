@@ -162,18 +162,27 @@ class JobStore(JobSideTables):
             return self._get(job_id)
 
     def list(
-        self, states: Iterable[JobState | str] | None = None, limit: int = 100, offset: int = 0
+        self,
+        states: Iterable[JobState | str] | None = None,
+        limit: int = 100,
+        offset: int = 0,
+        name_contains: str = "",
     ) -> builtins.list[JobRecord]:
-        """Jobs, newest first, optionally only those in ``states``."""
+        """Jobs, newest first, optionally only those in ``states`` and those whose name contains
+        ``name_contains`` (ASCII letters in either case)."""
         if limit < 0 or offset < 0:
             raise StoreError(f"limit={limit}, offset={offset}: both must be >= 0")
-        where, args = "", []
+        conditions, args = [], []
         if states is not None:
             names = [str(JobState(s)) for s in states]
             if not names:
                 return []
-            where = f"WHERE state IN ({', '.join('?' * len(names))})"
+            conditions.append(f"state IN ({', '.join('?' * len(names))})")
             args = list(names)
+        if name_contains:
+            conditions.append("instr(lower(name), lower(?)) > 0")
+            args.append(name_contains)
+        where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
         sql = f"SELECT {_COLUMNS} FROM {JOBS} {where} ORDER BY created DESC, jobs.rowid DESC LIMIT ? OFFSET ?"
         with self._lock:
             rows = self._db.execute(sql, (*args, limit, offset)).fetchall()
