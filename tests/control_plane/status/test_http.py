@@ -4,6 +4,7 @@ page, and the token."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sbpflow.client.client import JobHandle
+from sbpflow.client.client import Client, JobHandle
 from sbpflow.control_plane.service.server import ControlPlane, ServerConfig
 from sbpflow.runs.options import MANAGER_DEFAULTS
 from tests.control_plane.serving import serving
@@ -124,5 +125,49 @@ def test_open_metrics_serves_metrics_without_the_token_and_nothing_else(tmp_path
         code, ctype, body = get(f"{plane.http_address}/metrics")
         assert code == 200 and "sbpflow_jobs" in body
         assert get(f"{plane.http_address}/v1/jobs")[0] == 401
+    finally:
+        plane.stop()
+
+
+def test_a_running_jobs_workers_show_their_cpu_and_memory(tmp_path: Path) -> None:
+    """While a job runs on the in-process backend, its worker rows carry the process's CPU seconds and
+    resident memory: in the job JSON, on its page and as Prometheus series."""
+    cfg = ServerConfig(
+        store=str(tmp_path / "jobs.db"),
+        run=MANAGER_DEFAULTS.replace(backend="inprocess"),
+        slots=2,
+        auth_token="tok",
+    )
+    plane = ControlPlane(cfg).start()
+    try:
+        with Client(plane.address, token="tok") as c:
+            h = c.submit(load("mlp").make_job(steps=1_000_000))
+            deadline = time.monotonic() + 60
+            while True:
+                one = json.loads(get(f"{plane.http_address}/v1/jobs/{h.job_id}", "tok")[2])
+                if one["workers"] and all(
+                    w["cpu_seconds"] > 0 and w["rss_bytes"] > 0 for w in one["workers"]
+                ):
+                    break
+                assert time.monotonic() < deadline and one["state"] in (
+                    "PENDING",
+                    "COMPILING",
+                    "STARTING",
+                    "RUNNING",
+                )
+                time.sleep(0.1)
+            assert all(w["rss_bytes"] > 1 << 20 for w in one["workers"])
+            page = get(f"{plane.http_address}/jobs/{h.job_id}", "tok")[2]
+            assert "<th>CPU s</th><th>memory (RSS)</th>" in page and " MiB</td>" in page
+            text = get(f"{plane.http_address}/metrics", "tok")[2]
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            rss = {
+                s.labels["rank"]: s.value for s in families["sbpflow_worker_resident_memory_bytes"].samples
+            }
+            assert set(rss) == {"0", "1"} and min(rss.values()) > 1 << 20
+            cpu = families["sbpflow_worker_cpu_seconds"].samples
+            assert {s.labels["job_id"] for s in cpu} == {h.job_id} and min(s.value for s in cpu) > 0
+            h.cancel()
+            h.wait(60)
     finally:
         plane.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import http.client
+import re
 import urllib.parse
 from collections.abc import Iterator
 from http.cookies import SimpleCookie
@@ -188,5 +189,11 @@ def test_a_job_that_evaluates_shows_its_held_out_loss(tmp_path: Path) -> None:
         rec = plane.store.get(h.job_id)
         assert rec.eval_step == 4 and rec.eval_loss is not None
         shown = f"{fmt(rec.eval_loss)} <small>at step 4</small>"
-        assert shown in request(plane.http_address, "GET", f"/jobs/{h.job_id}", token="tok")[2]
+        page = request(plane.http_address, "GET", f"/jobs/{h.job_id}", token="tok")[2]
+        assert shown in page
         assert shown in request(plane.http_address, "GET", "/", token="tok")[2]
+        # the loss chart draws both evaluations (steps 2 and 4) beside the loss; lr has a chart of its own
+        held_out = re.search(r"<g class='series' data-name='held-out loss'>(.*?)</g>", page)
+        assert held_out is not None and held_out.group(1).count("<circle") == 2
+        assert "<title>held-out loss " + fmt(rec.eval_loss) + " at step 4</title>" in held_out.group(1)
+        assert "<title>learning rate by step</title>" in page and "data-name='learning rate'" in page
