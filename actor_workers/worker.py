@@ -28,7 +28,7 @@ import threading
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sbpflow.actor_workers import step_reports as progress
 from sbpflow.actor_workers.report_sender import Reporter
@@ -37,6 +37,9 @@ from sbpflow.device import asnumpy
 from sbpflow.runs.numerics import non_finite_parameters
 from sbpflow.v1 import plan_pb2 as pp
 from sbpflow.v1 import service_pb2 as sp
+
+if TYPE_CHECKING:
+    from sbpflow.actor_workers.execution.segments import Evaluation
 
 
 @dataclass(frozen=True)
@@ -161,14 +164,17 @@ class Worker:
         start: Any = None,
         ranks: Sequence[int] | None = None,
         data_roots: tuple[str, ...] | None = None,
+        evaluation: Evaluation | None = None,
     ) -> None:
         """Connect to every peer, then build this rank's actors from the plan (``data_roots``: the control
-        plane's, checked on each data file as opened). ``start`` (a
+        plane's, checked on each data file as opened). ``evaluation``: this rank's eval plan, run on its
+        live parameters after every ``evaluation.every`` steps (:mod:`.execution.segments`). ``start`` (a
         :class:`~sbpflow.actor_workers.snapshots.Start`): the first step, where the variables start
         from, and where to checkpoint. ``ranks``: the world's ranks, in the order of ``endpoints``
         (default: the plan's devices, for a plan that holds every rank's)."""
         from sbpflow.actor_workers import snapshots as checkpointing
         from sbpflow.actor_workers.execution import executor
+        from sbpflow.actor_workers.execution.segments import first_steps
 
         start = start or checkpointing.Start()
         plan = pp.Plan.FromString(plan_bytes)
@@ -176,7 +182,7 @@ class Worker:
         transport = self.plane.connect(endpoints, world, uids, timeout)
         self._program = executor.build(
             plan,
-            steps,
+            first_steps(start.first_step, steps, evaluation),
             {self.rank: transport},
             ranks=(self.rank,),
             xp=self.plane.xp,
@@ -201,25 +207,21 @@ class Worker:
         self._writers = checkpointing.attach_all(
             start.checkpoint, self._program, plan, range(start.first_step, start.first_step + steps)
         )
-        with self._lock:
-            self._engine = executor.engine(rp, trace=trace, data_on_compute=self.data_on_compute)
-            if self._aborted is not None:
-                self._engine.abort(self._aborted)
+        self._run_as = (plan, steps, start.first_step, evaluation, trace, data_roots)
 
     def run(self, timeout: float) -> WorkerOutcome:
         """Run to the end; a failure comes back as ``WorkerOutcome.failure``, after the peers are told."""
         from sbpflow.actor_workers.runtime.errors import RuntimeFailure
 
-        if self._engine is None:
+        if self._program is None:
             raise RuntimeError(f"rank {self.rank}: call setup() before run()")
-        self._engine.add_abort_hook(self.plane.transport.abort)
         self.reporter.send(log=sp.LogLine(rank=self.rank, level="INFO", text=f"rank {self.rank} running"))
         from sbpflow.actor_workers.snapshots import close_all
 
         try:
             try:
                 with heap.frozen():  # the collector walks what the steps make (heap.py)
-                    result = self._engine.run(timeout)
+                    result = self._segments(timeout)
             except RuntimeFailure:
                 close_all(self._writers, raise_errors=False)
                 raise
@@ -270,6 +272,29 @@ class Worker:
             non_finite=bad,
             fetched=fetched,
         )
+
+    def _segments(self, timeout: float) -> Any:
+        """Train (and evaluate between segments, :mod:`.execution.segments`) to the end; this rank's result."""
+        from sbpflow.actor_workers.execution import executor, segments
+
+        plan, steps, first_step, evaluation, trace, data_roots = self._run_as
+        left = segments.Clock(timeout)
+
+        def run_engines(ranks: Sequence[Any]) -> dict[int, Any]:
+            (rp,) = ranks
+            with self._lock:
+                engine = self._engine = executor.engine(rp, trace=trace, data_on_compute=self.data_on_compute)
+                if self._aborted is not None:
+                    engine.abort(self._aborted)
+            engine.add_abort_hook(self.plane.transport.abort)
+            return {rp.rank: engine.run(left())}
+
+        def on_eval(rank: int, step: int, shares: list[float]) -> None:
+            self.reporter.send(eval=sp.EvalReport(step=step, losses=shares))
+
+        program = self._program
+        results = segments.run(program, plan, steps, first_step, evaluation, run_engines, on_eval, data_roots)
+        return results[self.rank]
 
     def shards(self, names: Sequence[str]) -> dict[str, Any]:
         """This rank's shard of each variable in ``names`` that it holds."""

@@ -115,11 +115,13 @@ def build(
             xp,
             compute=for_worker(xp, transport),
         )
-        out.ranks[device.rank] = _build_rank(device, rc, steps, first_step)
+        out.ranks[device.rank] = build_rank(device, rc, steps, first_step)
     return out
 
 
-def _build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: int = 0) -> RankProgram:
+def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: int = 0) -> RankProgram:
+    """The actors of one rank's ``device`` plan on its context ``rc``, acting ``steps`` times from
+    ``first_step``."""
     registers = [
         RegisterSpec(r.id, r.producer_task, tuple(dict.fromkeys(r.consumer_tasks)), r.count)
         for r in device.registers
@@ -277,7 +279,18 @@ def execute(
     (and calls ``abort_hooks``, e.g. the transports' abort) and is raised as a RuntimeFailure. Setting
     ``cancel`` stops them all the same way. The heap as it stands is left out of the cycle collector's
     walks while they run (``heap.frozen``)."""
-    engines = [engine(rp, trace) for _, rp in sorted(program.ranks.items())]
+    return execute_ranks(list(program.ranks.values()), timeout, trace, abort_hooks, cancel)
+
+
+def execute_ranks(
+    ranks: Sequence[RankProgram],
+    timeout: float,
+    trace: bool = False,
+    abort_hooks: Sequence[AbortHook] = (),
+    cancel: threading.Event | None = None,
+) -> dict[int, RunResult]:
+    """:func:`execute` on some ranks' programs (a segment of a run, :mod:`.segments`)."""
+    engines = [engine(rp, trace) for rp in sorted(ranks, key=lambda rp: rp.rank)]
     with heap.frozen():  # the collector walks what the steps make, not the plan (heap.py)
         return EngineGroup(engines, abort_hooks).run(timeout, cancel)
 
@@ -312,3 +325,13 @@ def variables(program: Program, names: Sequence[str]) -> dict[str, Any]:
             program, name, {r: program.ranks[r].context.store[name] for r in decl.placement.ranks}
         )
     return out
+
+
+def rebuild(program: Program, plan: pp.Plan, steps: int, first_step: int) -> None:
+    """Every rank of ``program`` rebuilt to act ``steps`` more times from ``first_step`` on the context it
+    has (store, hooks, fetched values): the next segment of a run an evaluation paused (:mod:`.segments`).
+    Its loop edges start from the store, which holds what the last segment assigned."""
+    for device in plan.devices:
+        rp = program.ranks.get(device.rank)
+        if rp is not None:
+            program.ranks[device.rank] = build_rank(device, rp.context, steps, first_step)

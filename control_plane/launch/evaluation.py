@@ -1,34 +1,37 @@
 """Evaluation during training: every ``config.eval_every`` steps, the mean loss over
-``config.eval_batches`` batches of the job's held-out split (``Job.eval_data``).
+``config.eval_batches`` batches of the job's held-out split (``Job.eval_data``), run by the job's own
+workers on their live parameters.
 
-An evaluation reads the parameters of that step's checkpoint (``eval_every`` is a multiple of
-``checkpoint_every``; a run without a checkpoint directory gets a temporary one), so it never touches the
-training run: a thread waits for the checkpoint to complete and runs the eval job — the job's forward,
-no optimizer, nothing trainable, on the held-out batches — in process while training goes on. Each result
-goes to ``on_eval(step, loss)`` (the job manager records it: status and metrics) and into
-``RunResult.evals``. The graph is the training graph with every dropout off (rate 0), as in eval mode.
+The control plane only compiles: the eval job (:func:`eval_job`: the job's forward on the held-out split,
+every dropout off, no optimizer) with every variable placed and split as the training plan has it
+(:meth:`HeldOut.compiled`), lowered per rank and shipped beside the training plan. Each rank trains to a
+multiple of ``eval_every``, runs the eval plan on the parameter shards it holds, and goes on
+(:mod:`sbpflow.actor_workers.execution.segments`); the ranks that hold the eval loss report their share of
+each batch's loss in an ``EvalReport``, through the same report path as the step losses. :class:`HeldOut`
+assembles them (as the step tracker assembles a step's loss), and each result goes to ``on_eval(step,
+loss)`` (the job manager records it: status and metrics) and into ``RunResult.evals``. No forward pass
+runs in the control plane, and no checkpoint is written or read for an evaluation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import queue
-import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable, Iterable
 
-from sbpflow.checkpoint.read import list_checkpoints
-from sbpflow.control_plane.launch.step_tracker import StepListener
+import numpy as np
+
+from sbpflow.actor_workers.execution.segments import Evaluation
+from sbpflow.actor_workers.execution.variables import VARIABLE_KINDS
+from sbpflow.control_plane.compiler import pipeline
+from sbpflow.control_plane.compiler.pipeline import Compiled
+from sbpflow.control_plane.launch.share_assembly import ShareAssembly, ShareLayout
+from sbpflow.errors import SbpflowError
 from sbpflow.job import Job
-from sbpflow.v1 import service_pb2 as sp
+from sbpflow.sbp import format_nd
+from sbpflow.v1 import plan_pb2 as pp
 
 EvalListener = Callable[[int, float], None]  # (step, held-out loss)
-log = logging.getLogger(__name__)
-WAIT_SECONDS = 600.0  # for a step's checkpoint to complete, at most
 
 
 def eval_job(job: Job) -> Job:
@@ -53,90 +56,107 @@ def eval_job(job: Job) -> Job:
     )
 
 
-class Evaluation:
-    """The evaluations of one run; ``on_step`` is the run's step listener, wrapped."""
+def evaluates(job: Job) -> bool:
+    """Whether ``job`` evaluates on a held-out split during training."""
+    return bool(job.config.eval_every) and job.eval_data is not None and bool(job.loss)
 
-    def __init__(
-        self,
-        job: Job,
-        checkpoint_dir: str,
-        first_step: int,
-        on_step: StepListener | None,
-        on_eval: EvalListener | None,
-        run: Callable[..., Any],
-    ) -> None:
-        self.job, self.every, self.checkpoint_dir = eval_job(job), job.config.eval_every, checkpoint_dir
-        self.first_step, self._on_step, self._on_eval, self._run = first_step, on_step, on_eval, run
+
+def compile_eval(trained: Compiled) -> Compiled:
+    """The eval job of ``trained``'s job, compiled with every variable it shares with training placed and
+    split as ``trained`` stores it (a rank's eval plan reads that rank's training shards as they are)."""
+    job = trained.state.job
+    ev = eval_job(job)
+    stored = trained.state.graph.tensors
+    pinned = {
+        name: dataclasses.replace(decl, placement=stored[name].placement, sbp=stored[name].sbp)
+        for name, decl in ev.graph.tensors.items()
+        if decl.kind in VARIABLE_KINDS and name in stored
+    }
+    ev = dataclasses.replace(ev, graph=dataclasses.replace(ev.graph, tensors={**ev.graph.tensors, **pinned}))
+    out = pipeline.compile(ev, job_id=f"{trained.job_id}-eval" if trained.job_id else "")
+    for name, decl in out.state.graph.tensors.items():
+        have = stored.get(name)
+        if (
+            decl.kind in VARIABLE_KINDS
+            and have is not None
+            and (have.placement, have.sbp) != (decl.placement, decl.sbp)
+        ):
+            raise SbpflowError(
+                f"job {job.name!r}: its eval job stores {name!r} as {format_nd(decl.sbp or ())} on "
+                f"{decl.placement} but training stores it as {format_nd(have.sbp or ())} on {have.placement}; "
+                "annotate the parameter's placement and SBP so both agree, or set eval_every=0"
+            )
+    skipped = [n for n in out.notes if "lowering skipped" in n]
+    if (out.plan is None and out.lazy is None) or skipped:
+        raise SbpflowError(f"job {job.name!r}: its eval job cannot run: " + "; ".join(skipped or out.notes))
+    return out
+
+
+class HeldOut:
+    """The evaluations of one run as the control plane sees them: the eval plans it ships (compiled once
+    per training layout) and the held-out losses the ranks report, assembled; thread-safe."""
+
+    def __init__(self, job: Job, on_eval: EvalListener | None) -> None:
+        self.every, self.batches = job.config.eval_every, job.config.eval_batches
+        self._on_eval = on_eval
         self.results: list[tuple[int, float]] = []
-        self._due: queue.Queue[int | None] = queue.Queue()
-        self._ended = threading.Event()  # the training run is over: every checkpoint it wrote is complete
-        self._thread = threading.Thread(target=self._loop, name="sbpflow-eval", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
+        self._compiled: tuple[Compiled, Compiled] | None = None  # (training, its eval job)
+        self._layout: ShareLayout | None = None
+        self._pending: dict[int, list[ShareAssembly]] = {}  # step -> its batches' shares so far
 
-    def on_step(self, s: sp.StepMetrics) -> None:
-        if self._on_step is not None:
-            self._on_step(s)
-        if (self.first_step + s.step) % self.every == 0:
-            self._due.put(self.first_step + s.step)
+    def compiled(self, trained: Compiled) -> Compiled:
+        """The eval job of ``trained`` (compiled once; an elastic re-plan's new layout compiles again)."""
+        with self._lock:
+            if self._compiled is None or self._compiled[0] is not trained:
+                ev = compile_eval(trained)
+                self._compiled, self._pending = (trained, ev), {}
+                self._layout = ShareLayout(ev.state.graph.tensors[ev.state.job.loss])
+            return self._compiled[1]
 
-    def _loop(self) -> None:
-        while (step := self._due.get()) is not None:
-            path = self._checkpoint(step)
-            if path is None:
-                log.warning(
-                    "no complete checkpoint of step %d in %s: its evaluation is skipped",
-                    step,
-                    self.checkpoint_dir,
-                )
-                continue
-            try:
-                losses = self._run(self.job, backend="inprocess", init_from=path).losses
-            except Exception:  # noqa: BLE001 - an evaluation never stops the training run
-                log.exception("the evaluation at step %d failed", step)
-                continue
+    def evaluation(self, trained: Compiled) -> Evaluation:
+        """Every rank's eval plan and when it runs (the in-process backend's ranks share one)."""
+        ev = self.compiled(trained)
+        plan = ev.plan if ev.plan is not None else whole_plan(ev)
+        return Evaluation(plan, self.every, self.batches)
+
+    def rank_evaluations(self, trained: Compiled, ranks: Iterable[int]) -> dict[int, Evaluation]:
+        """Each rank's own eval plan (its DevicePlan and communicators), as a worker gets it."""
+        ev = self.compiled(trained)
+        return {
+            r: Evaluation(pp.Plan.FromString(data), self.every, self.batches)
+            for r, data in ev.rank_plans(list(ranks))
+        }
+
+    def add(self, rank: int, step: int, shares: Iterable[float]) -> None:
+        """Rank ``rank``'s share of each batch's held-out loss after job step ``step``; once every rank of
+        the eval loss has reported, the mean goes to ``on_eval`` (a step evaluated already is not again:
+        a restarted attempt may repeat it)."""
+        with self._lock:
+            if self._layout is None or any(s == step for s, _ in self.results):
+                return
+            batches = self._pending.setdefault(
+                step, [ShareAssembly(self._layout) for _ in range(self.batches)]
+            )
+            for b, share in zip(batches, shares, strict=True):
+                b.add(rank, np.asarray(share))
+            if not all(b.complete for b in batches):
+                return
+            del self._pending[step]
+            losses = [float(b.value()) for b in batches]
             loss = sum(losses) / len(losses)
             self.results.append((step, loss))
-            if self._on_eval is not None:
-                self._on_eval(step, loss)
-
-    def _checkpoint(self, step: int) -> str | None:
-        deadline = time.monotonic() + WAIT_SECONDS
-        while time.monotonic() < deadline:
-            ended = self._ended.is_set()
-            found = [c.path for c in list_checkpoints(self.checkpoint_dir) if c.step == step]
-            if found or ended:
-                return str(found[0]) if found else None
-            time.sleep(0.05)
-        return None
-
-    def close(self, wait: bool) -> None:
-        """The run ended: finish the evaluations still due (``wait``) or drop them."""
-        self._ended.set()
-        if not wait:
-            while not self._due.empty():
-                self._due.get_nowait()
-        self._due.put(None)
-        self._thread.join()
+        if self._on_eval is not None:
+            self._on_eval(step, loss)
 
 
-@contextmanager
-def evaluating(
-    job: Job,
-    checkpoint_dir: str | None,
-    first_step: int,
-    on_step: StepListener | None,
-    on_eval: EvalListener | None,
-    run: Callable[..., Any],
-) -> Iterator[Evaluation | None]:
-    """The run's evaluations (None: the job evaluates nothing); on a clean exit every one is done."""
-    if not job.config.eval_every or job.eval_data is None:
-        yield None
-        return
-    with tempfile.TemporaryDirectory(prefix="sbpflow-eval-") as scratch:
-        ev = Evaluation(job, checkpoint_dir or scratch, first_step, on_step, on_eval, run)
-        try:
-            yield ev
-        except BaseException:
-            ev.close(wait=False)
-            raise
-        ev.close(wait=True)
+def whole_plan(compiled: Compiled) -> pp.Plan:
+    """Every rank's tasks in one Plan: the whole header (a rank plan has only its own tensors) and every
+    rank plan's DevicePlan and communicators, of a job lowered on demand."""
+    plan, seen = compiled.header(), set[str]()
+    for _, data in compiled.rank_plans(list(compiled.device_types())):
+        one = pp.Plan.FromString(data)
+        plan.devices.extend(one.devices)
+        plan.communicators.extend(c for c in one.communicators if c.id not in seen)
+        seen.update(c.id for c in one.communicators)
+    return plan

@@ -31,12 +31,12 @@ import dataclasses
 import gc
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
 
 from sbpflow.actor_workers import snapshots as checkpointing
-from sbpflow.actor_workers.execution import executor
+from sbpflow.actor_workers.execution import executor, segments
 from sbpflow.actor_workers.runtime import threads
 from sbpflow.actor_workers.runtime.errors import RunCancelled, RuntimeFailure
 from sbpflow.actor_workers.step_reports import Scaling, StepDone, step_report, watch_steps
@@ -44,7 +44,7 @@ from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.checkpoint.read import CheckpointReader, CorruptCheckpoint, corrupt_note, resolve
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.pipeline import Compiled
-from sbpflow.control_plane.launch.evaluation import evaluating
+from sbpflow.control_plane.launch.evaluation import HeldOut, evaluates, whole_plan
 from sbpflow.control_plane.launch.ray_backend import run_on_ray
 from sbpflow.control_plane.launch.run_context import (
     LaunchContext,
@@ -102,8 +102,8 @@ def run(job: Job | Compiled, request: RunRequest | None = None, /, **keywords: A
     shape and dtype, and nothing else unless ``strict=False`` (``layout="torch"``: a PyTorch state dict,
     :mod:`sbpflow.client.torch_layout`). A job traced in this process starts from its modules' values and
     gives them the trained ones (:mod:`sbpflow.runs.bound_values`). On Ray, a lost worker restarts the job from
-    its last checkpoint up to ``max_restarts`` times. ``config.eval_every``: the held-out split is
-    evaluated at those steps (:mod:`~sbpflow.control_plane.launch.evaluation`: ``on_eval(step, loss)``,
+    its last checkpoint up to ``max_restarts`` times. ``config.eval_every``: the ranks evaluate the
+    held-out split at those steps (:mod:`~sbpflow.control_plane.launch.evaluation`: ``on_eval(step, loss)``,
     ``RunResult.evals``). ``tensorboard_dir``: TensorBoard scalars (``tensorboard_scalars``).
     """
     r = (request or RunRequest()).replace(**keywords)
@@ -120,8 +120,8 @@ def run(job: Job | Compiled, request: RunRequest | None = None, /, **keywords: A
         nullcontext(None) if resume_from is not None else start_file(job_, r.init_from, r.layout, r.strict)
     )
     board = open_board(r.tensorboard_dir, job_, r.job_id, first_step, r.on_step, r.on_eval, r.on_report)
-    evals = evaluating(job_, r.checkpoint_dir, first_step, board.on_step, board.on_eval, _evaluator(how))
-    with board, starts as init_path, evals as ev:
+    held_out = HeldOut(job_, board.on_eval) if evaluates(job_) else None
+    with board, starts as init_path:
         result = _run(
             job,
             how.replace(return_parameters=True) if bound is not None else how,
@@ -137,15 +137,16 @@ def run(job: Job | Compiled, request: RunRequest | None = None, /, **keywords: A
                 job_id=r.job_id,
                 attempt=r.attempt,
                 first_step=first_step,
-                checkpoint_dir=ev.checkpoint_dir if ev is not None else r.checkpoint_dir,
+                checkpoint_dir=r.checkpoint_dir,
                 resume_from=resume_from,
                 init_from=init_path,
+                held_out=held_out,
             ),
-            ev.on_step if ev is not None else board.on_step,
+            board.on_step,
             r.cancel,
         )
-    if ev is not None:
-        result = dataclasses.replace(result, evals=tuple(ev.results))
+    if held_out is not None:
+        result = dataclasses.replace(result, evals=tuple(held_out.results))
     if bound is not None and result.parameters is not None:
         bound.write_back(result.parameters)
     return result if how.return_parameters else dataclasses.replace(result, parameters=None)
@@ -205,12 +206,6 @@ class _Stop(threading.Event):
         return super().is_set() or (self._cancel is not None and self._cancel.is_set())
 
 
-def _evaluator(how: RunOptions) -> Callable[..., RunResult]:
-    """``run`` for the held-out evaluations: they read files too, under the same data roots."""
-    asked = RunRequest(options=RunOptions(data_roots=how.data_roots))
-    return lambda job, **keywords: run(job, asked, **keywords)
-
-
 def launch(compiled: Compiled, request: RunRequest | None = None, /, **keywords: Any) -> RunResult:
     """Train a job compiled already — Submit's validation compile, its graph passes done — as :func:`run`
     does: its lowering is finished on the same state (``pipeline.finish``), no pass runs again.
@@ -260,7 +255,8 @@ def compile_for_run(job: Job | Compiled, cancel: threading.Event | None = None) 
 
 
 def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker) -> RunResult:
-    job, plan = compiled.state.job, compiled.plan or _whole_plan(compiled)
+    job, plan = compiled.state.job, compiled.plan or whole_plan(compiled)
+    evaluation = ctx.held_out.evaluation(compiled) if ctx.held_out is not None else None
     loss = job.loss
 
     def on_step(rank: int) -> StepDone:
@@ -278,7 +274,7 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
     with InProcessWorld(ranks, timeout=ctx.run.timeout + HANG_GRACE) as world:
         program = executor.build(
             plan,
-            ctx.steps,
+            segments.first_steps(ctx.first_step, ctx.steps, evaluation),
             {r: world.transport(r) for r in ranks},
             xp=xp,
             first_step=ctx.first_step,
@@ -297,7 +293,7 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
         tracker.restart_clock()
         try:
             with threads.limited(ctx.run.threads):
-                results = executor.execute(program, ctx.run.timeout, ctx.run.trace, [world.abort], ctx.cancel)
+                results = _segments(program, plan, ctx, evaluation, world)
             checkpointing.close_all(writers)
         except RuntimeFailure as failure:
             checkpointing.close_all(writers, raise_errors=False)
@@ -340,16 +336,28 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
     return dataclasses.replace(result, **loss_scaling_fields(scaling))
 
 
-def _whole_plan(compiled: Compiled) -> pp.Plan:
-    """Every rank's tasks in one Plan: the whole header (a rank plan has only its own tensors) and every
-    rank plan's DevicePlan and communicators, of a job lowered on demand."""
-    plan, seen = compiled.header(), set[str]()
-    for _, data in compiled.rank_plans(list(compiled.device_types())):
-        one = pp.Plan.FromString(data)
-        plan.devices.extend(one.devices)
-        plan.communicators.extend(c for c in one.communicators if c.id not in seen)
-        seen.update(c.id for c in one.communicators)
-    return plan
+def _segments(
+    program: executor.Program,
+    plan: pp.Plan,
+    ctx: LaunchContext,
+    evaluation: segments.Evaluation | None,
+    world: InProcessWorld,
+) -> dict[int, Any]:
+    """Every rank's training, paused at each evaluation for the eval plan on the same ranks (the rank
+    threads: this process's, as a worker's are the worker's); the held-out losses go the report path."""
+    left = segments.Clock(ctx.run.timeout)
+
+    def run_engines(ranks: Sequence[executor.RankProgram]) -> dict[int, Any]:
+        return executor.execute_ranks(ranks, left(), ctx.run.trace, [world.abort], ctx.cancel)
+
+    def on_eval(rank: int, step: int, shares: list[float]) -> None:
+        ctx.report(rank, eval=sp.EvalReport(step=step, losses=shares))
+        if ctx.held_out is not None:
+            ctx.held_out.add(rank, step, shares)
+
+    return segments.run(
+        program, plan, ctx.steps, ctx.first_step, evaluation, run_engines, on_eval, ctx.run.data_roots
+    )
 
 
 def _array_module(plan: Any) -> Any:

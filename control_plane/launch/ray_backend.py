@@ -37,7 +37,15 @@ import numpy as np
 from sbpflow.actor_workers.runtime.errors import RuntimeAborted, RuntimeFailure, RuntimeTimeout
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.launch.elastic import Regrow, attempt_note, replan, restart_point
-from sbpflow.control_plane.launch.ray_groups import BUNDLES, DEVICE_TYPES, reserve, room_for
+from sbpflow.control_plane.launch.ray_groups import (  # noqa: F401 - where callers import them from
+    BUNDLES,
+    DEVICE_TYPES,
+    SchedulingError,
+    ensure_ray,
+    quiet_ray,
+    reserve,
+    room_for,
+)
 from sbpflow.control_plane.launch.report_hub import ReportHub
 from sbpflow.control_plane.launch.run_context import (
     LaunchContext,
@@ -49,7 +57,6 @@ from sbpflow.control_plane.launch.run_context import (
 from sbpflow.control_plane.launch.step_tracker import StepTracker
 from sbpflow.control_plane.launch.worker_failures import WorkerError, WorkerLost, echoes, failure_of, primary
 from sbpflow.control_plane.launch.worker_pool import WarmGroup, destroy, installed, resources_of
-from sbpflow.errors import SbpflowError
 from sbpflow.ops.training.loss_scaling import VARIABLES
 from sbpflow.runs.states import JobState
 from sbpflow.sharding import assemble_value
@@ -60,55 +67,6 @@ from sbpflow.v1 import service_pb2 as sp
 SETUP_SECONDS = 120.0  # placement group, actor start-up and connections
 SETTLE_SECONDS = 1.0  # after a first failure, how long to wait for the worker that caused it to show
 PING_SECONDS = 10.0  # then a worker still running that does not answer a ping within this is lost
-
-
-class SchedulingError(SbpflowError):
-    """The cluster cannot hold the job (too few CPUs or GPUs), or Ray could not be reached."""
-
-
-def ensure_ray(address: str | None, cpus: int) -> None:
-    """Connect to the Ray at ``address`` (else at ``$RAY_ADDRESS``), or start a local one with at least
-    ``cpus`` CPUs."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray advertises 127.0.0.1
-    import ray
-
-    if ray.is_initialized():
-        return
-    quiet_ray()
-    address = address or os.environ.get("RAY_ADDRESS") or None  # as ray.init() does: a RayJob sets it
-    try:
-        if address:
-            ray.init(address=address, log_to_driver=False, configure_logging=False)
-        else:
-            ray.init(
-                address="local",  # a new one even where `ray start` left a cluster (plain init joins it)
-                num_cpus=max(cpus, os.cpu_count() or 1),
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                log_to_driver=False,
-                configure_logging=False,
-            )
-    except Exception as exc:
-        where = f"the Ray cluster at {address!r}" if address else "a local Ray"
-        raise SchedulingError(f"could not start or reach {where}: {type(exc).__name__}: {exc}") from exc
-
-
-def quiet_ray() -> None:
-    """Silence Ray's start-up narration (its token-auth banner; its errors still print, and worker errors
-    come through the report hub and Ray's exceptions), and the colour reset its vendored colorama (wrapped
-    round stdout/stderr by Ray's CLI logger) writes to a terminal at exit."""
-    import atexit
-    import logging
-    import sys
-
-    import ray.autoscaler._private.cli_logger  # noqa: F401  - what calls colorama.init(strip=False)
-
-    logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
-    init = getattr(sys.modules.get("colorama"), "initialise", None)
-    if init is not None:  # its streams unwrapped only where still in place (a test may have swapped them)
-        atexit.unregister(init.reset_all)
-        sys.stdout = init.orig_stdout if sys.stdout is init.wrapped_stdout else sys.stdout
-        sys.stderr = init.orig_stderr if sys.stderr is init.wrapped_stderr else sys.stderr
 
 
 def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker) -> RunResult:
@@ -128,6 +86,8 @@ def run_on_ray(compiled: Compiled, options: LaunchContext, tracker: StepTracker)
                 (r.step.loss_scale, int(r.step.skipped_steps)) if r.step.HasField("loss_scale") else None
             )
             tracker.add(int(r.rank), int(r.step.step) - 1 - options.first_step, r.step.loss, at, scaling)
+        if r.WhichOneof("payload") == "eval" and options.held_out is not None:
+            options.held_out.add(int(r.rank), int(r.eval.step), r.eval.losses)
         if options.on_report is not None:
             options.on_report(r)
 
@@ -247,9 +207,11 @@ class _Attempt:
 
             self.uids = ray.remote(UidStore).options(num_cpus=0).remote()
         args = (self.options.steps, endpoints, SETUP_SECONDS, self.options.run.trace, self.uids, start)
+        held_out = self.options.held_out  # each rank's eval plan beside its training plan
+        evals = held_out.rank_evaluations(compiled, self.ranks) if held_out is not None else {}
         setups = {  # each worker its own rank's plan; a lazy plan is lowered a batch at a time
             r: self.workers[r].setup.remote(
-                data, *args, ranks=self.ranks, data_roots=self.options.run.data_roots
+                data, *args, ranks=self.ranks, data_roots=self.options.run.data_roots, evaluation=evals.get(r)
             )
             for r, data in compiled.rank_plans(self.ranks)
         }

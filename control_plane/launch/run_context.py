@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from sbpflow.actor_workers.step_reports import report
-from sbpflow.control_plane.launch.evaluation import EvalListener
+from sbpflow.control_plane.launch.evaluation import EvalListener, HeldOut
 from sbpflow.control_plane.launch.report_hub import ReportHub
 from sbpflow.control_plane.launch.step_tracker import ReportListener, StateListener, StepListener
 from sbpflow.graph import TensorDecl
@@ -116,6 +116,7 @@ class LaunchContext:
     checkpoint_dir: str | None = None  # checkpoints every job.config.checkpoint_every steps go here
     resume_from: str | None = None  # a checkpoint directory: every variable starts from it
     init_from: str | None = None  # safetensors/.npz/checkpoint: the parameters it holds start from it
+    held_out: HeldOut | None = None  # config.eval_every: the eval plans the ranks run, their losses
 
     def state(self, state: JobState) -> None:
         if self.on_state is not None:

@@ -1,19 +1,29 @@
-"""Evaluation during training: ``eval_every`` steps, the held-out loss from that step's checkpoint, equal
-to the oracle's; on both backends, over the wire, and refused when it cannot be done."""
+"""Evaluation during training: ``eval_every`` steps, the held-out loss of that step's parameters, run by
+the job's ranks on their live shards; equal to the oracle's and to the eval job run on that step's
+checkpoint (the control plane's former path), on 1 rank, DP2, TP2 and a pipeline; the training losses
+unchanged by it, bit for bit; on Ray with no forward pass in the control plane's process; over the wire,
+and refused when it cannot be done."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import sbpflow as sf
+from sbpflow.actor_workers.execution import executor
+from sbpflow.checkpoint.read import list_checkpoints
 from sbpflow.codec import wire
 from sbpflow.control_plane.launch.evaluation import eval_job
 from sbpflow.data.sources import ArraySource
 from sbpflow.oracle import reference
 from tests.client.nn.test_state import Train
+from tests.control_plane.compiler.passes.test_autodiff import as_float64
+from tests.examples.test_examples import load
 
 
 def sources() -> tuple[ArraySource, ArraySource]:
@@ -56,11 +66,75 @@ def test_an_evaluation_every_four_steps_reads_every_second_checkpoint() -> None:
     assert [s for s, _ in result.evals] == [4]
 
 
+def layout_job(**layout: Any) -> sf.Job:
+    """The MLP example in float64 on ``layout``, 4 steps, evaluated every 2 on 2 batches it never trains on."""
+    j = as_float64(load("mlp").make_job(steps=4, batch_size=8, hidden=16, **layout), batches=6)
+    assert isinstance(j.data, ArraySource)
+    arrays = j.data.arrays
+    train = ArraySource(batch_size=8, arrays={k: v[:32] for k, v in arrays.items()})
+    held_out = ArraySource(batch_size=8, arrays={k: v[32:] for k, v in arrays.items()})
+    config = dataclasses.replace(j.config, steps=4, eval_every=2, eval_batches=2, checkpoint_every=2)
+    return dataclasses.replace(j, data=train, eval_data=held_out, config=config)
+
+
+LAYOUTS: dict[str, Callable[[], sf.Job]] = {
+    "one": lambda: layout_job(ranks=1),
+    "dp2": lambda: layout_job(ranks=2),
+    "tp2": lambda: layout_job(ranks=2, tp=True),
+    "pp2": lambda: layout_job(ranks=2, pp=2, micro_batches=2),
+}
+
+
+def from_checkpoints(j: sf.Job, root: Path) -> list[tuple[int, float]]:
+    """What the control plane computed before the ranks did: the eval job run in process on each
+    evaluated step's checkpoint, the mean of its losses."""
+    out = []
+    for c in list_checkpoints(root):
+        losses = sf.run(eval_job(j), backend="inprocess", init_from=str(c.path)).losses
+        out.append((c.step, sum(losses) / len(losses)))
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_ranks_evaluate_as_the_eval_job_on_the_checkpoint_did(layout: str, tmp_path: Path) -> None:
+    j = LAYOUTS[layout]()
+    result = sf.run(j, backend="inprocess", checkpoint_dir=str(tmp_path), return_parameters=True)
+    assert [s for s, _ in result.evals] == [2, 4]
+    for (step, loss), (then, want) in zip(result.evals, from_checkpoints(j, tmp_path), strict=True):
+        assert step == then and loss == pytest.approx(want, rel=1e-13, abs=0)
+    plain = dataclasses.replace(j, config=dataclasses.replace(j.config, eval_every=0))
+    alone = sf.run(plain, backend="inprocess", return_parameters=True)
+    assert result.losses == alone.losses  # bit for bit: the pauses to evaluate change nothing
+    assert result.parameters is not None and alone.parameters is not None
+    for name, value in alone.parameters.items():
+        assert np.array_equal(result.parameters[name], value), name
+
+
+def test_a_resumed_run_evaluates_the_steps_left(tmp_path: Path) -> None:
+    j = LAYOUTS["dp2"]()
+    whole = sf.run(j, backend="inprocess", checkpoint_dir=str(tmp_path))
+    (two,) = [c.path for c in list_checkpoints(tmp_path) if c.step == 2]
+    resumed = sf.run(j, backend="inprocess", resume_from=str(two))
+    assert resumed.evals == whole.evals[1:] and resumed.losses == whole.losses[2:]  # losses[0]: step 3
+
+
 @pytest.mark.usefixtures("ray_local")
-def test_ray_runs_evaluate_too() -> None:
+def test_ray_workers_evaluate_and_the_control_plane_runs_no_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     j = job(every=4)
-    result = sf.run(j, backend="ray", timeout=120)
-    assert [s for s, _ in result.evals] == [4]
+    here = sf.run(j, backend="inprocess")
+    built: list[int] = []  # every rank program built in this process (a forward would build one)
+    real = executor.build_rank
+
+    def counted(*args: Any, **keywords: Any) -> executor.RankProgram:
+        built.append(1)
+        return real(*args, **keywords)
+
+    monkeypatch.setattr(executor, "build_rank", counted)
+    heard: list[tuple[int, float]] = []
+    result = sf.run(j, backend="ray", timeout=120, on_eval=lambda s, loss: heard.append((s, loss)))
+    assert built == [] and heard == list(result.evals)
+    assert [s for s, _ in result.evals] == [4] and result.losses == here.losses
+    assert result.evals[0][1] == pytest.approx(here.evals[0][1], rel=1e-13)
     assert result.evals[0][1] == pytest.approx(oracle(j, 4), rel=1e-9)
 
 
