@@ -4,7 +4,7 @@ network: the page opens as it is.
 
     line_chart([Series("loss", ((1, 2.31), (2, 2.05)))], x_label="step", y_label="loss")
 
-Several series get a legend (top right); a :class:`Marker` is a dashed vertical line at an x with its
+Several series get a legend (a row above the plot); a :class:`Marker` is a dashed vertical line at an x with its
 label (where a job's attempt began: "attempt 2 from step 200"). NaN and infinite values are left out of the line (a caption says how many); a chart with no finite
 point says so in words instead of drawing empty axes.
 """
@@ -21,6 +21,8 @@ MAX_MARKS = 200  # hover marks per series; a longer series gets every k-th point
 MAX_POINTS = 1000  # points of a drawn line; a longer series is thinned to about this many
 Scale = Callable[[float], float]  # a data value to a pixel coordinate
 PAD_LEFT, PAD_RIGHT, PAD_TOP, PAD_BOTTOM = 58, 64, 12, 38
+LEGEND_ROW = 14  # px above the plot for the legend of a chart of several series
+CHAR_PX = 6.5  # about the width of a character of the charts' 11 px sans-serif
 
 
 @dataclass(frozen=True)
@@ -84,9 +86,10 @@ def line_chart(
         return f"<p class='nodata'>{esc(title or y_label)}: {why}</p>"
     xs = [x for pts in finite for x, _ in pts] + [m.x for m in markers if math.isfinite(m.x)]
     ys = [y for pts in finite for _, y in pts]
-    want = max(2, (height - PAD_TOP - PAD_BOTTOM) // 36)  # a tick label every ~36 px at most
+    want = max(2, (height - PAD_TOP - PAD_BOTTOM - LEGEND_ROW) // 36)  # a tick label every ~36 px at most
     xt, yt = nice_ticks(min(xs), max(xs)), nice_ticks(min(ys), max(ys), want)
-    x0, x1, y0, y1 = PAD_LEFT, width - PAD_RIGHT, height - PAD_BOTTOM, PAD_TOP
+    legend = len(series) > 1  # a row above the plot
+    x0, x1, y0, y1 = PAD_LEFT, width - PAD_RIGHT, height - PAD_BOTTOM, PAD_TOP + LEGEND_ROW * legend
 
     def px(x: float) -> float:
         return x0 + (x - xt[0]) / (xt[-1] - xt[0]) * (x1 - x0)
@@ -105,8 +108,8 @@ def line_chart(
     for i, (s, pts) in enumerate(zip(series, finite, strict=True)):
         if pts:
             out.append(_line(s.name, pts, COLORS[i % len(COLORS)], px, py, x_label))
-    if len(series) > 1:
-        out.append(_legend([s.name for s in series], x1, y1))
+    if legend:
+        out.append(_legend([s.name for s in series], x0))
     if dropped:
         out.append(
             f"<text x='{x0 + 4}' y='{y1 + 10}' fill='#a00'>{dropped} non-finite value(s) left out</text>"
@@ -165,13 +168,14 @@ def _marker(m: Marker, x: float, y0: float, y1: float) -> str:
     )
 
 
-def _legend(names: Sequence[str], x1: float, y1: float) -> str:
-    """Each series' colour and name, one a line, right-aligned in the top right corner."""
-    rows = [
-        f"<line x1='{x1 - 22}' y1='{y1 + 9 + 13 * i}' x2='{x1 - 6}' y2='{y1 + 9 + 13 * i}' "
-        f"stroke='{COLORS[i % len(COLORS)]}' stroke-width='2'/>"
-        f"<text x='{x1 - 26}' y='{y1 + 13 + 13 * i}' text-anchor='end' stroke='#fff' stroke-width='3' "
-        f"paint-order='stroke'>{html.escape(name)}</text>"
-        for i, name in enumerate(names)
-    ]
-    return f"<g class='legend'>{''.join(rows)}</g>"
+def _legend(names: Sequence[str], x0: float) -> str:
+    """Each series' colour and name, in a row above the plot from its left edge."""
+    parts, x = [], x0
+    for i, name in enumerate(names):
+        color = COLORS[i % len(COLORS)]
+        parts.append(
+            f"<line x1='{x:.1f}' y1='{PAD_TOP}' x2='{x + 16:.1f}' y2='{PAD_TOP}' stroke='{color}' "
+            f"stroke-width='2'/><text x='{x + 20:.1f}' y='{PAD_TOP + 4}'>{html.escape(name)}</text>"
+        )
+        x += 20 + CHAR_PX * len(name) + 14
+    return f"<g class='legend'>{''.join(parts)}</g>"

@@ -181,3 +181,59 @@ def test_a_running_jobs_page_refreshes_itself(browser: Any, served: tuple[Contro
             assert d.find_elements(By.CSS_SELECTOR, "#curves svg.chart polyline")
         finally:
             h.cancel("the test has seen the page refresh")
+
+
+def test_the_job_list_filters_by_state_and_name_without_script(
+    browser: Any, served: tuple[ControlPlane, JobHandle]
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    plane, h = served
+    d = browser
+    open_signed_in(d, f"{plane.http_address}/")
+    Select(d.find_element(By.ID, "filter-state")).select_by_value("SUCCEEDED")
+    d.find_element(By.ID, "filter-name").send_keys("gp")  # the GPT example's job: TrainGPT
+    d.find_element(By.ID, "filter-go").click()  # a plain GET form: the browser, not a script, sends it
+    assert d.current_url.endswith("/?state=SUCCEEDED&q=gp")
+    assert d.find_elements(By.LINK_TEXT, h.job_id)
+    assert d.find_element(By.ID, "filter-name").get_attribute("value") == "gp"  # the form keeps it
+    shot(d, "5-filtered")
+    name = d.find_element(By.ID, "filter-name")
+    name.clear()
+    name.send_keys("<b>no such job</b>")
+    d.find_element(By.ID, "filter-go").click()
+    jobs = d.find_element(By.ID, "jobs")
+    assert (
+        jobs.text == "no jobs in state SUCCEEDED and named like '<b>no such job</b>'"
+    )  # as text, not markup
+    assert not jobs.find_elements(By.TAG_NAME, "b")
+    d.find_element(By.ID, "clear-filter").click()
+    assert d.find_elements(By.LINK_TEXT, h.job_id)
+
+
+def test_a_restarted_jobs_curves_mark_its_attempts(
+    browser: Any, served: tuple[ControlPlane, JobHandle]
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    from tests.control_plane.status.test_curves import STEPS, _job, _restarted
+
+    plane, _ = served
+    d = browser
+    job_id = _restarted(plane.store, _job())  # attempt 2 resumed step 200's checkpoint
+    open_signed_in(d, f"{plane.http_address}/jobs/{job_id}")
+    charts = d.find_elements(By.CSS_SELECTOR, "#curves svg.chart")
+    assert len(charts) == 4  # loss (and held-out), learning rate, throughput, step time
+    for chart in charts:
+        (marker,) = chart.find_elements(By.CSS_SELECTOR, "g.marker")
+        # a vertical line across the plot (no width: selenium does not call it displayed), and its label
+        assert marker.find_element(By.TAG_NAME, "line").size["height"] > 100
+        label = marker.find_element(By.TAG_NAME, "text")
+        assert label.is_displayed() and label.text == "attempt 2 from step 200"
+    loss = charts[0]
+    points = loss.find_element(By.CSS_SELECTOR, "g.series[data-name='loss'] polyline").get_attribute("points")
+    assert len(points.split()) == STEPS  # one point per counted step, not the 412 step events
+    legend = [t.text for t in loss.find_elements(By.CSS_SELECTOR, "g.legend text")]
+    assert legend == ["loss", "held-out loss"]
+    shot(d, "6-restarted")
