@@ -32,6 +32,7 @@ from sbpflow.runs.states import JobState
 
 LOG_TAIL = 60  # log lines on the page (the whole log: sbpflow logs ID)
 EVENT_TAIL = 100  # state and reason events on the page
+_CURVES = frozenset({"step", "eval"})  # events the curves draw, not listed
 
 
 @dataclass(frozen=True)
@@ -167,10 +168,10 @@ def _checkpoints(found: Sequence[CheckpointInfo]) -> str:
 
 
 def _events(events: Sequence[JobEvent]) -> str:
-    shown = [e for e in events if e.kind != "step"][-EVENT_TAIL:]
-    steps = [e for e in events if e.kind == "step"]
+    shown = [e for e in events if e.kind not in _CURVES][-EVENT_TAIL:]
+    drawn = sum(e.kind in _CURVES for e in events)
     rows = [(esc(when(e.time)), esc(e.kind), esc(e.state.name), esc(e.reason), esc(e.message)) for e in shown]
-    note = f"<p>and {len(steps)} step events (the curves above)</p>" if steps else ""
+    note = f"<p>and {drawn} step and evaluation events (the curves above)</p>" if drawn else ""
     return table(("time", "kind", "state", "reason", "message"), rows) + note
 
 
