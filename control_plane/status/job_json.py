@@ -21,8 +21,9 @@ A job::
 
 A list: ``{"version", "jobs": [job, ...]}`` (newest first; ``/v1/jobs?state=RUNNING,PENDING&q=bert&limit=N``
 keeps the jobs in those states whose name contains ``q``, ASCII letters in either case, at most 200
-printable characters; a bad value is answered 400 ``{"error": ...}`` naming what is allowed); one job: the job object with ``"version"``
-(``/v1/jobs/{id}`` and ``run --json`` add ``"losses"``, every step's loss). An event (``run --json-lines``):
+printable characters; a bad value is answered 400 ``{"error": ...}`` naming what is allowed); one job:
+the job object with ``"version"`` (``/v1/jobs/{id}`` and ``run --json`` add ``"losses"``, every step's
+loss). An event (``run --json-lines``):
 ``{"version", "job_id", "seq", "time", "kind": "step" | "state" | "log", ...}`` with, for a step,
 ``"step", "loss", "samples_per_second", "step_seconds", "loss_scale", "skipped_steps"``; for a state
 change ``"state", "previous", "reason", "message"``; for a log line ``"rank", "level", "text"``.
