@@ -187,7 +187,7 @@ def test_the_job_list_filters_by_state_and_name_without_script(
     browser: Any, served: tuple[ControlPlane, JobHandle]
 ) -> None:
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select
+    from selenium.webdriver.support.ui import Select, WebDriverWait
 
     plane, h = served
     d = browser
@@ -195,7 +195,7 @@ def test_the_job_list_filters_by_state_and_name_without_script(
     Select(d.find_element(By.ID, "filter-state")).select_by_value("SUCCEEDED")
     d.find_element(By.ID, "filter-name").send_keys("gp")  # the GPT example's job: TrainGPT
     d.find_element(By.ID, "filter-go").click()  # a plain GET form: the browser, not a script, sends it
-    assert d.current_url.endswith("/?state=SUCCEEDED&q=gp")
+    WebDriverWait(d, 30, 0.1).until(lambda d: d.current_url.endswith("/?state=SUCCEEDED&q=gp"))
     assert d.find_elements(By.LINK_TEXT, h.job_id)
     assert d.find_element(By.ID, "filter-name").get_attribute("value") == "gp"  # the form keeps it
     shot(d, "5-filtered")
@@ -203,6 +203,7 @@ def test_the_job_list_filters_by_state_and_name_without_script(
     name.clear()
     name.send_keys("<b>no such job</b>")
     d.find_element(By.ID, "filter-go").click()
+    WebDriverWait(d, 30, 0.1).until(lambda d: "no+such+job" in d.current_url)
     jobs = d.find_element(By.ID, "jobs")
     assert (
         jobs.text == "no jobs in state SUCCEEDED and named like '<b>no such job</b>'"
