@@ -135,35 +135,32 @@ def batch_norm(
 
     Synchronised batch norm is the SBP of the statistics, not a special op: under data parallelism the
     means over the batch of an ``S(0)`` x are partial sums ``P``, and the compiler all-reduces them to
-    ``B`` where the centring reads them, so every rank normalises by the global batch's statistics.
+    ``B`` where the centring reads them, so every rank normalises by the global batch's statistics. The
+    variance is centred on the mean in one pass (``channel_var``) and y is one pass (``channel_affine``).
     Training also moves the running statistics towards the batch's, as PyTorch does (``momentum``; the
     variance unbiased over the N*H*W values of a channel): ``running_stat`` ops whose results the compiler
     writes back as the statistics' next values. ``running_mean=None`` keeps no running statistics.
     """
-    axes = tuple(a for a in range(x.ndim) if a != 1)
     c = x.shape[1]
-    stat_shape = tuple(c if a == 1 else 1 for a in range(x.ndim))  # [1, C, 1, 1]
     if training:
-        mean = x.mean(axes, keepdims=True)  # mean: [1, C, 1, 1]  P under DP, all-reduced to B below
-        centered = x - mean
-        var = (centered * centered).mean(axes, keepdims=True)  # biased, as torch normalises
+        mean = x.mean(tuple(a for a in range(x.ndim) if a != 1))  # mean: [C]  P under DP, all-reduced to B
+        var = _op("channel_var", x, mean)  # biased, as torch normalises; centred on mean, in one pass
         if running_mean is not None and momentum > 0:
             n = math.prod(x.shape) // c
-            _op("running_stat", running_mean, mean.reshape(c), momentum=momentum)  # -> running_mean
-            _op("running_stat", running_var, var.reshape(c), momentum=momentum, scale=n / max(n - 1, 1))
+            _op("running_stat", running_mean, mean, momentum=momentum)  # -> running_mean
+            _op("running_stat", running_var, var, momentum=momentum, scale=n / max(n - 1, 1))
     elif running_mean is None or running_var is None:
         raise ShapeError(
             f"batch_norm of {x.name!r} in eval mode needs running_mean and running_var; keep running "
             "statistics (BatchNorm2d(track_running_stats=True)) or normalise in training mode"
         )
     else:
-        centered = x - running_mean.reshape(stat_shape)
-        var = running_var.reshape(stat_shape)
-    scale = 1.0 / (var + eps).sqrt()  # [1, C, 1, 1]: the per-channel work stays on C numbers
+        mean, var = running_mean, running_var
+    scale = 1.0 / (var + eps).sqrt()  # [C]: the per-channel work stays on C numbers
     if weight is not None:
-        scale = scale * weight.reshape(stat_shape)
-    y = centered * scale  # y: [N, C, H, W]  S(0) under DP
-    return y if bias is None else y + bias.reshape(stat_shape)
+        scale = scale * weight
+    shift = bias if bias is not None else full((c,), 0.0, x.dtype)
+    return _op("channel_affine", x, mean, scale, shift)  # y: [N, C, ...]  S(0) under DP, one pass
 
 
 # ---- lookup and losses ----------------------------------------------------------------------------------

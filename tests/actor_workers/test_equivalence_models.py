@@ -46,11 +46,14 @@ def test_resnet18_batch_norm_statistics_are_reduced_across_ranks_under_data_para
     running statistics' update reads a reshape of it, which is linear and stays P until its boxing."""
     compiled = compile_job(resnet_job(4), lower=False)
     graph, plans = compiled.state.graph, compiled.state.boxings
-    means = [o for o in graph.ops if o.op_type == "mean"]  # only batch norm takes means
+    # only batch norm takes means: the mean, and the variance centred on it
+    means = [o for o in graph.ops if o.op_type in ("mean", "channel_var")]
     assert len(means) == 2 * 20, "a mean and a variance per batch norm: ResNet-18 has 20"
+    # a batch split gives partial means; a channel split (the small late layers) whole channels' own
+    expect = {"(S(0),)": "(P,)", "(S(1),)": "(S(0),)"}
     for o in means:
-        split = str(graph.tensors[o.inputs[0]].sbp) == "(S(0),)"
-        assert str(graph.tensors[o.outputs[0]].sbp) == ("(P,)" if split else "(B,)"), o.name
+        x_sbp = str(graph.tensors[o.inputs[0]].sbp)
+        assert str(graph.tensors[o.outputs[0]].sbp) == expect.get(x_sbp, "(B,)"), o.name
     stats = {o.outputs[0] for o in means}
     partial = {m for m in stats if str(graph.tensors[m].sbp) == "(P,)"}
     assert len(partial) >= len(stats) // 2, "the batch is split over the ranks for most layers"
@@ -67,7 +70,7 @@ def test_resnet18_batch_norm_statistics_are_reduced_across_ranks_under_data_para
         return source(o.inputs[0]) if o.op_type in ("reshape", BOXING) else o.op_type
 
     running = [o for o in graph.ops if o.op_type == "running_stat"]
-    assert {source(o.inputs[1]) for o in running} == {"mean"}, "each reads its batch statistic"
+    assert {source(o.inputs[1]) for o in running} == {"mean", "channel_var"}, "each reads its batch statistic"
     updated = {o.inputs[0] for o in running}
     assert len(updated) == 40 and updated <= set(compiled.state.updates), "every running statistic"
 

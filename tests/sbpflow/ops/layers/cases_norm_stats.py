@@ -29,3 +29,66 @@ def _running_ref(
 
 
 case(OpCase("running_stat", _running(), _running_ref, differentiable=()))
+
+
+# ---- batch norm's passes: x [N, C, ...] with its per-channel values [C] ------------------------------------
+
+
+@st.composite
+def _channel_shape(draw: st.DrawFn) -> tuple[int, ...]:
+    return (draw(st.integers(1, 5)), draw(st.integers(1, 5)), *draw(shapes(0, 2, max_side=5)))
+
+
+@st.composite
+def _planes_and_channels(draw: st.DrawFn, planes: int, channels: int) -> Example:
+    """``planes`` arrays of one [N, C, ...] shape, then ``channels`` arrays [C]."""
+    shape = draw(_channel_shape())
+    return Example(
+        (*(arrays(shape, draw) for _ in range(planes)), *(arrays((shape[1],), draw) for _ in range(channels)))
+    )
+
+
+def _channel_values(x: np.ndarray) -> list[np.ndarray]:
+    """Each channel's values, every axis but 1 (plain indexing, no reduction over axes)."""
+    rest = x.shape[:1] + x.shape[2:]
+    return [np.array([x[(i[0], c, *i[1:])] for i in np.ndindex(rest)]) for c in range(x.shape[1])]
+
+
+def _by_channel(x: np.ndarray, mean: np.ndarray, scale: np.ndarray, shift: np.ndarray) -> np.ndarray:
+    out = np.empty_like(x)
+    for c in range(x.shape[1]):
+        out[:, c] = (x[:, c] - mean[c]) * scale[c] + shift[c]
+    return out
+
+
+def _var_ref(x: np.ndarray, mean: np.ndarray) -> list[np.ndarray]:
+    return [np.array([((v - m) ** 2).mean() for v, m in zip(_channel_values(x), mean, strict=True)])]
+
+
+def _var_grad_ref(x: np.ndarray, mean: np.ndarray, dvar: np.ndarray) -> list[np.ndarray]:
+    count = x.size // x.shape[1]
+    dx = _by_channel(x, mean, 2 * dvar / count, np.zeros_like(mean))
+    values = _channel_values(x)
+    return [
+        dx,
+        np.array([-2 * (v - m).sum() * d / count for v, m, d in zip(values, mean, dvar, strict=True)]),
+    ]
+
+
+def _affine_grad_ref(dy: np.ndarray, x: np.ndarray, mean: np.ndarray) -> list[np.ndarray]:
+    dys, xs = _channel_values(dy), _channel_values(x)
+    dot = [(d * (v - m)).sum() for d, v, m in zip(dys, xs, mean, strict=True)]
+    return [np.array(dot), np.array([d.sum() for d in dys])]
+
+
+case(OpCase("channel_var", _planes_and_channels(1, 1), _var_ref, differentiable=(0, 1)))
+case(OpCase("channel_var_grad", _planes_and_channels(1, 2), _var_grad_ref, differentiable=()))
+case(
+    OpCase(
+        "channel_affine",
+        _planes_and_channels(1, 3),
+        lambda *a: [_by_channel(*a)],
+        differentiable=(0, 1, 2, 3),
+    )
+)
+case(OpCase("channel_affine_grad", _planes_and_channels(2, 1), _affine_grad_ref, differentiable=()))
