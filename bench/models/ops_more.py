@@ -1,6 +1,13 @@
 """bench/models/ops.py's cases and PyTorch peers for the ops neither timed example calls (issue 16's image,
 gather, top-k and vocabulary-parallel ops, and the gradient buckets' pack and unpack).
 
+Batch norm's passes (norm_stats.py) have no single PyTorch op each: channel_var's peer is torch.var over
+the channels' values (a slow strided reduction in torch, ~0.8 ms: its ratio says little; the whole
+forward, mean + channel_var + channel_affine, measured 0.91-0.93x ``native_batch_norm`` on the two
+ResNet block shapes and 2.8x on [32, 64, 4, 4], where the per-call cost of 3 ops shows), channel_affine's batch norm in eval mode (the same one pass, (x - mean) * scale +
+shift), channel_var_grad's too (its pass with one sum more), channel_affine_grad's the weight and bias
+half of ``native_batch_norm_backward`` (the same two sums).
+
 Shapes: the image ops on a ResNet block's activation ([8, 16, 32, 32], 3x3 kernels), the gather and
 top-k ops on the GPT's [16, 64, 128] logits and its embedding table, the vocabulary-parallel cross
 entropy on the main job's [16, 64, 128] logits in 2 chunks, pack/unpack on the main job's 29 gradients
@@ -23,6 +30,7 @@ F32, I64 = DType.float32, DType.int64
 IMG = TensorMeta((8, 16, 32, 32), F32)
 POOLED = TensorMeta((8, 16, 16, 16), F32)
 W3 = TensorMeta((16, 16, 3, 3), F32)
+C16 = TensorMeta((16,), F32)
 LOGITS = TensorMeta((16, 64, 128), F32)
 ROWS = TensorMeta((16, 64), F32)
 LABELS = TensorMeta((16, 64), I64)
@@ -54,6 +62,10 @@ EXTRA_MORE: dict[str, tuple[tuple[TensorMeta, ...], dict[str, Any]]] = {
         (TensorMeta((8, 16, 1, 1), F32),),
         {"output_size": (1, 1), "input_hw": (32, 32)},
     ),
+    "channel_var": ((IMG, C16), {}),
+    "channel_var_grad": ((IMG, C16, C16), {}),
+    "channel_affine": ((IMG, C16, C16, C16), {}),
+    "channel_affine_grad": ((IMG, IMG, C16), {}),
     "sigmoid": ((LOGITS,), {}),
     "gelu_erf": ((TensorMeta((16, 64, 256), F32),), {}),
     "gelu_erf_grad": ((TensorMeta((16, 64, 256), F32), TensorMeta((16, 64, 256), F32)), {}),
@@ -108,12 +120,38 @@ def _image_peers(op: str, a: Mapping[str, Any], t: list[Any]) -> Callable[[], An
     if op == "avg_pool2d_grad":
         x = torch.zeros(8, 16, *a["input_hw"])
         return lambda: aten.avg_pool2d_backward(t[0], x, k, s, p, False, True, None)
+    if op in _NORM_PEERS:
+        return _NORM_PEERS[op](t)
     if op == "adaptive_avg_pool2d":
         return lambda: F.adaptive_avg_pool2d(t[0], a["output_size"])
     if op == "adaptive_avg_pool2d_grad":
         x = torch.zeros(8, 16, *a["input_hw"])
         return lambda: aten._adaptive_avg_pool2d_backward(t[0], x)
     return None
+
+
+def _bn_eval(x: Any, mean: Any, scale: Any, shift: Any) -> Any:
+    from torch.nn import functional as F
+
+    # (x - mean) / sqrt(var + eps) * w + b with var + eps = 1: (x - mean) * scale + shift
+    return F.batch_norm(x, mean, mean * 0 + 1 - 1e-5, scale, shift, training=False, eps=1e-5)
+
+
+def _bn_grad_sums(dy: Any, x: Any, mean: Any) -> Any:
+    import torch
+
+    ones = torch.ones_like(mean)
+    return torch.ops.aten.native_batch_norm_backward(
+        dy, x, ones, None, None, mean, ones, True, 1e-5, [False, True, True]
+    )
+
+
+_NORM_PEERS: dict[str, Callable[[list[Any]], Callable[[], Any]]] = {
+    "channel_var": lambda t: lambda: t[0].var((0, 2, 3), correction=0),
+    "channel_var_grad": lambda t: lambda: _bn_eval(t[0], t[1], t[2], t[2]),
+    "channel_affine": lambda t: lambda: _bn_eval(*t),
+    "channel_affine_grad": lambda t: lambda: _bn_grad_sums(*t),
+}
 
 
 def _vocab_peers(op: str, a: Mapping[str, Any], t: list[Any]) -> Callable[[], Any] | None:

@@ -90,6 +90,21 @@ def test_pools_and_their_gradients(dtype: Any, pool: Any, seed: int, special: bo
         same(*grad, dtype, f"adaptive_avg_pool2d_grad {out} -> {shape}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("hw", "out"), [((7, 5), (1, 1)), ((6, 9), (3, 3)), ((4, 4), (4, 2)), ((1, 3), (1, 1))]
+)
+def test_adaptive_grad_of_tiling_bins_writes_each_bin_once(dtype: Any, hw: Any, out: Any) -> None:
+    """Bins that tile the image (a global pool among them, which the strided-view test cannot reach: a
+    view of one column is contiguous) take the loop's one-pass path: each dy spread over its bin."""
+    dy = np.random.default_rng(0).standard_normal((2, 3, *out)).astype(dtype)
+    assert jit_loops("pool_jit", np, dy) is not None
+    (dx,) = EagerBuilder().call("adaptive_avg_pool2d_grad", dy, output_size=out, input_hw=hw)
+    bh, bw = hw[0] // out[0], hw[1] // out[1]
+    want = np.repeat(np.repeat(dy, bh, axis=2), bw, axis=3) / dtype(bh * bw)
+    same((dx,), (want,), dtype, f"adaptive_avg_pool2d_grad {out} -> {hw}")
+
+
 def test_max_pool_grad_ties_go_to_the_first_maximum() -> None:
     """A window of equal values gives its dy to its first tap; one whose every value is -inf to its first
     tap when that is in the image, and to nobody when tap 0 is padding; one with a nan to nobody."""
