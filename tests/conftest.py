@@ -33,6 +33,7 @@ def ray_local() -> Iterator[str]:
         pytest.fail("Ray was started before the ray_local fixture: a test ran Ray without taking the fixture")
     _RAY_FIXTURE.append(True)
     info = ray.init(
+        address="local",  # a new one even where another Ray on this machine (`ray start`) would be joined
         num_cpus=4,
         object_store_memory=256 * 1024 * 1024,
         include_dashboard=False,

@@ -304,6 +304,7 @@ WORKER_PAYLOADS = {
     ),
     "done": service_pb2.WorkerReport(done=service_pb2.Done()),
     "log": service_pb2.WorkerReport(log=service_pb2.LogLine(job_id="job-1", rank=1, level="INFO", text="hi")),
+    "eval": service_pb2.WorkerReport(eval=service_pb2.EvalReport(step=4, losses=[1.5, 1.25])),
 }
 
 
