@@ -35,8 +35,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_array
 
 from sbpflow.control_plane.compiler.passes.sbp_cost import (
     Attrs,
@@ -258,6 +256,10 @@ def _layouts(
 def _run(
     p: Problem, prog: _Program, x: Mapping[str, list[int]], stored: Mapping[str, list[tuple[Layout, int]]]
 ) -> Solution | None:
+    # scipy here, not at the module's top: 0.4 s of every `sbpflow run`'s start, for the solver few plans call
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_array
+
     n = len(prog.cost)
     r, c, v, lo, hi = [], [], [], [], []
     for k, (coef, a, b) in enumerate(prog.rows):
