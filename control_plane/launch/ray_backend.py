@@ -37,7 +37,7 @@ import numpy as np
 from sbpflow.actor_workers.runtime.errors import RuntimeAborted, RuntimeFailure, RuntimeTimeout
 from sbpflow.control_plane.compiler.pipeline import Compiled
 from sbpflow.control_plane.launch.elastic import Regrow, attempt_note, replan, restart_point
-from sbpflow.control_plane.launch.ray_groups import (  # noqa: F401 - where callers import them from
+from sbpflow.control_plane.launch.ray_cluster import (  # noqa: F401 - where callers import them from
     BUNDLES,
     DEVICE_TYPES,
     SchedulingError,
