@@ -14,6 +14,9 @@ from hypothesis import settings
 
 # Set before anything imports Ray: a single-node Ray then advertises 127.0.0.1, not the external address.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# `sbpflow run` under test starts a Ray of its own (or joins the session's), never the kept local Ray that
+# would outlive the session; the tests of the kept Ray give it a folder of their own (SBPFLOW_RAY_DIR).
+os.environ.setdefault("SBPFLOW_LOCAL_RAY", "fresh")
 
 settings.register_profile("deterministic", derandomize=True, database=None)
 settings.register_profile("ci", derandomize=True, database=None)  # the same; kept for --hypothesis-profile=ci

@@ -1,7 +1,7 @@
 """How long `sbpflow run` takes from the command to its exit (issue 32 item 2): the MLP example for 3
 steps (target <= 5 s) and the README's main job (charlm, 150 steps; target <= 15 s on a warm machine),
-each on a fresh local Ray (the default), on a local Ray kept by an earlier run (``--keep-ray``) and on the
-in-process backend; beside them the floors every Python training command pays: ``import sbpflow``'s CLI,
+each on the local Ray an earlier run kept (the default), on a fresh local Ray of the run's own
+(``--fresh-ray``) and on the in-process backend; beside them the floors every Python training command pays: ``import sbpflow``'s CLI,
 and a plain PyTorch script training the same MLP shape for 3 steps (the peer a user would compare
 against).
 
@@ -9,8 +9,9 @@ against).
     python bench/control_plane/startup.py --quick    # 1 repetition, the MLP only
 
 Every case is a child process timed from spawn to exit, the cases alternated within a repetition (who
-goes first rotates) so that load drifts hit each alike; medians are printed. A Ray that ``--keep-ray``
-started here is stopped at the end (that Ray alone) unless one was kept before the script ran.
+goes first rotates) so that load drifts hit each alike; medians are printed. The kept Ray is this script's
+own (``SBPFLOW_RAY_DIR`` a temporary folder), started by an untimed first run and stopped at the end
+(that Ray alone: ``KeptRay.stop``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -26,9 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from sbpflow.control_plane.launch.ray_cluster import KeptRay
+
 ROOT = Path(__file__).resolve().parents[2]
 SBPFLOW = [str(Path(sys.executable).parent / "sbpflow")]  # the installed command, as a user runs it
-KEPT = Path(tempfile.gettempdir()) / f"sbpflow-ray-{os.getuid()}" / "address"  # embedded_run.KEPT_RAY
+KEPT = Path(tempfile.mkdtemp(prefix="sfbench-"))  # this script's kept Ray (short: Ray's socket paths)
 
 TORCH_MLP = """
 import torch
@@ -52,14 +54,14 @@ def cases(quick: bool) -> dict[str, list[str]]:
     out = {
         "import sbpflow's CLI": [sys.executable, "-c", "import sbpflow.client.cli.main"],
         "torch MLP, 3 steps (peer)": [sys.executable, "-c", TORCH_MLP],
-        "mlp, fresh Ray (default)": mlp,
-        "mlp, kept Ray (--keep-ray)": [*mlp, "--keep-ray"],
+        "mlp, kept Ray (default)": mlp,
+        "mlp, fresh Ray (--fresh-ray)": [*mlp, "--fresh-ray"],
         "mlp, in-process": [*mlp, "--backend", "inprocess"],
     }
     if not quick:
         out |= {
-            "main job, fresh Ray (default)": main,
-            "main job, kept Ray (--keep-ray)": [*main, "--keep-ray"],
+            "main job, kept Ray (default)": main,
+            "main job, fresh Ray (--fresh-ray)": [*main, "--fresh-ray"],
             "main job, in-process": [*main, "--backend", "inprocess"],
         }
     return out
@@ -67,6 +69,7 @@ def cases(quick: bool) -> dict[str, list[str]]:
 
 def timed(argv: list[str]) -> float:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env |= {"SBPFLOW_RAY_DIR": str(KEPT), "SBPFLOW_LOCAL_RAY": "kept"}
     t0 = time.perf_counter()
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     seconds = time.perf_counter() - t0
@@ -76,39 +79,24 @@ def timed(argv: list[str]) -> float:
     return seconds
 
 
-def stop_kept(port: str) -> None:
-    """Stop the Ray whose GCS listens on ``port`` (its GCS, raylet and workers), not every Ray of this
-    user as ``ray stop`` would: a test session's or another user's Ray may run beside it."""
-    marks = (f"127.0.0.1:{port}", f"--gcs_server_port={port}")
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if proc.name.isdigit() and int(proc.name) != os.getpid() and any(m in cmdline for m in marks):
-                os.kill(int(proc.name), signal.SIGKILL)  # as `ray stop --force`: they outlive a SIGTERM here
-        except (OSError, ValueError):
-            continue  # gone, or not ours
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     repeat = 1 if args.quick else args.repeat
-    kept_before = KEPT.is_file()
     todo = cases(args.quick)
     times: dict[str, list[float]] = {name: [] for name in todo}
     print(f"load {os.getloadavg()[0]:.1f}; {repeat} repetition(s)")
     try:
-        timed(todo["mlp, kept Ray (--keep-ray)"])  # the first --keep-ray run starts the kept Ray: not timed
+        timed(todo["mlp, kept Ray (default)"])  # the first run starts the kept Ray: not timed
         names = list(todo)
         for i in range(repeat):
             for name in names[i % len(names) :] + names[: i % len(names)]:
                 times[name].append(timed(todo[name]))
     finally:
-        if not kept_before and KEPT.is_file():
-            stop_kept(KEPT.read_text().strip().rpartition(":")[2])
-            shutil.rmtree(KEPT.parent, ignore_errors=True)
+        KeptRay(KEPT).stop()
+        shutil.rmtree(KEPT, ignore_errors=True)
     peer = statistics.median(times["torch MLP, 3 steps (peer)"])
     targets = {"mlp": 5.0, "main job": 15.0}
     for name, ts in times.items():

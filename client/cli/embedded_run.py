@@ -32,7 +32,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ RUN_DEFAULTS = MANAGER_DEFAULTS.replace(return_parameters=False)
 RUN_EXCLUDED = ("trace", "return_parameters", "max_restarts")
 PROGRESS_EVERY = 10.0  # seconds between step lines off a terminal
 LATEST = "latest"  # --resume without an id
+LOCAL_RAYS = ("kept", "fresh")  # backend ray without an address: the kept local Ray, or one of the run's own
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -98,12 +99,21 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         help="memory per device the job's plan is held to before it starts (e.g. 16GiB; 0: no check); "
         "default: this machine's over the job's ranks, or the Ray cluster's with --ray-address",
     )
-    p.add_argument(
+    ray = p.add_mutually_exclusive_group()
+    ray.add_argument(
+        "--fresh-ray",
+        dest="local_ray",
+        action="store_const",
+        const="fresh",
+        help="backend ray: start a local Ray of this run's own, stopped at its end (a few seconds more)",
+    )
+    ray.add_argument(
         "--keep-ray",
-        action="store_true",
-        help="backend ray: run on a local Ray kept for the next runs (started detached by the first; the "
-        "runs after it start ~3-6 s sooner) instead of one of this run's own; while it runs, a plain "
-        "ray.init() on this machine joins it; `ray stop` ends it",
+        dest="local_ray",
+        action="store_const",
+        const="kept",
+        help="backend ray: join the local Ray an earlier run kept, or start one and keep it for the next "
+        "runs until $SBPFLOW_RAY_IDLE s unused (600); the default unless $SBPFLOW_LOCAL_RAY=fresh",
     )
     add_run_flags(p, RUN_DEFAULTS, exclude=RUN_EXCLUDED)
 
@@ -119,9 +129,14 @@ def _check(args: argparse.Namespace) -> None:
                 )
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise UsageError(f"--checkpoint-every {args.checkpoint_every}: give a number of steps, at least 1")
-    if args.keep_ray and (args.backend != "ray" or args.ray_address):
+    if args.local_ray and (args.backend != "ray" or args.ray_address):
         raise UsageError(
-            "--keep-ray is a local Ray of backend ray's: drop --backend inprocess / --ray-address"
+            f"--{args.local_ray.replace('kept', 'keep')}-ray is a local Ray of backend ray's: "
+            "drop --backend inprocess / --ray-address"
+        )
+    if os.environ.get("SBPFLOW_LOCAL_RAY", "kept") not in LOCAL_RAYS:
+        raise UsageError(
+            f"SBPFLOW_LOCAL_RAY={shown(os.environ['SBPFLOW_LOCAL_RAY'])}: give one of {LOCAL_RAYS}"
         )
     if args.progress_every < 0:
         raise UsageError(f"--progress-every {args.progress_every}: give seconds, 0 or more")
@@ -207,15 +222,15 @@ def _resumed_id(store: Any, wanted: str) -> str:
     return wanted
 
 
-def _manager(args: argparse.Namespace, store: Any, job: Any, job_bytes: bytes) -> Any:
-    """The embedded job manager, admitting as Submit does (the job's plan held to each device's memory)."""
+def _manager(args: argparse.Namespace, store: Any, job: Any, job_bytes: bytes, rays: ExitStack) -> Any:
+    """The embedded job manager, admitting as Submit does (the job's plan held to each device's memory);
+    backend ray without an address runs on the kept local Ray (its lease entered into ``rays``) unless
+    ``--fresh-ray``."""
     from sbpflow.control_plane.service.data_policy import DataPolicy
     from sbpflow.control_plane.service.jobs import JobManager, ManagerConfig, job_ranks
-    from sbpflow.control_plane.service.validation import describe_cluster
+    from sbpflow.control_plane.service.validation import compile_submit, describe_cluster
 
     options = run_options_from_args(args, RUN_DEFAULTS, trace=bool(args.trace))
-    if args.keep_ray:
-        options = options.replace(ray_address=kept_ray(len(job_ranks(job))))
     remote = options.backend == "ray" and bool(options.ray_address or os.environ.get("RAY_ADDRESS"))
     if remote:  # its memory is the cluster's, which describe_cluster reads from a connected Ray only
         from sbpflow.control_plane.launch.ray_backend import ensure_ray
@@ -230,14 +245,31 @@ def _manager(args: argparse.Namespace, store: Any, job: Any, job_bytes: bytes) -
         data_policy=DataPolicy.embedded(also=[args.data] if args.data else []),
         device_memory=args.device_memory,
     )
+    # a local Ray (not started yet) is this machine: its memory, as in-process
+    cluster = None if remote else describe_cluster("inprocess", config.slots or 1, args.device_memory)
+    if options.backend == "ray" and cluster is not None:  # refused before Ray's start (seconds), not after it
+        compile_submit(job_bytes, cluster, None, config.data_policy, config.limits)
+        if (args.local_ray or os.environ.get("SBPFLOW_LOCAL_RAY") or "kept") == "kept":
+            config = dataclasses.replace(
+                config, run=options.replace(ray_address=_kept(rays, config.slots or 1))
+            )
     manager = JobManager(store, config)
-    if not remote:  # a local Ray not started yet is this machine: its memory, as in-process
-        manager.cluster = describe_cluster("inprocess", manager.capacity, args.device_memory)
-    if options.backend == "ray" and not remote:  # refused before Ray's start (seconds), not after it
-        from sbpflow.control_plane.service.validation import compile_submit
-
-        compile_submit(job_bytes, manager.cluster, None, config.data_policy, config.limits)
+    manager.cluster = cluster or manager.cluster
     return manager
+
+
+def _kept(rays: ExitStack, ranks: int) -> str | None:
+    """The kept local Ray's address, leased until ``rays`` closes; None (a Ray of the run's own) where it
+    has fewer CPUs than the job's ranks."""
+    from sbpflow.control_plane.launch.ray_cluster import KeptRay
+
+    address = rays.enter_context(KeptRay.default().lease(ranks))
+    if address is None:
+        print(
+            f"the kept local Ray has fewer CPUs than the job's {ranks} ranks: this run starts a Ray of its own",
+            file=sys.stderr,
+        )
+    return address
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -248,8 +280,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     _check(args)
     job = _job(args)
     job_bytes = wire.job_to_proto(job).SerializeToString()
-    with _store(args) as store:
-        manager = _manager(args, store, job, job_bytes)
+    with _store(args) as store, ExitStack() as rays:
+        manager = _manager(args, store, job, job_bytes, rays)
         manager.start()
         try:
             if args.resume is None:
@@ -345,45 +377,3 @@ def _final_json(
         "trace": args.trace,
     }
     return doc
-
-
-KEPT_RAY = Path(tempfile.gettempdir()) / f"sbpflow-ray-{os.getuid()}"  # where --keep-ray notes its Ray
-
-
-def kept_ray(cpus: int) -> str:
-    """The address of the local Ray that ``--keep-ray`` runs share: the one an earlier run started, if it
-    answers on its port, else a new one started detached (``ray start --head``, token auth, this
-    machine's CPUs or ``cpus`` if more), which outlives this run."""
-    import socket
-    import subprocess
-
-    os.environ["RAY_AUTH_MODE"] = "token"  # as the kept Ray was started: its token is ~/.ray/auth_token
-    noted = KEPT_RAY / "address"
-    if noted.is_file():
-        host, _, port = noted.read_text().strip().rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=1.0).close()
-            return f"{host}:{port}"
-        except (OSError, ValueError):
-            pass  # gone (`ray stop`, a reboot): start another
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray = Path(sys.executable).parent / "ray"
-    started = subprocess.run(
-        [str(ray), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
-         f"--num-cpus={max(cpus, os.cpu_count() or 1)}", "--include-dashboard=false"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    if started.returncode != 0:
-        said = (started.stderr or started.stdout).strip().splitlines()[-3:]
-        raise SbpflowError(
-            f"--keep-ray: `ray start --head` failed: {' | '.join(said)}; run without --keep-ray"
-        )
-    KEPT_RAY.mkdir(parents=True, exist_ok=True)
-    noted.write_text(f"127.0.0.1:{port}")
-    print(
-        f"started a local Ray at 127.0.0.1:{port} for the next --keep-ray runs (`ray stop` ends it)",
-        file=sys.stderr,
-    )
-    return f"127.0.0.1:{port}"

@@ -103,19 +103,60 @@ def test_ray_start_up_narration_is_silenced() -> None:
     assert logging.getLogger("ray._private.authentication").getEffectiveLevel() == logging.ERROR
 
 
-def test_keep_ray_joins_the_ray_an_earlier_run_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    import socket
-
-    from sbpflow.client.cli import embedded_run
-
-    monkeypatch.setattr(embedded_run, "KEPT_RAY", tmp_path)
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # kept_ray sets it; monkeypatch restores it
-    with socket.socket() as kept:  # stands in for the kept Ray's GCS port: it answers, so nothing starts
-        kept.bind(("127.0.0.1", 0))
-        kept.listen()
-        (tmp_path / "address").write_text(f"127.0.0.1:{kept.getsockname()[1]}")
-        assert embedded_run.kept_ray(2) == f"127.0.0.1:{kept.getsockname()[1]}"
+def test_a_local_ray_flag_needs_backend_ray(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", MLP, "--keep-ray", "--backend", "inprocess"]) == 2
     assert "--keep-ray is a local Ray of backend ray's" in capsys.readouterr().err
+    assert main(["run", MLP, "--fresh-ray", "--ray-address", "127.0.0.1:1"]) == 2
+    assert "--fresh-ray is a local Ray of backend ray's" in capsys.readouterr().err
+
+
+def test_runs_share_the_kept_local_ray_and_it_stops_once_unused(tmp_path: Path) -> None:
+    """`sbpflow run`'s default, for real: the first run starts a local Ray in its own folder and keeps
+    it, the next joins it (no second start), a plain ray.init() on the machine would not find it, and
+    its reaper stops it (every process of it) once no run has held it for SBPFLOW_RAY_IDLE seconds."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from sbpflow.control_plane.launch.ray_cluster import KeptRay
+
+    folder = Path(tempfile.mkdtemp(prefix="sfk", dir="/tmp"))  # short: Ray's socket paths are bounded
+    env = os.environ | {"SBPFLOW_RAY_DIR": str(folder), "SBPFLOW_RAY_IDLE": "3", "SBPFLOW_LOCAL_RAY": "kept"}
+    env.pop("RAY_ADDRESS", None)
+    sbpflow = [sys.executable, "-m", "sbpflow.client.cli.main", "run", MLP, "--steps", "2"]
+    try:
+        runs = [
+            subprocess.run(sbpflow, env=env, capture_output=True, text=True, timeout=180) for _ in range(2)
+        ]
+        for done in runs:
+            assert done.returncode == 0, done.stderr[-2000:]
+        address = json.loads((folder / "ray.json").read_text())["address"]
+        assert f"started a local Ray at {address}" in runs[0].stderr
+        assert "started a local Ray" not in runs[1].stderr  # joined, not started again
+        found = subprocess.run(
+            [sys.executable, "-c", "from ray._private.services import get_ray_address_from_environment as f; "
+             "print(f(None, None))"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert found.stdout.strip() == "None"  # a plain ray.init() starts its own, it does not join this one
+        deadline = time.monotonic() + 60
+        while KeptRay(folder).noted() is not None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert KeptRay(folder).noted() is None, "the reaper did not stop the kept Ray"
+        assert not _processes_naming(str(folder / "ray"))
+    finally:
+        KeptRay(folder).stop()
+
+
+def _processes_naming(mark: str) -> list[int]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and mark.encode() in (proc / "cmdline").read_bytes():
+                out.append(int(proc.name))
+        except OSError:
+            continue
+    return out

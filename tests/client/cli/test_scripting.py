@@ -30,7 +30,7 @@ MLP = str(ROOT / "examples" / "mlp.py")
 def sbpflow(
     *args: str, token: str | None = "t", stdout: int | None = subprocess.PIPE, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SBPFLOW_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SBPFLOW_") or k == "SBPFLOW_LOCAL_RAY"}
     if token:
         env["SBPFLOW_TOKEN"] = token
     return subprocess.run(

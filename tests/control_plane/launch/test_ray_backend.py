@@ -148,3 +148,54 @@ def test_a_job_larger_than_the_cluster_is_refused_with_what_it_needs(monkeypatch
     monkeypatch.setattr(ray_backend, "SETUP_SECONDS", 2.0)
     with pytest.raises(ray_backend.SchedulingError, match="cannot hold 8 workers"):
         sf.run(mlp_job(ranks=8), steps=1, timeout=30)
+
+
+def test_the_kept_ray_is_joined_by_runs_it_fits_and_reaped_once_unused(tmp_path: Path) -> None:
+    """KeptRay's lease and reaper without a Ray: a listening socket stands in for its GCS, a sleeping
+    process naming its temp dir for its processes. A lease for more CPUs than it has gets None; while a
+    lease is held the reaper waits; once unused for idle_seconds it kills that process (alone) and
+    forgets the Ray."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from sbpflow.control_plane.launch.ray_cluster import KeptRay
+
+    kept = KeptRay(tmp_path, idle_seconds=1.0)
+    with socket.socket() as gcs:
+        gcs.bind(("127.0.0.1", 0))
+        gcs.listen()
+        address = f"127.0.0.1:{gcs.getsockname()[1]}"
+        (tmp_path / "ray.json").write_text(json.dumps({"address": address, "cpus": 2, "reaper": 0}))
+        ray_process = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(120)", f"--temp-dir={tmp_path / 'ray'}"]
+        )
+        bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", str(tmp_path)])
+        try:
+            with kept.lease(4) as too_small:
+                assert too_small is None  # 2 CPUs: that run starts a Ray of its own
+            with kept.lease(2) as joined:
+                assert joined == address
+                time.sleep(2.5)  # past idle_seconds, but held
+                assert ray_process.poll() is None and kept.noted() is not None
+            ray_process.wait(timeout=30)  # the reaper killed it
+            assert kept.noted() is None and not (tmp_path / "ray.json").exists()
+            assert bystander.poll() is None  # it names the folder, not the Ray's temp dir
+        finally:
+            for p in (ray_process, bystander):
+                p.kill()
+                p.wait()
+
+
+def test_the_kept_rays_settings_are_checked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from sbpflow.control_plane.launch.ray_cluster import KeptRay
+    from sbpflow.errors import SbpflowError
+
+    monkeypatch.setenv("SBPFLOW_RAY_IDLE", "soon")
+    with pytest.raises(SbpflowError, match="SBPFLOW_RAY_IDLE='soon': give seconds"):
+        KeptRay.default()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SbpflowError, match="set SBPFLOW_RAY_DIR to a folder you may write"):
+        with KeptRay(tmp_path / "file" / "ray").lease(1):
+            pass
