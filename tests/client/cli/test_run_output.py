@@ -116,6 +116,7 @@ def test_runs_share_the_kept_local_ray_and_it_stops_once_unused(tmp_path: Path) 
     its reaper stops it (every process of it) once no run has held it for SBPFLOW_RAY_IDLE seconds."""
     import json
     import os
+    import shutil
     import subprocess
     import sys
     import tempfile
@@ -149,6 +150,7 @@ def test_runs_share_the_kept_local_ray_and_it_stops_once_unused(tmp_path: Path) 
         assert not _processes_naming(str(folder / "ray"))
     finally:
         KeptRay(folder).stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _processes_naming(mark: str) -> list[int]:
