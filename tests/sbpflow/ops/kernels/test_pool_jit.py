@@ -119,6 +119,25 @@ def test_max_pool_grad_ties_go_to_the_first_maximum() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hw", [(4, 6), (5, 7), (2, 2)])
+@pytest.mark.parametrize("special", [False, True])
+def test_max_pool_grad_2x2_tiles_match_numpy_and_torch(dtype: Any, hw: Any, special: bool) -> None:
+    """The 2x2, stride 2 windows take their own branch-free loop: as the numpy kernel (ties to the first
+    tap, nan windows to nobody, an odd last row and column zero), and, without nan, as torch's backward."""
+    rng = np.random.default_rng(7)
+    x = _values(rng, (2, 3, *hw), dtype, special)
+    attrs = {"kernel_size": (2, 2), "stride": (2, 2), "padding": (0, 0)}
+    dy = rng.standard_normal((2, 3, hw[0] // 2, hw[1] // 2)).astype(dtype)
+    (got,), (want,) = both("max_pool2d_grad", x, dy, **attrs)
+    np.testing.assert_array_equal(got, want)
+    if not special:
+        torch = pytest.importorskip("torch")
+        tx = torch.from_numpy(x).requires_grad_()
+        torch.nn.functional.max_pool2d(tx, 2, 2).backward(torch.from_numpy(dy))
+        np.testing.assert_array_equal(got, tx.grad.numpy())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @SETTINGS
 @given(
     lead=st.lists(st.integers(1, 4), max_size=2),
