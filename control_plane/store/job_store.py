@@ -226,7 +226,8 @@ class JobStore(JobSideTables):
     ) -> JobRecord:
         """Start attempt ``attempt`` of a job in flight: it goes (back) to ``state`` (STARTING when its
         run restarts it, PENDING when it waits for the queue) from the checkpoint at ``step``, which
-        becomes its step; one "state" event with ``reason`` and ``message`` says so."""
+        becomes its step; one "state" event with ``reason`` and ``message`` says so. The losses after
+        ``step`` go: those steps run again, and only the new attempt's count (``losses``, the jobs page)."""
         state, now = JobState(state), time.time()
         with self._tx():
             rec = self._get(job_id)
@@ -245,6 +246,7 @@ class JobStore(JobSideTables):
                 "WHERE id = ?",
                 (str(state), attempt, reason, message, step, now, job_id),
             )
+            self._db.execute("DELETE FROM losses WHERE job_id = ? AND step > ?", (job_id, step))
             data: dict[str, object] = {"from": str(rec.state), "attempt": attempt, "step": step}
             self._append_event(job_id, "state", state, reason, message, data, now=now)
             return self._get(job_id)

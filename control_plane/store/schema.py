@@ -21,7 +21,8 @@ hold a given ``resumed_from``, so two Resumes of one job racing cannot both star
 A file of an older version is migrated in place on open by ``MIGRATIONS[v]`` for each version
 ``v`` it is behind. The table ``loss_scaling`` (a dynamically loss-scaled job's scale after its last
 step and its steps skipped so far) is created on open in a file of any version that lacks it, and read
-through a LEFT JOIN, so an older file needs no migration and an older sbpflow ignores it.
+through a LEFT JOIN, so an older file needs no migration and an older sbpflow ignores it; so is
+``worker_usage`` (each worker process's CPU seconds and RSS as of its last report, kept after the job).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class WorkerRecord:
     host: str
     step: int
     last_heartbeat: float
-    # its process's usage as of its latest step report or heartbeat; live rows only (the table keeps none)
+    # its process's usage as of its latest step report or heartbeat (the worker_usage table; 0: none)
     cpu_seconds: float = 0.0
     rss_bytes: int = 0
 
@@ -203,6 +204,13 @@ CREATE TABLE IF NOT EXISTS loss_scaling (
     job_id TEXT PRIMARY KEY REFERENCES jobs(id),
     loss_scale REAL NOT NULL,
     skipped_steps INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS worker_usage (
+    job_id TEXT NOT NULL REFERENCES jobs(id),
+    rank INTEGER NOT NULL,
+    cpu_seconds REAL NOT NULL,
+    rss_bytes INTEGER NOT NULL,
+    PRIMARY KEY (job_id, rank)
 );
 """
 # Version 7's: one live job at most resumes a given job (terminal ones leave the index).

@@ -29,18 +29,33 @@ class JobSideTables(StoreDb):
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (w.job_id, w.rank, w.worker_id, str(w.state), w.host, w.step, w.last_heartbeat),
             )
+            self._db.execute(
+                "INSERT OR REPLACE INTO worker_usage (job_id, rank, cpu_seconds, rss_bytes) VALUES (?, ?, ?, ?)",
+                (w.job_id, w.rank, float(w.cpu_seconds), int(w.rss_bytes)),
+            )
 
     def workers(self, job_id: str) -> builtins.list[WorkerRecord]:
         """The job's workers, by rank (empty before it starts)."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT rank, worker_id, state, host, step, last_heartbeat FROM workers WHERE job_id = ? "
-                "ORDER BY rank",
+                "SELECT w.rank, worker_id, state, host, step, last_heartbeat, cpu_seconds, rss_bytes "
+                "FROM workers w LEFT JOIN worker_usage u ON u.job_id = w.job_id AND u.rank = w.rank "
+                "WHERE w.job_id = ? ORDER BY w.rank",
                 (job_id,),
             ).fetchall()
         return [
-            WorkerRecord(job_id, int(r), str(wid), WorkerState(str(st)), str(h), int(s), float(hb))
-            for r, wid, st, h, s, hb in rows
+            WorkerRecord(
+                job_id,
+                int(r),
+                str(wid),
+                WorkerState(str(st)),
+                str(h),
+                int(s),
+                float(hb),
+                float(cpu or 0),
+                int(rss or 0),
+            )
+            for r, wid, st, h, s, hb, cpu, rss in rows
         ]
 
     def append_log(self, job_id: str, rank: int, level: str, text: str, when: float | None = None) -> int:

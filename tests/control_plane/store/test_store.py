@@ -250,8 +250,10 @@ def test_reconcile_resumes_the_jobs_it_is_told_can_go_on(tmp_path: Path) -> None
 def test_new_attempt_counts_up_from_a_state_in_flight(store: JobStore) -> None:
     job_id = store.create(b"x", "j").id
     run_to(store, job_id, S.COMPILING, S.STARTING, S.RUNNING)
-    store.record_step(job_id, 12, 0.5, 1.0)
+    for step in (10, 11, 12):
+        store.record_step(job_id, step, 0.5, 1.0)
     r = store.new_attempt(job_id, 2, S.STARTING, "WORKER_LOST", "rank 1 died; resumes from step 10", 10)
+    assert [p.step for p in store.losses(job_id)] == [10]  # 11 and 12 run again: only the new ones count
     assert (r.state, r.attempt, r.step, r.reason) == (S.STARTING, 2, 10, "WORKER_LOST")
     assert store.events(job_id)[-1].data == {"from": "JOB_STATE_RUNNING", "attempt": 2, "step": 10}
     run_to(store, job_id, S.RUNNING)
@@ -443,10 +445,10 @@ def test_workers_logs_and_results(store: JobStore) -> None:
     rec = store.create(b"", "j")
     for rank in (1, 0):
         store.upsert_worker(WorkerRecord(rec.id, rank, f"w{rank}", WorkerState.RUNNING, "h", 3, 1.0))
-    store.upsert_worker(WorkerRecord(rec.id, 1, "w1", WorkerState.DONE, "h", 4, 2.0))
-    assert [(w.rank, w.state, w.step) for w in store.workers(rec.id)] == [
-        (0, WorkerState.RUNNING, 3),
-        (1, WorkerState.DONE, 4),
+    store.upsert_worker(WorkerRecord(rec.id, 1, "w1", WorkerState.DONE, "h", 4, 2.0, 1.5, 123 << 20))
+    assert [(w.rank, w.state, w.step, w.cpu_seconds, w.rss_bytes) for w in store.workers(rec.id)] == [
+        (0, WorkerState.RUNNING, 3, 0.0, 0),
+        (1, WorkerState.DONE, 4, 1.5, 123 << 20),  # the process's usage stays after the job
     ]
     assert [store.append_log(rec.id, r, "INFO", f"line {r}") for r in (-1, 0, 1)] == [1, 2, 3]
     assert [line.text for line in store.logs(rec.id, rank=0)] == ["line 0"]
