@@ -10,6 +10,9 @@ from the input made channels-last and padded once (``nhwc_padded``); each window
 row is then one contiguous run of ``KW * C`` values (``C`` with a dilation), which a flat loop copies
 vectorised. ``add_rows_back`` is the adjoint, for the input gradient of a strided convolution. The
 rows are built a block of samples at a time (``BLOCK_BYTES``) and consumed by the GEMM while in cache.
+A 1x1 kernel without padding (ResNet's shortcuts) builds no rows: its window is one position of x, so
+each convolution is one GEMM a sample on x as it lies, ``[C, OH*OW]`` (strided positions copied out
+first), whose result is already channels first (conv2d 2.0 -> 0.75x PyTorch's on a stride-2 shortcut).
 
 They are the fast path only: conv.py's numpy kernels stay the reference and the path for cupy, for
 grouped convolutions and for arrays these do not take (``rowwise.jit_loops``);
@@ -135,10 +138,26 @@ def _weight_rows(w: Any) -> Any:
     return np.ascontiguousarray(w.transpose(0, 2, 3, 1)).reshape(w.shape[0], -1)
 
 
+def _pointwise(kernel: Pair, padding: Pair) -> bool:
+    """A 1x1 kernel without padding: each window is one position of x, read in place (no window rows)."""
+    return kernel == (1, 1) and padding == (0, 0)
+
+
+def _positions(x: Any, stride: Pair) -> Any:
+    """x [N, C, H, W] at a 1x1 kernel's positions, as [N, C, OH*OW] (a copy only when strided)."""
+    taken = x[:, :, :: stride[0], :: stride[1]] if stride != (1, 1) else x
+    return np.ascontiguousarray(taken).reshape(x.shape[0], x.shape[1], -1)
+
+
 def conv(x: Any, w: Any, stride: Pair, padding: Pair, dilation: Pair) -> Any:
     """conv2d of x [N, C, H, W] by w [O, C, KH, KW]: a block of samples' window rows at a time by the
     GEMM rows @ w' [KH*KW*C, O] (OpenBLAS's fast order for few output channels and many positions),
-    each block's result [positions, O] written channels first."""
+    each block's result [positions, O] written channels first. A 1x1 kernel without padding: one GEMM
+    w [O, C] @ x [C, OH*OW] a sample, straight into the output's layout."""
+    if _pointwise((w.shape[2], w.shape[3]), padding):
+        oh, ow = _out_hw(x.shape[2:], (1, 1), stride, padding, dilation)
+        y = np.matmul(w.reshape(w.shape[0], -1), _positions(x, stride))
+        return y.reshape(x.shape[0], w.shape[0], oh, ow)
     n, c = x.shape[:2]
     o, kernel = w.shape[0], (w.shape[2], w.shape[3])
     oh, ow = _out_hw(x.shape[2:], kernel, stride, padding, dilation)
@@ -155,8 +174,12 @@ def conv(x: Any, w: Any, stride: Pair, padding: Pair, dilation: Pair) -> Any:
 
 
 def conv_grad_weight(dy: Any, x: Any, kernel: Pair, stride: Pair, padding: Pair, dilation: Pair) -> Any:
-    """dw [O, C, KH, KW] = sum over blocks of samples of dy' [O, positions] @ their window rows."""
+    """dw [O, C, KH, KW] = sum over blocks of samples of dy' [O, positions] @ their window rows; with a
+    1x1 kernel without padding, sum over samples of dy [O, OH*OW] @ x [C, OH*OW]' (no window rows)."""
     n, c = x.shape[:2]
+    if _pointwise(kernel, padding):
+        per_sample = np.matmul(dy.reshape(n, dy.shape[1], -1), _positions(x, stride).transpose(0, 2, 1))
+        return per_sample.sum(axis=0).reshape(dy.shape[1], c, 1, 1)
     o = dy.shape[1]
     oh, ow = _out_hw(x.shape[2:], kernel, stride, padding, dilation)
     padded, k = _padded(x, padding), kernel[0] * kernel[1] * c
@@ -171,9 +194,17 @@ def conv_grad_weight(dy: Any, x: Any, kernel: Pair, stride: Pair, padding: Pair,
 
 def conv_grad_input(dy: Any, w: Any, hw: Pair, stride: Pair, padding: Pair, dilation: Pair) -> Any:
     """dx [N, C, *hw] for any stride: a block's window rows' gradient dy' @ w' [O, KH*KW*C], each row
-    added back where its window read (add_rows_back), then channels first."""
+    added back where its window read (add_rows_back), then channels first. A 1x1 kernel without
+    padding: w' [C, O] @ dy [O, OH*OW] a sample, placed at every stride-th position of a zero dx."""
     n, o, oh, ow = dy.shape
     c, kernel = w.shape[1], (w.shape[2], w.shape[3])
+    if _pointwise(kernel, padding):
+        at = np.matmul(w.reshape(o, c).T, dy.reshape(n, o, oh * ow)).reshape(n, c, oh, ow)
+        if stride == (1, 1) and (oh, ow) == tuple(hw):
+            return at
+        dx = np.zeros((n, c, *hw), dy.dtype)
+        dx[:, :, : oh * stride[0] : stride[0], : ow * stride[1] : stride[1]] = at
+        return dx
     wk_t, k = _weight_rows(w), kernel[0] * kernel[1] * c
     padded = np.empty((n, hw[0] + 2 * padding[0], hw[1] + 2 * padding[1], c), dy.dtype)
     _, blocks = _blocks(n, oh * ow * k * dy.itemsize)

@@ -129,3 +129,29 @@ def test_grad_weight_strided_dy_and_grouped_take_the_numpy_kernel() -> None:
         "conv2d_grad_weight", strided(dy), strided(x), kernel_hw=g1["kernel"], **g1["attrs"]
     )
     same(got, want, np.float32, "conv2d_grad_weight, strided dy")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stride", [(1, 1), (2, 2), (2, 3)])
+@pytest.mark.parametrize("hw", [(6, 6), (7, 5)])
+def test_pointwise_convolutions_skip_the_window_rows(dtype: Any, stride: tuple[int, int], hw: Any) -> None:
+    """A 1x1 kernel without padding (ResNet's shortcuts, a bottleneck's ends) runs as a GEMM a sample on x
+    in place: against the numpy kernel and torch, at stride 1 and strided (x's odd last row and column
+    unread, their dx zero), square and not."""
+    torch = pytest.importorskip("torch")
+    a = {"stride": stride, "padding": (0, 0), "dilation": (1, 1), "groups": 1}
+    g = {"n": 3, "c": 5, "o": 4, "hw": hw, "kernel": (1, 1), "attrs": a}
+    x, w, dy = _tensors(g, dtype, 7)
+    what = f"{x.shape} by 1x1, stride {stride}"
+    runs = {
+        "y": both("conv2d", x, w, **a),
+        "dx": both("conv2d_grad_input", dy, w, input_hw=hw, **a),
+        "dw": both("conv2d_grad_weight", dy, x, at=1, kernel_hw=(1, 1), **a),
+    }
+    for name, (got, want) in runs.items():
+        same(got, want, dtype, f"{name}, {what}")
+    tx, tw = torch.from_numpy(x).requires_grad_(), torch.from_numpy(w).requires_grad_()
+    ty = torch.nn.functional.conv2d(tx, tw, None, stride)
+    ty.backward(torch.from_numpy(dy))
+    for name, peer in [("y", ty), ("dx", tx.grad), ("dw", tw.grad)]:
+        same(runs[name][0], peer.detach().numpy(), dtype, f"{name} against torch, {what}")
