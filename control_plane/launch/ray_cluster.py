@@ -194,6 +194,12 @@ class KeptRay:
                 noted["reaper"] = self._reaper()
                 (self.folder / "ray.json").write_text(json.dumps(noted))
         os.environ["RAY_AUTH_MODE"] = "token"  # how ensure_ray joins it: it was started so (token in ~/.ray)
+        # Ray reads this at its import: without it a driver takes 127.0.0.1 for the machine's outside address
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        if "ray" in sys.modules and not _ray_keeps_loopback():
+            raise SbpflowError(
+                "Ray was imported before the kept local Ray's address was set; pass --fresh-ray"
+            )
         return str(noted["address"]) if int(str(noted["cpus"])) >= cpus else None
 
     def _start(self, cpus: int) -> dict[str, object]:
@@ -282,6 +288,13 @@ class KeptRay:
                 continue  # gone, or not ours
         (self.folder / "ray.json").unlink(missing_ok=True)
         shutil.rmtree(self.folder / "ray", ignore_errors=True)  # its session logs
+
+
+def _ray_keeps_loopback() -> bool:
+    """Whether the Ray imported in this process took RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 at its import."""
+    from ray._private import ray_constants
+
+    return not ray_constants.ENABLE_RAY_CLUSTER
 
 
 def _distinct_ports(n: int) -> list[int]:

@@ -127,6 +127,7 @@ def test_runs_share_the_kept_local_ray_and_it_stops_once_unused(tmp_path: Path) 
     folder = Path(tempfile.mkdtemp(prefix="sfk", dir="/tmp"))  # short: Ray's socket paths are bounded
     env = os.environ | {"SBPFLOW_RAY_DIR": str(folder), "SBPFLOW_RAY_IDLE": "3", "SBPFLOW_LOCAL_RAY": "kept"}
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # as a user's shell has it: the run sets it itself
     sbpflow = [sys.executable, "-m", "sbpflow.client.cli.main", "run", MLP, "--steps", "2"]
     try:
         runs = [
