@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from sbpflow.ops.kernels import conv_winograd
+
 Pair = tuple[int, int]
 # the window rows of this many bytes at a time (whole samples): they stay in L2 between im2row and the
 # GEMM that reads them; all at once, a ResNet stem's 19 MB ran 1.5x slower
@@ -161,6 +163,8 @@ def conv(x: Any, w: Any, stride: Pair, padding: Pair, dilation: Pair) -> Any:
     n, c = x.shape[:2]
     o, kernel = w.shape[0], (w.shape[2], w.shape[3])
     oh, ow = _out_hw(x.shape[2:], kernel, stride, padding, dilation)
+    if conv_winograd.applies(c, kernel, stride, dilation, ow):
+        return conv_winograd.conv(x, w, padding)
     padded, wk, k = _padded(x, padding), _weight_rows(w).T, kernel[0] * kernel[1] * c
     b, blocks = _blocks(n, oh * ow * k * x.itemsize)
     rows, part = np.empty((b, oh, ow, *kernel, c), x.dtype), np.empty((b * oh * ow, o), x.dtype)
@@ -182,6 +186,8 @@ def conv_grad_weight(dy: Any, x: Any, kernel: Pair, stride: Pair, padding: Pair,
         return per_sample.sum(axis=0).reshape(dy.shape[1], c, 1, 1)
     o = dy.shape[1]
     oh, ow = _out_hw(x.shape[2:], kernel, stride, padding, dilation)
+    if conv_winograd.applies(c, kernel, stride, dilation, ow):
+        return conv_winograd.grad_weight(dy, x, padding)
     padded, k = _padded(x, padding), kernel[0] * kernel[1] * c
     b, blocks = _blocks(n, oh * ow * k * x.itemsize)
     rows = np.empty((b, oh, ow, *kernel, c), x.dtype)
