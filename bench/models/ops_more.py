@@ -37,6 +37,8 @@ LABELS = TensorMeta((16, 64), I64)
 CHUNK_MAX = TensorMeta((16, 64, 2), F32)
 TOP = TensorMeta((16, 64, 8), F32)
 TOP_IX = TensorMeta((16, 64, 8), I64)
+# BERT's FFN activation in bench/models/bert.py (batch 16, seq 128, width 4 x 256)
+FFN = TensorMeta((16, 128, 1024), F32)
 # the main job's gradients, as its gradient bucket packs them (width 64, 2 layers, vocabulary 128)
 GRADS = tuple(
     TensorMeta(s, F32)
@@ -67,8 +69,8 @@ EXTRA_MORE: dict[str, tuple[tuple[TensorMeta, ...], dict[str, Any]]] = {
     "channel_affine": ((IMG, C16, C16, C16), {}),
     "channel_affine_grad": ((IMG, IMG, C16), {}),
     "sigmoid": ((LOGITS,), {}),
-    "gelu_erf": ((TensorMeta((16, 64, 256), F32),), {}),
-    "gelu_erf_grad": ((TensorMeta((16, 64, 256), F32), TensorMeta((16, 64, 256), F32)), {}),
+    "gelu_erf": ((FFN,), {}),  # exact GELU: BERT's (bench/models/bert.py), on its FFN activation
+    "gelu_erf_grad": ((FFN, FFN), {}),
     "binary_cross_entropy_with_logits": ((LOGITS, LOGITS), {"reduction": "mean"}),
     "one_hot": ((LABELS,), {"depth": 128}),
     "gather": ((TensorMeta((128, 64), F32), LABELS), {"axis": 0}),
