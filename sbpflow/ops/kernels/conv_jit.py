@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from sbpflow.ops.kernels import conv_winograd
+from sbpflow.ops.kernels import conv_taps, conv_winograd
 
 Pair = tuple[int, int]
 # the window rows of this many bytes at a time (whole samples): they stay in L2 between im2row and the
@@ -163,6 +163,8 @@ def conv(x: Any, w: Any, stride: Pair, padding: Pair, dilation: Pair) -> Any:
     n, c = x.shape[:2]
     o, kernel = w.shape[0], (w.shape[2], w.shape[3])
     oh, ow = _out_hw(x.shape[2:], kernel, stride, padding, dilation)
+    if conv_taps.applies(c, stride, ow):
+        return conv_taps.conv(x, w, padding, dilation)
     if conv_winograd.applies(c, kernel, stride, dilation, ow):
         return conv_winograd.conv(x, w, padding)
     padded, wk, k = _padded(x, padding), _weight_rows(w).T, kernel[0] * kernel[1] * c
