@@ -188,7 +188,7 @@ def conv_grad_weight(dy: Any, x: Any, kernel: Pair, stride: Pair, padding: Pair,
         return per_sample.sum(axis=0).reshape(dy.shape[1], c, 1, 1)
     o = dy.shape[1]
     oh, ow = _out_hw(x.shape[2:], kernel, stride, padding, dilation)
-    if conv_winograd.applies(c, kernel, stride, dilation, ow):
+    if conv_winograd.applies(c, kernel, stride, dilation, ow, grad=True):
         return conv_winograd.grad_weight(dy, x, padding)
     padded, k = _padded(x, padding), kernel[0] * kernel[1] * c
     b, blocks = _blocks(n, oh * ow * k * x.itemsize)

@@ -59,6 +59,7 @@ def test_ops_take_winograd_and_match_the_numpy_kernel(
     case: tuple[int, ...], dtype: Any, block_bytes: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(conv_winograd, "BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(conv_winograd, "GRAD_MIN_CHANNELS", 8)  # the weight gradient's path too
     calls: list[str] = []
     for name in ("conv", "grad_weight"):
         real = getattr(conv_winograd, name)
@@ -98,6 +99,7 @@ def test_against_torch(case: tuple[int, ...], dtype: Any) -> None:
 def test_applies_to_wide_3x3_stride_1_convolutions_only() -> None:
     ok = {"c": 16, "kernel": (3, 3), "stride": (1, 1), "dilation": (1, 1), "out_w": 32}
     assert conv_winograd.applies(**ok)
+    assert not conv_winograd.applies(**ok, grad=True) and conv_winograd.applies(**{**ok, "c": 32}, grad=True)
     for change in [
         {"c": 3},  # a stem: too few channels for the transforms to pay
         {"out_w": 8},  # narrow: the window rows' GEMM is sooner
@@ -113,9 +115,14 @@ def test_applies_to_wide_3x3_stride_1_convolutions_only() -> None:
 def test_conv_jit_routes_to_winograd_and_keeps_its_window_rows_elsewhere(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """conv2d of 8 channels takes Winograd; its weight gradient only from GRAD_MIN_CHANNELS on."""
     x, w, dy = tensors((2, 8, 9, 16, 4, 1), np.float64)
     a = ((1, 1), (1, 1), (1, 1))
     np.testing.assert_array_equal(conv_jit.conv(x, w, *a), conv_winograd.conv(x, w, (1, 1)))
+    rows = conv_jit.conv_grad_weight(dy, x, (3, 3), *a)
+    assert not np.array_equal(rows, conv_winograd.grad_weight(dy, x, (1, 1)))  # another rounding
+    close(rows, conv_winograd.grad_weight(dy, x, (1, 1)), np.float64, "grad_weight by rows")
+    monkeypatch.setattr(conv_winograd, "GRAD_MIN_CHANNELS", 8)
     np.testing.assert_array_equal(
         conv_jit.conv_grad_weight(dy, x, (3, 3), *a), conv_winograd.grad_weight(dy, x, (1, 1))
     )
