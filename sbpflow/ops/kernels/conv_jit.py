@@ -13,6 +13,10 @@ rows are built a block of samples at a time (``BLOCK_BYTES``) and consumed by th
 A 1x1 kernel without padding (ResNet's shortcuts) builds no rows: its window is one position of x, so
 each convolution is one GEMM a sample on x as it lies, ``[C, OH*OW]`` (strided positions copied out
 first), whose result is already channels first (conv2d 2.0 -> 0.75x PyTorch's on a stride-2 shortcut).
+Two paths take some convolutions before the rows, each reading x channels first as it lies:
+``conv_taps`` (conv2d at stride 1 of 7 channels or fewer, 32 wide or more: a stem) and
+``conv_winograd`` (3x3 at stride 1 of 8 channels or more, 16 wide or more; the weight gradient from 32
+channels; the input gradient at stride 1 through conv.py's flipped-weight conv2d).
 
 They are the fast path only: conv.py's numpy kernels stay the reference and the path for cupy, for
 grouped convolutions and for arrays these do not take (``rowwise.jit_loops``);

@@ -16,8 +16,9 @@ computed and dropped. The weight gradient is the adjoint: ``dU[k] = dM[k] @ V[k]
 
 Which convolutions take it (``applies``): 3x3, stride and dilation 1, 8 channels in or more (32 for the
 weight gradient), outputs 16 wide or more; where C is smaller (a stem's 3) or the image narrower, the
-window rows' one GEMM is sooner. ``tests/sbpflow/ops/kernels/test_conv_winograd.py`` checks it against conv.py's numpy kernels
-and torch.
+window rows' one GEMM is sooner. --clock cpu, 1 thread: conv2d [32, 16, 32, 32] -> 16 1.75 -> 1.06x
+PyTorch's, [8, 16, 32, 32] 1.40 -> ~1.05-1.15x. ``tests/sbpflow/ops/kernels/test_conv_winograd.py``
+checks it against conv.py's numpy kernels and torch.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def tiles_out(m: Any, out: Any) -> None:  # pragma: no cover - compiled
 @lru_cache(maxsize=64)
 def _terms(transform: str, plane: int, row: int, dtype: Any) -> tuple[Any, Any]:
     """For each of the 16 components (a, b) of ``T d T'`` (T = BT for the input's 4x4 patches, A = AT'
-    for dy's 2x2): the (offset, top) of its terms in a channel's parity planes [2, 2, ., row] of
+    for dy's 2x2): the (offset, sign) of its terms in a channel's parity planes [2, 2, ., row] of
     ``plane`` values each; 4 terms a component, unused ones 0 with sign 0."""
     t = BT if transform == "input" else AT.T
     offs, signs = np.zeros((16, 4), np.int64), np.zeros((16, 4), dtype)
