@@ -17,11 +17,13 @@ timed steps; their first losses must agree to float32 (the run stops if not) and
 gap over the steps is printed. Dropout is 0 on both sides.
 
 Both run on one thread: BLAS pinned before numpy and torch load, ``sf.run(backend="inprocess",
-threads=1)``, ``torch.set_num_threads(1)``. A step's time is the median of the gaps between consecutive
-step reports after ``WARMUP`` steps (sbpflow: ``on_step``; torch: a mark after each step), wall clock;
+threads=1)``, ``torch.set_num_threads(1)``. A step's time is the span of the step reports after
+``WARMUP`` steps over their number (sbpflow: ``on_step``; torch: a mark after each step), wall clock;
 CPU time (the process's, both sides) is printed beside it, what another process's load leaves alone. The
 sides alternate ``--repeat`` times; the medians of the repetitions are compared: ``ratio`` is sbpflow's
-samples/s over PyTorch's. A benchmark, not a test.
+samples/s over PyTorch's for examples/bert.py's job (its 2-d mesh, here 1 x 1, and ``tensor_parallel``:
+what ``sbpflow run examples/bert.py --ranks 1`` runs), ``ratio 1-d`` for the same model on a one-device
+placement. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -77,16 +79,17 @@ QUICK = Shape(layers=2, heads=2, width=64, seq_len=32, batch=8, vocab=512)
 
 @dataclass
 class Side:
-    step_s: float  # wall, median gap
+    step_s: float  # wall a step
     cpu_s: float  # process CPU time a step
     losses: list[float]
 
 
 def per_step(marks: list[tuple[float, float]]) -> tuple[float, float]:
-    """Median wall gap and mean CPU time a step after WARMUP, from (perf_counter, process_time) marks."""
-    wall = [b[0] - a[0] for a, b in zip(marks[WARMUP:], marks[WARMUP + 1 :], strict=False)]
-    cpu = (marks[-1][1] - marks[WARMUP][1]) / (len(marks) - 1 - WARMUP)
-    return statistics.median(wall), cpu
+    """Wall and CPU seconds a step over the steps after WARMUP, from (perf_counter, process_time) marks
+    taken at each step's report (a span, not gaps: sbpflow may deliver a few reports at once)."""
+    (w0, c0), (w1, c1) = marks[WARMUP], marks[-1]
+    n = len(marks) - 1 - WARMUP
+    return (w1 - w0) / n, (c1 - c0) / n
 
 
 def mark() -> tuple[float, float]:
@@ -126,17 +129,21 @@ def sbpflow_model(s: Shape, state: dict[str, Any]) -> Any:
     return model
 
 
-def make_job(s: Shape, state: dict[str, Any], steps: int) -> sf.Job:
-    """examples/bert.py's job on one rank, from ``state`` (transformers' names), its batches served from
-    memory (drawn here, before any timed step)."""
+def make_job(s: Shape, state: dict[str, Any], steps: int, mesh: bool = True) -> sf.Job:
+    """examples/bert.py's job on one rank (``mesh``: its 2-d mesh, here 1 x 1, and ``tensor_parallel``;
+    else the model on a one-device placement), from ``state`` (transformers' names), its batches served
+    from memory (drawn here, before any timed step)."""
     ex = load_example("bert")
-    where = ex.mesh(1, 1)
-    model = ex.tensor_parallel(sbpflow_model(s, state), where, tp_axis=1)
-    graph = ex.TrainBert(model, s.lr, steps, s.warmup)
+    model = sbpflow_model(s, state)
+    where = ex.mesh(1, 1) if mesh else sf.placement("cpu", ranks=[0])
+    graph = ex.TrainBert(
+        ex.tensor_parallel(model, where, tp_axis=1) if mesh else model, s.lr, steps, s.warmup
+    )
     graph.config.seed = 0
     params = {"seq_len": s.seq_len, "vocab": s.vocab, "predictions": s.predictions}
     source = SyntheticSource(batch_size=s.batch, kind="mlm", params=params, seed=0)
-    job = graph.trace(source, placement=where, input_sbp=(sf.sbp.split(0), sf.sbp.broadcast))
+    sbp = {"input_sbp": (sf.sbp.split(0), sf.sbp.broadcast)} if mesh else {}
+    job = graph.trace(source, placement=where, **sbp)
     reads = [source.read(b) for b in range(steps)]
     arrays = {k: np.concatenate([r[k] for r in reads]) for k in reads[0]}
     return dataclasses.replace(job, data=ArraySource(batch_size=s.batch, arrays=arrays))
@@ -199,6 +206,34 @@ def breakdown(job: sf.Job, steps: int) -> tuple[dict[str, float], float]:
     return per_op, len(measured) / n
 
 
+def report(s: Shape, args: argparse.Namespace, sides: dict[str, list[Side]]) -> None:
+    """The table, the losses' agreement (stops where a first loss differs) and the ratios."""
+    theirs = sides["pytorch"][0].losses
+    for name, runs in sides.items():
+        ours = runs[0].losses
+        if abs(ours[0] - theirs[0]) > FIRST_LOSS_RTOL * abs(theirs[0]):
+            raise SystemExit(
+                f"the first losses differ: {name} {ours[0]!r}, PyTorch {theirs[0]!r} (same weights, batch)"
+            )
+    step = {k: statistics.median(x.step_s for x in v) for k, v in sides.items()}
+    cpu = {k: statistics.median(x.cpu_s for x in v) for k, v in sides.items()}
+    print(f"BERT MLM {s}, float32, 1 thread, median of {args.repeat} x {args.steps - 1} steps")
+    print(f"{'':12} {'step':>10} {'cpu/step':>10} {'samples/s':>10}  losses: first, last, largest gap")
+    for k, v in sides.items():
+        ours = v[0].losses
+        gap = max(abs(x - y) / abs(y) for x, y in zip(ours, theirs, strict=True))
+        print(
+            f"{k:12} {step[k] * 1e3:7.1f} ms {cpu[k] * 1e3:7.1f} ms {s.batch / step[k]:10.1f}  "
+            f"{ours[0]:.5f}, {ours[-1]:.5f}, {gap:.1e}"
+        )
+    print(f"load {os.getloadavg()[0]:.1f}; samples/s over PyTorch's (cpu time in brackets):")
+    t, c = step["pytorch"], cpu["pytorch"]
+    print(
+        f"ratio {t / step['sbpflow']:.2f}  ({c / cpu['sbpflow']:.2f})  examples/bert.py's job, a 1 x 1 mesh"
+    )
+    print(f"ratio 1-d {t / step['sbpflow 1-d']:.2f}  ({c / cpu['sbpflow 1-d']:.2f})  the model on one device")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     ap.add_argument("--quick", action="store_true")
@@ -211,34 +246,17 @@ def main() -> None:
         args.steps, args.repeat = 5, 1
     steps = WARMUP + args.steps
     state = {k: v.detach().numpy().copy() for k, v in hf_model(s).state_dict().items()}
-    job = make_job(s, state, steps)
-    data = batches(job, s, steps)
-    ours, theirs = [], []
+    jobs = {"sbpflow": make_job(s, state, steps), "sbpflow 1-d": make_job(s, state, steps, mesh=False)}
+    data = batches(jobs["sbpflow"], s, steps)
+    sides: dict[str, list[Side]] = {k: [] for k in (*jobs, "pytorch")}
     for _ in range(args.repeat):
-        ours.append(run_sbpflow(job))
-        theirs.append(run_torch(s, state, data))
-    a, b = ours[0].losses, theirs[0].losses
-    if abs(a[0] - b[0]) > FIRST_LOSS_RTOL * abs(b[0]):
-        raise SystemExit(
-            f"the first losses differ: sbpflow {a[0]!r}, PyTorch {b[0]!r} (same weights and batch)"
-        )
-    gap = max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-    mine, yours = (statistics.median(x.step_s for x in sides) for sides in (ours, theirs))
-    cpu_a, cpu_b = (statistics.median(x.cpu_s for x in sides) for sides in (ours, theirs))
-    load = os.getloadavg()[0]
-    print(
-        f"BERT MLM {s}, float32, 1 thread, median of {args.repeat} x {args.steps - 1} step gaps, load {load:.1f}"
-    )
-    print(f"{'':10} {'step':>10} {'cpu/step':>10} {'samples/s':>10}")
-    print(f"{'sbpflow':10} {mine * 1e3:7.1f} ms {cpu_a * 1e3:7.1f} ms {s.batch / mine:10.1f}")
-    print(f"{'pytorch':10} {yours * 1e3:7.1f} ms {cpu_b * 1e3:7.1f} ms {s.batch / yours:10.1f}")
-    print(
-        f"losses: first {a[0]:.5f} / {b[0]:.5f}, last {a[-1]:.5f} / {b[-1]:.5f}, largest gap {gap:.1e} relative"
-    )
-    print(f"ratio {yours / mine:.2f}  (sbpflow samples/s over PyTorch's; cpu time {cpu_b / cpu_a:.2f})")
-    if args.trace:
+        for name, job in jobs.items():
+            sides[name].append(run_sbpflow(job))
+        sides["pytorch"].append(run_torch(s, state, data))
+    report(s, args, sides)
+    for name, job in jobs.items() if args.trace else ():
         per_op, acts = breakdown(job, steps)
-        print(f"sbpflow, traced: {acts:.0f} acts a step, {sum(per_op.values()) * 1e3:.1f} ms in them")
+        print(f"{name}, traced: {acts:.0f} acts a step, {sum(per_op.values()) * 1e3:.1f} ms in them")
         for k, v in sorted(per_op.items(), key=lambda kv: -kv[1]):
             print(f"  {k:28} {v * 1e3:8.2f} ms")
 
