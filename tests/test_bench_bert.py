@@ -23,7 +23,13 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "models" / "bert.py"
 def test_the_quick_run_trains_both_sides_from_the_same_weights() -> None:
     out = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    first = re.search(r"losses: first ([\d.]+) / ([\d.]+)", out.stdout)
-    assert first is not None, out.stdout
-    assert float(first[1]) == pytest.approx(float(first[2]), rel=1e-4)  # the same weights and batch
+    first = dict(
+        re.findall(
+            r"^(sbpflow|sbpflow 1-d|pytorch) +[\d.]+ ms +[\d.]+ ms +[\d.]+  ([\d.]+),", out.stdout, re.M
+        )
+    )
+    assert set(first) == {"sbpflow", "sbpflow 1-d", "pytorch"}, out.stdout
+    for side in ("sbpflow", "sbpflow 1-d"):  # the same weights and batch: the first losses agree
+        assert float(first[side]) == pytest.approx(float(first["pytorch"]), rel=1e-4)
     assert re.search(r"^ratio \d+\.\d+", out.stdout, re.MULTILINE), out.stdout
+    assert re.search(r"^ratio 1-d \d+\.\d+", out.stdout, re.MULTILINE), out.stdout
