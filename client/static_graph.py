@@ -37,6 +37,7 @@ from sbpflow.data.sources import DataSource
 from sbpflow.dtype import DType
 from sbpflow.graph import TensorKind
 from sbpflow.job import (
+    FUSION,
     GRAD_BUCKET_BYTES,
     Job,
     JobConfig,
@@ -67,7 +68,7 @@ class GraphConfig:
     seed: int = 0
     checkpoint_every: int = 0
     grad_bucket_bytes: int = GRAD_BUCKET_BYTES  # gradient all-reduce buckets, in backward order; 0 = off
-    fusion: bool = False  # elementwise chains as one kernel each
+    fusion: bool = FUSION  # elementwise chains as one kernel each (False: one act an op)
     eval_every: int = 0  # the held-out loss every this many steps (trace(..., eval_data=...)); 0 = never
     eval_batches: int = 1  # batches of the held-out split per evaluation
     # trace() lays the job out as the automatic plan search's winner on its placement's ranks

@@ -159,6 +159,7 @@ class LossScaling:
 
 
 GRAD_BUCKET_BYTES = 25 * 2**20  # JobConfig.grad_bucket_bytes's default, and a message's without the field
+FUSION = True  # JobConfig.fusion's default, and a message's without the field
 ELASTIC_GRACE = 30.0  # JobConfig.elastic_grace's default, and a message's without the field
 
 
@@ -177,7 +178,7 @@ class JobConfig:
     # gradient all-reduces packed into buckets of about this many bytes, in backward order (DDP's 25 MiB);
     # 0 = one all-reduce per gradient (control_plane/compiler/passes/grad_buckets.py)
     grad_bucket_bytes: int = GRAD_BUCKET_BYTES
-    fusion: bool = False  # chains of elementwise ops as one kernel (control_plane/compiler/passes/fusion.py)
+    fusion: bool = FUSION  # chains of elementwise ops as one kernel (control_plane/compiler/passes/fusion.py)
     # every this many steps (0: never) the loss over ``eval_batches`` batches of ``Job.eval_data``, a
     # held-out split, from that step's checkpoint (so a multiple of checkpoint_every)
     eval_every: int = 0

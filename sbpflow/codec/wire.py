@@ -22,6 +22,7 @@ from sbpflow.dtype import DType
 from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.job import (
     ELASTIC_GRACE,
+    FUSION,
     GRAD_BUCKET_BYTES,
     SGD,
     AdamW,
@@ -313,7 +314,7 @@ def config_from_proto(m: pb.JobConfig) -> JobConfig:
         m.seed,
         m.checkpoint_every,
         m.grad_bucket_bytes if m.HasField("grad_bucket_bytes") else GRAD_BUCKET_BYTES,
-        m.fusion,
+        m.fusion if m.HasField("fusion") else FUSION,
         m.eval_every,
         m.eval_batches or 1,
         tuple(m.elastic),

@@ -3,7 +3,8 @@
 The chain is data, never code: ``attrs["chain"]`` is a JSON list of steps ``[op_type, attrs, refs]``, where
 each ref names a fused input (``"in0"``) or an earlier step's result (``"s0"``); the last step's result is
 the op's output. Only the ops of :data:`FUSABLE` may appear: elementwise ops whose kernels read nothing
-but their arrays and attrs (no shard offsets, no random streams).
+but their arrays and attrs (no shard offsets, no random streams), and, as the last step only, a
+reduction of :data:`TERMINAL` (a gradient's ``pow_scalar`` and ``sum`` for the clipping norm are one act).
 
 * Inference runs each step's own inference in order.
 * Rows are the composition of the steps' rows: a signature of the fused inputs for which every step has a
@@ -38,6 +39,7 @@ from sbpflow.ops.base import (
     get_op,
 )
 from sbpflow.ops.elementwise import scalar_of
+from sbpflow.ops.flops import work
 from sbpflow.sbp import Sbp
 from sbpflow.tensor_meta import TensorMeta
 
@@ -81,6 +83,10 @@ _WRITERS: dict[str, Writer] = {
     "rdiv_scalar": _scalar("divide", reverse=True),
 }
 
+# Reductions a chain may end with, never continue after: later steps' rows composed with a reduction's
+# would multiply the fused op's signatures by every fused input's own choice of split.
+TERMINAL: frozenset[str] = frozenset({"sum"})
+
 FUSABLE: frozenset[str] = frozenset(
     {
         *_WRITERS,
@@ -94,6 +100,7 @@ FUSABLE: frozenset[str] = frozenset(
         "cast",
         "eq_scalar",
         "ne_scalar",
+        *TERMINAL,
     }
 )
 
@@ -132,6 +139,11 @@ def parse(chain: str) -> tuple[Step, ...]:
     for k, s in enumerate(steps):
         if s.op not in FUSABLE:
             raise ShapeError(f"op 'fused_elementwise' cannot fuse {s.op!r}; fusable ops: {sorted(FUSABLE)}")
+        if s.op in TERMINAL and k != len(steps) - 1:
+            raise ShapeError(
+                f"op 'fused_elementwise': step {k} ({s.op}) is a reduction, which only a chain's last step "
+                "may be; end the chain there"
+            )
         if "dtype" in s.attrs:
             s.attrs["dtype"] = as_dtype(s.attrs["dtype"])
         s.attrs.update(get_op(s.op).normalize_attrs(s.attrs))
@@ -279,14 +291,12 @@ def _grad(g: GradContext) -> list[Any]:
 
 
 def _flops(ins: Metas, outs: Metas, attrs: Attrs) -> int:
-    """The steps' FLOPs per element (each fusable op declares a factor), on the output's elements."""
-    per_element = 0
-    for s in parse(str(attrs["chain"])):
-        factor = get_op(s.op).flops
-        if not isinstance(factor, int):
-            raise ShapeError(f"op 'fused_elementwise' fuses {s.op!r}: declare its defop(..., flops=<an int>)")
-        per_element += factor
-    return per_element * outs[0].numel
+    """The steps' FLOPs, each step's as its own op counts them on that step's tensors."""
+    steps = parse(str(attrs["chain"]))
+    metas = _metas(steps, ins)
+    return sum(
+        work(s.op, metas[k], (_result_meta(metas, steps, k),), s.attrs).flops for k, s in enumerate(steps)
+    )
 
 
 defop(

@@ -1307,7 +1307,7 @@ class JobConfig(_message.Message):
     all-reduce per gradient; absent = 25 MiB (DDP's default).
     """
     fusion: _builtins.bool
-    """Fuse chains of elementwise ops into one kernel each."""
+    """Fuse chains of elementwise ops into one kernel each; absent = on (the default), false = off."""
     eval_every: _builtins.int
     """Every this many steps (0: never) the loss over eval_batches batches of Job.eval_data (a held-out
     split), from that step's checkpoint: a multiple of checkpoint_every.
@@ -1340,23 +1340,27 @@ class JobConfig(_message.Message):
         seed: _builtins.int = ...,
         checkpoint_every: _builtins.int = ...,
         grad_bucket_bytes: _builtins.int | None = ...,
-        fusion: _builtins.bool = ...,
+        fusion: _builtins.bool | None = ...,
         eval_every: _builtins.int = ...,
         eval_batches: _builtins.int = ...,
         elastic: _abc.Iterable[_builtins.int] | None = ...,
         elastic_grace: _builtins.float | None = ...,
         loss_scaling: Global___LossScaling | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_elastic_grace", b"_elastic_grace", "_grad_bucket_bytes", b"_grad_bucket_bytes", "elastic_grace", b"elastic_grace", "grad_bucket_bytes", b"grad_bucket_bytes", "loss_scaling", b"loss_scaling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_elastic_grace", b"_elastic_grace", "_fusion", b"_fusion", "_grad_bucket_bytes", b"_grad_bucket_bytes", "elastic_grace", b"elastic_grace", "fusion", b"fusion", "grad_bucket_bytes", b"grad_bucket_bytes", "loss_scaling", b"loss_scaling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_elastic_grace", b"_elastic_grace", "_grad_bucket_bytes", b"_grad_bucket_bytes", "activation_checkpointing", b"activation_checkpointing", "checkpoint_every", b"checkpoint_every", "elastic", b"elastic", "elastic_grace", b"elastic_grace", "eval_batches", b"eval_batches", "eval_every", b"eval_every", "fusion", b"fusion", "grad_bucket_bytes", b"grad_bucket_bytes", "gradient_accumulation_steps", b"gradient_accumulation_steps", "loss_scale", b"loss_scale", "loss_scaling", b"loss_scaling", "micro_batches", b"micro_batches", "pipeline_schedule", b"pipeline_schedule", "precision", b"precision", "seed", b"seed", "steps", b"steps", "zero_stage", b"zero_stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_elastic_grace", b"_elastic_grace", "_fusion", b"_fusion", "_grad_bucket_bytes", b"_grad_bucket_bytes", "activation_checkpointing", b"activation_checkpointing", "checkpoint_every", b"checkpoint_every", "elastic", b"elastic", "elastic_grace", b"elastic_grace", "eval_batches", b"eval_batches", "eval_every", b"eval_every", "fusion", b"fusion", "grad_bucket_bytes", b"grad_bucket_bytes", "gradient_accumulation_steps", b"gradient_accumulation_steps", "loss_scale", b"loss_scale", "loss_scaling", b"loss_scaling", "micro_batches", b"micro_batches", "pipeline_schedule", b"pipeline_schedule", "precision", b"precision", "seed", b"seed", "steps", b"steps", "zero_stage", b"zero_stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__elastic_grace: _TypeAlias = _typing.Literal["elastic_grace"]  # noqa: Y015
     _WhichOneofArgType__elastic_grace: _TypeAlias = _typing.Literal["_elastic_grace", b"_elastic_grace"]  # noqa: Y015
+    _WhichOneofReturnType__fusion: _TypeAlias = _typing.Literal["fusion"]  # noqa: Y015
+    _WhichOneofArgType__fusion: _TypeAlias = _typing.Literal["_fusion", b"_fusion"]  # noqa: Y015
     _WhichOneofReturnType__grad_bucket_bytes: _TypeAlias = _typing.Literal["grad_bucket_bytes"]  # noqa: Y015
     _WhichOneofArgType__grad_bucket_bytes: _TypeAlias = _typing.Literal["_grad_bucket_bytes", b"_grad_bucket_bytes"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__elastic_grace) -> _WhichOneofReturnType__elastic_grace | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__fusion) -> _WhichOneofReturnType__fusion | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__grad_bucket_bytes) -> _WhichOneofReturnType__grad_bucket_bytes | None: ...
 

@@ -7,7 +7,9 @@ intermediates. ``run(state)`` runs after ``boxing_pass``, so every SBP is fixed,
 no shapes). It walks the ops in order and grows a chain while the next op
 
 * is one of ``fused.FUSABLE``, on the same placement, stage, checkpoint flag and phase (forward,
-  ``grad/`` or ``optimizer/``: micro-batching's layout tells them apart by name), and
+  ``grad/`` or ``optimizer/``: micro-batching's layout tells them apart by name); a reduction of
+  ``fused.TERMINAL`` ends its chain (the clipping norm's ``pow_scalar`` and ``sum`` of each gradient, a
+  loss's token count's ``ne_scalar``, ``cast`` and ``sum``), and
 * reads a chain's result that nothing else reads: not a second reader, not a boxing (a chain never spans
   a change of SBP), not a fetch, the loss, a gradient, an update or a variable.
 
@@ -16,8 +18,12 @@ fused op's signature is one of its composed rows; ``verify_compiled`` checks it 
 op is named after its first op with ``.fused`` (keeping the phase prefix, and a name no twin graph of
 micro-batching knows), placed where its last op was, and its intermediates' declarations are dropped.
 
-Off by default: a job turns it on with ``JobConfig.fusion`` (``GraphConfig.fusion``, ``self.config.fusion
-= True`` in a graph's ``__init__``), so a job compiles the same wherever it is compiled.
+On by default (``JobConfig.fusion``; a job message without the field reads as on): a fused chain runs the
+same numpy calls in the same order as the ops it replaces, so a run is bit-identical either way
+(``tests/control_plane/compiler/passes/test_fusion.py`` trains both). A job turns it off with
+``JobConfig(fusion=False)`` (``GraphConfig.fusion``, ``self.config.fusion = False`` in a graph's
+``__init__``) to see one act an op in a trace; the setting travels with the job, so a job compiles the
+same wherever it is compiled.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from sbpflow.control_plane.compiler.passes.optimizer import PREFIX as OPTIMIZER
 from sbpflow.control_plane.compiler.state import Choice, CompileState
 from sbpflow.graph import OpNode, TensorKind
 from sbpflow.ops.base import NdSignature
-from sbpflow.ops.fused import FUSABLE, encode
+from sbpflow.ops.fused import FUSABLE, TERMINAL, encode
 
 FUSED = "fused_elementwise"
 
@@ -84,7 +90,8 @@ def chains(state: CompileState) -> list[list[OpNode]]:
             for c in joined:
                 every.remove(c)
         every.append(chain)
-        open_[chain.tail] = chain
+        if o.op_type not in TERMINAL:
+            open_[chain.tail] = chain
     at = {o.name: i for i, o in enumerate(g.ops)}
     return [sorted(c.ops, key=lambda o: at[o.name]) for c in every if len(c.ops) > 1]
 

@@ -32,6 +32,8 @@ _BIAS_SCALE_GELU = encode(
 _SQUARE_TANH = encode(
     [("sub", {}, ["in0", "in1"]), ("mul", {}, ["s0", "s0"]), ("add", {}, ["s1", "in0"]), ("tanh", {}, ["s2"])]
 )
+# the clipping norm's squared sum of one gradient: a reduction ends the chain
+_SQUARED_SUM = encode([("pow_scalar", {"exponent": 2.0}, ["in0"]), ("sum", {}, ["s0"])])
 
 
 @st.composite
@@ -61,6 +63,15 @@ def _square_tanh(x: np.ndarray, y: np.ndarray, chain: Any) -> list[np.ndarray]:
     return [np.tanh((x - y) ** 2 + x)]
 
 
+@st.composite
+def _one(draw: st.DrawFn, chain: str) -> Example:
+    return Example((arrays(draw(shapes()), draw),), {"chain": chain})
+
+
+def _squared_sum(x: np.ndarray, chain: Any) -> list[np.ndarray]:
+    return [np.asarray(np.sum(x * x))]
+
+
 case(
     OpCase(
         "fused_elementwise",
@@ -86,5 +97,14 @@ case(
         _square_tanh,
         differentiable=(0, 1),
         name="fused_elementwise/square_tanh",
+    )
+)
+case(
+    OpCase(
+        "fused_elementwise",
+        _one(_SQUARED_SUM),
+        _squared_sum,
+        differentiable=(0,),
+        name="fused_elementwise/squared_sum",
     )
 )

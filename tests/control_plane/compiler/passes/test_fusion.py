@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
+import sbpflow as sf
+from sbpflow.codec import wire
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.passes import fusion
 from sbpflow.control_plane.compiler.state import CompileState
 from sbpflow.control_plane.compiler.verify import verify_compiled
 from sbpflow.dtype import DType
+from sbpflow.errors import ShapeError
 from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.job import Job, JobConfig
 from sbpflow.ops.base import get_op
@@ -21,6 +25,7 @@ from sbpflow.sbp import B, P, S
 from sbpflow.tensor_meta import TensorMeta
 from tests.control_plane.compiler.passes.test_boxing_pass import boxed
 from tests.control_plane.compiler.passes.test_sbp_inference import start
+from tests.examples.test_examples import load
 
 TWO = placement("cpu", [0, 1])
 META = TensorMeta((8, 6), DType.float32)
@@ -72,8 +77,12 @@ def test_a_chain_fuses_into_one_op_that_keeps_the_output_name() -> None:
     assert state.choices[node.name].reason == "fused: add_scalar + mul + relu"
 
 
-def test_off_by_default() -> None:
-    assert JobConfig().fusion is False
+def test_on_by_default_and_off_on_request() -> None:
+    assert JobConfig().fusion is True
+    m = wire.config_to_proto(JobConfig())
+    m.ClearField("fusion")  # a message without the field: the default
+    assert wire.config_from_proto(m).fusion is True
+    assert wire.config_from_proto(wire.config_to_proto(JobConfig(fusion=False))).fusion is False
     ops = [("a", "relu", ("x",), "h"), ("b", "tanh", ("h",), "y")]
     assert not fused_nodes(fused(boxed(CompileState.start(job(ops, fuse=False)))))
     assert fused_nodes(fused(boxed(CompileState.start(job(ops)))))
@@ -135,9 +144,47 @@ def test_gpt_fuses_bias_and_residual_but_not_what_backward_reads() -> None:
     assert compiled.plan is not None
 
 
+def test_a_reduction_ends_a_chain() -> None:
+    # the clipping norm: each gradient's pow_scalar and sum are one op; the adds of the sums stay a chain
+    # of their own (a reduction is never continued)
+    compiled = pipeline.compile(start("gpt-dp4", layers=1).job)
+    chains = [chain_ops(o) for o in compiled.state.graph.ops if o.op_type == fusion.FUSED]
+    assert ["pow_scalar", "sum"] in chains
+    assert all("sum" not in c[:-1] for c in chains), chains
+    with pytest.raises(ShapeError, match=r"step 0 \(sum\) is a reduction, which only a chain's last step"):
+        get_op(fusion.FUSED).run_infer(
+            (META,), {"chain": encode([("sum", {}, ["in0"]), ("neg", {}, ["s0"])])}
+        )
+
+
 def test_fusion_survives_micro_batching() -> None:
     j = fusing(start("gpt-dp4", layers=1, batch_size=16).job)
     compiled = pipeline.compile(replace(j, config=replace(j.config, gradient_accumulation_steps=2)))
     assert compiled.state.graph.tensors["tokens"].meta.shape[0] * 2 == j.graph.tensors["tokens"].meta.shape[0]
     assert any(o.op_type == fusion.FUSED for o in compiled.state.graph.ops)
     assert compiled.plan is not None
+
+
+# one device, the 2-d mesh and a pipeline with micro-batches: fused and unfused runs are bit-identical
+BIT_FOR_BIT = {
+    "gpt-1": {"ranks": 1},
+    "gpt-dp2xtp2": {"ranks": 4, "tp": True, "dp": 2, "heads": 2},
+    "gpt-pp2x2mb": {"ranks": 2, "pp": 2, "micro_batches": 2},
+}
+
+
+@pytest.mark.parametrize("layout", list(BIT_FOR_BIT))
+def test_fused_training_is_bit_identical_to_unfused(layout: str) -> None:
+    shape = {"layers": 2, "width": 16, "vocab": 32, "seq_len": 8, "batch_size": 8, "steps": 3}
+    made = load("gpt").make_job(**{"heads": 2, **shape, **BIT_FOR_BIT[layout]})
+    assert made.config.fusion, "the example's job is fused by default"
+    runs = {}
+    for on in (True, False):
+        j = replace(made, config=replace(made.config, fusion=on))
+        assert any(o.op_type == fusion.FUSED for o in pipeline.compile(j).state.graph.ops) is on
+        runs[on] = sf.run(j, steps=3, return_parameters=True, timeout=60, backend="inprocess")
+    assert runs[True].losses == runs[False].losses
+    fused_params, plain_params = runs[True].parameters, runs[False].parameters
+    assert fused_params is not None and plain_params is not None and set(fused_params) == set(plain_params)
+    for name, value in plain_params.items():
+        np.testing.assert_array_equal(fused_params[name], value, err_msg=name)
