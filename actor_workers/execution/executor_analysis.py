@@ -63,23 +63,31 @@ def loop_edges(device: pp.DevicePlan, store: Store, registers: list[RegisterSpec
 
 def no_op_boxings(device: pp.DevicePlan) -> set[int]:
     """Boxing tasks to run on the compute stream instead of the communication stream: steps that move
-    nothing (an identity, or a group of one: every step on one device) between a compute producer and
-    compute consumers — a gradient's ``P -> B`` on one device, say. On the communication stream each
-    would wake its thread and back for a no-op on the step's critical path. The choice is made from the
-    plan alone, so it is the same on every rank, and the collectives keep their order."""
+    nothing (an identity, or a group of one: every step on one device) between compute tasks and other
+    such steps — a gradient's ``P -> B`` on one device, say, or the two steps of a 2-d boxing on a 1 x 1
+    mesh, one a mesh axis. On the communication stream each would wake its thread and back for a no-op
+    on the step's critical path (BERT on a 1 x 1 mesh: ~800 such acts a step). A step next to a task of
+    another stream (a real collective, a data load) stays. The choice is made from the plan alone, so it
+    is the same on every rank, and the collectives keep their order."""
     streams = {t.id: t.stream for t in device.tasks}
     regs = {r.id: r for r in device.registers}
-    out = set()
+    neighbours: dict[int, list[int]] = {}
     for task in device.tasks:
         if task.kind != pp.TASK_KIND_BOXING or task.stream != pp.STREAM_KIND_COMMUNICATION:
             continue
-        neighbours = [regs[r].producer_task for r in task.in_registers]
-        neighbours += [c for r in task.out_registers for c in regs[r].consumer_tasks]
-        if any(streams.get(n) != pp.STREAM_KIND_COMPUTE for n in neighbours):
-            continue
         if boxing_tasks.moves_nothing(boxing_tasks.step_of(task, device.rank)):
-            out.add(task.id)
-    return out
+            near = [regs[r].producer_task for r in task.in_registers]
+            neighbours[task.id] = near + [c for r in task.out_registers for c in regs[r].consumer_tasks]
+    out = set(neighbours)
+    while True:  # drop a step next to anything but compute or a step still kept; until none is dropped
+        dropped = {
+            t
+            for t in out
+            if any(streams.get(n) != pp.STREAM_KIND_COMPUTE and n not in out for n in neighbours[t])
+        }
+        if not dropped:
+            return out
+        out -= dropped
 
 
 def donations(device: pp.DevicePlan) -> dict[int, frozenset[int]]:

@@ -316,6 +316,21 @@ def test_only_a_variable_read_by_one_task_is_donated() -> None:
             assert next(t for t in device.tasks if t.id == reg.producer_task).kind == pp.TASK_KIND_SOURCE
 
 
+def test_chained_no_op_boxings_of_a_one_device_mesh_are_bypassed() -> None:
+    # tensor parallel on a 1 x 1 mesh: a 2-d boxing is two steps, one a mesh axis, each next to the other;
+    # only the steps after the data loads (another stream) stay on comm
+    job = load("gpt").make_job(
+        layers=1, heads=2, width=16, vocab=32, seq_len=8, batch_size=8, steps=2, ranks=1, tp=True, dp=1
+    )
+    c = compile_job(job)
+    with InProcessWorld(range(1), timeout=TIMEOUT) as world:
+        program = build(c, 1, world)
+    comm = [a.name for rp in program.ranks.values() for a in rp.actors if a.stream == "comm"]
+    assert sorted(comm) == ["boxing targets.to_S0.box [B -> S(0)]", "boxing tokens.to_S0.box [B -> S(0)]"]
+    kept = [a.name for rp in program.ranks.values() for a in rp.actors if a.name.startswith("boxing")]
+    assert len(kept) < 20, kept  # the rest bypassed (~200 boxing steps in the plan)
+
+
 def test_no_op_boxings_run_on_the_compute_stream_and_collectives_stay_on_comm() -> None:
     for ranks, comm_expected in ((1, False), (2, True)):
         c = compile_job(small_mlp(ranks=ranks))
