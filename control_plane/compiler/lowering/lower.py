@@ -8,7 +8,7 @@ inputs on its own placement with the SBP its signature needs, and each BOXING no
     parameter / optimizer state    SOURCE        compute         its local shard, 1 buffer
     input (data source)            DATA_LOAD     data            its local shard, 2 buffers (prefetch)
     op of the library              KERNEL        compute         one per output, 1 buffer
-    sgd_update / adamw_update      OPTIMIZER     compute         one per output, 1 buffer
+    update op (OPTIMIZER_OPS)      OPTIMIZER     compute         one per output, 1 buffer
     boxing step (collective)       BOXING        communication   the shard after the step
     boxing across placements       SEND / RECV   communication   the received piece (on the receiver)
     update (state.updates)         SINK assign   compute         —   (writes the persistent store)

@@ -21,6 +21,7 @@ from sbpflow.dtype import DType
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.limits import CompileBudget
+from sbpflow.ops.training.optim import CLIPPED
 from sbpflow.placement import Placement
 from sbpflow.sbp import NdSbp
 from sbpflow.sharding import local_shape
@@ -43,7 +44,7 @@ STREAM: dict[int, int] = {
 # A data loader fills the next batch while the current one is computed on; everything else has one.
 REGISTER_COUNT: dict[int, int] = {K.TASK_KIND_DATA_LOAD: 2}
 SOURCE_KINDS = {TensorKind.parameter, TensorKind.optimizer_state, TensorKind.constant}
-OPTIMIZER_OPS = frozenset({"sgd_update", "adamw_update"})
+OPTIMIZER_OPS = frozenset({"sgd_update", "adamw_update", *CLIPPED.values()})
 
 
 class LoweringError(SbpflowError, ValueError):

@@ -18,6 +18,13 @@ fused op's signature is one of its composed rows; ``verify_compiled`` checks it 
 op is named after its first op with ``.fused`` (keeping the phase prefix, and a name no twin graph of
 micro-batching knows), placed where its last op was, and its intermediates' declarations are dropped.
 
+Before the chains, :func:`fold_clips` folds each gradient's clipping ``mul`` (the gradient times
+``clip_coef``'s factor, one value ``B`` everywhere) into the update that alone reads it, as
+``optim.CLIPPED``'s form of that update, which multiplies each element as it reads it: one act and one
+pass over the gradient fewer a parameter, the same product in the same dtype. Where boxing moved the
+clipped gradient to the update's SBP, the update does not read the ``mul``'s result and nothing folds;
+a loss-scaled job's gated updates keep their ``mul`` too.
+
 On by default (``JobConfig.fusion``; a job message without the field reads as on): a fused chain runs the
 same numpy calls in the same order as the ops it replaces, so a run is bit-identical either way
 (``tests/control_plane/compiler/passes/test_fusion.py`` trains both). A job turns it off with
@@ -28,7 +35,8 @@ same wherever it is compiled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 from sbpflow.control_plane.compiler.passes.autodiff import GRAD
 from sbpflow.control_plane.compiler.passes.optimizer import PREFIX as OPTIMIZER
@@ -36,6 +44,8 @@ from sbpflow.control_plane.compiler.state import Choice, CompileState
 from sbpflow.graph import OpNode, TensorKind
 from sbpflow.ops.base import NdSignature
 from sbpflow.ops.fused import FUSABLE, TERMINAL, encode
+from sbpflow.ops.training.optim import CLIPPED
+from sbpflow.sbp import B
 
 FUSED = "fused_elementwise"
 
@@ -140,9 +150,49 @@ def fuse(state: CompileState, ops: list[OpNode]) -> OpNode:
     return node
 
 
+def fold_clips(state: CompileState) -> int:
+    """Fold each clipping ``mul`` into the update that alone reads its result (the module's docstring);
+    returns how many were folded."""
+    g = state.graph
+    producer = {t: o for o in g.ops for t in o.outputs}
+    readers: dict[str, int] = {}
+    for o in g.ops:
+        for i in o.inputs:
+            readers[i] = readers.get(i, 0) + 1
+    keep = protected(state)
+    folded: dict[str, OpNode] = {}  # the update's name -> its clipped form
+    gone: set[str] = set()
+    for u in g.ops:
+        grad = u.inputs[1] if u.op_type in CLIPPED else ""
+        mul = producer.get(grad)
+        if mul is None or mul.op_type != "mul" or readers[grad] != 1 or grad in keep or _key(mul) != _key(u):
+            continue
+        scalar = [i for i in mul.inputs if _one_broadcast_value(state, i)]
+        others = [i for i in mul.inputs if i not in scalar]
+        if len(scalar) != 1 or len(others) != 1 or g.tensors[others[0]].sbp != g.tensors[grad].sbp:
+            continue
+        inputs = (u.inputs[0], others[0], *u.inputs[2:], scalar[0])
+        folded[u.name] = replace(u, op_type=CLIPPED[u.op_type], inputs=inputs)
+        gone.add(mul.name)
+        del g.tensors[grad]
+        choice = state.choices[u.name]
+        sig = choice.signature
+        ins = (sig.ins[0], g.tensors[others[0]].sbp, *sig.ins[2:], g.tensors[scalar[0]].sbp)
+        cost = choice.cost + (state.choices.pop(mul.name).cost if mul.name in state.choices else 0)
+        state.choices[u.name] = Choice(NdSignature(ins, sig.outs), cost, choice.reason + " + clip folded")  # type: ignore[arg-type]
+    g.ops[:] = [folded.get(o.name, o) for o in g.ops if o.name not in gone]
+    return len(folded)
+
+
+def _one_broadcast_value(state: CompileState, name: str) -> bool:
+    decl = state.graph.tensors[name]
+    return math.prod(decl.meta.shape) == 1 and decl.sbp is not None and all(s == B for s in decl.sbp)
+
+
 def run(state: CompileState) -> None:
     if not state.job.config.fusion:
         return
+    fold_clips(state)
     found = chains(state)
     if not found:
         return

@@ -36,16 +36,18 @@ def adamw_all(
     lr: float,
     eps: float,
     decay: float,
+    scale: float,
     new_param: Any,
 ) -> None:  # pragma: no cover - compiled
     """optim._adamw_kernel's operations an element, the moments ``m`` and ``v`` updated in place and the
     parameter written to ``new_param`` (another array): b1, b2 the betas, bias1 and bias2 the bias
-    corrections' 1 - beta**n, decay 1 - lr * weight_decay; every constant in the arrays' dtype."""
+    corrections' 1 - beta**n, decay 1 - lr * weight_decay, scale the clipping factor each gradient element
+    is multiplied by first (1: unclipped, exact); every constant in the arrays' dtype."""
     f = param.dtype.type
     c1, c2, k1, k2 = f(1.0 - b1), f(1.0 - b2), f(b1), f(b2)
-    d1, d2, step, e, keep = f(bias1), f(bias2), f(lr), f(eps), f(decay)
+    d1, d2, step, e, keep, s = f(bias1), f(bias2), f(lr), f(eps), f(decay), f(scale)
     for i in range(param.size):
-        g = grad[i]
+        g = grad[i] * s
         mi = m[i] * k1 + g * c1
         vi = v[i] * k2 + (g * g) * c2
         m[i] = mi

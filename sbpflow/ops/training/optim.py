@@ -13,15 +13,17 @@ weight decay adds the parameter), and a partial gradient must be reduced first, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from sbpflow.errors import ShapeError
 from sbpflow.ops import rows
-from sbpflow.ops.base import REQUIRED, Attrs, KernelContext, Metas, NoGrad, defop
+from sbpflow.ops.base import REQUIRED, Attrs, KernelContext, Metas, NoGrad, Signature, defop, get_op
 from sbpflow.ops.elementwise import check_kind, same_shape_rows
 from sbpflow.ops.kernels.rowwise import jit_loops
+from sbpflow.sbp import B
 
 SCHEDULE_ATTRS: dict[str, Any] = {
     "schedule": "constant",
@@ -73,13 +75,16 @@ def _update_infer(op: str, names: tuple[str, ...], n_out: int) -> Callable[[Meta
     return infer
 
 
-def _sgd_kernel(ctx: KernelContext, param: Any, grad: Any, buf: Any) -> tuple[Any, Any]:
+def _sgd_kernel(ctx: KernelContext, param: Any, grad: Any, buf: Any, clip: Any = None) -> tuple[Any, Any]:
     """Each result is made in one array the kernel allocates (or the buffer, when the runtime donates it)
     and then updates in place (``out=``), so a 4096 x 4096 update makes no temporaries; with momentum 0
     the buffer is the gradient itself (no pass). The same operations as the formula, in the same order,
-    so the results are the formula's bits: ``param - lr * x == (-lr * x) + param`` exactly in IEEE."""
+    so the results are the formula's bits: ``param - lr * x == (-lr * x) + param`` exactly in IEEE.
+    ``clip``: the clipping factor (``clipped_sgd_update``), multiplied in first as the ``mul`` it replaces."""
     a, t, xp = ctx.attrs, param.dtype.type, ctx.xp
     momentum, wd = float(a["momentum"]), float(a["weight_decay"])
+    if clip is not None:
+        grad = _clipped_grad(xp, grad, clip)
     d = grad
     if wd:
         d = _axpy(xp, t(wd), param, grad)  # grad + wd * param
@@ -90,6 +95,11 @@ def _sgd_kernel(ctx: KernelContext, param: Any, grad: Any, buf: Any) -> tuple[An
     else:
         new_buf = direction = d  # 0 * buf + d is d
     return _axpy(xp, t(-lr_at(a, ctx.step)), direction, param, out=out_buffer(ctx, 0, param)), new_buf
+
+
+def _clipped_grad(xp: ModuleType, grad: Any, clip: Any) -> Any:
+    """``grad * clip`` in a new array of the gradient's shape (``clip`` one value, of any shape)."""
+    return xp.multiply(grad, clip.reshape(()), out=xp.empty_like(grad))
 
 
 def _axpy(xp: ModuleType, alpha: Any, x: Any, y: Any, out: Any = None) -> Any:
@@ -138,9 +148,13 @@ defop(
 )
 
 
-def _adamw_kernel(ctx: KernelContext, param: Any, grad: Any, m: Any, v: Any) -> tuple[Any, Any, Any]:
+def _adamw_kernel(
+    ctx: KernelContext, param: Any, grad: Any, m: Any, v: Any, clip: Any = None
+) -> tuple[Any, Any, Any]:
     """The formula's operations in its order (so its bits), in place on arrays the kernel owns: the new
-    moments (or the donated old ones), two scratch arrays and the new parameter."""
+    moments (or the donated old ones), two scratch arrays and the new parameter. ``clip``: the clipping
+    factor (``clipped_adamw_update``), each gradient element multiplied by it first, as the ``mul`` it
+    replaces rounded it (one IEEE product in the gradient's dtype either way)."""
     a, t, xp = ctx.attrs, param.dtype.type, ctx.xp
     lr, b1, b2 = lr_at(a, ctx.step), float(a["beta1"]), float(a["beta2"])
     n = ctx.step + 1  # bias correction counts the steps taken, this one included
@@ -153,11 +167,14 @@ def _adamw_kernel(ctx: KernelContext, param: Any, grad: Any, m: Any, v: Any) -> 
         p2 = out_buffer(ctx, 0, param)
         if p2 is None or not p2.flags.c_contiguous or any(p2 is x for x in (grad, m2, v2)):
             p2 = xp.empty_like(param)
+        scale = 1.0 if clip is None else float(clip.reshape(-1)[0])  # x * 1 is x: the same bits unclipped
         loops.adamw_all(
             param.reshape(-1), grad.reshape(-1), m2.reshape(-1), v2.reshape(-1), b1, b2, 1.0 - b1**n,
-            1.0 - b2**n, lr, float(a["eps"]), 1.0 - lr * float(a["weight_decay"]), p2.reshape(-1),
+            1.0 - b2**n, lr, float(a["eps"]), 1.0 - lr * float(a["weight_decay"]), scale, p2.reshape(-1),
         )  # fmt: skip
         return p2, m2, v2
+    if clip is not None:
+        grad = _clipped_grad(xp, grad, clip)
     scratch = xp.multiply(grad, t(1.0 - b1))
     new_m = xp.multiply(m, t(b1), out=m if donated(ctx, 2, m) else None)
     new_m = _iadd(xp, new_m, scratch)  # b1 * m + (1 - b1) * grad
@@ -198,6 +215,47 @@ defop(
     "param -= lr(step) * m_hat / (sqrt(v_hat) + eps) with bias correction at step + 1",
     flops=14,
 )
+
+
+# Each update's form that takes the clipping factor as a last input: the fusion pass folds the ``mul`` of
+# a gradient by ``clip_coef``'s factor into the update that reads it (one act and one pass over the
+# gradient fewer a parameter; control_plane/compiler/passes/fusion.py).
+CLIPPED = {"sgd_update": "clipped_sgd_update", "adamw_update": "clipped_adamw_update"}
+
+
+def _clipped(plain: str) -> None:
+    """Declare ``clipped_<plain>``: ``plain`` on ``grad * clip``, ``clip`` one value (``B`` everywhere)."""
+    base = get_op(plain)
+    n, name, kernel = len(base.inputs), CLIPPED[plain], base.kernel
+
+    def infer(metas: Metas, attrs: Attrs) -> Metas:
+        clip, param = metas[n], metas[0]
+        if clip.dtype != param.dtype or math.prod(clip.shape) != 1:
+            raise ShapeError(
+                f"op {name!r} needs 'clip' as one value of the parameter's dtype {param.dtype}, got {clip}; "
+                "pass clip_coef's factor cast to the gradient's dtype"
+            )
+        return base.infer(metas[:n], attrs)
+
+    def clip_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
+        return [Signature((*r.ins, B), r.outs) for r in base.rows(metas[:n], attrs)]
+
+    defop(
+        name,
+        inputs=(*base.inputs, "clip"),
+        outputs=base.outputs,
+        attrs=base.attrs,
+        infer=infer,
+        rows=clip_rows,
+        kernel=lambda ctx, *arrays: kernel(ctx, *arrays[:n], clip=arrays[n]),
+        grad=NoGrad("optimizer update"),
+        doc=f"{plain} of grad * clip (the gradient times clip_coef's factor, folded in by the fusion pass)",
+        flops=int(base.flops) + 1,  # type: ignore[arg-type]
+    )
+
+
+for _plain in CLIPPED:
+    _clipped(_plain)
 
 
 def _clip_coef_kernel(ctx: KernelContext, norm_sq: Any) -> Any:

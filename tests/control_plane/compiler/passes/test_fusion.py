@@ -17,7 +17,7 @@ from sbpflow.control_plane.compiler.verify import verify_compiled
 from sbpflow.dtype import DType
 from sbpflow.errors import ShapeError
 from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind
-from sbpflow.job import Job, JobConfig
+from sbpflow.job import Job, JobConfig, LossScaling
 from sbpflow.ops.base import get_op
 from sbpflow.ops.fused import encode
 from sbpflow.placement import placement
@@ -163,6 +163,39 @@ def test_fusion_survives_micro_batching() -> None:
     assert compiled.state.graph.tensors["tokens"].meta.shape[0] * 2 == j.graph.tensors["tokens"].meta.shape[0]
     assert any(o.op_type == fusion.FUSED for o in compiled.state.graph.ops)
     assert compiled.plan is not None
+
+
+def optimizer_ops(j: Job) -> list[str]:
+    return [o.op_type for o in pipeline.compile(j).state.graph.ops if o.name.startswith("optimizer/model.")]
+
+
+# one rank, the 2-d mesh, ZeRO-3 on two (the update on S(0) slices, the factor B)
+FOLDS = {
+    "gpt-1": ({"ranks": 1}, {}),
+    "dp2xtp2": ({"ranks": 4, "tp": True, "dp": 2}, {}),
+    "zero3": ({"ranks": 2}, {"zero_stage": 3}),
+}
+
+
+@pytest.mark.parametrize("layout", list(FOLDS))
+def test_each_clipping_mul_folds_into_its_update(layout: str) -> None:
+    shape, config = FOLDS[layout]
+    made = load("gpt").make_job(layers=1, width=16, vocab=32, seq_len=8, batch_size=8, heads=2, **shape)
+    made = replace(made, config=replace(made.config, **config))
+    assert made.optimizer is not None and made.optimizer.clip_grad_norm > 0
+    n = len(made.optimizer.parameters)
+    on = optimizer_ops(made)
+    assert on.count("clipped_adamw_update") == n and "mul" not in on and "adamw_update" not in on, on
+    off = optimizer_ops(replace(made, config=replace(made.config, fusion=False)))
+    assert off.count("mul") == off.count("adamw_update") == n
+
+
+def test_a_gated_update_keeps_its_clipping_mul() -> None:
+    # a loss-scaled job's updates are gated on the step's non-finite count: no clipped form, nothing folds
+    made = load("gpt").make_job(layers=1, width=16, vocab=32, seq_len=8, batch_size=8, heads=2, ranks=1)
+    j = replace(made, config=replace(made.config, precision="fp16", loss_scaling=LossScaling()))
+    ops = optimizer_ops(j)
+    assert ops.count("gated_adamw_update") == ops.count("mul") == len(made.optimizer.parameters)  # type: ignore[union-attr]
 
 
 # one device, the 2-d mesh and a pipeline with micro-batches: fused and unfused runs are bit-identical

@@ -113,6 +113,23 @@ def adamw_reference(
 case(OpCase("adamw_update", _adamw(), adamw_reference, differentiable=()))
 
 
+def _clipped(plain: st.SearchStrategy[Example]) -> st.SearchStrategy[Example]:
+    """``plain``'s example with a clipping factor in [0, 1] after its inputs (one value, shape (1,))."""
+    return st.builds(
+        lambda e, c: Example((*e.inputs, np.asarray([c], dtype=e.inputs[0].dtype)), e.attrs),
+        plain,
+        st.floats(0.0, 1.0),
+    )
+
+
+def _on_clipped(reference: Any) -> Any:
+    return lambda param, grad, *rest, **attrs: reference(param, grad * rest[-1], *rest[:-1], **attrs)
+
+
+case(OpCase("clipped_sgd_update", _clipped(_sgd()), _on_clipped(sgd_reference), differentiable=()))
+case(OpCase("clipped_adamw_update", _clipped(_adamw()), _on_clipped(adamw_reference), differentiable=()))
+
+
 @st.composite
 def _clip(draw: st.DrawFn) -> Example:
     shape = draw(st.sampled_from([(), (1,)]) | shapes())

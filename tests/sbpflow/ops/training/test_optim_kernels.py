@@ -10,7 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from sbpflow.dtype import DType
+from sbpflow.errors import ShapeError
 from sbpflow.ops.base import KernelContext, get_op
+from sbpflow.tensor_meta import TensorMeta
 from tests.sbpflow.ops.training.cases_optim import lr_factor
 
 
@@ -99,6 +102,37 @@ def test_adamw_is_the_formula_bit_for_bit(dtype: Any, shape: tuple[int, ...], do
     if not donate:
         for a, c in zip(arrays[2:], copies[2:], strict=True):
             np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(), (3,), (5, 7), (64, 1024)])
+@pytest.mark.parametrize("plain", ["sgd_update", "adamw_update"])
+def test_a_clipped_update_is_the_mul_then_the_update_bit_for_bit(
+    dtype: Any, shape: tuple[int, ...], plain: str
+) -> None:
+    # the fusion pass folds the clipping mul into the update: the same product in the same dtype, so a
+    # fused run's parameters are an unfused run's bits (the numpy passes and the one-pass loop alike)
+    rng = np.random.default_rng(2)
+    n = len(get_op(plain).inputs)
+    arrays = [np.asarray(rng.standard_normal(shape), dtype=dtype) for _ in range(n)]
+    arrays[-1] = np.abs(arrays[-1])  # AdamW's v (SGD's momentum buffer: any sign)
+    clip = np.asarray(0.3712, dtype=dtype)  # clip_coef's factor is 0-d, as the norm's sum
+    attrs = {**(SGD_ATTRS[3] if plain == "sgd_update" else {"lr": 1e-2, "weight_decay": 0.01})}
+    want = run(plain, [arrays[0], np.multiply(arrays[1], clip), *arrays[2:]], attrs, 2, frozenset())
+    got = run("clipped_" + plain, [*arrays, clip], attrs, 2, frozenset())
+    for g, w in zip(got, want, strict=True):
+        assert np.asarray(g).dtype == dtype and np.shape(g) == shape
+        np.testing.assert_array_equal(g, w)
+
+
+def test_a_clipped_update_refuses_a_clip_that_is_not_one_value_of_the_parameters_dtype() -> None:
+    op, meta = get_op("clipped_adamw_update"), TensorMeta((4, 3), DType.float32)
+    attrs = op.normalize_attrs({"lr": 1e-3})
+    with pytest.raises(ShapeError, match="needs 'clip' as one value of the parameter's dtype"):
+        op.run_infer((meta,) * 4 + (TensorMeta((2,), DType.float32),), attrs)
+    with pytest.raises(ShapeError, match="cast to the gradient's dtype"):
+        op.run_infer((meta,) * 4 + (TensorMeta((1,), DType.float64),), attrs)
+    assert op.run_infer((meta,) * 4 + (TensorMeta((), DType.float32),), attrs) == (meta,) * 3
 
 
 def test_a_read_only_donated_buffer_is_not_written() -> None:
