@@ -290,14 +290,17 @@ def _transposed_conv(xp: Any, dy: Any, w: Any, attrs: Attrs) -> Any | None:
 
 def _grad_input_kernel(ctx: KernelContext, dy: Any, w: Any) -> Any:
     xp, g = ctx.xp, int(ctx.attrs["groups"])
-    direct = _transposed_conv(xp, dy, w, ctx.attrs)
-    if direct is not None:
-        return direct
     stride, padding, dilation = _geometry3(ctx.attrs)
     hw = pair("conv2d_grad_input", ctx.attrs, "input_hw", 1)
     outs = tuple(out_size(hw[a], w.shape[2 + a], stride[a], padding[a], dilation[a]) for a in (0, 1))
     # add_rows_back does not bounds-check; numpy raises on a shard of another shape
-    if outs == dy.shape[2:] and (jit := _fast(xp, dy, ctx.attrs)) is not None:
+    jit = _fast(xp, dy, ctx.attrs) if outs == dy.shape[2:] else None
+    if jit is not None and jit.dense_taps(hw, tuple(w.shape[2:]), stride, padding, dilation) is not None:
+        return jit.conv_grad_input(dy, w, hw, stride, padding, dilation)  # a small image: one GEMM
+    direct = _transposed_conv(xp, dy, w, ctx.attrs)
+    if direct is not None:
+        return direct
+    if jit is not None:
         return jit.conv_grad_input(dy, w, hw, stride, padding, dilation)
     n, o, oh, ow = dy.shape  # strided: the taps' gradients by one GEMM, added back one tap at a time
     og = o // g
