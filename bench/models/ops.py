@@ -177,7 +177,7 @@ def make_inputs(case: Case, rng: np.random.Generator) -> list[np.ndarray]:
             a = np.asarray(rng.standard_normal(m.shape), dtype=m.dtype.to_numpy())
             if case.op in ("log", "sqrt", "rdiv_scalar", "clip_coef") or (case.op == "div" and i == 1):
                 a = np.abs(a) + a.dtype.type(0.5)
-            if case.op in ("adamw_update", "sgd_update") and i == 3:
+            if case.op.removeprefix("clipped_") in ("adamw_update", "sgd_update") and i == 3:
                 a = np.abs(a)  # v >= 0
             if (case.op, i) in POSITIVE:  # a sum of exponentials
                 a = np.abs(a) + a.dtype.type(0.5)
@@ -206,19 +206,46 @@ def _torch_chain(chain: str, t: list[Any]) -> Callable[[], Any]:
     import torch
     from torch.nn import functional as F
 
+    # a step's torch call from its arrays and attrs: the ops the examples' fused chains hold
     fns: dict[str, Callable[..., Any]] = {
-        "add": torch.add,
-        "mul": torch.mul,
-        "sub": torch.sub,
-        "gelu": lambda x: F.gelu(x, approximate="tanh"),
-        "tanh": torch.tanh,
+        "add": lambda a, x, y: torch.add(x, y),
+        "mul": lambda a, x, y: torch.mul(x, y),
+        "sub": lambda a, x, y: torch.sub(x, y),
+        "div": lambda a, x, y: torch.div(x, y),
+        "gelu": lambda a, x: F.gelu(x, approximate="tanh"),
+        "tanh": lambda a, x: torch.tanh(x),
+        "mul_scalar": lambda a, x: torch.mul(x, a["value"]),
+        "add_scalar": lambda a, x: torch.add(x, a["value"]),
+        "pow_scalar": lambda a, x: torch.pow(x, a["exponent"]),
+        "ne_scalar": lambda a, x: torch.ne(x, a["value"]),
+        "eq_scalar": lambda a, x: torch.eq(x, a["value"]),
+        "cast": lambda a, x: x.to(getattr(torch, str(a["dtype"]))),
+        "sum": lambda a, x: torch.sum(x),
+        "relu": lambda a, x: torch.relu(x),
+        "neg": lambda a, x: torch.neg(x),
+        "exp": lambda a, x: torch.exp(x),
+        "log": lambda a, x: torch.log(x),
+        "sqrt": lambda a, x: torch.sqrt(x),
+        "sigmoid": lambda a, x: torch.sigmoid(x),
+        "gelu_erf": lambda a, x: F.gelu(x),
+        "rsub_scalar": lambda a, x: torch.rsub(x, a["value"]),
+        "rdiv_scalar": lambda a, x: torch.reciprocal(x).mul_(a["value"]),
+        "relu_grad": lambda a, dy, y: torch.ops.aten.threshold_backward(dy, y, 0),
+        "gelu_grad": lambda a, dy, x: torch.ops.aten.gelu_backward(dy, x, approximate="tanh"),
+        "gelu_erf_grad": lambda a, dy, x: torch.ops.aten.gelu_backward(dy, x),
     }
     steps = json.loads(chain)
+    missing = sorted({op for op, _, _ in steps} - set(fns))
+    if missing:
+        raise SystemExit(
+            f"ops.py: no PyTorch call for fused steps {missing}; add them to _torch_chain's table"
+        )
 
     def run() -> Any:
         vals: list[Any] = []
-        for op, _, refs in steps:
-            vals.append(fns[op](*(t[int(r[2:])] if r.startswith("in") else vals[int(r[1:])] for r in refs)))
+        for op, attrs, refs in steps:
+            args = (t[int(r[2:])] if r.startswith("in") else vals[int(r[1:])] for r in refs)
+            vals.append(fns[op](attrs, *args))
         return vals[-1]
 
     return run
@@ -385,10 +412,10 @@ def torch_call(case: Case, arrays: list[np.ndarray]) -> Callable[[], Any]:
         dy, ids = t
         num = int(a["num_embeddings"])
         return lambda: aten.embedding_dense_backward(dy, ids, num, -1, False)
-    if op in ("adamw_update", "sgd_update"):
+    if op.removeprefix("clipped_") in ("adamw_update", "sgd_update"):
         p = torch.nn.Parameter(t[0])
         p.grad = t[1]
-        if op == "adamw_update":
+        if op.endswith("adamw_update"):
             opt: Any = torch.optim.AdamW(
                 [p], lr=float(a["lr"]), betas=(float(a["beta1"]), float(a["beta2"])), eps=float(a["eps"]),
                 weight_decay=float(a["weight_decay"]), foreach=False,
@@ -399,7 +426,10 @@ def torch_call(case: Case, arrays: list[np.ndarray]) -> Callable[[], Any]:
                 nesterov=bool(a["nesterov"]), foreach=False,
             )  # fmt: skip
         opt.step()  # the state exists, as in a step of training
-        return lambda: opt.step()
+        if not op.startswith("clipped_"):
+            return lambda: opt.step()
+        one = torch.ones(())  # clip_grad_norm_'s in-place mul of each gradient (by 1: no drift over repeats)
+        return lambda: (p.grad.mul_(one), opt.step())  # type: ignore[union-attr]
     raise SystemExit(f"bench/models/ops.py: no PyTorch counterpart for op {op!r}; add one to torch_call")
 
 
