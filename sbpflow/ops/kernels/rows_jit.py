@@ -345,6 +345,49 @@ def max_rows(x: Any, out: Any) -> None:  # pragma: no cover - compiled
         out[i] = m
 
 
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, inline="always")
+def _chunk_row_max(cm: Any, i: int) -> Any:  # pragma: no cover - compiled
+    """max(cm[i]), nan where the row has one (a nan, once taken, stays: nothing compares above it)."""
+    m = cm[i, 0]
+    for j in range(1, cm.shape[1]):
+        v = cm[i, j]
+        if v > m or v != v:
+            m = v
+    return m
+
+
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, nogil=True)
+def vocab_terms_rows(
+    x: Any, chunk_max: Any, offset: int, labels: Any, ignore: int, sum_exp: Any, target: Any
+) -> None:  # pragma: no cover - compiled
+    """vocab.py's vocab_terms per row i of x [rows, V] (this rank's classes, from class ``offset``):
+    sum(exp(x[i] - max(chunk_max[i]))), and x[i, label - offset] where this rank holds the label (else 0,
+    and 0 where the label is ``ignore``). One pass a row where numpy made five: [1024, 128] float32 in 2
+    chunks, --clock cpu, load 6.4: 204 -> 81 us (torch's exp, sum and gather 91); the gradient 229 -> 81 (251)."""
+    v = x.shape[1]
+    for i in range(x.shape[0]):
+        sum_exp[i] = _sum_exp(x, i, _chunk_row_max(chunk_max, i))
+        local = labels[i] - offset
+        hit = labels[i] != ignore and 0 <= local < v
+        target[i] = x[i, local] if hit else x.dtype.type(0)
+
+
+@njit(cache=True, error_model="numpy", fastmath=_FLAGS, nogil=True)
+def vocab_terms_grad_rows(
+    x: Any, chunk_max: Any, offset: int, labels: Any, ignore: int, dsum: Any, dtarget: Any, out: Any
+) -> None:  # pragma: no cover - compiled
+    """vocab.py's vocab_terms_grad per row: out[i] = exp(x[i] - max(chunk_max[i])) dsum[i], plus dtarget[i]
+    at the label where this rank holds it (vocab_terms_rows' conditions)."""
+    v = x.shape[1]
+    for i in range(x.shape[0]):
+        m, d = _chunk_row_max(chunk_max, i), dsum[i]
+        for j in range(v):
+            out[i, j] = vexp(x[i, j] - m) * d  # type: ignore[call-arg]
+        local = labels[i] - offset
+        if labels[i] != ignore and 0 <= local < v:
+            out[i, local] += dtarget[i]
+
+
 @njit(cache=True, error_model="numpy", nogil=True)
 def concat_rows(srcs: Any, dst: Any) -> None:  # pragma: no cover - compiled
     """dst[i] = srcs[0][i], srcs[1][i], ... one after another (shape.py's concat along an inner axis, as

@@ -171,9 +171,35 @@ def _label_here(ctx: KernelContext, logits: Any, labels: Any) -> tuple[Any, Any]
     return xp.where(hit, local, 0), hit
 
 
+def _jit_terms(ctx: KernelContext, logits: Any, labels: Any, chunk_max: Any, *stats: Any) -> Any:
+    """rows_jit where its vocab_terms loops may run (``_jit_stats``, the logits and chunk maxima as
+    C-contiguous rows of the statistics' dtype), with the loops' common arguments; else None."""
+    if (
+        getattr(logits, "shape", ())[:-1] != getattr(labels, "shape", None)
+        or not _maxima_fit(chunk_max, labels, logits)
+        or (jit := _jit_stats(ctx.xp, labels, *stats)) is None
+        or jit_rows(ctx.xp, logits) is None
+    ):
+        return None
+    n = logits.shape[-1]
+    rows = (logits.reshape(-1, n), chunk_max.reshape(-1, chunk_max.shape[-1]))
+    return (
+        jit,
+        rows,
+        int(ctx.in_offset(0, logits.ndim - 1)),
+        labels.reshape(-1),
+        int(ctx.attrs["ignore_index"]),
+    )
+
+
 def _terms_kernel(ctx: KernelContext, logits: Any, labels: Any, chunk_max: Any) -> tuple[Any, Any]:
     # sum(exp(logits - max)) over this rank's classes; logits[label] where this rank holds the label, else 0
     xp = ctx.xp
+    sum_exp, target = (xp.empty(labels.shape, dtype=logits.dtype) for _ in range(2))
+    if (fit := _jit_terms(ctx, logits, labels, chunk_max, sum_exp, target)) is not None:
+        jit, (x, cm), offset, flat, ignore = fit
+        jit.vocab_terms_rows(x, cm, offset, flat, ignore, sum_exp.reshape(-1), target.reshape(-1))
+        return sum_exp, target
     e = xp.exp(xp.subtract(logits, _shift(xp, chunk_max)))
     sum_exp = xp.einsum("...i->...", e)
     local, hit = _label_here(ctx, logits, labels)
@@ -210,6 +236,14 @@ def _terms_grad_kernel(
 ) -> Any:
     # exp(logits - max) dsum, plus dtarget at the label where this rank holds it
     xp = ctx.xp
+    if (fit := _jit_terms(ctx, logits, labels, chunk_max, dsum, dtarget)) is not None:
+        jit, (x, cm), offset, flat, ignore = fit
+        out = xp.empty_like(logits)
+        n = logits.shape[-1]
+        jit.vocab_terms_grad_rows(
+            x, cm, offset, flat, ignore, dsum.reshape(-1), dtarget.reshape(-1), out.reshape(-1, n)
+        )
+        return out
     e = xp.exp(xp.subtract(logits, _shift(xp, chunk_max)))
     e = xp.multiply(e, dsum[..., None], out=e)
     local, hit = _label_here(ctx, logits, labels)

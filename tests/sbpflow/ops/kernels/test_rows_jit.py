@@ -353,6 +353,35 @@ def test_vocab_loss_and_its_gradient_match_numpys(dtype: Any, label_dtype: Any) 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("label_dtype", [np.int64, np.int32])
+@pytest.mark.parametrize("classes", [slice(0, 12), slice(0, 6), slice(6, 12)])
+def test_vocab_terms_and_their_gradient_match_numpys(dtype: Any, label_dtype: Any, classes: slice) -> None:
+    """vocab_terms and vocab_terms_grad through rows_jit's loops against the numpy kernels (the labels
+    strided), on whole rows and on each half of the classes (S(-1): the labels off a rank's classes give
+    a target of 0 and no one-hot term); an ignored label gives 0, a nan logit (its chunk's max) a nan sum."""
+    logits, labels = _vocab_inputs(dtype, label_dtype, 14)
+    (cm,) = EagerBuilder().call("vocab_chunk_max", logits, chunks=2)
+    metas = tuple(TensorMeta(a.shape, DType(np.dtype(a.dtype).name)) for a in (logits, labels, cm))
+    rng = np.random.default_rng(15)
+    dsum, dtarget = (rng.standard_normal(labels.shape).astype(dtype) for _ in range(2))
+    d_metas = (*metas, *(TensorMeta(labels.shape, metas[0].dtype),) * 2)
+    here = np.ascontiguousarray(logits[..., classes])  # a rank's shard is an array of its own
+    for op, inputs, ins in (
+        ("vocab_terms", [here, labels, cm], metas),
+        ("vocab_terms_grad", [here, labels, cm, dsum, dtarget], d_metas),
+    ):
+        index = ((slice(None), slice(None), classes), *(full_index(m) for m in ins[1:]))
+        ctx = KernelContext(np, {"ignore_index": IGNORE}, ins, (), index, ())
+        assert vocab._jit_terms(ctx, *inputs[:3], *inputs[3:] or [np.empty(labels.shape, dtype)])
+        with np.errstate(all="ignore"):
+            got = get_op(op).run_kernel(ctx, inputs)
+            want = get_op(op).run_kernel(ctx, [inputs[0], strided(labels), *inputs[2:]])
+        same(got, want, dtype, op)
+        if op == "vocab_terms":
+            assert np.isnan(got[0][1, 2]) and got[1][0, 1] == 0  # the row's maximum is nan on every rank
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ids_shape", [(16, 64), (5,), (1,), (0, 3)])
 @pytest.mark.parametrize("rows_here", [slice(0, 9), slice(3, 7)])
 def test_embedding_gather_matches_numpys(dtype: Any, ids_shape: tuple[int, ...], rows_here: slice) -> None:
