@@ -24,7 +24,7 @@ load 2.7, [32, 128, 2, 2] by [128, 128, 3, 3]: conv2d 810 -> 330 us, grad_input 
 DENSE_MAX_SHARE times the weight (a 4x4 image under 3x3: 16 x 16 blocks, too many multiplies).
 Two paths take some convolutions before the rows, each reading x channels first as it lies:
 ``conv_taps`` (conv2d at stride 1 of 7 channels or fewer, 32 wide or more: a stem) and
-``conv_winograd`` (3x3 at stride 1 of 8 channels or more, 16 wide or more; the weight gradient from 32
+``conv_winograd`` (3x3 at stride 1 of 8 channels or more, 16 wide or more; the weight gradient from 16
 channels; the input gradient at stride 1 through conv.py's flipped-weight conv2d).
 
 They are the fast path only: conv.py's numpy kernels stay the reference and the path for cupy, for

@@ -14,7 +14,7 @@ where each term of a tile's transform is the same plane offset plus ``j``. The e
 computed and dropped. The weight gradient is the adjoint: ``dU[k] = dM[k] @ V[k]'`` summed over tiles,
 ``dM = A dy A'`` of each 2x2 tile of dy (zero past dy's edge), then ``dw = G' dU G``.
 
-Which convolutions take it (``applies``): 3x3, stride and dilation 1, 8 channels in or more (32 for the
+Which convolutions take it (``applies``): 3x3, stride and dilation 1, 8 channels in or more (16 for the
 weight gradient), outputs 16 wide or more; where C is smaller (a stem's 3) or the image narrower, the
 window rows' one GEMM is sooner. --clock cpu, 1 thread: conv2d [32, 16, 32, 32] -> 16 1.75 -> 1.06x
 PyTorch's, [8, 16, 32, 32] 1.40 -> ~1.05-1.15x. ``tests/sbpflow/ops/kernels/test_conv_winograd.py``
@@ -42,10 +42,11 @@ Pair = tuple[int, int]
 # tiles of this many bytes of V at a time (whole samples): 1 sample of a [16, 32, 32] ResNet block
 BLOCK_BYTES = 1 << 19
 MIN_CHANNELS, MIN_WIDTH = 8, 16
-# the weight gradient's transforms (of x and of dy) repay only with more channels: --clock cpu against
-# the window rows, [32, 16, 16, 16] -> 16: 1.10 against 0.94 ms; [32, 16, 32, 32]: ~4.1 both; [32, 32,
-# 16, 16] -> 32: 2.68 against 2.7-3.4
-GRAD_MIN_CHANNELS = 32
+# the weight gradient's transforms (of x and of dy) repay only with more channels: --clock cpu, load 6.6,
+# 5 alternations, against the window rows, since the one-pass transforms: [32, 16, 16, 16] -> 16: 916
+# against 954 us; [8, 16, 32, 32]: 741 against 894; [32, 16, 32, 32]: 2751 against 3323; [16, 8, 16,
+# 16] -> 8: 240 against 242 (a tie: 8 channels keep the rows)
+GRAD_MIN_CHANNELS = 16
 
 G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
 BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]])

@@ -99,7 +99,8 @@ def test_against_torch(case: tuple[int, ...], dtype: Any) -> None:
 def test_applies_to_wide_3x3_stride_1_convolutions_only() -> None:
     ok = {"c": 16, "kernel": (3, 3), "stride": (1, 1), "dilation": (1, 1), "out_w": 32}
     assert conv_winograd.applies(**ok)
-    assert not conv_winograd.applies(**ok, grad=True) and conv_winograd.applies(**{**ok, "c": 32}, grad=True)
+    assert conv_winograd.GRAD_MIN_CHANNELS == 16 and conv_winograd.applies(**ok, grad=True)
+    assert not conv_winograd.applies(**{**ok, "c": 8}, grad=True) and conv_winograd.applies(**{**ok, "c": 8})
     for change in [
         {"c": 3},  # a stem: too few channels for the transforms to pay
         {"out_w": 8},  # narrow: the window rows' GEMM is sooner
