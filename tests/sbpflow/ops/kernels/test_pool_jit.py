@@ -23,6 +23,7 @@ from sbpflow.ops.kernels.rowwise import jit_loops
 from tests.sbpflow.ops.kernels.test_conv_jit import DTYPES, SETTINGS, strided
 
 pytest.importorskip("numba")
+from sbpflow.ops.kernels import pool_jit  # noqa: E402  (needs numba)
 
 TOL = {np.float64: (1e-12, 1e-13), np.float32: (2e-5, 2e-6)}
 DTYPES_INT = [np.int32, np.int64]
@@ -78,6 +79,7 @@ def test_pools_and_their_gradients(dtype: Any, pool: Any, seed: int, special: bo
     (y,) = EagerBuilder().call("max_pool2d", x, **attrs)
     dy = rng.standard_normal(y.shape).astype(dtype)
     what = f"{shape} {attrs}"
+    same(*both("max_pool2d", x, **attrs), dtype, f"max_pool2d {what}", exact=True)
     same(*both("max_pool2d_grad", x, dy, **attrs), dtype, f"max_pool2d_grad {what}")
     same(*both("max_pool2d_grad", x, dy, at=1, **attrs), dtype, f"max_pool2d_grad, strided dy, {what}")
     x = rng.standard_normal(shape).astype(dtype)
@@ -103,6 +105,36 @@ def test_adaptive_grad_of_tiling_bins_writes_each_bin_once(dtype: Any, hw: Any, 
     bh, bw = hw[0] // out[0], hw[1] // out[1]
     want = np.repeat(np.repeat(dy, bh, axis=2), bw, axis=3) / dtype(bh * bw)
     same((dx,), (want,), dtype, f"adaptive_avg_pool2d_grad {out} -> {hw}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_max_pool_matches_numpy_bit_for_bit_signed_zeros_nan_and_resnets_stem_pool(
+    dtype: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pool_jit.max_pool_planes (padded pools take it) against the numpy kernel's bits: of equal values
+    (0 and -0) the later tap wins, as numpy's ``maximum`` keeps its second argument; nan propagates;
+    -inf padding; and torch's values on ResNet's 3x3 stride-2 padding-1 pool."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 9, 12)).astype(dtype)
+    x.flat[::3], x.flat[1::5], x.flat[::17], x.flat[::19] = 0.0, -0.0, np.nan, -np.inf
+    bits = np.int64 if dtype == np.float64 else np.int32
+    calls: list[int] = []
+    real = pool_jit.max_pool_planes
+    monkeypatch.setattr(pool_jit, "max_pool_planes", lambda *a: calls.append(1) or real(*a))
+    for attrs in [
+        {"kernel_size": (3, 3), "stride": (2, 2), "padding": (1, 1)},
+        {"kernel_size": (2, 3), "stride": (1, 2), "padding": (1, 0)},
+        {"kernel_size": (3, 2), "stride": (1, 1), "padding": (0, 1)},
+    ]:
+        (got,), (want,) = both("max_pool2d", x, **attrs)
+        np.testing.assert_array_equal(got.view(bits), want.view(bits), err_msg=f"{attrs}")
+    assert calls == [1, 1, 1], "padded pools take the loops"
+    EagerBuilder().call("max_pool2d", x, kernel_size=(2, 2), stride=(2, 2), padding=(0, 0))
+    assert calls == [1, 1, 1], "unpadded ones numpy's passes"
+    torch = pytest.importorskip("torch")
+    x = rng.standard_normal((4, 16, 32, 32)).astype(dtype)
+    (got,) = EagerBuilder().call("max_pool2d", x, kernel_size=(3, 3), stride=(2, 2), padding=(1, 1))
+    np.testing.assert_array_equal(got, torch.nn.functional.max_pool2d(torch.from_numpy(x), 3, 2, 1).numpy())
 
 
 def test_max_pool_grad_ties_go_to_the_first_maximum() -> None:
