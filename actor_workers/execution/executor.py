@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from sbpflow.actor_workers.execution import boxing_tasks, plan_tables, tasks
+from sbpflow.actor_workers.execution import boxing_tasks, memory_plan, plan_tables, tasks
 from sbpflow.actor_workers.execution import executor_analysis as analysis
 from sbpflow.actor_workers.execution.bypass import bypass
 from sbpflow.actor_workers.execution.executor_analysis import KIND, ExecutorError
@@ -64,6 +64,7 @@ class RankProgram:
     actors: list[ActorSpec]
     registers: list[RegisterSpec]
     context: RankContext
+    memory: memory_plan.MemoryPlan | None = None  # the registers sharing buffers (None: no plan)
 
 
 @dataclass
@@ -91,6 +92,7 @@ def build(
     first_step: int = 0,
     source: StoreSource | None = None,
     data_roots: tuple[str, ...] | None = None,
+    plan_memory: bool = True,
 ) -> Program:
     """One :class:`RankProgram` per device of ``plan`` (or of ``ranks`` only: a worker builds its own),
     each acting ``steps`` times, as steps ``first_step, first_step + 1, ...`` (a resumed run: the acts see
@@ -99,6 +101,7 @@ def build(
     Everything is read from the plan's tasks, registers and tables (never ``plan.job``). ``transports``
     maps rank -> Transport. ``source`` gives the variables' starting shards (a checkpoint; default: the
     initializers). ``data_roots``: ``RunOptions.data_roots``, checked on every data file as it is opened.
+    ``plan_memory``: registers share buffers by lifetime (:mod:`.memory_plan`; on a numpy rank).
     """
     tables = plan_tables.of(plan, data_roots)
     out = Program(tables)
@@ -114,6 +117,7 @@ def build(
             transport,
             xp,
             compute=for_worker(xp, transport),
+            plan_memory=plan_memory,
         )
         out.ranks[device.rank] = build_rank(device, rc, steps, first_step)
     return out
@@ -131,6 +135,8 @@ def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: i
     recyclers, guards = analysis.recyclers(device)
     no_ops = analysis.no_op_boxings(device)
     regs = {r.id: r for r in device.registers}
+    looped = frozenset(t.id for t in device.tasks if t.id in loops and t.kind != pp.TASK_KIND_SOURCE)
+    memory = memory_plan.plan(device, rc.tables.tensors, looped) if rc.plan_memory and rc.xp is np else None
     actors = []
     for priority, task in enumerate(device.tasks):
         loop = loops.get(task.id)
@@ -149,12 +155,16 @@ def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: i
                 loop is not None,
                 donations.get(task.id, frozenset()),
                 recyclers.get(task.id),
+                memory,
             ),
             [inputs.index(r) for r in reads],
             len(inputs),
         )
         for recycler, register in guards.get(task.id, ()):
             act = tasks.guard_aliases(act, recycler, inputs.index(register), rc.xp)
+        planned = [(i, memory.registers[r]) for i, r in enumerate(inputs) if memory and r in memory.registers]
+        if planned:
+            act = memory_plan.watch(act, planned)
         comm = task.stream == pp.STREAM_KIND_COMMUNICATION and task.id not in no_ops
         actors.append(
             ActorSpec(
@@ -175,7 +185,7 @@ def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: i
         t.id for t in device.tasks if t.id in no_ops or (t.kind == pp.TASK_KIND_SOURCE and t.id in loops)
     }
     actors, registers = bypass(actors, registers, passing - guards.keys())
-    return RankProgram(device.rank, actors, registers, rc)
+    return RankProgram(device.rank, actors, registers, rc, memory)
 
 
 def _offset(act: Act, first_step: int) -> Act:
@@ -192,13 +202,16 @@ def _act(
     looped: bool,
     donated: frozenset[int] = frozenset(),
     recycle: tasks.Recycler | None = None,
+    memory: memory_plan.MemoryPlan | None = None,
 ) -> Act:
     kind = task.kind
     if kind in (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER):
         names = ([regs[r].tensor for r in task.in_registers], [regs[r].tensor for r in task.out_registers])
-        reuse = None
+        reuse: tasks.Reuse | None = None
         if kind == pp.TASK_KIND_KERNEL and not looped and rc.xp is np and task.out_registers:
             reuse = tasks.OutputReuse([regs[r].count == 1 for r in task.out_registers])
+            lender = memory.lender(task.out_registers, reuse) if memory is not None else None
+            reuse = reuse if lender is None else lender
         return tasks.kernel_act(rc, task, names, donated, recycle, reuse)
     if kind == pp.TASK_KIND_DATA_LOAD:
         return tasks.data_load_act(rc, _tensor(rc, task), task.micro_batch, tuple(task.coord))

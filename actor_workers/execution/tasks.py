@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -58,6 +58,7 @@ class RankContext:
     compute: ComputeStream | None = (
         None  # a GPU worker's compute stream (sbpflow.actor_workers.runtime.cuda_streams)
     )
+    plan_memory: bool = True  # registers share buffers by lifetime (.memory_plan; the executor builds it)
     busy: dict[str, float] = field(default_factory=dict)  # stream -> seconds in acts (the engine adds)
     # (tensor, micro-batch or -1) -> step -> this rank's value
     fetched: dict[tuple[str, int], dict[int, Any]] = field(default_factory=dict)
@@ -170,6 +171,15 @@ class OutputReuse:
             self.prev[i] = r if self.reuse[i] and owned and all(r is not x for x in inputs) else None
 
 
+class Reuse(Protocol):
+    """What lends a kernel its output buffers: :class:`OutputReuse`, or a memory plan's lender
+    (:class:`~.memory_plan.Lender`): ``take`` before the act, ``keep`` what it returned."""
+
+    def take(self) -> tuple[Any, ...]: ...
+
+    def keep(self, results: Sequence[Any], inputs: Sequence[Any]) -> None: ...
+
+
 def guard_aliases(act: Act, recycler: Recycler, position: int, xp: ModuleType) -> Act:
     """``act`` (a reader of a recycled variable at input ``position``), turning recycling off if one of its
     outputs shares memory with the variable's value."""
@@ -191,13 +201,14 @@ def kernel_act(
     tensors: tuple[Sequence[str], Sequence[str]],
     donated: frozenset[int] = frozenset(),
     recycle: Recycler | None = None,
-    reuse: OutputReuse | None = None,
+    reuse: Reuse | None = None,
 ) -> Act:
     """The kernel of ``task`` on this rank's shards of the tensors ``tensors`` (its inputs' and outputs'
     names, those its registers hold), at the task's mesh coordinate; its outputs are checked against the
     plan's shapes. ``donated``: positions of inputs no other act reads (see :func:`donations`);
     ``recycle``: the update of a variable whose first output may go into a retired array (:class:`Recycler`);
-    ``reuse``: outputs written into their own dead previous values (:class:`OutputReuse`)."""
+    ``reuse``: outputs written into their own dead previous values (:class:`OutputReuse`), or into buffers
+    a memory plan shares (:class:`~.memory_plan.Lender`)."""
     decls = rc.tables.tensors
     op = get_op(task.op_type)
     attrs = op.normalize_attrs({k: wire.attr_from_proto(v) for k, v in task.attrs.items()})
