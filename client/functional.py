@@ -272,8 +272,16 @@ def scaled_dot_product_attention(
     training: bool = True,
     scale: float | None = None,
 ) -> Tensor:
-    """softmax(q k^T * scale, masked) v for q, k, v [B, H, T, Dh]; heads split S(1) under TP."""
+    """softmax(q k^T * scale, masked) v for q, k, v [B, H, T, Dh]; heads split S(1) under TP.
+
+    Without dropout it is one ``attention`` op (sbpflow/ops/attention.py) and one ``attention_grad``
+    backward, where the unfused ops below were 5 forward and 7 backward acts a layer (causal; the main
+    job: 307 -> 287 acts a step); with dropout on the probabilities it stays unfused (the op has no
+    dropout: its mask would be one more input to save).
+    """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if dropout_rate == 0.0 or not training:
+        return emit("attention", q, k, v, scale=float(scale), causal=bool(causal))[0]
     att = _op("batch_matmul", q, k, transpose_b=True)  # att: [B, H, T, T]  S(1) under TP
     att = _op("mul_scalar", att, value=scale)
     if causal:

@@ -193,7 +193,7 @@ def torch_peer(op: str, a: Mapping[str, Any], t: list[Any]) -> Callable[[], Any]
     from torch.nn import functional as F
 
     aten = torch.ops.aten
-    found = _image_peers(op, a, t) or _vocab_peers(op, a, t)
+    found = _image_peers(op, a, t) or _vocab_peers(op, a, t) or _attention_peers(op, a, t)
     if found is not None:
         return found
     simple: dict[str, Callable[[], Any]] = {
@@ -223,3 +223,44 @@ def torch_peer(op: str, a: Mapping[str, Any], t: list[Any]) -> Callable[[], Any]
         sizes = [math.prod(s) for s in shapes]
         return lambda: [p.view(s) for p, s in zip(torch.split(t[0], sizes), shapes, strict=True)]
     return None
+
+
+# ---- attention (sbpflow/ops/attention.py) ---------------------------------------------------------------
+# The main job's graph calls both ops (ops.py times them on its own shapes and attrs); these entries are
+# the shapes where no graph does, and say that the peers below exist. The peer is ATen's CPU attention
+# (what F.scaled_dot_product_attention runs on CPU, flash-style: no [T, T] array) and its backward, given
+# the output and log-sum-exp it saves. Its ratio on BERT's shape ([16, 4, 128, 64], no mask) is in
+# bench/README.md.
+
+ATTN = TensorMeta((16, 4, 64, 16), F32)  # the main job's q, k, v and y: batch 16, 4 heads, seq 64
+ATTN_PROBS = TensorMeta((16, 4, 64, 64), F32)
+EXTRA_MORE["attention"] = ((ATTN, ATTN, ATTN), {"scale": 0.25, "causal": True})
+EXTRA_MORE["attention_grad"] = ((ATTN, ATTN, ATTN, ATTN_PROBS, ATTN), {"scale": 0.25, "causal": True})
+# the unfused attention's ops, which the main job called until it had the one op (bench/README.md's
+# figures for them are its shapes): timed on them still, by ops.py's own peers
+EXTRA_MORE.update(
+    {
+        "batch_matmul": ((ATTN, ATTN), {"transpose_b": True}),
+        "mul_scalar": ((ATTN_PROBS,), {"value": 0.25}),
+        "causal_mask": ((ATTN_PROBS,), {}),
+        "softmax": ((ATTN_PROBS,), {"axis": 3}),
+        "softmax_grad": ((ATTN_PROBS, ATTN_PROBS), {"axis": 3}),
+    }
+)
+
+
+def _attention_peers(op: str, a: Mapping[str, Any], t: list[Any]) -> Callable[[], Any] | None:
+    import torch
+
+    if op not in ("attention", "attention_grad"):
+        return None
+    aten = torch.ops.aten
+    scale, causal = float(a["scale"]), bool(a["causal"])
+    if op == "attention":
+        q, k, v = t
+        return lambda: aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    q, k, v, _, dy = t  # attention_grad
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dy, q, k, v, out, lse, 0.0, causal, scale=scale
+    )

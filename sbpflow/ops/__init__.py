@@ -1,6 +1,7 @@
 """The op library. Importing this package registers every op family in :data:`OPS`."""
 
 from sbpflow.ops import (  # noqa: F401  (each registers its ops)
+    attention,
     elementwise,
     fused,
     indexing,
