@@ -155,10 +155,12 @@ def test_exact_gelu_and_its_gradient_match_pytorch(dtype: Any) -> None:
     # the gradient crosses 0 near x = -0.75, where its relative error is unbounded: absolute there
     near_0 = 16 * np.finfo(dtype).eps * np.abs(dy)
     assert (np.abs(got_g - want_g) <= rtol * np.abs(want_g) + np.abs(dy) * slack + near_0).all()
-    if dtype == np.float32:  # PyTorch's float32: 0.5 x (1 + erf(x / sqrt 2)), erf to ~1.5e-7 absolute
+    if dtype == np.float32:  # PyTorch's float32: 0.5 x (1 + erf(x / sqrt 2)), its own error CPU-dependent:
+        # ~1e-7 |x| on AVX2 (AMD EPYC), up to 3.5e-7 |x| on an AVX-512 Xeon (Emerald Rapids), measured
+        # against its float64 on this grid, where ours stays within the 4 ulp above
         ty = torch.nn.functional.gelu(torch.from_numpy(x)).numpy()
         tg = torch.ops.aten.gelu_backward(torch.from_numpy(dy), torch.from_numpy(x)).numpy()
-        bound = 1e-7 * np.abs(x) + 4 * np.finfo(dtype).eps * np.abs(want_y)
+        bound = 5e-7 * np.abs(x) + 4 * np.finfo(dtype).eps * np.abs(want_y)
         assert (np.abs(got_y - ty) <= bound).all()
         assert (
             np.abs(got_g - tg)
