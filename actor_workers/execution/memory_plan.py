@@ -14,7 +14,8 @@ plan decides only who *may* share; a slab is lent at run time only when it is de
 
 * every consumer of the value it holds has acted on it (a count the consumers' acts bring down:
   :func:`watch`), and none returned that very array as an output (an identity passes the value on under
-  the same object: the slab is then retired for good);
+  the same object) or an array on its memory that does not refer to the slab's owner (numba's view of
+  an input, an array on a memoryview: :func:`untracked`): the slab is then retired for good;
 * and no array but the plan's own views refers to its memory (CPython's refcount of the slab's owner:
   every view of it, a consumer's reshape or slice included, refers to the owner in numpy).
 
@@ -224,12 +225,28 @@ class Lender:
             self.reuse.keep(
                 [None if p is not None else r for p, r in zip(self.planned, results, strict=True)], inputs
             )
-        for p, r, lent in zip(self.planned, results, self.lent or (None,) * len(results), strict=True):
-            if p is not None and lent is not None:
-                p.slab.holder = p
-                if r is p.view:  # the kernel wrote into the lent view: the slab holds its value
+        for i, lent in enumerate(self.lent):
+            p = self.planned[i]
+            if p is None or lent is None:
+                continue
+            p.slab.holder = p
+            for j, r in enumerate(results):
+                if r is p.view and i == j:  # the kernel wrote into the lent view: the slab holds its value
                     p.slab.pending = p.readers
+                elif r is p.view:
+                    p.slab.retired = True
+                else:
+                    untracked(r, p.slab)
         self.lent = ()
+
+
+def untracked(value: Any, slab: Slab) -> None:
+    """Retires ``slab`` if ``value`` is on its memory through something other than its owner: numba's
+    view of an input (its base a numba MemInfo) or an array on a memoryview holds the slab's memory
+    without the owner's count showing it. An array that owns its memory (base None) is on no slab."""
+    held = getattr(value, "base", None)
+    if held is not None and held is not slab.base and np.may_share_memory(value, slab.base):
+        slab.retired = True
 
 
 def watch(act: Act, reads: Sequence[tuple[int, Planned]]) -> Act:
@@ -242,12 +259,13 @@ def watch(act: Act, reads: Sequence[tuple[int, Planned]]) -> Act:
         outs = act(step, values)
         for position, p in watched:
             if values[position] is p.view:
-                base = p.slab.base
                 for o in outs:
                     if o is p.view:
                         p.slab.retired = True
-                    elif getattr(o, "base", None) is base:
+                    elif getattr(o, "base", None) is p.slab.base:
                         p.viewed = True
+                    else:
+                        untracked(o, p.slab)
                 p.slab.pending -= 1
         return outs
 

@@ -12,6 +12,7 @@ import dataclasses
 import sys
 from typing import Any
 
+import numba
 import numpy as np
 import pytest
 
@@ -58,6 +59,11 @@ def test_an_input_and_the_output_of_one_act_never_share() -> None:
 # ---- the run-time checks -----------------------------------------------------------------------------
 
 
+@numba.njit(cache=False)
+def _numba_tail(x: Any) -> Any:
+    return x[1:]
+
+
 def shared(readers: int = 1) -> tuple[Planned, Planned]:
     """Two registers planned into one slab, as :func:`memory_plan.plan` makes them."""
     slab = Slab(32)
@@ -92,11 +98,29 @@ def test_a_view_of_a_lent_buffer_keeps_it() -> None:
     assert lend_b.take() == (b.view,)
 
 
-def test_a_reader_that_returns_the_value_itself_retires_the_slab() -> None:
+@pytest.mark.parametrize(
+    "passes_on",
+    [
+        lambda x: x,  # the value itself
+        lambda x: np.asarray(memoryview(x)),  # an array on a memoryview of it
+        lambda x: _numba_tail(x),  # numba's view of its input: its base a MemInfo, not the slab
+    ],
+)
+def test_a_reader_that_returns_the_value_itself_retires_the_slab(passes_on: Any) -> None:
     a, b = shared()
     lend_a = Lender((a,), None)
     lend_a.keep([lend_a.take()[0]], [])
-    watch(lambda step, values: [values[0]], [(0, a)])(0, [a.view])  # an identity hands it on
+    out = watch(lambda step, values: [passes_on(values[0])], [(0, a)])(0, [a.view])
+    assert a.slab.retired and Lender((b,), None).take() == (None,)
+    del out
+    assert Lender((b,), None).take() == (None,)  # for good
+
+
+def test_a_kernel_that_returns_numbas_view_of_its_lent_buffer_retires_the_slab() -> None:
+    a, b = shared()
+    lend_a = Lender((a,), None)
+    (buf,) = lend_a.take()
+    lend_a.keep([_numba_tail(buf)], [])  # on the slab, but its base is numba's, not the slab's owner
     assert a.slab.retired and Lender((b,), None).take() == (None,)
 
 
