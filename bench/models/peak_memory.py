@@ -174,20 +174,12 @@ def probe(model: str, side: str, quick: bool) -> dict[str, float]:
     }
 
 
-def measure(model: str, side: str, quick: bool, plan: str) -> dict[str, float]:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--probe",
-        model,
-        side,
-        "--memory-plan",
-        plan,
-        *(["--quick"] if quick else []),
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+def measure(model: str, side: str, quick: bool, plan: str) -> dict[str, float] | str:
+    """One side's figures from a fresh process, or what its failure printed last."""
+    cmd = [sys.executable, __file__, "--probe", model, side, "--memory-plan", plan]
+    out = subprocess.run([*cmd, *(["--quick"] if quick else [])], capture_output=True, text=True)
     if out.returncode:
-        raise SystemExit(f"the {side} probe of {model} failed:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
+        return (out.stderr.strip() or out.stdout.strip() or f"exit status {out.returncode}").splitlines()[-1]
     return json.loads(out.stdout.splitlines()[-1])  # type: ignore[no-any-return]
 
 
@@ -210,14 +202,21 @@ def main() -> None:
         f"load {os.getloadavg()[0]:.1f}"
     )
     print(f"{'':10} {'sbpflow peak':>12} {'anon':>8} {'torch peak':>11} {'anon':>8}")
+    failed = []
     for model in args.only or MODELS:
         ours, theirs = (measure(model, side, args.quick, args.memory_plan) for side in SIDES)
+        if isinstance(ours, str) or isinstance(theirs, str):  # the other models still run
+            failed.append(model)
+            print(f"{model:10} FAILED: {ours if isinstance(ours, str) else theirs}")
+            continue
         print(
             f"{model:10} {ours['peak_mb']:12.1f} {ours['anon_mb']:8.1f} {theirs['peak_mb']:11.1f} "
             f"{theirs['anon_mb']:8.1f}"
         )
         print(f"ratio {model} {ours['peak_mb'] / max(theirs['peak_mb'], 1e-9):.2f}")
     print(f"load {os.getloadavg()[0]:.1f} (sbpflow / PyTorch peak: lower is better, target <= 1.0)")
+    if failed:
+        raise SystemExit(f"the probes of {', '.join(failed)} failed (their line above says why)")
 
 
 if __name__ == "__main__":
