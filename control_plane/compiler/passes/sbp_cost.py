@@ -35,6 +35,7 @@ from math import prod
 from sbpflow.boxing import boxing_cost, plan_boxing
 from sbpflow.control_plane.compiler.state import Choice
 from sbpflow.ops.base import AttrValue, NdSignature, get_op
+from sbpflow.ops.flops import work
 from sbpflow.placement import Placement
 from sbpflow.sbp import B, Broadcast, NdSbp, PartialSum, Split
 from sbpflow.tensor_meta import TensorMeta
@@ -365,13 +366,27 @@ def local_bytes(meta: TensorMeta, pl: Placement, nd: NdSbp) -> int:
 # ---- work per rank: what a signature leaves each rank to compute ----------------------------------
 
 
-def _contraction(op_type: str, attrs: Mapping[str, AttrValue], metas: Sequence[TensorMeta]) -> int:
+def _contraction(
+    op_type: str, attrs: Mapping[str, AttrValue], metas: Sequence[TensorMeta], outs: Sequence[TensorMeta]
+) -> int:
     a = metas[0]
-    return a.shape[-2] if attrs.get("transpose_a") else a.shape[-1]
+    return 2 * prod(outs[0].shape) * (a.shape[-2] if attrs.get("transpose_a") else a.shape[-1])
 
 
-# op -> its logical multiply-adds per output element; the others are priced by the bytes they touch
-_CONTRACTIONS = {"matmul": _contraction, "batch_matmul": _contraction}
+def _counted(
+    op_type: str, attrs: Mapping[str, AttrValue], metas: Sequence[TensorMeta], outs: Sequence[TensorMeta]
+) -> int:
+    return work(op_type, tuple(metas), tuple(outs), attrs).flops
+
+
+# op -> its logical FLOPs (the GEMMs, and attention's around its scores); the others are priced by the bytes
+# they touch
+_CONTRACTIONS = {
+    "matmul": _contraction,
+    "batch_matmul": _contraction,
+    "attention": _counted,
+    "attention_grad": _counted,
+}
 
 
 def flops_per_rank(
@@ -382,13 +397,13 @@ def flops_per_rank(
     pl: Placement,
     s: NdSignature,
 ) -> int:
-    """A contraction's FLOPs on one rank under ``s``: 2 m n k over the ranks of every mesh axis whose row
-    splits the work (any entry S or P); an all-``B`` row repeats it on every rank of that axis. 0 for an op
-    that is not a contraction."""
-    k_of = _CONTRACTIONS.get(op_type)
-    if k_of is None:
+    """A contraction's FLOPs on one rank under ``s``: its logical FLOPs over the ranks of every mesh axis
+    whose row splits the work (any entry S or P); an all-``B`` row repeats it on every rank of that axis.
+    0 for an op that is not a contraction."""
+    total_of = _CONTRACTIONS.get(op_type)
+    if total_of is None:
         return 0
-    total = 2 * prod(out_metas[0].shape) * k_of(op_type, {k: v for k, _, v in attrs}, metas)
+    total = total_of(op_type, {k: v for k, _, v in attrs}, metas, out_metas)
     split = prod(
         n
         for axis, n in enumerate(pl.shape)

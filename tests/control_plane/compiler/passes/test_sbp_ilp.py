@@ -18,6 +18,7 @@ from sbpflow.control_plane.compiler.passes import sbp_ilp
 from sbpflow.control_plane.compiler.passes.sbp_cost import (
     attrs_key,
     boxing_bytes_collectives,
+    flops_per_rank,
     signatures,
     store,
 )
@@ -118,3 +119,21 @@ def test_a_program_over_budget_is_declined() -> None:
         assert sbp_ilp.solve(p) is None
     finally:
         sbp_ilp.MAX_CHOICES = budget
+
+
+def test_attention_is_priced_by_its_flops_split_by_its_heads() -> None:
+    # the one-op attention (and its backward) carries the GEMMs the batch_matmuls carried: its work per
+    # rank counts, or the program would see no gain in splitting it
+    q = TensorMeta((2, 4, 8, 16), DType.float32)
+    probs = TensorMeta((2, 4, 8, 8), DType.float32)
+    two = placement("cpu", [0, 1])
+    whole = 2 * (2 * 4 * 8 * 8 * 16)  # q k^T and probs v
+    for op, ins, outs in (
+        ("attention", (q, q, q), (q, probs)),
+        ("attention_grad", (q, q, q, probs, q), (q, q, q)),
+    ):
+        attrs = attrs_key(get_op(op).normalize_attrs({"scale": 0.25}))
+        replicated = NdSignature(tuple((B,) for _ in ins), tuple((B,) for _ in outs))
+        heads = NdSignature(tuple((S(1),) for _ in ins), tuple((S(1),) for _ in outs))
+        full = flops_per_rank(op, attrs, ins, outs, two, replicated)
+        assert full >= whole and flops_per_rank(op, attrs, ins, outs, two, heads) == full // 2
