@@ -111,6 +111,12 @@ class KernelContext:
             return None
         return b
 
+    def out_contiguous(self, i: int = 0) -> Any:
+        """:meth:`out_array` where it is C-contiguous (what a numba loop over flat planes or rows may write
+        into), else None."""
+        b = self.out_array(i)
+        return b if b is not None and b.flags.c_contiguous else None
+
     def out_zeros(self, i: int = 0, dtype: Any = None) -> Any:
         """Output ``i`` as zeros of its local shape (in ``dtype``, the output's by default): the dead
         previous value :meth:`out_array` lends, cleared, or a new array. A scatter-add's table built

@@ -323,7 +323,8 @@ def jit_elementwise(ctx: KernelContext, loop: str, *inputs: Any) -> Any:
 
 
 def _relu_grad_kernel(ctx: KernelContext, dy: Any, y: Any) -> Any:
-    return ctx.xp.multiply(dy, y > 0, out=owned(ctx.xp, dy))  # bool to dy's dtype inside the loop
+    out = ctx.out_array(0)  # the memory plan's dead buffer, or a new array
+    return ctx.xp.multiply(dy, y > 0, out=owned(ctx.xp, dy) if out is None else out)  # bool to dy's dtype
 
 
 def _y(g: GradContext) -> Any:
@@ -333,7 +334,7 @@ def _y(g: GradContext) -> Any:
 # name: (kernel(ctx, x), input kind, linear, grad, doc, flops per element, fp32 under mixed precision)
 _UNARY: dict[str, tuple[Callable[[KernelContext, Any], Any], Kind, bool, Any, str, int, bool]] = {
     "relu": (
-        lambda ctx, x: ctx.xp.maximum(x, zero_of(x.dtype)),
+        lambda ctx, x: ctx.xp.maximum(x, zero_of(x.dtype), out=ctx.out_array(0)),
         "numeric",
         False,
         lambda g: [g.call("relu_grad", g.dy, _y(g))],

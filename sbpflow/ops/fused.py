@@ -254,12 +254,28 @@ def _program(
     return tuple(out)
 
 
+@lru_cache(maxsize=512)
+def _root(chain: str, ins: Metas) -> int | None:
+    """The step whose new array the chain's later steps write into until it is the result (the last step
+    writing in place into a dying intermediate, that one into another, ...), where that step allocates
+    and is written in place (a writer); else None. The runtime's dead buffer can stand in for it."""
+    steps, (_, _, reuse) = parse(chain), _plan(chain, ins)
+    k = len(steps) - 1
+    while (pos := reuse[k]) is not None:
+        k = int(steps[k].refs[pos][1:])
+    return k if steps[k].op in _WRITERS else None
+
+
 def _kernel(ctx: KernelContext, *arrays: Any) -> Any:
     xp, pool = ctx.xp, list(arrays)
-    for s, writer, where, pos, in_metas, out_metas in _program(ctx.attrs["chain"], ctx.in_metas):
+    program = _program(ctx.attrs["chain"], ctx.in_metas)
+    root = _root(ctx.attrs["chain"], ctx.in_metas)
+    for k, (s, writer, where, pos, in_metas, out_metas) in enumerate(program):
         args = [pool[i] for i in where]
         if writer is not None:  # a 0-d step result may be a numpy scalar, which cannot be written into
             buf = None if pos is None or not isinstance(args[pos], xp.ndarray) else args[pos]
+            if k == root:  # the array that becomes the result: the runtime's dead buffer where it lends one
+                buf = ctx.out_array(0)
             pool.append(writer(xp, args, s.attrs, buf))
         else:
             inner = KernelContext(xp, s.attrs, in_metas, out_metas, ctx.in_index[:0], ctx.out_index[:1])

@@ -174,7 +174,8 @@ def _var_grad_kernel(ctx: KernelContext, x: Any, mean: Any, dvar: Any) -> tuple[
     xp, count = ctx.xp, _count(ctx.in_metas[0])
     k = 2 * dvar / x.dtype.type(count)
     if (jit := jit_loops("norm_jit", xp, x, mean, k)) is not None:
-        dx, total = xp.empty_like(x), np.empty(x.shape[1])
+        dx, total = ctx.out_contiguous(0), np.empty(x.shape[1])
+        dx = xp.empty_like(x) if dx is None else dx
         jit.centred_affine_sum(_planes(x), mean, k, _planes(dx), total)
     else:
         d = xp.subtract(x, _at(x, mean))
@@ -211,7 +212,8 @@ def _affine_infer(metas: Metas, attrs: Attrs) -> Metas:
 def _affine(ctx: KernelContext, x: Any, mean: Any, scale: Any, shift: Any) -> Any:
     """(x - mean) * scale + shift by channel: one pass where the loops take the arrays."""
     if (jit := jit_loops("norm_jit", ctx.xp, x, mean, scale, shift)) is not None:
-        y = ctx.xp.empty_like(x)
+        y = ctx.out_contiguous(0)  # the memory plan's dead buffer, or a new array
+        y = ctx.xp.empty_like(x) if y is None else y
         jit.centred_affine(_planes(x), mean, scale, shift, _planes(y))
         return y
     return (x - _at(x, mean)) * _at(x, scale) + _at(x, shift)

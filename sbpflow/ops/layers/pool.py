@@ -123,7 +123,8 @@ def _max_pool_kernel(ctx: KernelContext, x: Any) -> Any:
     # 3x3 stride 2 padding 1 1.6 -> 1.1 ms); without, numpy's passes were as soon (2x2 stride 2: 140 us
     # against the loops' 155)
     if g["padding"] != (0, 0) and (jit := jit_loops("pool_jit", xp, x)) is not None:
-        y = xp.empty((*x.shape[:2], *_out_hw(x, g)), x.dtype)
+        y = ctx.out_contiguous(0)
+        y = xp.empty((*x.shape[:2], *_out_hw(x, g)), x.dtype) if y is None else y
         jit.max_pool_planes(_planes(x), g["kernel"], g["stride"], g["padding"], _planes(y))
         return y
     padded, taps = _padded(xp, x, g), _taps(g, _out_hw(x, g))
@@ -142,7 +143,8 @@ def _max_pool_grad_kernel(ctx: KernelContext, x: Any, dy: Any) -> Any:
     g = _geometry("max_pool2d_grad", ctx.attrs)
     fits = dy.shape == (*x.shape[:2], *_out_hw(x, g))  # the loops do not bounds-check; numpy raises
     if fits and (jit := jit_loops("pool_jit", ctx.xp, x, dy)) is not None:
-        dx = ctx.xp.empty_like(x)
+        dx = ctx.out_contiguous(0)
+        dx = ctx.xp.empty_like(x) if dx is None else dx
         jit.max_pool_grad_planes(_planes(x), _planes(dy), g["kernel"], g["stride"], g["padding"], _planes(dx))
         return dx
     return _max_pool_grad_numpy(ctx, x, dy)

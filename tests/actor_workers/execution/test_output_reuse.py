@@ -14,9 +14,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sbpflow.actor_workers.execution.tasks import OutputReuse
+import sbpflow.ops  # noqa: F401  (registers every op family)
+from sbpflow.actor_workers.execution.tasks import DonatingKernelContext, OutputReuse
 from sbpflow.actor_workers.runtime.actors import ActorSpec, RegisterSpec
 from sbpflow.actor_workers.runtime.engine import Engine
+from sbpflow.dtype import DType
+from sbpflow.ops.base import KernelContext, get_op
+from sbpflow.ops.eager import full_index
+from sbpflow.tensor_meta import TensorMeta
 
 STEPS = 6
 
@@ -69,3 +74,46 @@ def test_an_array_someone_holds_is_never_lent(holder: Any) -> None:
 
 def test_a_register_with_two_slots_is_never_lent() -> None:
     assert not any(run(lambda it, xs: [], count=2))
+
+
+def _meta(a: np.ndarray) -> TensorMeta:
+    return TensorMeta(a.shape, DType(a.dtype.name))
+
+
+RNG = np.random.default_rng(3)
+X, DY = (
+    RNG.standard_normal((2, 3, 6, 6)).astype(np.float32),
+    RNG.standard_normal((2, 3, 3, 3)).astype(np.float32),
+)
+C = RNG.standard_normal(3).astype(np.float32)
+POOL = {"kernel_size": (3, 3), "stride": (2, 2), "padding": (1, 1)}  # padded: the loop (ResNet's stem pool)
+CHAIN = '[["add",{},["in0","in1"]],["relu",{},["s0"]]]'
+# ResNet's kernels that write their result into the runtime's dead buffer (the memory plan's or their own
+# previous output): (op, inputs, attrs)
+LENDING = [
+    ("relu", [X], {}),
+    ("relu_grad", [X, X], {}),
+    ("channel_affine", [X, C, C, C], {}),
+    ("channel_var_grad", [X, C, C[:1].reshape(())], {}),
+    ("max_pool2d", [X], POOL),
+    ("max_pool2d_grad", [X, DY], POOL),
+    ("fused_elementwise", [X, X], {"chain": CHAIN}),
+]
+
+
+@pytest.mark.parametrize(("op_type", "inputs", "attrs"), LENDING, ids=[c[0] for c in LENDING])
+def test_resnets_kernels_write_into_a_lent_buffer(op_type: str, inputs: list, attrs: dict) -> None:
+    op = get_op(op_type)
+    attrs = op.normalize_attrs(attrs)
+    metas = tuple(map(_meta, inputs))
+    if op_type == "channel_var_grad":  # dvar is [C]
+        inputs, metas = inputs[:2] + [C], metas[:2] + (_meta(C),)
+    outs = op.run_infer(metas, attrs)
+    where = (tuple(map(full_index, metas)), tuple(map(full_index, outs)))
+    want = op.run_kernel(KernelContext(np, attrs, metas, outs, *where), inputs)
+    buf = np.full(outs[0].shape, np.nan, outs[0].dtype.to_numpy())
+    ctx = DonatingKernelContext(np, attrs, metas, outs, *where, out_buffers=(buf,))
+    got = op.run_kernel(ctx, inputs)
+    assert got[0] is buf  # written into the lent buffer, not a new array
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
