@@ -240,26 +240,26 @@ def _rows(metas: Metas, attrs: Attrs) -> list[Signature]:
 @lru_cache(maxsize=512)
 def _program(
     chain: str, ins: Metas
-) -> tuple[tuple[Step, Writer | None, tuple[int, ...], int | None, Metas, Metas], ...]:
+) -> tuple[tuple[Step, Writer | None, tuple[int, ...], int | None, bool, Metas, Metas], ...]:
     """Per chain and input metas, what the kernel does per step: the step, its writer (None: its own
-    kernel), where its arguments lie in [inputs..., step results...], the argument it writes into, and
-    its input and output metas."""
+    kernel), where its arguments lie in [inputs..., step results...], the argument it writes into,
+    whether it is the :func:`_root` (it may write into the runtime's lent buffer), and its input and
+    output metas."""
     steps = parse(chain)
     metas, _, reuse = _plan(chain, ins)
-    n = len(ins)
+    n, root = len(ins), _root(steps, reuse)
     out = []
     for k, s in enumerate(steps):
         where = tuple(int(r[2:]) if r.startswith("in") else n + int(r[1:]) for r in s.refs)
-        out.append((s, _WRITERS.get(s.op), where, reuse[k], metas[k], (_result_meta(metas, steps, k),)))
+        res = (_result_meta(metas, steps, k),)
+        out.append((s, _WRITERS.get(s.op), where, reuse[k], k == root, metas[k], res))
     return tuple(out)
 
 
-@lru_cache(maxsize=512)
-def _root(chain: str, ins: Metas) -> int | None:
+def _root(steps: tuple[Step, ...], reuse: list[int | None]) -> int | None:
     """The step whose new array the chain's later steps write into until it is the result (the last step
     writing in place into a dying intermediate, that one into another, ...), where that step allocates
     and is written in place (a writer); else None. The runtime's dead buffer can stand in for it."""
-    steps, (_, _, reuse) = parse(chain), _plan(chain, ins)
     k = len(steps) - 1
     while (pos := reuse[k]) is not None:
         k = int(steps[k].refs[pos][1:])
@@ -268,13 +268,11 @@ def _root(chain: str, ins: Metas) -> int | None:
 
 def _kernel(ctx: KernelContext, *arrays: Any) -> Any:
     xp, pool = ctx.xp, list(arrays)
-    program = _program(ctx.attrs["chain"], ctx.in_metas)
-    root = _root(ctx.attrs["chain"], ctx.in_metas)
-    for k, (s, writer, where, pos, in_metas, out_metas) in enumerate(program):
+    for s, writer, where, pos, lend, in_metas, out_metas in _program(ctx.attrs["chain"], ctx.in_metas):
         args = [pool[i] for i in where]
         if writer is not None:  # a 0-d step result may be a numpy scalar, which cannot be written into
             buf = None if pos is None or not isinstance(args[pos], xp.ndarray) else args[pos]
-            if k == root:  # the array that becomes the result: the runtime's dead buffer where it lends one
+            if lend:  # the array that becomes the result: the runtime's dead buffer where it lends one
                 buf = ctx.out_array(0)
             pool.append(writer(xp, args, s.attrs, buf))
         else:
