@@ -21,6 +21,7 @@ from sbpflow.dtype import DType
 from sbpflow.errors import SbpflowError
 from sbpflow.graph import Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.limits import CompileBudget
+from sbpflow.ops.training.loss_scaling import GATED
 from sbpflow.ops.training.optim import CLIPPED
 from sbpflow.placement import Placement
 from sbpflow.sbp import NdSbp
@@ -44,7 +45,9 @@ STREAM: dict[int, int] = {
 # A data loader fills the next batch while the current one is computed on; everything else has one.
 REGISTER_COUNT: dict[int, int] = {K.TASK_KIND_DATA_LOAD: 2}
 SOURCE_KINDS = {TensorKind.parameter, TensorKind.optimizer_state, TensorKind.constant}
-OPTIMIZER_OPS = frozenset({"sgd_update", "adamw_update", *CLIPPED.values()})
+# The updates: plain, with clipping folded in (fusion.fold_clips) and gated by loss scaling. An OPTIMIZER task
+# writes a variable's new value into its value two steps back (executor_analysis.recyclers).
+OPTIMIZER_OPS = frozenset({"sgd_update", "adamw_update", *CLIPPED.values(), *GATED.values()})
 
 
 class LoweringError(SbpflowError, ValueError):

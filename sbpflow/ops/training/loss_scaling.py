@@ -159,6 +159,15 @@ defop(
 )
 
 
+def _kept(ctx: KernelContext, i: int, x: Any) -> Any:
+    """Output ``i`` of a skipped step: a copy of ``x``, written into the buffer the runtime lends, if any."""
+    out = optim.out_buffer(ctx, i, x)
+    if out is None:
+        return ctx.xp.array(x, copy=True)
+    ctx.xp.copyto(out, x)
+    return out
+
+
 def _gated(plain: str, scalars: tuple[str, ...]) -> None:
     """Declare ``gated_<plain>``: the update ``plain`` on a clean step, its inputs unchanged on another."""
     base = get_op(plain)
@@ -177,8 +186,8 @@ def _gated(plain: str, scalars: tuple[str, ...]) -> None:
 
     def kernel(ctx: KernelContext, *arrays: Any) -> tuple[Any, ...]:
         inputs, found = arrays[:n], arrays[n]
-        if float(found[0]) > 0:  # a skipped step: every variable as it was
-            return tuple(ctx.xp.array(x, copy=True) for x in (inputs[0], *inputs[2:]))
+        if float(found[0]) > 0:  # a skipped step: every variable as it was (into the recycled buffer if lent)
+            return tuple(_kept(ctx, i, x) for i, x in enumerate((inputs[0], *inputs[2:])))
         if len(scalars) > 1:  # AdamW: bias correction over the steps taken, lr at the iteration
             taken = ctx.step - int(float(arrays[n + 1][0]))
             attrs = {**ctx.attrs, "lr": optim.lr_at(ctx.attrs, ctx.step), "schedule": "constant"}

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
+from sbpflow.actor_workers.execution import executor_analysis
 from sbpflow.checkpoint.format import step_dir
 from sbpflow.checkpoint.read import read_logical
 from sbpflow.codec import wire
@@ -21,6 +22,7 @@ from sbpflow.ops.training.loss_scaling import SCALE, SKIPPED
 from sbpflow.oracle import reference
 from sbpflow.oracle.scaling import Scaler
 from sbpflow.runs.numerics import NonFiniteLoss
+from sbpflow.v1 import plan_pb2 as pp
 from tests.control_plane.compiler.passes.test_recompute import with_config
 from tests.examples.test_examples import load
 
@@ -47,6 +49,19 @@ def test_scale_sequence_skips_and_parameters_match_the_numpy_scaler() -> None:
         np.testing.assert_array_equal(got.parameters[name], value, err_msg=name)
     assert got.loss_scale == float(want.scaler.scale)
     assert got.skipped_steps == want.scaler.skipped_steps == sum(skipped)
+
+
+def test_the_gated_updates_recycle_their_parameters() -> None:
+    """Gated updates are OPTIMIZER tasks, as the plain ones: each writes a parameter's new value, or on a
+    skipped step its copy, into the value two steps back (the test above checks the bits with it on)."""
+    job = fp16(load("mlp").make_job(ranks=1, steps=12))
+    compiled = pipeline.compile(job)
+    assert compiled.plan is not None
+    device = compiled.plan.devices[0]
+    recyclers, _ = executor_analysis.recyclers(device)
+    updates = [t for t in device.tasks if t.id in recyclers]
+    assert {t.op_type for t in updates} == {"gated_sgd_update"}
+    assert all(t.kind == pp.TASK_KIND_OPTIMIZER for t in updates) and len(updates) == len(job.parameters)
 
 
 def test_adamw_counts_only_the_steps_taken() -> None:
