@@ -22,8 +22,8 @@ plan decides only who *may* share; a slab is lent at run time only when it is de
 A slab that is not free is not lent, and the kernel allocates a fresh array: two live values in one
 buffer cannot happen, whatever the order. Only registers that nobody keeps past an act are planned: one
 slot, produced by a kernel on the compute stream, read only by kernels and updates there (a SINK fetch
-records its value, an assign stores it, a boxing may send it); the engine's ``RunResult.last`` of a
-planned register may thus show a later register's bytes (the executor never reads it).
+records its value, an assign stores it, a boxing may send it). The executor's engine keeps no value
+past its readers (``Engine(keep_last=())``), so a value's references are its readers' and its views'.
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ class Slab:
         if sys.getrefcount(self.base) <= self.expected:
             return True
         # Read, but something still refers to its memory: a view of the value (made by a reader, or by
-        # a reader of a view), which the engine's register of that view holds into the next step. The
-        # register that wrote it leaves the plan, so that the slab serves the others from then on.
+        # a reader of a view), which lives until the view's own readers have acted. The register that
+        # wrote it leaves the plan, so that the slab serves the others from then on.
         if self.holder is not None:
             self.holder.viewed = True
         return False
@@ -154,9 +154,9 @@ class Slab:
 
 class Planned:
     """A register of the plan: its slab, its view of it, and the reads each value awaits. ``viewed``: a
-    reader passed on a view of its value (a reshape, a transpose), which the engine's register of that
-    view holds until the reader acts again, next step: the register then leaves the plan (its producer
-    allocates), so that its slab does not stay held from step to step for every register in it."""
+    reader passed on a view of its value (a reshape, a transpose), which lives past the value's planned
+    lifetime, until the view's own readers act: the register then leaves the plan (its producer
+    allocates), so that its slab is not held past its plan for every register in it."""
 
     __slots__ = ("readers", "slab", "view", "viewed")
 

@@ -135,11 +135,12 @@ class Recycler:
         return buffer
 
 
-# References to a kernel's previous output when nobody else holds it: OutputReuse.prev, the engine's
-# Register.last (a register's newest value), the local name in ``take`` and getrefcount's argument.
-# Any holder beyond those (a consumer's inbox, a view's base, the store, a fetch, a transfer in flight)
-# adds one, and the array is not lent (tests/actor_workers/execution/test_output_reuse.py pins the count).
-UNHELD = 4
+# References to a kernel's previous output when nobody else holds it: OutputReuse.prev, the local name in
+# ``take`` and getrefcount's argument. Any holder beyond those (a consumer's inbox or the list of values
+# its act reads, a view's base, the store, a fetch, a transfer in flight, an engine register kept for
+# RunResult.last) adds one, and the array is not lent
+# (tests/actor_workers/execution/test_output_reuse.py pins the count against the engine's references).
+UNHELD = 3
 
 
 class OutputReuse:

@@ -126,6 +126,7 @@ class Register:
         "freed",
         "peak",
         "last",
+        "keep",
         "producer",
         "readers",
         "n_readers",
@@ -140,7 +141,8 @@ class Register:
         self.pending: deque[int] = deque()
         self.freed = 0  # values freed so far: the index of pending[0]
         self.peak = 0
-        self.last: Any = None
+        self.last: Any = None  # the newest value, only where ``keep`` (the engine's ``keep_last``)
+        self.keep = False
         self.producer: Actor | None = None
         self.readers: list[tuple[Actor, int]] = []  # (consumer, index of this register in its inputs)
         self.n_readers = len(spec.consumers)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from heapq import heappop, heappush
 from typing import Any
 
-from sbpflow.actor_workers.runtime.actors import Actor, ActorSpec, RegisterSpec
+from sbpflow.actor_workers.runtime.actors import Actor, ActorSpec, Register, RegisterSpec
 from sbpflow.actor_workers.runtime.errors import RuntimeAborted, RuntimeFailure, RuntimeTimeout
 from sbpflow.actor_workers.runtime.linking import link
 from sbpflow.actor_workers.runtime.trace import ActEvent
@@ -35,8 +35,8 @@ AbortHook = Callable[[str], None]  # e.g. Transport.abort: unblocks acts waiting
 @dataclass(frozen=True)
 class RunResult:
     """What a finished run leaves: the trace (when asked for), the last value written to each register
-    (the final value of a loop's variable, a chain's output), the peak of live values per register, the
-    number of acts and the wall time in seconds."""
+    the engine was asked to keep (``keep_last``: the final value of a loop's variable, a chain's output),
+    the peak of live values per register, the number of acts and the wall time in seconds."""
 
     trace: list[ActEvent]
     last: dict[int, Any]
@@ -82,7 +82,9 @@ class _Stream:
 
 
 class Engine:
-    """The actors and registers of one rank. ``run`` may be called once."""
+    """The actors and registers of one rank. ``run`` may be called once. ``keep_last``: the registers
+    whose newest value the run keeps for ``RunResult.last``; every other value is dropped by the engine
+    once its readers have acted (see :func:`_keep`)."""
 
     def __init__(
         self,
@@ -95,10 +97,12 @@ class Engine:
         abort_hooks: Sequence[AbortHook] = (),
         busy: dict[str, float] | None = None,
         run_on: Mapping[str, str] | None = None,
+        keep_last: Collection[int] = (),
     ) -> None:
         self.rank = rank
         self.busy = {} if busy is None else busy  # stream -> seconds in acts so far (a RankContext's)
         self._actors, self._registers = link(actors, registers)
+        _keep(self._registers, keep_last)
         self._trace = trace
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
@@ -200,7 +204,7 @@ class Engine:
         events.sort(key=lambda e: e.start)
         return RunResult(
             trace=events,
-            last={r.spec.id: r.last for r in self._registers},
+            last={r.spec.id: r.last for r in self._registers if r.keep},
             peak_live={r.spec.id: r.peak for r in self._registers},
             acts=sum(a.it for a in self._actors),
             seconds=self._t1 - self._t0,
@@ -241,6 +245,7 @@ class Engine:
                     return
                 if a is not None:
                     self._finish(a, outs)
+                    outs = None  # a value dies with its readers: this thread keeps no act's values
                     s.current = None
                 while not heap or (s.order is not None and heap[0][3] is not s.level[s.pos]):
                     if s.remaining == 0:
@@ -261,6 +266,7 @@ class Engine:
             try:
                 t0 = perf()
                 outs = a.act(it, values)
+                values = []
                 t1 = perf()
                 busy[a.spec.stream] += t1 - t0  # only this thread writes its streams' entries
                 if trace:
@@ -293,7 +299,8 @@ class Engine:
     def _finish(self, a: Actor, outs: Any) -> None:
         """Req the outputs to their consumers, ack the inputs to their producers (under the lock)."""
         for reg, v in zip(a.out_regs, outs, strict=True):
-            reg.last = v
+            if reg.keep:
+                reg.last = v
             readers = reg.readers
             if readers:
                 reg.pending.append(reg.n_readers)
@@ -363,6 +370,26 @@ class Engine:
                 hook(str(failure))
             except Exception as e:  # noqa: BLE001 - a hook must not hide the failure it reports
                 failure.add_note(f"abort hook {hook!r} raised {type(e).__name__}: {e}")
+
+
+def _keep(registers: list[Register], keep_last: Collection[int]) -> None:
+    """Only the registers in ``keep_last`` hold their newest value after their readers are done with it.
+
+    Holding every register's newest value kept the whole step's values alive into the next step: the
+    peak was the sum of the registers, not the largest set of values alive at once. Nothing in a run
+    reads them (the executor's results come from the store and the fetches), and the runtime's reuse
+    of dead buffers counts the references to a value (``tasks.UNHELD``): a kept register's value is
+    never lent while the register holds it."""
+    ids = {r.spec.id for r in registers}
+    unknown = sorted(set(keep_last) - ids)
+    if unknown:
+        raise ValueError(
+            f"keep_last names registers {unknown} that the engine does not have; name only its registers"
+        )
+    for r in registers:
+        r.keep = r.spec.id in keep_last
+        if not r.keep:
+            r.last = None  # an initial value of a loop edge lives in its readers' inboxes
 
 
 def _hosts(run_on: Mapping[str, str], ordered: Collection[str]) -> Callable[[str], str]:

@@ -40,13 +40,13 @@ def producer(reuse: OutputReuse, lent: list[bool]) -> Any:
     return act
 
 
-def run(consume: Any, count: int = 1, stream: str = "compute") -> list[bool]:
+def run(consume: Any, count: int = 1, stream: str = "compute", keep_last: tuple[int, ...] = ()) -> list[bool]:
     reuse, lent = OutputReuse([count == 1]), []
     acts = [
         ActorSpec(0, "producer", "compute", (), (0,), producer(reuse, lent), STEPS),
         ActorSpec(1, "consumer", stream, (0,), (), consume, STEPS),
     ]
-    Engine(acts, [RegisterSpec(0, 0, (1,), count)]).run(timeout=10)
+    Engine(acts, [RegisterSpec(0, 0, (1,), count)], keep_last=keep_last).run(timeout=10)
     return lent
 
 
@@ -70,6 +70,10 @@ def test_an_array_someone_holds_is_never_lent(holder: Any) -> None:
     lent = run(holder(kept))
     assert not any(lent)
     assert [float(np.asarray(k).ravel()[0]) for k in kept] == [float(i) for i in range(STEPS)]
+
+
+def test_a_value_the_engine_keeps_for_the_result_is_never_lent() -> None:
+    assert not any(run(lambda it, xs: [], keep_last=(0,)))  # Engine(keep_last): one reference more
 
 
 def test_a_register_with_two_slots_is_never_lent() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -68,7 +69,7 @@ def chain(
 @pytest.mark.parametrize("streams", [("compute",), ("compute", "comm"), ("data", "compute", "comm")])
 def test_chain_computes_every_value_in_order(streams: tuple[str, ...]) -> None:
     acts, regs, got = chain(6, 50, streams=streams)
-    result = Engine(acts, regs).run(timeout=10)
+    result = Engine(acts, regs, keep_last=(4,)).run(timeout=10)
     assert got == [10 * it + 4 for it in range(50)]
     assert result.acts == 6 * 50
     assert result.last[4] == 10 * 49 + 4
@@ -163,16 +164,42 @@ def test_loop_edge_with_an_initial_value_updates_a_variable_every_iteration() ->
         actor(1, (0,), (1,), lambda it, xs: [xs[0] + it], 6, stream="comm"),
     ]
     regs = [RegisterSpec(0, 0, (1,), 1), RegisterSpec(1, 1, (0,), 1)]
-    result = Engine(acts, regs).run(timeout=10)
+    result = Engine(acts, regs, keep_last=(1,)).run(timeout=10)
     assert reads == [5.0, 5.0, 6.0, 8.0, 11.0, 15.0]
     assert result.last[1] == 20.0  # the final value: written by the last update, read by nobody
+
+
+@pytest.mark.parametrize("kept", [(), (0,)])
+def test_a_value_lives_past_its_readers_only_in_a_register_kept_for_the_result(kept: tuple[int, ...]) -> None:
+    # the producer sees, at each act, whether its previous value is still alive anywhere
+    made: list[weakref.ref] = []
+    alive: list[bool] = []
+
+    def produce(it: int, xs: list) -> list:
+        alive.append(bool(made) and made[-1]() is not None)
+        out = np.full(3, float(it))
+        made.append(weakref.ref(out))
+        return [out]
+
+    acts = [actor(0, (), (0,), produce, 5), actor(1, (0,), (), lambda it, xs: [], 5)]
+    result = Engine(acts, [RegisterSpec(0, 0, (1,), 1)], keep_last=kept).run(timeout=10)
+    assert alive == [False] + [bool(kept)] * 4  # read and acked: dropped unless kept
+    assert list(result.last) == list(kept)
+    if kept:
+        assert result.last[0][0] == 4.0
+
+
+def test_keep_last_names_only_the_engines_registers() -> None:
+    acts = [actor(0, (), (0,), lambda it, xs: [it], 2), actor(1, (0,), (), lambda it, xs: [], 2)]
+    with pytest.raises(ValueError, match=r"registers \[7\]"):
+        Engine(acts, [RegisterSpec(0, 0, (1,), 1)], keep_last=(7,))
 
 
 def test_a_self_loop_needs_two_slots() -> None:
     acc = actor(0, (0,), (0,), lambda it, xs: [xs[0] + 1], 10, initial={0: 0})
     with pytest.raises(ActorGraphError, match="count 2"):
         Engine([acc], [RegisterSpec(0, 0, (0,), 1)])
-    assert Engine([acc], [RegisterSpec(0, 0, (0,), 2)]).run(timeout=5).last[0] == 10
+    assert Engine([acc], [RegisterSpec(0, 0, (0,), 2)], keep_last=(0,)).run(timeout=5).last[0] == 10
 
 
 def test_ready_actors_of_one_stream_act_in_priority_order() -> None:

@@ -1,0 +1,89 @@
+"""The engine drops a value once its readers have acted (it no longer holds every register's newest value
+into the next step), and the runtime's reuse of dead buffers counts references without that hold
+(tasks.UNHELD). A wrong count would let a kernel overwrite a live value; these runs would then differ.
+
+Training with the hold removed (the executor's engine) equals training the old way (every register
+held, and counted among a dead buffer's references) bit for bit, on 1 rank, on a 2 x 2 mesh (data and
+tensor parallel) and in a pipeline of 2 stages x 4 micro-batches; kernels write into lent buffers in both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sbpflow.actor_workers.execution import executor, tasks
+from sbpflow.actor_workers.runtime.engine import Engine
+from sbpflow.actor_workers.transport.inprocess import InProcessWorld
+from sbpflow.control_plane.compiler import pipeline
+from sbpflow.job import Job
+from tests.actor_workers.test_equivalence import gpt_job
+from tests.examples.test_examples import load
+
+STEPS = 4
+
+JOBS = {
+    "main-job": lambda: load("charlm").make_job(
+        ranks=1, layers=2, heads=4, width=64, seq_len=64, steps=STEPS
+    ),
+    "gpt-dp2xtp2": lambda: gpt_job(ranks=4, tp=True, dp=2, steps=STEPS),
+    "gpt-pp2x4mb": lambda: gpt_job(ranks=2, pp=2, micro_batches=4, steps=STEPS),
+}
+
+
+def holding(rp: executor.RankProgram, trace: bool = False, data_on_compute: bool = False) -> Engine:
+    """The executor's engine as it was: every register keeps its newest value into the next step."""
+    return Engine(
+        rp.actors,
+        rp.registers,
+        trace,
+        rank=rp.rank,
+        ordered_streams=executor.ORDERED_STREAMS,
+        busy=rp.context.busy,
+        keep_last=[r.id for r in rp.registers],
+    )
+
+
+def train(job: Job) -> tuple[list[Any], dict[str, Any]]:
+    c = pipeline.compile(job)
+    assert c.plan is not None, c.notes
+    ranks = [d.rank for d in c.plan.devices]
+    with InProcessWorld(ranks, timeout=60.0) as world:
+        transports = {r: world.transport(r) for r in ranks}
+        program = executor.build(c.plan, STEPS, transports)
+        results = executor.execute(program, 60.0, abort_hooks=[world.abort])
+    names = [p.tensor for p in job.parameters]
+    assert all(r.last == {} for r in results.values()) or executor.engine is holding
+    return executor.fetched(program, job.loss, STEPS), executor.variables(program, names)
+
+
+def counting(lent: list[int]) -> Any:
+    """OutputReuse.take, counting the buffers it lends."""
+    take = tasks.OutputReuse.take
+
+    def counted(self: tasks.OutputReuse) -> tuple[Any, ...]:
+        out = take(self)
+        lent.append(sum(b is not None for b in out))
+        return out
+
+    return counted
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_training_without_the_hold_is_bit_identical(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    lent: list[int] = []
+    monkeypatch.setattr(tasks.OutputReuse, "take", counting(lent))
+    dropped = train(JOBS[name]())
+    assert sum(lent) > 0  # kernels wrote into their own dead previous outputs
+    lent.clear()
+    monkeypatch.setattr(executor, "engine", holding)
+    monkeypatch.setattr(tasks, "UNHELD", 4)  # the old count: the hold was one of the references
+    held = train(JOBS[name]())
+    assert sum(lent) > 0
+    for x, y in zip(dropped[0], held[0], strict=True):
+        np.testing.assert_array_equal(x, y, err_msg="losses")
+    assert held[1].keys() == dropped[1].keys()
+    for k in held[1]:
+        np.testing.assert_array_equal(dropped[1][k], held[1][k], err_msg=k)
