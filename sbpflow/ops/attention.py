@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from sbpflow.errors import ShapeError
 from sbpflow.ops.base import REQUIRED, Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop, sig
 from sbpflow.ops.elementwise import fill_value
@@ -94,6 +96,27 @@ def _mm(xp: Any, a: Any, b: Any, out: Any = None) -> Any:
     return y if y.dtype == a.dtype else y.astype(a.dtype)
 
 
+def _heads_inside(ctx: KernelContext, i: int) -> Any:
+    """Output ``i`` ([B, H, T, D]) for a GEMM to write: an array laid out [B, T, H, D] in memory, so the
+    model's ``transpose(1, 2)`` back to [B, T, H, D] is C-contiguous and its reshape to [B, T, H * D] (the
+    forward) or the gradient's concat into the fused qkv projection's rows (the backward) moves no
+    strided bytes: the main job's reshape copied each layer's y and its concat, strided, wrote a strided
+    result that the next reshape copied again. Other ranks keep the lent buffer. The GEMM's values do not
+    depend on where it writes (numpy's BLAS call takes the strides)."""
+    lent, shape = ctx.out_array(i), ctx.out_shape(i)
+    if len(shape) != 4 or ctx.xp is not np:
+        return lent
+    b, h, t, d = shape
+    dtype = np.dtype(ctx.out_dtype(i))
+    strides = tuple(dtype.itemsize * s for s in (t * h * d, d, h * d, 1))
+    if lent is not None and lent.strides == strides:  # its own previous output
+        return lent
+    if lent is not None and lent.flags.c_contiguous:  # a planned buffer: the same bytes, in the other order
+        return lent.reshape(b, t, h, d).transpose(0, 2, 1, 3)
+    # an array that owns its memory, which the runtime lends back next step (a transpose's view it does not)
+    return np.ndarray(shape, dtype, strides=strides)
+
+
 def _query_offset(ctx: KernelContext) -> int:
     """Where this rank's query rows start in the whole sequence (0 unless the query axis is split)."""
     return ctx.in_offset(0, ctx.in_metas[0].ndim - 2)
@@ -137,7 +160,7 @@ def _kernel(ctx: KernelContext, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
         loops.softmax_scores(s.reshape(-1, s.shape[-1]), scale, causal, tq, q0)
     else:
         s = _softmax_numpy(xp, s, scale, causal, q0)
-    return _mm(xp, s, v, ctx.out_array(0)), s
+    return _mm(xp, s, v, _heads_inside(ctx, 0)), s
 
 
 def _grad_kernel(ctx: KernelContext, q: Any, k: Any, v: Any, p: Any, dy: Any) -> tuple[Any, Any, Any]:
@@ -150,9 +173,9 @@ def _grad_kernel(ctx: KernelContext, q: Any, k: Any, v: Any, p: Any, dy: Any) ->
         )
     else:
         ds = _softmax_grad_numpy(xp, p, ds, scale, causal, q0)
-    dq = _mm(xp, ds, k, ctx.out_array(0))
-    dk = _mm(xp, _t(xp, ds), q, ctx.out_array(1))
-    return dq, dk, _mm(xp, _t(xp, p), dy, ctx.out_array(2))
+    dq = _mm(xp, ds, k, _heads_inside(ctx, 0))
+    dk = _mm(xp, _t(xp, ds), q, _heads_inside(ctx, 1))
+    return dq, dk, _mm(xp, _t(xp, p), dy, _heads_inside(ctx, 2))
 
 
 def _grad(g: GradContext) -> list[Any]:

@@ -9,6 +9,7 @@ scaled_dot_product_attention emits the one op without dropout and the unfused op
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,8 @@ import pytest
 
 import sbpflow as sf
 from sbpflow.ops import attention
-from sbpflow.ops.eager import EagerBuilder
+from sbpflow.ops.base import KernelContext, get_op
+from sbpflow.ops.eager import EagerBuilder, full_index, meta_of
 from tests.client.helpers import arrays, trace
 
 torch = pytest.importorskip("torch")
@@ -114,3 +116,37 @@ def test_functional_emits_one_op_without_dropout(rate: float, training: bool, fu
     job = trace(lambda g, q, k, v: F.scaled_dot_product_attention(q, k, v, True, rate, training), data)
     ops = _op_types(job)
     assert ("attention" in ops) is fused and ("softmax" in ops) is not fused, ops
+
+
+@dataclass(frozen=True)
+class _Lending(KernelContext):
+    out_buffers: tuple[Any, ...] = ()
+
+
+def _call(op: str, ins: tuple[Any, ...], outs: tuple[Any, ...], lent: tuple[Any, ...]) -> tuple[Any, ...]:
+    ctx = _Lending(
+        np, {"scale": 0.25, "causal": True}, tuple(map(meta_of, ins)), tuple(map(meta_of, outs)),
+        tuple(full_index(meta_of(a)) for a in ins), tuple(full_index(meta_of(a)) for a in outs), out_buffers=lent,
+    )  # fmt: skip
+    return tuple(get_op(op).kernel(ctx, *ins))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_outputs_lie_heads_inside_whatever_buffer_is_lent(dtype: Any) -> None:
+    """y, dq, dk and dv of [B, H, T, D] are written laid out [B, T, H, D], so the model's transpose back
+    is C-contiguous (its reshape and the qkv gradient's concat then copy nothing strided): into a new
+    array, into their own previous output, or into a C-contiguous planned buffer, with the same bits."""
+    q, k, v, dy = _inputs(((2, 3, 8, 4),) * 3, dtype, seed=3)
+    probs = np.empty((2, 3, 8, 8), dtype)
+    fwd = _call("attention", (q, k, v), (q, probs), ())
+    bwd = _call("attention_grad", (q, k, v, fwd[1], dy), (q, k, v), ())
+    want = (fwd[0], *bwd)
+    for x in want:
+        assert x.base is None and x.transpose(0, 2, 1, 3).flags.c_contiguous
+    expect, planned = [x.copy() for x in want], tuple(np.empty_like(q, order="C") for _ in range(4))
+    for lent in (want, planned):
+        fwd2 = _call("attention", (q, k, v), (q, probs), (lent[0], None))
+        got = (fwd2[0], *_call("attention_grad", (q, k, v, fwd2[1], dy), (q, k, v), lent[1:]))
+        for g, w, buf in zip(got, expect, lent, strict=True):
+            assert np.array_equal(g, w) and np.shares_memory(g, buf)
+            assert g.transpose(0, 2, 1, 3).flags.c_contiguous

@@ -309,6 +309,9 @@ def test_concat_matches_numpys(dtype: Any, shapes: list[tuple[int, ...]], axis: 
     np.testing.assert_array_equal(got, np.concatenate(xs, axis=axis))  # a copy: exact
     (slow,) = EagerBuilder().call("concat", strided(xs[0]), *xs[1:], axis=axis)
     np.testing.assert_array_equal(slow, got)
+    # numpy lays its result out as strided inputs lie; the next reshape would copy it
+    (flipped,) = EagerBuilder().call("concat", *(np.asfortranarray(x) for x in xs), axis=axis)
+    assert flipped.flags.c_contiguous and np.array_equal(flipped, got)
 
 
 def _vocab_inputs(dtype: Any, label_dtype: Any, seed: int) -> tuple[Any, Any]:
