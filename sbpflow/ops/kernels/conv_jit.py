@@ -24,8 +24,8 @@ load 2.7, [32, 128, 2, 2] by [128, 128, 3, 3]: conv2d 810 -> 330 us, grad_input 
 DENSE_MAX_SHARE times the weight (a 4x4 image under 3x3: 16 x 16 blocks, too many multiplies).
 Two paths take some convolutions before the rows, each reading x channels first as it lies:
 ``conv_taps`` (conv2d at stride 1 of 7 channels or fewer, 32 wide or more: a stem) and
-``conv_winograd`` (3x3 at stride 1 of 8 channels or more, 16 wide or more; the weight gradient from 16
-channels; the input gradient at stride 1 through conv.py's flipped-weight conv2d).
+``conv_winograd`` (3x3 at stride 1 of 8 channels or more, 16 wide or more, the weight gradient too;
+the input gradient at stride 1 through conv.py's flipped-weight conv2d).
 
 They are the fast path only: conv.py's numpy kernels stay the reference and the path for cupy, for
 grouped convolutions and for arrays these do not take (``rowwise.jit_loops``);
@@ -288,7 +288,7 @@ def conv_grad_weight(dy: Any, x: Any, kernel: Pair, stride: Pair, padding: Pair,
         wr = np.empty((o, kernel[0] * kernel[1], c), x.dtype)
         dense_fold(_last(dy).T @ _last(x), taps, wr)
         return np.ascontiguousarray(wr.reshape(o, *kernel, c).transpose(0, 3, 1, 2))
-    if conv_winograd.applies(c, kernel, stride, dilation, ow, grad=True):
+    if conv_winograd.applies(c, kernel, stride, dilation, ow):
         return conv_winograd.grad_weight(dy, x, padding)
     padded, k = _padded(x, padding), kernel[0] * kernel[1] * c
     b, blocks = _blocks(n, oh * ow * k * x.itemsize)

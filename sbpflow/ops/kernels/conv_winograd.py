@@ -14,23 +14,27 @@ where each term of a tile's transform is the same plane offset plus ``j``. The e
 computed and dropped. The weight gradient is the adjoint: ``dU[k] = dM[k] @ V[k]'`` summed over tiles,
 ``dM = A dy A'`` of each 2x2 tile of dy (zero past dy's edge), then ``dw = G' dU G``.
 
-Which convolutions take it (``applies``): 3x3, stride and dilation 1, 8 channels in or more (16 for the
-weight gradient), outputs 16 wide or more; where C is smaller (a stem's 3) or the image narrower, the
-window rows' one GEMM is sooner. --clock cpu, 1 thread: conv2d [32, 16, 32, 32] -> 16 1.75 -> 1.06x
-PyTorch's, [8, 16, 32, 32] 1.40 -> ~1.05-1.15x. ``tests/sbpflow/ops/kernels/test_conv_winograd.py``
-checks it against conv.py's numpy kernels and torch.
+Which convolutions take it (``applies``): 3x3, stride and dilation 1, 8 channels in or more, outputs 16
+wide or more; where C is smaller (a stem's 3) or the image narrower, the window rows' one GEMM is sooner
+(32 channels 8 wide: 656-914 against 710-999 us, 64 channels 4 wide 780 against 1209).
+``tests/sbpflow/ops/kernels/test_conv_winograd.py`` checks it against conv.py's numpy kernels, torch
+and, in float32, the float64 result.
 
-Two passes fewer a block than at first: the parity planes are written straight from x's rows
-(``parity_planes``; was a numpy copy into padded rows, then a column split) and ``tiles_out`` writes
-y's rows itself (was a tile-ordered buffer, then a numpy copy). The same values bit for bit; --clock
-cpu, 1 thread, load 3.3-4, alternated, old -> new: conv2d [32, 16, 16, 16] -> 16 784-900 -> 733-783 us,
-[8, 16, 32, 32] 622-667 -> 579-591, grad_weight [32, 16, 16, 16] 1063 -> 956.
+The transforms are hard-coded sums and differences, each in its two one-dimensional passes, and each
+channel's parity planes are made in a scratch that stays in L1 (``input_tiles``, ``dy_tiles``; they
+were a pass writing all of a block's planes, then a generic loop of 16 components of 4 signed terms
+each, 112 operations a tile where the passes take 32 for the input and 16 for dy); ``filter_tiles`` and
+``fold_filters`` replace two tensordots and a transposed copy each. Not the same rounding as before
+(float32: within ~3e-7 of the largest value). --clock cpu, 1 thread, load 3-4, alternated, old -> new:
+conv2d [32, 16, 16, 16] -> 16 1070-1162 -> 762-834 us, [8, 16, 32, 32] 818-855 -> 507-595;
+grad_weight [32, 16, 16, 16] 1272-1598 -> 774-929, [8, 16, 32, 32] 1043-1159 -> 703-720. So the weight
+gradient now takes it from 8 channels as the convolution does (was 16): [16, 8, 16, 16] 369-379 us by
+the window rows, 185-191 by Winograd.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -42,22 +46,15 @@ Pair = tuple[int, int]
 # tiles of this many bytes of V at a time (whole samples): 1 sample of a [16, 32, 32] ResNet block
 BLOCK_BYTES = 1 << 19
 MIN_CHANNELS, MIN_WIDTH = 8, 16
-# the weight gradient's transforms (of x and of dy) repay only with more channels: --clock cpu, load 6.6,
-# 5 alternations, against the window rows, since the one-pass transforms: [32, 16, 16, 16] -> 16: 916
-# against 954 us; [8, 16, 32, 32]: 741 against 894; [32, 16, 32, 32]: 2751 against 3323; [16, 8, 16,
-# 16] -> 8: 240 against 242 (a tie: 8 channels keep the rows)
-GRAD_MIN_CHANNELS = 16
 
 G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
 BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]])
-AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]])
+AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]])  # BT and AT: what input_tiles, dy_tiles and tiles_out hard-code
 
 
-def applies(c: int, kernel: Pair, stride: Pair, dilation: Pair, out_w: int, grad: bool = False) -> bool:
-    """Whether a convolution of c input channels (its weight gradient: ``grad``) takes the Winograd path
-    (see the module's docstring)."""
-    if grad and c < GRAD_MIN_CHANNELS:
-        return False
+def applies(c: int, kernel: Pair, stride: Pair, dilation: Pair, out_w: int) -> bool:
+    """Whether a convolution of c input channels (or its weight gradient) takes the Winograd path (see
+    the module's docstring)."""
     return (
         kernel == (3, 3)
         and stride == (1, 1)
@@ -67,42 +64,147 @@ def applies(c: int, kernel: Pair, stride: Pair, dilation: Pair, out_w: int, grad
     )
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _split(
+    src: Any, at: int, h_: int, w_: int, ph: int, pw: int, plane: int, row: int, scratch: Any
+) -> None:  # pragma: no cover - compiled
+    """One channel's parity planes [2, 2, ., row] of ``plane`` values each in scratch, from src's [h_, w_]
+    values at ``at`` padded by (ph, pw): padded (r, q) at [r % 2, q % 2, r // 2, q // 2]. What it does not
+    write (the padding) keeps the zeros scratch was made with: every channel writes the same places."""
+    for h in range(h_):
+        r = h + ph
+        for qp in range(2):
+            w0 = (qp + pw) % 2  # the first column w with (w + pw) % 2 == qp
+            to = ((r % 2) * 2 + qp) * plane + (r // 2) * row + (w0 + pw) // 2
+            for k in range((w_ - w0 + 1) // 2):
+                store(scratch, to + k, load(src, at + h * w_ + w0 + 2 * k, 0), 1)  # type: ignore[call-arg]
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
-def parity_planes(src: Any, ph: int, pw: int, planes: Any) -> None:  # pragma: no cover - compiled
-    """planes [B, C, 2, 2, HH, TW + 1]: src [B, C, H, W] padded by (ph, pw), its padded (row, column)
-    (r, q) at [r % 2, q % 2, r // 2, q // 2]. One pass, a source row's even and odd columns each a run;
-    what it does not write (the padding) keeps the zeros the planes were made with."""
-    b_, c_, h_, w_ = src.shape
+def input_tiles(x: Any, ph: int, pw: int, hh: int, v: Any) -> None:  # pragma: no cover - compiled
+    """v [16, C, B*J] = B' d B of every tile of x [B, C, H, W] padded by (ph, pw), J = TH (TW + 1) tiles a
+    sample over parity planes [2, 2, hh, TW + 1]: component 4 a + b of tile j at v[4 a + b, c, b J + j].
+    A channel's planes are made in a scratch that stays in L1, then B' d B is taken in its two passes of
+    sums and differences (``e = d B``, then ``B' e``: 32 additions a tile, where 16 components of 4 signed
+    terms each took 112 operations) over all of the channel's tiles at once."""
+    b_, c_, h_, w_ = x.shape
+    width = v.shape[2]
+    j_ = width // b_
+    row = j_ // (hh - 2)
+    plane = hh * row
+    ks = c_ * width  # from one component to the next in v
+    scratch = np.zeros(4 * plane, x.dtype)
+    src, dst = x.reshape(-1), v.reshape(-1)
+    p1, p2, p3 = plane, 2 * plane, 3 * plane
     for b in range(b_):
         for c in range(c_):
-            for h in range(h_):
-                r, line = h + ph, src[b, c, h]
-                for qp in range(2):
-                    w0 = (qp + pw) % 2  # the first column w with (w + pw) % 2 == qp
-                    dst, at = planes[b, c, r % 2, qp, r // 2], (w0 + pw) // 2
-                    for k in range((w_ - w0 + 1) // 2):
-                        dst[at + k] = line[w0 + 2 * k]
+            _split(src, (b * c_ + c) * h_ * w_, h_, w_, ph, pw, plane, row, scratch)
+            to = c * width + b * j_
+            for j in range(j_):  # d[r][q] in plane (r % 2, q % 2) at row r // 2, column q // 2
+                d00, d01, d02, d03 = (
+                    load(scratch, j, 0),  # type: ignore[call-arg,var-annotated]
+                    load(scratch, p1 + j, 0),  # type: ignore[call-arg,var-annotated]
+                    load(scratch, 1 + j, 0),  # type: ignore[call-arg,var-annotated]
+                    load(scratch, p1 + 1 + j, 0),  # type: ignore[call-arg,var-annotated]
+                )
+                d10, d11, d12, d13 = (
+                    load(scratch, p2 + j, 0),  # type: ignore[call-arg]
+                    load(scratch, p3 + j, 0),  # type: ignore[call-arg]
+                    load(scratch, p2 + 1 + j, 0),  # type: ignore[call-arg]
+                    load(scratch, p3 + 1 + j, 0),  # type: ignore[call-arg]
+                )
+                d20, d21, d22, d23 = (
+                    load(scratch, row + j, 0),  # type: ignore[call-arg]
+                    load(scratch, p1 + row + j, 0),  # type: ignore[call-arg]
+                    load(scratch, row + 1 + j, 0),  # type: ignore[call-arg]
+                    load(scratch, p1 + row + 1 + j, 0),  # type: ignore[call-arg]
+                )
+                d30, d31, d32, d33 = (
+                    load(scratch, p2 + row + j, 0),  # type: ignore[call-arg]
+                    load(scratch, p3 + row + j, 0),  # type: ignore[call-arg]
+                    load(scratch, p2 + row + 1 + j, 0),  # type: ignore[call-arg]
+                    load(scratch, p3 + row + 1 + j, 0),  # type: ignore[call-arg]
+                )
+                e = (
+                    (d00 - d02, d01 + d02, d02 - d01, d01 - d03),
+                    (d10 - d12, d11 + d12, d12 - d11, d11 - d13),
+                    (d20 - d22, d21 + d22, d22 - d21, d21 - d23),
+                    (d30 - d32, d31 + d32, d32 - d31, d31 - d33),
+                )
+                q = to + j
+                for k in range(4):  # unrolled: e's rows are a tuple
+                    store(dst, q + k * ks, e[0][k] - e[2][k], 1)  # type: ignore[call-arg]
+                    store(dst, q + (4 + k) * ks, e[1][k] + e[2][k], 1)  # type: ignore[call-arg]
+                    store(dst, q + (8 + k) * ks, e[2][k] - e[1][k], 1)  # type: ignore[call-arg]
+                    store(dst, q + (12 + k) * ks, e[1][k] - e[3][k], 1)  # type: ignore[call-arg]
 
 
-@njit(cache=True, error_model="numpy")
-def combine(planes: Any, offs: Any, signs: Any, out: Any) -> None:  # pragma: no cover - compiled
-    """out [16, C, B*J]: component k of tile j of channel c of sample b is the sum over t of
-    ``signs[k, t] * planes[b, c].flat[offs[k, t] + j]`` (the input's or dy's tile transform)."""
-    b_, c_ = planes.shape[0], planes.shape[1]
-    chan = planes[0, 0].size
-    width = out.shape[2]
+@njit(cache=True, nogil=True, error_model="numpy")
+def dy_tiles(dy: Any, th1: int, dm: Any) -> None:  # pragma: no cover - compiled
+    """dm [16, O, B*J] = A dy A' of every 2x2 tile of dy [B, O, OH, OW] (zero past its edge), laid out as
+    :func:`input_tiles`' v over parity planes [2, 2, th1, TW + 1]: ``e = y A'`` then ``A e``, 12 additions
+    and 4 negations a tile (the 16 components of 4 signed terms took 112 operations)."""
+    b_, o_, h_, w_ = dy.shape
+    width = dm.shape[2]
     j_ = width // b_
-    src, dst = planes.reshape(-1), out.reshape(-1)
-    for k in range(16):
-        o0, o1, o2, o3 = offs[k, 0], offs[k, 1], offs[k, 2], offs[k, 3]
-        s0, s1, s2, s3 = signs[k, 0], signs[k, 1], signs[k, 2], signs[k, 3]
-        for b in range(b_):
-            for c in range(c_):
-                at, to = (b * c_ + c) * chan, (k * c_ + c) * width + b * j_
-                for j in range(j_):
-                    q = at + j
-                    val = s0 * load(src, q + o0, 0) + s1 * load(src, q + o1, 0)  # type: ignore[call-arg]
-                    store(dst, to + j, val + s2 * load(src, q + o2, 0) + s3 * load(src, q + o3, 0), 1)  # type: ignore[call-arg]
+    row = j_ // (th1 - 1)
+    plane = th1 * row
+    ks = o_ * width
+    scratch = np.zeros(4 * plane, dy.dtype)
+    src, dst = dy.reshape(-1), dm.reshape(-1)
+    for b in range(b_):
+        for o in range(o_):
+            _split(src, (b * o_ + o) * h_ * w_, h_, w_, 0, 0, plane, row, scratch)
+            to = o * width + b * j_
+            for j in range(j_):  # y[r][q] in plane (r, q) at the tile's own row and column
+                y00, y01 = load(scratch, j, 0), load(scratch, plane + j, 0)  # type: ignore[call-arg,var-annotated]
+                y10, y11 = load(scratch, 2 * plane + j, 0), load(scratch, 3 * plane + j, 0)  # type: ignore[call-arg]
+                e = ((y00, y00 + y01, y00 - y01, -y01), (y10, y10 + y11, y10 - y11, -y11))
+                q = to + j
+                for k in range(4):
+                    store(dst, q + k * ks, e[0][k], 1)  # type: ignore[call-arg]
+                    store(dst, q + (4 + k) * ks, e[0][k] + e[1][k], 1)  # type: ignore[call-arg]
+                    store(dst, q + (8 + k) * ks, e[0][k] - e[1][k], 1)  # type: ignore[call-arg]
+                    store(dst, q + (12 + k) * ks, -e[1][k], 1)  # type: ignore[call-arg]
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def filter_tiles(w: Any, g: Any, u: Any) -> None:  # pragma: no cover - compiled
+    """u [16, O, C] = G w G' of each 3x3 filter of w [O, C, 3, 3] (was two tensordots and a transposed
+    copy, ~35 us on a 16-channel block's weight)."""
+    o_, c_ = w.shape[0], w.shape[1]
+    t = np.empty((4, 3), w.dtype)
+    for o in range(o_):
+        for c in range(c_):
+            f = w[o, c]
+            for a in range(4):
+                for j in range(3):
+                    t[a, j] = g[a, 0] * f[0, j] + g[a, 1] * f[1, j] + g[a, 2] * f[2, j]
+            for a in range(4):
+                for k in range(4):
+                    u[a * 4 + k, o, c] = t[a, 0] * g[k, 0] + t[a, 1] * g[k, 1] + t[a, 2] * g[k, 2]
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def fold_filters(du: Any, g: Any, dw: Any) -> None:  # pragma: no cover - compiled
+    """dw [O, C, 3, 3] = G' du G, the adjoint of :func:`filter_tiles`, for du [16, O, C]."""
+    o_, c_ = du.shape[1], du.shape[2]
+    t = np.empty((4, 3), du.dtype)
+    for o in range(o_):
+        for c in range(c_):
+            for a in range(4):
+                for j in range(3):
+                    t[a, j] = (
+                        du[a * 4, o, c] * g[0, j]
+                        + du[a * 4 + 1, o, c] * g[1, j]
+                        + du[a * 4 + 2, o, c] * g[2, j]
+                        + du[a * 4 + 3, o, c] * g[3, j]
+                    )
+            for i in range(3):
+                for j in range(3):
+                    dw[o, c, i, j] = (
+                        g[0, i] * t[0, j] + g[1, i] * t[1, j] + g[2, i] * t[2, j] + g[3, i] * t[3, j]
+                    )
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -143,28 +245,6 @@ def tiles_out(m: Any, y: Any) -> None:  # pragma: no cover - compiled
                         store(dst, to + 2 * j + 1, p1 - p2 - p3, 1)  # type: ignore[call-arg]
 
 
-@lru_cache(maxsize=64)
-def _terms(transform: str, plane: int, row: int, dtype: Any) -> tuple[Any, Any]:
-    """For each of the 16 components (a, b) of ``T d T'`` (T = BT for the input's 4x4 patches, A = AT'
-    for dy's 2x2): the (offset, sign) of its terms in a channel's parity planes [2, 2, ., row] of
-    ``plane`` values each; 4 terms a component, unused ones 0 with sign 0."""
-    t = BT if transform == "input" else AT.T
-    offs, signs = np.zeros((16, 4), np.int64), np.zeros((16, 4), dtype)
-    for a in range(4):
-        for b in range(4):
-            terms = [(r, q) for r in np.nonzero(t[a])[0] for q in np.nonzero(t[b])[0]]
-            for k, (r, q) in enumerate(terms):
-                offs[a * 4 + b, k] = ((r % 2) * 2 + q % 2) * plane + (r // 2) * row + q // 2
-                signs[a * 4 + b, k] = t[a, r] * t[b, q]
-    return offs, signs
-
-
-def _parity_planes(src: Any, padding: Pair, planes: Any) -> Any:
-    """planes[:B] for src [B, C, H, W] (see :func:`parity_planes`); planes made zero once a call."""
-    parity_planes(src, padding[0], padding[1], planes)
-    return planes[: src.shape[0]]
-
-
 @dataclass(frozen=True)
 class _Plan:
     """Tile geometry of a convolution of x [N, C, H, W]: outputs [OH, OW], tiles [TH, TW] (+1 column),
@@ -193,10 +273,6 @@ def _plan(x_shape: tuple[int, ...], padding: Pair, itemsize: int) -> _Plan:
     return _Plan(oh, ow, th, tw, block)
 
 
-def _input_terms(plan: _Plan, dtype: Any) -> tuple[Any, Any]:
-    return _terms("input", plan.hh * (plan.tw + 1), plan.tw + 1, np.dtype(dtype))
-
-
 def _blocks(n: int, plan: _Plan) -> list[tuple[int, int]]:
     return [(n0, min(n, n0 + plan.block)) for n0 in range(0, n, plan.block)]
 
@@ -204,21 +280,18 @@ def _blocks(n: int, plan: _Plan) -> list[tuple[int, int]]:
 def conv(x: Any, w: Any, padding: Pair) -> Any:
     """conv2d of x [N, C, H, W] by a 3x3 w [O, C, 3, 3] at stride 1: U = G w G' once, then a block of
     samples at a time the input tiles' V, the 16 GEMMs U @ V, and A' m A into y's rows."""
-    n, c = x.shape[:2]
+    x, (n, c) = np.ascontiguousarray(x), x.shape[:2]
     o, plan = w.shape[0], _plan(x.shape, padding, x.itemsize)
-    g = G.astype(x.dtype)
-    u = np.tensordot(np.tensordot(g, w, (1, 2)), g, (3, 1))  # [4, O, C, 4]
-    u = np.ascontiguousarray(u.transpose(0, 3, 1, 2)).reshape(16, o, c)
-    offs, signs = _input_terms(plan, x.dtype)
+    u = np.empty((16, o, c), x.dtype)
+    filter_tiles(np.ascontiguousarray(w), G.astype(x.dtype), u)
     b, j_, th, tw = plan.block, plan.tiles, plan.th, plan.tw
-    planes = np.zeros((b, c, 2, 2, plan.hh, tw + 1), x.dtype)
     v, m = np.empty((16, c, b * j_), x.dtype), np.empty((16, o, b * j_), x.dtype)
     y = np.empty((n, o, 2 * th, 2 * tw), x.dtype)
     for n0, n1 in _blocks(n, plan):
         s, k = n1 - n0, (n1 - n0) * j_
         vb = v if s == b else np.empty((16, c, k), x.dtype)
         mb = m if s == b else np.empty((16, o, k), x.dtype)
-        combine(_parity_planes(x[n0:n1], padding, planes), offs, signs, vb)
+        input_tiles(x[n0:n1], padding[0], padding[1], plan.hh, vb)
         tiles_out(np.matmul(u, vb, out=mb), y[n0:n1])
     return (
         y if (plan.oh, plan.ow) == (2 * th, 2 * tw) else np.ascontiguousarray(y[:, :, : plan.oh, : plan.ow])
@@ -227,23 +300,18 @@ def conv(x: Any, w: Any, padding: Pair) -> Any:
 
 def grad_weight(dy: Any, x: Any, padding: Pair) -> Any:
     """dw [O, C, 3, 3] of conv's: G' (sum over tiles of dM[k] @ V[k]') G, dM = A dy A' a tile."""
-    n, c = x.shape[:2]
+    x, dy, (n, c) = np.ascontiguousarray(x), np.ascontiguousarray(dy), x.shape[:2]
     o, plan = dy.shape[1], _plan(x.shape, padding, x.itemsize)
-    b, j_, th, tw = plan.block, plan.tiles, plan.th, plan.tw
-    offs, signs = _input_terms(plan, x.dtype)
-    # dy's tiles read from its own parity planes [2, 2, TH + 1, TW + 1] (zero past its edge)
-    doffs, dsigns = _terms("dy", (th + 1) * (tw + 1), tw + 1, np.dtype(x.dtype))
-    planes = np.zeros((b, c, 2, 2, plan.hh, tw + 1), x.dtype)
-    dplanes = np.zeros((b, o, 2, 2, th + 1, tw + 1), x.dtype)
+    b, j_ = plan.block, plan.tiles
     v, dm = np.empty((16, c, b * j_), x.dtype), np.empty((16, o, b * j_), x.dtype)
     du = np.zeros((16, o, c), x.dtype)
     for n0, n1 in _blocks(n, plan):
         s, k = n1 - n0, (n1 - n0) * j_
         vb = v if s == b else np.empty((16, c, k), x.dtype)
         mb = dm if s == b else np.empty((16, o, k), x.dtype)
-        combine(_parity_planes(x[n0:n1], padding, planes), offs, signs, vb)
-        combine(_parity_planes(dy[n0:n1], (0, 0), dplanes), doffs, dsigns, mb)
+        input_tiles(x[n0:n1], padding[0], padding[1], plan.hh, vb)
+        dy_tiles(dy[n0:n1], plan.th + 1, mb)  # dy's own parity planes [2, 2, TH + 1, TW + 1]
         du += np.matmul(mb, vb.transpose(0, 2, 1))
-    gd = G.astype(x.dtype)
-    dw = np.tensordot(np.tensordot(gd, du.reshape(4, 4, o, c), (0, 0)), gd, (1, 0))  # [3, O, C, 3]
-    return np.ascontiguousarray(dw.transpose(1, 2, 0, 3))
+    dw = np.empty((o, c, 3, 3), x.dtype)
+    fold_filters(du, G.astype(x.dtype), dw)
+    return dw

@@ -59,7 +59,6 @@ def test_ops_take_winograd_and_match_the_numpy_kernel(
     case: tuple[int, ...], dtype: Any, block_bytes: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(conv_winograd, "BLOCK_BYTES", block_bytes)
-    monkeypatch.setattr(conv_winograd, "GRAD_MIN_CHANNELS", 8)  # the weight gradient's path too
     calls: list[str] = []
     for name in ("conv", "grad_weight"):
         real = getattr(conv_winograd, name)
@@ -99,10 +98,10 @@ def test_against_torch(case: tuple[int, ...], dtype: Any) -> None:
 def test_applies_to_wide_3x3_stride_1_convolutions_only() -> None:
     ok = {"c": 16, "kernel": (3, 3), "stride": (1, 1), "dilation": (1, 1), "out_w": 32}
     assert conv_winograd.applies(**ok)
-    assert conv_winograd.GRAD_MIN_CHANNELS == 16 and conv_winograd.applies(**ok, grad=True)
-    assert not conv_winograd.applies(**{**ok, "c": 8}, grad=True) and conv_winograd.applies(**{**ok, "c": 8})
+    assert conv_winograd.applies(**{**ok, "c": 8}) and conv_winograd.applies(**{**ok, "out_w": 16})
     for change in [
         {"c": 3},  # a stem: too few channels for the transforms to pay
+        {"c": 7},
         {"out_w": 8},  # narrow: the window rows' GEMM is sooner
         {"kernel": (3, 1)},
         {"kernel": (5, 5)},
@@ -116,16 +115,60 @@ def test_applies_to_wide_3x3_stride_1_convolutions_only() -> None:
 def test_conv_jit_routes_to_winograd_and_keeps_its_window_rows_elsewhere(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """conv2d of 8 channels takes Winograd; its weight gradient only from GRAD_MIN_CHANNELS on."""
+    """conv2d and its weight gradient of 8 channels take Winograd; with fewer, the window rows."""
     x, w, dy = tensors((2, 8, 9, 16, 4, 1), np.float64)
     a = ((1, 1), (1, 1), (1, 1))
     np.testing.assert_array_equal(conv_jit.conv(x, w, *a), conv_winograd.conv(x, w, (1, 1)))
-    rows = conv_jit.conv_grad_weight(dy, x, (3, 3), *a)
-    assert not np.array_equal(rows, conv_winograd.grad_weight(dy, x, (1, 1)))  # another rounding
-    close(rows, conv_winograd.grad_weight(dy, x, (1, 1)), np.float64, "grad_weight by rows")
-    monkeypatch.setattr(conv_winograd, "GRAD_MIN_CHANNELS", 8)
     np.testing.assert_array_equal(
         conv_jit.conv_grad_weight(dy, x, (3, 3), *a), conv_winograd.grad_weight(dy, x, (1, 1))
     )
     monkeypatch.setattr(conv_winograd, "MIN_CHANNELS", 9)  # the window rows now: the same values to rounding
+    rows = conv_jit.conv_grad_weight(dy, x, (3, 3), *a)
+    assert not np.array_equal(rows, conv_winograd.grad_weight(dy, x, (1, 1)))  # another rounding
+    close(rows, conv_winograd.grad_weight(dy, x, (1, 1)), np.float64, "grad_weight by rows")
     close(conv_jit.conv(x, w, *a), conv_winograd.conv(x, w, (1, 1)), np.float64, "conv by rows")
+
+
+def test_hard_coded_transforms_are_the_matrices() -> None:
+    """input_tiles, dy_tiles, filter_tiles and fold_filters against B' d B, A dy A', G g G' and G' u G of
+    the module's matrices, on every tile of a small image (odd sizes: tiles half past the edge)."""
+    rng = np.random.default_rng(2)
+    x, dy, w = (rng.standard_normal(s) for s in [(2, 3, 7, 9), (2, 4, 7, 9), (4, 3, 3, 3)])
+    plan = conv_winograd._plan(x.shape, (1, 1), 8)
+    th, tw = plan.th, plan.tw
+    v, dm = np.empty((16, 3, 2 * plan.tiles)), np.empty((16, 4, 2 * plan.tiles))
+    conv_winograd.input_tiles(x, 1, 1, plan.hh, v)
+    conv_winograd.dy_tiles(dy, th + 1, dm)
+    xp = np.zeros((2, 3, 2 * th + 2, 2 * tw + 2))
+    xp[:, :, 1:8, 1:10] = x
+    yp = np.zeros((2, 4, 2 * th, 2 * tw))
+    yp[:, :, :7, :9] = dy
+    bt, a_, g = conv_winograd.BT, conv_winograd.AT.T, conv_winograd.G
+    for t, s in np.ndindex(th, tw):  # tile (t, s) is j = t (TW + 1) + s of each sample
+        j = np.arange(2) * plan.tiles + t * (tw + 1) + s
+        d = xp[:, :, 2 * t : 2 * t + 4, 2 * s : 2 * s + 4]  # [2, C, 4, 4]
+        want = np.einsum("ar,ncrq,bq->abcn", bt, d, bt).reshape(16, 3, 2)
+        np.testing.assert_allclose(v[:, :, j], want, rtol=1e-13, atol=1e-13)
+        e = yp[:, :, 2 * t : 2 * t + 2, 2 * s : 2 * s + 2]
+        want = np.einsum("ar,norq,bq->abon", a_, e, a_).reshape(16, 4, 2)
+        np.testing.assert_allclose(dm[:, :, j], want, rtol=1e-13, atol=1e-13)
+    u, back = np.empty((16, 4, 3)), np.empty((4, 3, 3, 3))
+    conv_winograd.filter_tiles(w, g, u)
+    np.testing.assert_allclose(u, np.einsum("ai,ocij,bj->aboc", g, w, g).reshape(16, 4, 3), rtol=1e-13)
+    conv_winograd.fold_filters(u, g, back)
+    np.testing.assert_allclose(back, np.einsum("ai,aboc,bj->ocij", g, u.reshape(4, 4, 4, 3), g), rtol=1e-13)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_float32_within_its_bound_of_float64(case: tuple[int, ...]) -> None:
+    """float32 y and dw against the float64 result of the same inputs: within 2e-6 of the largest
+    |value| (observed ~3e-7; the transforms add and subtract up to 16 inputs, the GEMM sums 16 C)."""
+    x, w, dy = tensors(case, np.float64, seed=3)
+    p = (case[-1], case[-1])
+    f32 = [t.astype(np.float32) for t in (x, w, dy)]
+    for got, want in [
+        (conv_winograd.conv(f32[0], f32[1], p), conv_winograd.conv(x, w, p)),
+        (conv_winograd.grad_weight(f32[2], f32[0], p), conv_winograd.grad_weight(dy, x, p)),
+    ]:
+        assert got.dtype == np.float32
+        assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
