@@ -62,23 +62,34 @@ def _dot8(a: Any, b: Any, lim: int) -> Any:  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def softmax_scores(s: Any, scale: float, causal: bool, tq: int, q0: int) -> None:  # pragma: no cover
-    """s = softmax(mask(s * scale)) along each row, in place: the attention probabilities."""
+    """s = softmax(mask(s * scale)) along each row, in place: the attention probabilities.
+
+    One sweep of the rows per step (scale and max, exp, sum, times the sum's reciprocal), each row's
+    maximum and then reciprocal kept between sweeps: a row at a time, the four loops of different
+    lengths a causal row has took 1.6x as long (430 against 270 us on the main job's [4096, 64] float32
+    scores, CPU time, load ~2.5), the same operations in the same order, so the same bits."""
     rows, n = s.shape
     c = s.dtype.type(scale)
     zero, one = s.dtype.type(0), s.dtype.type(1)
     ones = np.ones(n, s.dtype)  # a row's sum is its dot product with these (times 1 is exact)
+    kept = np.empty(rows, s.dtype)  # each row's maximum, then its sum's reciprocal
     for i in range(rows):
         r = s[i]  # a row view: indexed [i, j], the loops ran 3x slower (not vectorised)
-        lim = _seen(i, n, causal, tq, q0)
         m = r[0] * c
-        for j in range(lim):
+        for j in range(_seen(i, n, causal, tq, q0)):
             x = r[j] * c
             r[j] = x
             m = vmax(m, x)  # type: ignore[call-arg]
-        for j in range(lim):
+        kept[i] = m
+    for i in range(rows):
+        r, m = s[i], kept[i]
+        for j in range(_seen(i, n, causal, tq, q0)):
             r[j] = vexp(r[j] - m)  # type: ignore[call-arg]
+    for i in range(rows):
         # times the reciprocal, as rows_jit's softmax compiles its division (arcp): half a division's time
-        inv = one / _dot8(r, ones, lim)
+        kept[i] = one / _dot8(s[i], ones, _seen(i, n, causal, tq, q0))
+    for i in range(rows):
+        r, inv, lim = s[i], kept[i], _seen(i, n, causal, tq, q0)
         for j in range(lim):
             r[j] = r[j] * inv
         for j in range(lim, n):
