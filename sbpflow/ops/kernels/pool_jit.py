@@ -83,75 +83,183 @@ def max_pool_planes(
     x: Any, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int], out: Any
 ) -> None:  # pragma: no cover - compiled
     """out = the maximum of each window of x, the padding -inf, a nan propagating, a tie keeping the
-    later tap (pool.py's numpy kernel: ``maximum`` over the taps in row-major order, bit for bit).
-    The loop over a row of outputs is innermost, a select; jit_streams' tags say ``out`` (the kernel's
-    own) overlaps no x (a strided view of the row, unmarked, ran 1.2x slower than numpy). numpy makes a
-    padded copy and a pass a tap: --clock cpu, load ~5, through the op, [32, 16, 32, 32] 3x3 stride 2
-    padding 1 (ResNet's stem pool) 1.97 -> 1.2-1.7 ms; [8, 16, 32, 32] 2x2 a tie (150-170 us)."""
-    planes, h, w = x.shape
-    oh, ow = out.shape[1], out.shape[2]
-    taps = _column_taps(ow, w, stride[1], padding[1], kernel[1])
-    out[:] = -np.inf
+    later tap (pool.py's numpy kernel: ``maximum`` over the taps in row-major order, bit for bit). As
+    :func:`max_pool_grad_planes`, over the plane's phase planes: a tap of every window is one contiguous
+    run, and a loop along it a tap at a time takes the maximum, a select (reading the padding's -inf
+    changes nothing: -inf >= m only where m is -inf, and a nan stays). It was a loop along a row of
+    outputs over a strided view of each row of x: --clock cpu, 1 thread, load 2-3, alternated, old ->
+    new: ResNet-18's stem pool [32, 16, 32, 32] 3x3 stride 2 padding 1 1000-1138 -> 319-350 us, [16, 8,
+    16, 16] 80-129 -> 59-65."""
+    planes, oh, ow = out.shape
+    h, w = x.shape[1], x.shape[2]
+    kh, kw = kernel
+    phases = _phase_grid(x, kernel, stride, padding, oh, ow)
+    rows, cols = phases.shape[2], phases.shape[3]
+    flat, runs = phases.reshape(-1), phase_runs((h, w), padding, phases.shape)
+    m = np.empty(oh * cols, x.dtype)
     for p in range(planes):
+        phase_planes(x[p], runs, phases)
+        m[:] = -np.inf
+        for i in range(kh):
+            for j in range(kw):
+                start = ((i % stride[0]) * stride[1] + j % stride[1]) * rows * cols
+                _tap_max(flat, start + (i // stride[0]) * cols + j // stride[1], m)
         for r in range(oh):
-            top, dst = r * stride[0] - padding[0], out[p, r]
-            for row in range(max(top, 0), min(top + kernel[0], h)):  # the window's rows inside x
-                src = x[p, row]
-                for j in range(kernel[1]):
-                    lo, first = taps[j, 0], taps[j, 2] - taps[j, 0] * stride[1]
-                    for q in range(lo, taps[j, 1]):
-                        v: Any = load(src, first + q * stride[1], 0)  # type: ignore[call-arg]
-                        m: Any = load(dst, q, 1)  # type: ignore[call-arg]
-                        # numpy keeps the later of equal values (0 and -0)
-                        store(dst, q, v if (v >= m) | (v != v) else m, 1)  # type: ignore[call-arg]
+            dst, src = out[p, r], m[r * cols : r * cols + ow]
+            for q in range(ow):
+                store(dst, q, load(src, q, 0), 1)  # type: ignore[call-arg]
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _first_maximum(x: Any, p: int, r0: int, c0: int, kernel: tuple[int, int]) -> tuple[int, int]:
-    """The first (row-major) tap of the window at (r0, c0) holding its maximum, padding being -inf: the
-    maximum starts at tap 0 and moves only to a strictly greater value, so a tie keeps the earlier tap,
-    and a window of -inf whose tap 0 is padding keeps that tap (the numpy kernel's first ``equal`` tap,
-    dropped there with the padding). (-1, 0) where the window has a nan: the numpy kernel's running
-    ``maximum`` is then nan, which no tap equals. Selects, not branches: a max of random values is
-    unpredictable, and mispredictions took 2/3 of the time."""  # pragma: no cover - compiled
-    h, w = x.shape[1], x.shape[2]
-    inside = r0 >= 0 and c0 >= 0 and r0 + kernel[0] <= h and c0 + kernel[1] <= w
-    m, bi, bj, nan = x.dtype.type(-np.inf), 0, 0, False
-    for i in range(kernel[0]):
-        row = r0 + i
-        for j in range(kernel[1]):
-            col = c0 + j
-            if inside or (0 <= row < h and 0 <= col < w):  # padding: -inf is greater than nothing
-                v = x[p, row, col]
-                up = v > m
-                m = v if up else m
-                bi = i if up else bi
-                bj = j if up else bj
-                nan = nan or v != v
-    return (-1, 0) if nan else (bi, bj)
+def _tap_max(flat: Any, start: int, m: Any) -> None:  # pragma: no cover - compiled
+    """m[k] = the maximum of m[k] and flat[start + k], numpy's ``maximum``: the later of equal values (0
+    and -0), a nan kept."""
+    for k in range(m.size):
+        v: Any = load(flat, start + k, 0)  # type: ignore[call-arg]
+        old: Any = load(m, k, 1)  # type: ignore[call-arg]
+        store(m, k, v if (v >= old) | (v != v) else old, 1)  # type: ignore[call-arg]
 
 
 @njit(cache=True, error_model="numpy")
 def max_pool_grad_planes(
     x: Any, dy: Any, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int], dx: Any
 ) -> None:  # pragma: no cover - compiled
-    """dx = each window's dy added at its first maximum (torch's choice), windows in row-major order: a
-    scalar loop a window (one vectorised along a row of windows ran 3x slower: its selects over
-    strided views do not vectorise)."""
-    planes, oh, ow = dy.shape
-    h, w = x.shape[1], x.shape[2]
+    """dx = each window's dy added at its first maximum (torch's choice), windows in row-major order.
+    The padded plane is split by row and column phase (``phase_planes``), so that a tap of every window
+    is one contiguous run over windows numbered ``r * C + q`` (a grid a few columns wider than the
+    output, the extra ones computed and dropped); a loop along it a tap at a time keeps the running
+    maximum, moving only to a strictly greater value (so a tie keeps the earlier tap, and the padding,
+    -inf, never wins), and marks a window that read a nan. Then each window's dy is added at its tap in
+    row-major order, as the scalar search a window did (selects over each window's taps, 1.5 of its
+    2.6 ms), so the sums are the same bit for bit. --clock cpu, 1 thread, load 2.6, alternated, old ->
+    new: ResNet-18's stem pool [32, 16, 32, 32] 3x3 stride 2 padding 1 2627-2930 -> 914-1195 us (PyTorch's
+    backward from its saved indices: 277-324), [16, 8, 16, 16] 147-167 -> 70-100. The phase planes are
+    written a pair of columns at a time where the stride is 2 (a strided read a phase took 3x as long),
+    and the per-run geometry's integer divisions are made once a call (``phase_runs``)."""
     if kernel == (2, 2) and stride == (2, 2) and padding == (0, 0):
         _max_pool_grad_2x2(x, dy, dx)
         return
+    planes, oh, ow = dy.shape
+    h, w = x.shape[1], x.shape[2]
+    kh, kw = kernel
+    phases = _phase_grid(x, kernel, stride, padding, oh, ow)
+    rows, cols = phases.shape[2], phases.shape[3]
+    m, at, nan = np.empty(oh * cols, x.dtype), np.empty(oh * cols, np.int32), np.empty(oh * cols, np.int32)
+    flat, runs = phases.reshape(-1), phase_runs((h, w), padding, phases.shape)
+    ti, tj = np.empty(kh * kw, np.int64), np.empty(kh * kw, np.int64)  # a tap's row and column: no division
+    for t in range(kh * kw):
+        ti[t], tj[t] = t // kw, t % kw
     dx[:] = 0
     for p in range(planes):
-        for r in range(oh):
-            r0 = r * stride[0] - padding[0]
-            for q in range(ow):
-                c0 = q * stride[1] - padding[1]
-                i, j = _first_maximum(x, p, r0, c0, kernel)
-                if i >= 0 and 0 <= r0 + i < h and 0 <= c0 + j < w:
-                    dx[p, r0 + i, c0 + j] += dy[p, r, q]
+        phase_planes(x[p], runs, phases)
+        m[:], at[:], nan[:] = -np.inf, 0, 0
+        for i in range(kh):
+            for j in range(kw):
+                start = ((i % stride[0]) * stride[1] + j % stride[1]) * rows * cols
+                start += (i // stride[0]) * cols + j // stride[1]
+                _tap_maximum(flat, start, i * kw + j, m, at, nan)
+        _add_at_maxima(dy[p], at, nan, ti, tj, stride, padding, cols, dx[p])
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _add_at_maxima(
+    dy: Any,
+    at: Any,
+    nan: Any,
+    ti: Any,
+    tj: Any,
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    cols: int,
+    dx: Any,
+) -> None:  # pragma: no cover - compiled
+    """dx [H, W] += each window's dy [OH, OW] at its tap ``at`` (row ti, column tj), windows in row-major
+    order, none for a window marked ``nan`` or whose tap is padding (flat indices: no negative-index
+    test an access)."""
+    oh, ow = dy.shape
+    h, w = dx.shape
+    src, dst = dy.reshape(-1), dx.reshape(-1)
+    for r in range(oh):
+        r0 = r * stride[0] - padding[0]
+        for q in range(ow):
+            k = r * cols + q
+            t: Any = load(at, k, 0)  # type: ignore[call-arg]
+            row, col = r0 + load(ti, t, 0), q * stride[1] - padding[1] + load(tj, t, 0)  # type: ignore[call-arg]
+            if load(nan, k, 0) == 0 and 0 <= row < h and 0 <= col < w:  # type: ignore[call-arg]
+                at_dx = row * w + col
+                store(dst, at_dx, load(dst, at_dx, 1) + load(src, r * ow + q, 0), 1)  # type: ignore[call-arg]
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _phase_grid(
+    x: Any, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int], oh: int, ow: int
+) -> Any:  # pragma: no cover - compiled
+    """-inf phase planes [SH, SW, R, C] for :func:`phase_planes`: C columns hold every window's taps and
+    the padded plane's columns; R rows the same for rows, and one more for the extra columns' reads."""
+    sh, sw = stride
+    cols = max(ow + (kernel[1] - 1) // sw, (x.shape[2] + 2 * padding[1] + sw - 1) // sw)
+    rows = max(oh + (kernel[0] - 1) // sh + 1, (x.shape[1] + 2 * padding[0] + sh - 1) // sh)
+    return np.full((sh, sw, rows, cols), -np.inf, x.dtype)
+
+
+@njit(cache=True, error_model="numpy")
+def phase_runs(
+    hw: tuple[int, int], padding: tuple[int, int], shape: tuple[int, int, int, int]
+) -> Any:  # pragma: no cover - compiled
+    """[H + SW, 3] for :func:`phase_planes` into phases of ``shape`` [SH, SW, R, C]: for each row of x,
+    where its phase-0 run starts in phases; then for each column phase k, its first column of x, its
+    offset in a row's run and its length (integer divisions cost more than the copies: once a call)."""
+    h, w = hw
+    sh, sw, rows, cols = shape
+    runs = np.zeros((h + sw, 3), np.int64)
+    for row in range(h):
+        a = row + padding[0]
+        runs[row, 0] = ((a % sh) * sw * rows + a // sh) * cols
+    for k in range(sw):
+        c0 = (k - padding[1]) % sw  # the first column of x in column phase k
+        runs[h + k, 0], runs[h + k, 1] = c0, k * rows * cols + (c0 + padding[1]) // sw
+        runs[h + k, 2] = (w - c0 + sw - 1) // sw
+    return runs
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def phase_planes(x: Any, runs: Any, phases: Any) -> None:  # pragma: no cover - compiled
+    """phases [SH, SW, R, C]: x [H, W] padded, padded (a, c) at [a % SH, c % SW, a // SH, c // SW], by
+    the runs of :func:`phase_runs`; what it does not write (the padding) keeps its -inf: every plane
+    writes the same places."""
+    h, w = x.shape
+    sw = phases.shape[1]
+    src, dst = x.reshape(-1), phases.reshape(-1)
+    if sw == 2:  # both phases in one loop over pairs: LLVM vectorises that with shuffles, not a stride
+        e = 0 if runs[h, 0] == 0 else 1  # the phase that starts at column 0
+        for row in range(h):
+            to0, to1 = runs[row, 0] + runs[h + e, 1], runs[row, 0] + runs[h + 1 - e, 1]
+            at, n0, n1 = row * w, runs[h + e, 2], runs[h + 1 - e, 2]
+            for t in range(n1):
+                store(dst, to0 + t, load(src, at + 2 * t, 0), 1)  # type: ignore[call-arg]
+                store(dst, to1 + t, load(src, at + 2 * t + 1, 0), 1)  # type: ignore[call-arg]
+            if n0 > n1:
+                store(dst, to0 + n1, load(src, at + 2 * n1, 0), 1)  # type: ignore[call-arg]
+        return
+    for row in range(h):
+        for k in range(sw):
+            c0, to, n = runs[h + k, 0], runs[row, 0] + runs[h + k, 1], runs[h + k, 2]
+            at = row * w + c0
+            for t in range(n):
+                store(dst, to + t, load(src, at + t * sw, 0), 1)  # type: ignore[call-arg]
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _tap_maximum(flat: Any, start: int, tap: int, m: Any, at: Any, nan: Any) -> None:  # pragma: no cover
+    """For every window k, tap ``tap`` reading flat[start + k]: the running maximum m moves to a strictly
+    greater value (recording the tap in ``at``); ``nan`` marks a window that read a nan."""
+    for k in range(m.size):
+        v: Any = load(flat, start + k, 0)  # type: ignore[call-arg]
+        old: Any = load(m, k, 1)  # type: ignore[call-arg]
+        up = v > old
+        store(m, k, v if up else old, 1)  # type: ignore[call-arg]
+        store(at, k, tap if up else load(at, k, 2), 2)  # type: ignore[call-arg]
+        store(nan, k, load(nan, k, 3) | (v != v), 3)  # type: ignore[call-arg]
 
 
 @njit(cache=True, error_model="numpy")

@@ -150,6 +150,54 @@ def test_max_pool_grad_ties_go_to_the_first_maximum() -> None:
     assert got[0, 0, 2, 2] == 0 and got[0, 0, 0, 0] == 0  # the nan's window; tap 0 in the padding
 
 
+def _grad_by_windows(x: Any, dy: Any, kernel: Any, stride: Any, padding: Any) -> Any:
+    """The reference of max_pool_grad_planes: a window at a time in row-major order, its dy added at the
+    first tap holding its strict maximum (padding -inf), nothing for a window with a nan."""
+    dx = np.zeros_like(x)
+    for p, r, q in np.ndindex(dy.shape):
+        r0, c0 = r * stride[0] - padding[0], q * stride[1] - padding[1]
+        best, at, nan = -np.inf, (r0, c0), False
+        for i, j in np.ndindex(*kernel):
+            if 0 <= r0 + i < x.shape[1] and 0 <= c0 + j < x.shape[2]:
+                v = x[p, r0 + i, c0 + j]
+                nan |= bool(v != v)
+                best, at = (v, (r0 + i, c0 + j)) if v > best else (best, at)
+        if not nan and 0 <= at[0] < x.shape[1] and 0 <= at[1] < x.shape[2]:
+            dx[p, at[0], at[1]] += dy[p, r, q]
+    return dx
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "kernel, stride, padding, hw",
+    [
+        ((3, 3), (2, 2), (1, 1), (8, 8)),  # ResNet's stem pool
+        ((3, 3), (2, 2), (1, 1), (7, 9)),  # odd sizes
+        ((3, 3), (2, 2), (0, 0), (7, 8)),
+        ((2, 3), (1, 2), (1, 0), (5, 7)),
+        ((3, 2), (3, 3), (1, 1), (8, 7)),  # the column phases' generic loop
+        ((3, 3), (1, 1), (1, 1), (5, 6)),  # overlapping windows at stride 1
+    ],
+)
+def test_max_pool_grad_matches_a_window_at_a_time_bit_for_bit(
+    dtype: Any, kernel: Any, stride: Any, padding: Any, hw: Any
+) -> None:
+    """The phase planes' loops add the same values in the same order as a window-by-window search:
+    ties, -inf, nan and signed zeros included."""
+    rng = np.random.default_rng(11)
+    x = _values(rng, (3, *hw), dtype, special=True)
+    x[0] = rng.standard_normal(hw).astype(dtype)
+    x[1, 0, :] = -0.0
+    oh, ow = ((hw[a] + 2 * padding[a] - kernel[a]) // stride[a] + 1 for a in (0, 1))
+    dy = rng.standard_normal((3, oh, ow)).astype(dtype)
+    dy[1, 0, :] = -0.0
+    dx = np.full_like(x, 5.0)
+    pool_jit.max_pool_grad_planes(x, dy, kernel, stride, padding, dx)
+    want = _grad_by_windows(x, dy, kernel, stride, padding)
+    np.testing.assert_array_equal(dx, want)
+    assert np.array_equal(np.signbit(dx), np.signbit(want))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hw", [(4, 6), (5, 7), (2, 2)])
 @pytest.mark.parametrize("special", [False, True])
