@@ -131,9 +131,9 @@ def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: i
         for r in device.registers
     ]
     loops = analysis.loop_edges(device, rc.store, registers)
-    donations = analysis.donations(device)
-    recyclers, guards = analysis.recyclers(device)
     no_ops = analysis.no_op_boxings(device)
+    donations = analysis.donations(device, no_ops)
+    recyclers, guards = analysis.recyclers(device)
     regs = {r.id: r for r in device.registers}
     looped = frozenset(t.id for t in device.tasks if t.id in loops and t.kind != pp.TASK_KIND_SOURCE)
     memory = memory_plan.plan(device, rc.tables.tensors, looped) if rc.plan_memory and rc.xp is np else None

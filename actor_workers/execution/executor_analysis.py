@@ -15,6 +15,7 @@ initial values from the store, and appends the registers it adds to the rank's l
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +91,7 @@ def no_op_boxings(device: pp.DevicePlan) -> set[int]:
         out -= dropped
 
 
-def donations(device: pp.DevicePlan) -> dict[int, frozenset[int]]:
+def donations(device: pp.DevicePlan, through: Collection[int] = ()) -> dict[int, frozenset[int]]:
     """Per kernel task, the input positions whose arrays it may overwrite (an optimizer state's buffer).
 
     A variable's value is given away to the one kernel that reads it when nobody else ever holds that
@@ -98,7 +99,10 @@ def donations(device: pp.DevicePlan) -> dict[int, frozenset[int]]:
     SINK assigns (next step's SOURCE value) is an output of that same kernel that only the SINK reads. So
     the array circulates kernel -> SINK -> SOURCE -> kernel, read once per step, and the kernel can update
     it in place instead of allocating a new one. Unlooped sources (never assigned: the store's own array,
-    re-read every step) are never donated.
+    re-read every step) are never donated. ``through``: boxing steps that move nothing
+    (:func:`no_op_boxings`), each of which hands its one input on as its one output: a chain of them with
+    one reader each may stand between the SOURCE and the kernel, and between the kernel and the SINK
+    (BERT's AdamW moments on a 1 x 1 mesh: two 2-d boxings around every update).
     """
     by_id = {t.id: t for t in device.tasks}
     regs = {r.id: r for r in device.registers}
@@ -107,26 +111,54 @@ def donations(device: pp.DevicePlan) -> dict[int, frozenset[int]]:
         for t in device.tasks
         if t.kind == pp.TASK_KIND_SINK and "assign" in t.attrs
     }
+    passes = frozenset(through)
     out: dict[int, set[int]] = {}
     for source in device.tasks:
         sink = sinks.get(source.op_name)
         if source.kind != pp.TASK_KIND_SOURCE or sink is None or len(sink.in_registers) != 1:
             continue
-        back = regs[sink.in_registers[0]]
-        for r in source.out_registers:
-            readers = set(regs[r].consumer_tasks)
+        back = _upstream(regs[sink.in_registers[0]], regs, by_id, passes)
+        for first in source.out_registers:
+            r = _downstream(regs[first], regs, by_id, passes)
+            readers = set(r.consumer_tasks)
             if len(readers) != 1:
                 continue
             reader = by_id[readers.pop()]
             ins = list(reader.in_registers)
             if (
                 reader.kind in (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER)
-                and ins.count(r) == 1
+                and ins.count(r.id) == 1
                 and back.producer_task == reader.id
-                and set(back.consumer_tasks) == {sink.id}
+                and len(set(back.consumer_tasks)) == 1
             ):
-                out.setdefault(reader.id, set()).add(ins.index(r))
+                out.setdefault(reader.id, set()).add(ins.index(r.id))
     return {t: frozenset(p) for t, p in out.items()}
+
+
+def _passing(task: pp.Task | None, passes: frozenset[int]) -> bool:
+    return task is not None and task.id in passes and len(task.in_registers) == len(task.out_registers) == 1
+
+
+def _downstream(
+    reg: pp.RegisterDesc, regs: dict[int, pp.RegisterDesc], by_id: dict[int, pp.Task], passes: frozenset[int]
+) -> pp.RegisterDesc:
+    """The register a value reaches from ``reg`` through pass-through steps, each its one reader."""
+    while len(set(reg.consumer_tasks)) == 1 and _passing(by_id.get(reg.consumer_tasks[0]), passes):
+        reg = regs[by_id[reg.consumer_tasks[0]].out_registers[0]]
+    return reg
+
+
+def _upstream(
+    reg: pp.RegisterDesc, regs: dict[int, pp.RegisterDesc], by_id: dict[int, pp.Task], passes: frozenset[int]
+) -> pp.RegisterDesc:
+    """The register whose value reaches ``reg`` through pass-through steps, each its value's one reader."""
+    while _passing(step := by_id.get(reg.producer_task), passes):
+        assert step is not None
+        before = regs[step.in_registers[0]]
+        if len(set(before.consumer_tasks)) != 1:
+            break
+        reg = before
+    return reg
 
 
 # Readers that never keep a variable's array past their act (a SINK fetch records it: not recyclable).

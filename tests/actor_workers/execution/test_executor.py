@@ -316,6 +316,42 @@ def test_only_a_variable_read_by_one_task_is_donated() -> None:
             assert next(t for t in device.tasks if t.id == reg.producer_task).kind == pp.TASK_KIND_SOURCE
 
 
+def test_adamws_moments_are_donated_through_the_no_op_boxings_of_a_one_device_mesh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """BERT on a 1 x 1 mesh: a 2-d boxing that moves nothing stands between each moment's SOURCE and its
+    update, and between the update and the SINK. The moments are still read by their update alone, so
+    they are updated in place, and training equals the run that copies them bit for bit."""
+    job = load("bert").make_job(ranks=1, dp=1, batch_size=8, steps=2, lr=1e-2)
+    c = compile_job(job)
+    assert c.plan is not None
+    device = c.plan.devices[0]
+    updates = [t for t in device.tasks if t.kind == pp.TASK_KIND_OPTIMIZER]
+    plain = executor_analysis.donations(device)
+    through = executor_analysis.donations(device, executor_analysis.no_op_boxings(device))
+    assert updates and all(through.get(t.id) == frozenset({2, 3}) for t in updates)  # m and v
+    assert len(plain) < len(updates)  # without looking through the boxings: most are copied
+
+    def train() -> tuple[list[Any], dict[str, Any], dict[str, Any], executor.Program]:
+        with InProcessWorld(range(1), timeout=TIMEOUT) as world:
+            program = build(c, 2, world)
+            store = program.ranks[0].context.store
+            initial = {n: v for n, v in store.values().items() if n.endswith(("/adam_m", "/adam_v"))}
+            executor.execute(program, TIMEOUT, abort_hooks=[world.abort])
+        names = [p.tensor for p in job.parameters]
+        return executor.fetched(program, job.loss, 2), executor.variables(program, names), initial, program
+
+    losses, params, initial, program = train()
+    store = program.ranks[0].context.store
+    assert initial and all(store[n] is v for n, v in initial.items())  # updated in place
+    monkeypatch.setattr(executor_analysis, "donations", lambda device, through=(): plain)
+    copied_losses, copied_params, copied_initial, copied = train()
+    assert not all(copied.ranks[0].context.store[n] is v for n, v in copied_initial.items())
+    np.testing.assert_array_equal(losses, copied_losses)
+    for name, value in copied_params.items():
+        np.testing.assert_array_equal(params[name], value, err_msg=name)
+
+
 def test_chained_no_op_boxings_of_a_one_device_mesh_are_bypassed() -> None:
     # tensor parallel on a 1 x 1 mesh: a 2-d boxing is two steps, one a mesh axis, each next to the other;
     # only the steps after the data loads (another stream) stay on comm
