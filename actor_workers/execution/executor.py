@@ -136,7 +136,11 @@ def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: i
     recyclers, guards = analysis.recyclers(device)
     regs = {r.id: r for r in device.registers}
     looped = frozenset(t.id for t in device.tasks if t.id in loops and t.kind != pp.TASK_KIND_SOURCE)
-    memory = memory_plan.plan(device, rc.tables.tensors, looped) if rc.plan_memory and rc.xp is np else None
+    memory = (
+        memory_plan.plan(device, rc.tables.tensors, looped, no_ops)
+        if rc.plan_memory and rc.xp is np
+        else None
+    )
     actors = []
     for priority, task in enumerate(device.tasks):
         loop = loops.get(task.id)

@@ -22,14 +22,15 @@ plan decides only who *may* share; a slab is lent at run time only when it is de
 A slab that is not free is not lent, and the kernel allocates a fresh array: two live values in one
 buffer cannot happen, whatever the order. Only registers that nobody keeps past an act are planned: one
 slot, produced by a kernel on the compute stream, read only by kernels and updates there (a SINK fetch
-records its value, an assign stores it, a boxing may send it). The executor's engine keeps no value
+records its value, an assign stores it, a boxing may send it), directly or through boxing steps that
+move nothing, which the executor bypasses (:func:`reach`: BERT's 2-d boxings on a 1 x 1 mesh). The executor's engine keeps no value
 past its readers (``Engine(keep_last=())``), so a value's references are its readers' and its views'.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,12 +57,16 @@ def makes_views(task: pp.Task) -> bool:
 
 @dataclass(frozen=True)
 class Lifetime:
-    """A register's value within a step: from its producer's position to its last consumer's."""
+    """A register's value within a step: from its producer's position to its last consumer's.
+    ``readers``: the tasks that read the value (through pass-through steps), ``aliases``: the registers
+    of those steps, which carry the same value (0 and () for a register read directly only)."""
 
     register: int
     nbytes: int
     first: int
     last: int
+    readers: int = 0
+    aliases: tuple[int, ...] = ()
 
     def overlaps(self, other: Lifetime) -> bool:
         return self.first <= other.last and other.first <= self.last
@@ -85,16 +90,23 @@ def colour(lifetimes: Sequence[Lifetime]) -> tuple[dict[int, int], list[int]]:
 
 
 def lifetimes(
-    device: pp.DevicePlan, tensors: Mapping[str, TensorDecl], excluded: frozenset[int] = frozenset()
+    device: pp.DevicePlan,
+    tensors: Mapping[str, TensorDecl],
+    excluded: frozenset[int] = frozenset(),
+    through: Collection[int] = (),
 ) -> list[Lifetime]:
     """The lifetimes of the registers of ``device`` that may share (see the module docstring), in the
-    plan's task order; producers in ``excluded`` (a kernel whose output loops to the next step) are left out."""
+    plan's task order; producers in ``excluded`` (a kernel whose output loops to the next step) are left
+    out. ``through``: boxing steps that move nothing (:func:`~.executor_analysis.no_op_boxings`), which
+    the executor bypasses: their readers read the value itself, and count as its readers."""
     position = {t.id: i for i, t in enumerate(device.tasks)}
     by_id = {t.id: t for t in device.tasks}
+    regs = {r.id: r for r in device.registers}
+    passes = frozenset(through)
     out = []
     for reg in device.registers:
         producer = by_id.get(reg.producer_task)
-        readers = [by_id.get(c) for c in reg.consumer_tasks]
+        readers, aliases, steps = reach(reg, regs, by_id, passes)
         if (
             reg.count != 1
             or reg.tensor not in tensors  # a boxing's intermediate value: not a tensor of the plan
@@ -110,10 +122,36 @@ def lifetimes(
             continue
         shape, dtype = value_shape(tensors[reg.tensor], producer)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        last = max(position[c] for c in reg.consumer_tasks)
+        last = max(position[t.id] for t in [*readers, *steps] if t is not None)
         if nbytes:
-            out.append(Lifetime(reg.id, nbytes, position[producer.id], last))
+            out.append(Lifetime(reg.id, nbytes, position[producer.id], last, len(readers), aliases))
     return out
+
+
+def reach(
+    reg: pp.RegisterDesc,
+    regs: Mapping[int, pp.RegisterDesc],
+    by_id: Mapping[int, pp.Task],
+    passes: frozenset[int],
+) -> tuple[list[pp.Task | None], tuple[int, ...], list[pp.Task]]:
+    """Who reads ``reg``'s value: its readers, a pass-through step's (in ``passes``: one input, one
+    one-slot output) in place of the step; the registers of those steps; and the steps."""
+    readers: dict[int, pp.Task | None] = {}  # by task id: a reader through two paths reads once
+    aliases: list[int] = []
+    steps: list[pp.Task] = []
+    todo = [reg]
+    while todo:
+        for c in dict.fromkeys(todo.pop().consumer_tasks):
+            t = by_id.get(c)
+            if t is not None and t.id in passes and len(t.in_registers) == len(t.out_registers) == 1:
+                carried = regs[t.out_registers[0]]
+                if carried.count == 1:
+                    steps.append(t)
+                    aliases.append(carried.id)
+                    todo.append(carried)
+                    continue
+            readers[c] = t
+    return list(readers.values()), tuple(aliases), steps
 
 
 def value_shape(decl: TensorDecl, producer: pp.Task) -> tuple[tuple[int, ...], np.dtype[Any]]:
@@ -183,9 +221,15 @@ class MemoryPlan:
         return Lender(planned, reuse)
 
 
-def plan(device: pp.DevicePlan, tensors: Mapping[str, TensorDecl], excluded: frozenset[int]) -> MemoryPlan:
-    """The memory plan of ``device``'s registers (producers in ``excluded`` left out)."""
-    lives = lifetimes(device, tensors, excluded)
+def plan(
+    device: pp.DevicePlan,
+    tensors: Mapping[str, TensorDecl],
+    excluded: frozenset[int],
+    through: Collection[int] = (),
+) -> MemoryPlan:
+    """The memory plan of ``device``'s registers (producers in ``excluded`` left out; ``through``: the
+    pass-through steps, whose registers share their input's :class:`Planned`)."""
+    lives = lifetimes(device, tensors, excluded, through)
     slab_of, sizes = colour(lives)
     slabs = [Slab(n) for n in sizes]
     regs = {r.id: r for r in device.registers}
@@ -195,7 +239,9 @@ def plan(device: pp.DevicePlan, tensors: Mapping[str, TensorDecl], excluded: fro
         reg = regs[life.register]
         slab = slabs[slab_of[life.register]]
         shape, dtype = value_shape(tensors[reg.tensor], by_id[reg.producer_task])
-        out[reg.id] = Planned(slab, slab.view(shape, dtype), len(set(reg.consumer_tasks)))
+        out[reg.id] = Planned(slab, slab.view(shape, dtype), life.readers)
+        for alias in life.aliases:  # read as the value itself once the step is bypassed
+            out[alias] = out[reg.id]
     for slab in slabs:  # the owner's count with the plan's views alive, as free() reads it (an argument)
         slab.expected = sys.getrefcount(slab.base)
     return MemoryPlan(out, sizes, sum(life.nbytes for life in lives))

@@ -16,7 +16,7 @@ import numba
 import numpy as np
 import pytest
 
-from sbpflow.actor_workers.execution import executor, memory_plan, plan_tables
+from sbpflow.actor_workers.execution import executor, executor_analysis, memory_plan, plan_tables
 from sbpflow.actor_workers.execution.memory_plan import Lender, Lifetime, Planned, Slab, colour, watch
 from sbpflow.actor_workers.runtime.actors import ActorSpec, RegisterSpec
 from sbpflow.actor_workers.runtime.engine import Engine
@@ -199,6 +199,27 @@ def test_values_someone_keeps_past_an_act_are_not_planned() -> None:
             assert {by_id[t].kind for t in r.consumer_tasks} <= set(memory_plan.READERS)
 
 
+def test_a_value_read_through_boxings_that_move_nothing_is_planned_for_their_readers() -> None:
+    # BERT on a 1 x 1 mesh: 2-d boxings that move nothing stand between many kernels; the executor
+    # bypasses them, so the kernels after them read the value itself, and the plan counts them
+    c = pipeline.compile(JOBS["bert-1x1"]())
+    assert c.plan is not None
+    device = c.plan.devices[0]
+    tensors = plan_tables.of(c.plan, None).tensors
+    position = {t.id: i for i, t in enumerate(device.tasks)}
+    regs = {r.id: r for r in device.registers}
+    through = executor_analysis.no_op_boxings(device)
+    direct = {life.register for life in memory_plan.lifetimes(device, tensors)}
+    aliased = [life for life in memory_plan.lifetimes(device, tensors, through=through) if life.aliases]
+    assert aliased and not any(life.register in direct for life in aliased)
+    for life in aliased:
+        for alias in life.aliases:  # a bypassed step's register: its readers are within the lifetime
+            assert regs[alias].producer_task in through
+            assert all(position[t] <= life.last for t in regs[alias].consumer_tasks)
+    planned = memory_plan.plan(device, tensors, frozenset(), through).registers
+    assert all(planned[a] is planned[life.register] for life in aliased for a in life.aliases)
+
+
 # ---- training: bit-identical with the plan on and off -----------------------------------------------
 
 
@@ -219,6 +240,7 @@ JOBS = {
         ranks=1, layers=2, heads=4, width=64, seq_len=64, steps=STEPS
     ),
     "gpt-1": lambda: gpt_job(ranks=1, steps=STEPS),
+    "bert-1x1": lambda: load("bert").make_job(ranks=1, dp=1, batch_size=8, steps=STEPS, lr=1e-2),
     "gpt-dp2-unfused": lambda: dataclasses.replace(
         gpt_job(ranks=2, steps=STEPS), config=dataclasses.replace(gpt_job(ranks=2).config, fusion=False)
     ),
