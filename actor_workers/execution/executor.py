@@ -22,6 +22,7 @@ variables' looped SOURCEs) are then bypassed (:mod:`.bypass`).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class RankProgram:
     registers: list[RegisterSpec]
     context: RankContext
     memory: memory_plan.MemoryPlan | None = None  # the registers sharing buffers (None: no plan)
+    spent: bool = False  # an engine has taken its loop edges' initial values (:func:`engine`)
 
 
 @dataclass
@@ -273,8 +275,18 @@ ORDERED_STREAMS = ("comm",)
 
 def engine(rp: RankProgram, trace: bool = False, data_on_compute: bool = False) -> Engine:
     """The engine that runs one rank's program (its communication stream ordered). ``data_on_compute``:
-    the data loads act on the compute thread (a worker with one CPU: see :mod:`.engine`'s ``run_on``)."""
-    return Engine(
+    the data loads act on the compute thread (a worker with one CPU: see :mod:`.engine`'s ``run_on``).
+
+    A rank's program runs once: the engine takes its loop edges' initial values (the variables' values
+    at the first step), and the program keeps none of them, so that nothing holds them once the first
+    update has read them (BERT's parameters: 20 MB held to the end of the run). :func:`rebuild` (or
+    :func:`build`) makes the next one."""
+    if rp.spent:
+        raise ExecutorError(
+            f"rank {rp.rank}: this RankProgram has run (its engine took the variables' first values); "
+            "a program runs once: build it again (executor.build or executor.rebuild) to run more steps"
+        )
+    made = Engine(
         rp.actors,
         rp.registers,
         trace,
@@ -283,6 +295,9 @@ def engine(rp: RankProgram, trace: bool = False, data_on_compute: bool = False) 
         busy=rp.context.busy,
         run_on={"data": "compute"} if data_on_compute else None,
     )
+    rp.actors = [dataclasses.replace(a, initial={}) if a.initial else a for a in rp.actors]
+    rp.spent = True
+    return made
 
 
 def execute(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from heapq import heappop, heappush
 from typing import Any
 
@@ -103,6 +103,9 @@ class Engine:
         self.busy = {} if busy is None else busy  # stream -> seconds in acts so far (a RankContext's)
         self._actors, self._registers = link(actors, registers)
         _keep(self._registers, keep_last)
+        for a in self._actors:  # the initial values are in the inboxes now: dropped once read
+            if a.spec.initial:
+                a.spec = replace(a.spec, initial={})
         self._trace = trace
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}

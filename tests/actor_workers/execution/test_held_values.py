@@ -9,12 +9,15 @@ tensor parallel) and in a pipeline of 2 stages x 4 micro-batches; kernels write 
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import numpy as np
 import pytest
 
 from sbpflow.actor_workers.execution import executor, tasks
+from sbpflow.actor_workers.execution.executor_analysis import ExecutorError
 from sbpflow.actor_workers.runtime.engine import Engine
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.control_plane.compiler import pipeline
@@ -87,3 +90,18 @@ def test_training_without_the_hold_is_bit_identical(name: str, monkeypatch: pyte
     assert held[1].keys() == dropped[1].keys()
     for k in held[1]:
         np.testing.assert_array_equal(dropped[1][k], held[1][k], err_msg=k)
+
+
+def test_the_variables_first_values_die_once_read_and_a_program_runs_once() -> None:
+    # nothing but the loop edges' initial values held a parameter's first value after the first update
+    job = JOBS["main-job"]()
+    c = pipeline.compile(job)
+    assert c.plan is not None
+    program = executor.build(c.plan, 2)
+    store = program.ranks[0].context.store
+    first = {p.tensor: weakref.ref(store[p.tensor]) for p in job.parameters}
+    executor.execute(program, 60.0)
+    gc.collect()
+    assert first and all(ref() is None for ref in first.values())
+    with pytest.raises(ExecutorError, match="runs once"):
+        executor.engine(program.ranks[0])
