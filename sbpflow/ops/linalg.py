@@ -150,6 +150,54 @@ defop(
 )
 
 
+# ---- rows_matmul: a's rows^T @ b's rows, every leading axis contracted -----------------------------------
+
+
+def rows_matmul_spec(ndim: int) -> str:
+    """``"abk,abn->kn"`` for a [A, B, k] and b [A, B, n]: the leading letters are contracted."""
+    batch = _batch("rows_matmul", ndim + 1)
+    return f"{batch}k,{batch}n->kn"
+
+
+def _rows_matmul_infer(metas: Metas, attrs: Attrs) -> Metas:
+    a, b = metas
+    _check_dtypes("rows_matmul", a, b)
+    if a.ndim < 2 or a.shape[:-1] != b.shape[:-1]:
+        raise ShapeError(
+            f"op 'rows_matmul' needs a [..., k] and b [..., n] with equal leading axes (at least one), "
+            f"got a {a} and b {b}"
+        )
+    return (TensorMeta((a.shape[-1], b.shape[-1]), a.dtype),)
+
+
+def _rows_matmul_kernel(ctx: KernelContext, a: Any, b: Any) -> Any:
+    # the reshapes and the matmul(transpose_a) it stands for, on the same arrays: the same GEMM call
+    rows_a, rows_b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    return _gemm(ctx.xp, _swap_last(rows_a, True, ctx.xp), rows_b, ctx.out_array(0))
+
+
+def _rows_matmul_grad(g: GradContext) -> list[Any]:
+    a, b = g.inputs
+    return [g.call("matmul", b, g.dy, transpose_b=True), g.call("matmul", a, g.dy)]
+
+
+def _rows_matmul_flops(ins: Metas, outs: Metas, attrs: Attrs) -> int:
+    return 2 * outs[0].numel * (ins[0].numel // ins[0].shape[-1])
+
+
+defop(
+    "rows_matmul",
+    inputs=("a", "b"),
+    infer=_rows_matmul_infer,
+    rows=lambda m, a: rows.einsum(rows_matmul_spec(m[0].ndim)),
+    kernel=_rows_matmul_kernel,
+    grad=_rows_matmul_grad,
+    doc="a [..., k] and b [..., n] as rows, a^T b [k, n]: matmul's weight gradient with its batch axes "
+    "flattened (the fusion pass folds the two reshapes and the matmul of autodiff's rule into it)",
+    flops=_rows_matmul_flops,
+)
+
+
 # ---- batch_matmul: a [..., m, k] @ b [..., k, n], equal batch axes --------------------------------------
 
 

@@ -25,6 +25,10 @@ pass over the gradient fewer a parameter, the same product in the same dtype. Wh
 clipped gradient to the update's SBP, the update does not read the ``mul``'s result and nothing folds;
 a loss-scaled job's gated updates keep their ``mul`` too.
 
+Then :func:`fold_row_contractions` folds each weight gradient's two reshapes to rows and its
+``matmul(transpose_a)`` into one ``rows_matmul`` of the unflattened arrays (the same GEMM call): two
+acts fewer a weight.
+
 On by default (``JobConfig.fusion``; a job message without the field reads as on): a fused chain runs the
 same numpy calls in the same order as the ops it replaces, so a run is bit-identical either way
 (``tests/control_plane/compiler/passes/test_fusion.py`` trains both). A job turns it off with
@@ -41,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from sbpflow.control_plane.compiler.passes.autodiff import GRAD
 from sbpflow.control_plane.compiler.passes.optimizer import PREFIX as OPTIMIZER
 from sbpflow.control_plane.compiler.state import Choice, CompileState
-from sbpflow.graph import OpNode, TensorKind
+from sbpflow.graph import Graph, OpNode, TensorKind
 from sbpflow.ops.base import NdSignature
 from sbpflow.ops.fused import FUSABLE, TERMINAL, encode
 from sbpflow.ops.training.optim import CLIPPED
@@ -150,15 +154,20 @@ def fuse(state: CompileState, ops: list[OpNode]) -> OpNode:
     return node
 
 
-def fold_clips(state: CompileState) -> int:
-    """Fold each clipping ``mul`` into the update that alone reads its result (the module's docstring);
-    returns how many were folded."""
-    g = state.graph
-    producer = {t: o for o in g.ops for t in o.outputs}
+def _producers_and_readers(g: Graph) -> tuple[dict[str, OpNode], dict[str, int]]:
+    """Each tensor's producing op, and how many op inputs read it (an op reading it twice counts twice)."""
     readers: dict[str, int] = {}
     for o in g.ops:
         for i in o.inputs:
             readers[i] = readers.get(i, 0) + 1
+    return {t: o for o in g.ops for t in o.outputs}, readers
+
+
+def fold_clips(state: CompileState) -> int:
+    """Fold each clipping ``mul`` into the update that alone reads its result (the module's docstring);
+    returns how many were folded."""
+    g = state.graph
+    producer, readers = _producers_and_readers(g)
     keep = protected(state)
     folded: dict[str, OpNode] = {}  # the update's name -> its clipped form
     gone: set[str] = set()
@@ -184,6 +193,53 @@ def fold_clips(state: CompileState) -> int:
     return len(folded)
 
 
+def _flattened(g: Graph, producer: dict[str, OpNode], name: str, readers: dict[str, int]) -> OpNode | None:
+    """The reshape of an [..., k] array to [rows, k] that alone makes ``name`` for one reader, else None."""
+    r = producer.get(name)
+    if r is None or r.op_type != "reshape" or readers.get(name) != 1:
+        return None
+    src, out = g.tensors[r.inputs[0]].meta, g.tensors[name].meta
+    return r if src.ndim > 2 and out.shape == (src.numel // src.shape[-1], src.shape[-1]) else None
+
+
+def fold_row_contractions(state: CompileState) -> int:
+    """Fold each weight gradient's ``matmul(reshape(a), reshape(dy), transpose_a=True)`` (matmul's rule
+    on a batched input: both operands flattened to rows) into one ``rows_matmul`` of the unflattened
+    arrays, the same GEMM call on the same arrays, so the same bits: two acts fewer a weight (the main
+    job's 18 reshapes a step). The SBPs are fixed by now; the new op's are its inputs' and output's, one
+    of its einsum rows (a split leading axis in both: ``P``, as the flattened rows' split was)."""
+    g = state.graph
+    producer, readers = _producers_and_readers(g)
+    keep = protected(state)
+    folded: dict[str, OpNode] = {}
+    gone: set[str] = set()
+    for o in g.ops:
+        if o.op_type != "matmul" or not o.attrs.get("transpose_a") or o.attrs.get("transpose_b"):
+            continue
+        flat = [_flattened(g, producer, i, readers) for i in o.inputs]
+        if any(r is None or r.outputs[0] in keep or _key(r) != _key(o) for r in flat):
+            continue
+        a, b = (r.inputs[0] for r in flat if r is not None)
+        if g.tensors[a].meta.shape[:-1] != g.tensors[b].meta.shape[:-1] or flat[0] is flat[1]:
+            continue
+        # a name of its own: micro-batching takes the attrs of the op of its name in a twin graph
+        node = replace(o, name=f"{o.name}.rows", op_type="rows_matmul", inputs=(a, b), attrs={})
+        folded[o.name] = node
+        choice = state.choices.pop(o.name)
+        sbp = tuple(g.tensors[t].sbp for t in (a, b))
+        cost = choice.cost + sum(
+            state.choices.pop(r.name).cost for r in flat if r and r.name in state.choices
+        )
+        reason = choice.reason + " + rows folded"
+        state.choices[node.name] = Choice(NdSignature(sbp, choice.signature.outs), cost, reason)  # type: ignore[arg-type]
+        for r in flat:
+            assert r is not None
+            gone.add(r.name)
+            del g.tensors[r.outputs[0]]
+    g.ops[:] = [folded.get(o.name, o) for o in g.ops if o.name not in gone]
+    return len(folded)
+
+
 def _one_broadcast_value(state: CompileState, name: str) -> bool:
     decl = state.graph.tensors[name]
     return math.prod(decl.meta.shape) == 1 and decl.sbp is not None and all(s == B for s in decl.sbp)
@@ -193,6 +249,7 @@ def run(state: CompileState) -> None:
     if not state.job.config.fusion:
         return
     fold_clips(state)
+    fold_row_contractions(state)
     found = chains(state)
     if not found:
         return

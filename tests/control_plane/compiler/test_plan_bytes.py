@@ -129,7 +129,8 @@ def test_tp4_backward_is_megatrons() -> None:
     for o in state.graph.ops:
         if o.op_type == "layer_norm_grad":
             assert all(sbp[0] != S(0) for sbp in state.choices[o.name].signature.ins), o.name
-    head = next(o for o in state.graph.ops if o.name == "grad/model.lm_head.matmul_0/matmul_1")
+    # the weight gradient's matmul, folded by fusion with its operands' reshapes into a rows_matmul
+    head = next(o for o in state.graph.ops if o.name.startswith("grad/model.lm_head.matmul_0/matmul_1"))
     boxed = {out for o in state.graph.ops if o.op_type == BOXING for out in o.outputs}
     assert not boxed & set(head.inputs), head.inputs
     assert not [n for n, p in state.boxings.items() if "all-to-all" in repr(p)]

@@ -47,3 +47,17 @@ def _batch_matmul_ref(a: np.ndarray, b: np.ndarray, transpose_a: bool, transpose
 
 case(OpCase("matmul", _matmul(), _matmul_ref, differentiable=(0, 1)))
 case(OpCase("batch_matmul", _batch_matmul(), _batch_matmul_ref, differentiable=(0, 1)))
+
+
+@st.composite
+def _rows_matmul(draw: st.DrawFn) -> Example:
+    lead = draw(shapes(1, 3, max_side=4))
+    k, n = draw(shapes(2, 2))
+    return Example((arrays((*lead, k), draw), arrays((*lead, n), draw)), {})
+
+
+def _rows_matmul_ref(a: np.ndarray, b: np.ndarray) -> list[np.ndarray]:
+    return [np.einsum("rk,rn->kn", a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]))]
+
+
+case(OpCase("rows_matmul", _rows_matmul(), _rows_matmul_ref, differentiable=(0, 1)))

@@ -165,6 +165,23 @@ def test_fusion_survives_micro_batching() -> None:
     assert compiled.plan is not None
 
 
+@pytest.mark.parametrize("layout", ["gpt-1", "dp2xtp2"])
+def test_each_weight_gradient_is_one_rows_matmul(layout: str) -> None:
+    # matmul's rule flattens a batched input and dy to rows (two reshapes) for the weight's gradient; the
+    # pass folds them into one rows_matmul of the unflattened arrays (bit-identical: the test below)
+    shape, _ = FOLDS[layout]
+    made = load("gpt").make_job(layers=1, width=16, vocab=32, seq_len=8, batch_size=8, heads=2, **shape)
+    ops = pipeline.compile(made).state.graph.ops  # compiled: verify_compiled checks each signature
+    rows = [o for o in ops if o.op_type == "rows_matmul"]
+    assert len(rows) == 5, [o.name for o in rows]  # c_attn, c_proj, c_fc, mlp c_proj, lm_head
+    assert not [o for o in ops if o.op_type == "matmul" and o.attrs.get("transpose_a")]
+    off = pipeline.compile(replace(made, config=replace(made.config, fusion=False))).state.graph.ops
+    assert not [o for o in off if o.op_type == "rows_matmul"]
+    assert sum(o.op_type == "reshape" for o in off) - sum(o.op_type == "reshape" for o in ops) == 2 * len(
+        rows
+    )
+
+
 def optimizer_ops(j: Job) -> list[str]:
     return [o.op_type for o in pipeline.compile(j).state.graph.ops if o.name.startswith("optimizer/model.")]
 
