@@ -240,10 +240,19 @@ def _last(a: Any) -> Any:
     return np.ascontiguousarray(a.transpose(0, 2, 3, 1)).reshape(a.shape[0], -1)
 
 
-def _first(a: Any, shape: tuple[int, int, int, int]) -> Any:
-    """The inverse of :func:`_last`: a [N, H*W*C] as [N, C, H, W] = ``shape``."""
+def _first(a: Any, shape: tuple[int, int, int, int], out: Any = None) -> Any:
+    """The inverse of :func:`_last`: a [N, H*W*C] as [N, C, H, W] = ``shape``, into ``out`` if given."""
     n, c, h, w = shape
-    return np.ascontiguousarray(a.reshape(n, h, w, c).transpose(0, 3, 1, 2))
+    return into(out, a.reshape(n, h, w, c).transpose(0, 3, 1, 2))
+
+
+def into(out: Any, a: Any) -> Any:
+    """``a`` as a C-contiguous array: copied into ``out`` (a lent buffer of its shape and dtype, or None:
+    a new array). The same values either way: a copy does no arithmetic."""
+    if out is None:
+        return np.ascontiguousarray(a)
+    np.copyto(out, a)
+    return out
 
 
 def _pointwise(kernel: Pair, padding: Pair) -> bool:
@@ -257,52 +266,59 @@ def _positions(x: Any, stride: Pair) -> Any:
     return np.ascontiguousarray(taken).reshape(x.shape[0], x.shape[1], -1)
 
 
-def conv(x: Any, w: Any, stride: Pair, padding: Pair, dilation: Pair) -> Any:
+def conv(x: Any, w: Any, stride: Pair, padding: Pair, dilation: Pair, out: Any = None) -> Any:
     """conv2d of x [N, C, H, W] by w [O, C, KH, KW]: a block of samples' window rows at a time by the
     GEMM rows @ w' [KH*KW*C, O] (OpenBLAS's fast order for few output channels and many positions),
     each block's result [positions, O] written channels first. A 1x1 kernel without padding: one GEMM
-    w [O, C] @ x [C, OH*OW] a sample, straight into the output's layout."""
-    if _pointwise((w.shape[2], w.shape[3]), padding):
-        oh, ow = _out_hw(x.shape[2:], (1, 1), stride, padding, dilation)
-        y = np.matmul(w.reshape(w.shape[0], -1), _positions(x, stride))
-        return y.reshape(x.shape[0], w.shape[0], oh, ow)
+    w [O, C] @ x [C, OH*OW] a sample, straight into the output's layout. Every path writes y into
+    ``out`` where given (a lent C-contiguous buffer of y's shape and dtype): the same GEMMs, so the
+    same bits."""
     n, c = x.shape[:2]
     o, kernel = w.shape[0], (w.shape[2], w.shape[3])
     oh, ow = _out_hw(x.shape[2:], kernel, stride, padding, dilation)
+    if _pointwise(kernel, padding):
+        y = np.empty((n, o, oh, ow), x.dtype) if out is None else out
+        np.matmul(w.reshape(o, -1), _positions(x, stride), out=y.reshape(n, o, oh * ow))
+        return y
     if (taps := dense_taps(x.shape[2:], kernel, stride, padding, dilation)) is not None:
         yt = _dense(w, taps) @ _last(x).T  # [OH*OW*O, N]: the dense matrix as the GEMM's left side
-        return np.ascontiguousarray(yt.reshape(oh, ow, o, n).transpose(3, 2, 0, 1))
+        return into(out, yt.reshape(oh, ow, o, n).transpose(3, 2, 0, 1))
     if conv_taps.applies(c, stride, ow):
-        return conv_taps.conv(x, w, padding, dilation)
+        return conv_taps.conv(x, w, padding, dilation, out)
     if conv_winograd.applies(c, kernel, stride, dilation, ow):
-        return conv_winograd.conv(x, w, padding)
+        return conv_winograd.conv(x, w, padding, out)
     padded, wk, k = _padded(x, padding), _weight_rows(w).T, kernel[0] * kernel[1] * c
     b, blocks = _blocks(n, oh * ow * k * x.itemsize)
     rows, part = np.empty((b, oh, ow, *kernel, c), x.dtype), np.empty((b * oh * ow, o), x.dtype)
-    y = np.empty((n, o, oh * ow), x.dtype)
+    y = np.empty((n, o, oh * ow), x.dtype) if out is None else out.reshape(n, o, oh * ow)
     for n0, n1 in blocks:
         m = (n1 - n0) * oh * ow
         im2row(padded[n0:n1], kernel, stride, dilation, rows[: n1 - n0])
         np.matmul(rows[: n1 - n0].reshape(m, k), wk, out=part[:m])
         y[n0:n1] = part[:m].reshape(n1 - n0, oh * ow, o).transpose(0, 2, 1)
-    return y.reshape(n, o, oh, ow)
+    return y.reshape(n, o, oh, ow) if out is None else out
 
 
-def conv_grad_weight(dy: Any, x: Any, kernel: Pair, stride: Pair, padding: Pair, dilation: Pair) -> Any:
+def conv_grad_weight(
+    dy: Any, x: Any, kernel: Pair, stride: Pair, padding: Pair, dilation: Pair, out: Any = None
+) -> Any:
     """dw [O, C, KH, KW] = sum over blocks of samples of dy' [O, positions] @ their window rows; with a
-    1x1 kernel without padding, sum over samples of dy [O, OH*OW] @ x [C, OH*OW]' (no window rows)."""
+    1x1 kernel without padding, sum over samples of dy [O, OH*OW] @ x [C, OH*OW]' (no window rows).
+    Into ``out`` where given, as :func:`conv`."""
     n, c = x.shape[:2]
-    if _pointwise(kernel, padding):
-        per_sample = np.matmul(dy.reshape(n, dy.shape[1], -1), _positions(x, stride).transpose(0, 2, 1))
-        return per_sample.sum(axis=0).reshape(dy.shape[1], c, 1, 1)
     o = dy.shape[1]
+    if _pointwise(kernel, padding):
+        per_sample = np.matmul(dy.reshape(n, o, -1), _positions(x, stride).transpose(0, 2, 1))
+        dw = np.empty((o, c, 1, 1), dy.dtype) if out is None else out
+        np.sum(per_sample, axis=0, out=dw.reshape(o, c))
+        return dw
     oh, ow = _out_hw(x.shape[2:], kernel, stride, padding, dilation)
     if (taps := dense_taps(x.shape[2:], kernel, stride, padding, dilation)) is not None:
         wr = np.empty((o, kernel[0] * kernel[1], c), x.dtype)
         dense_fold(_last(dy).T @ _last(x), taps, wr)
-        return np.ascontiguousarray(wr.reshape(o, *kernel, c).transpose(0, 3, 1, 2))
+        return into(out, wr.reshape(o, *kernel, c).transpose(0, 3, 1, 2))
     if conv_winograd.applies(c, kernel, stride, dilation, ow):
-        return conv_winograd.grad_weight(dy, x, padding)
+        return conv_winograd.grad_weight(dy, x, padding, out)
     padded, k = _padded(x, padding), kernel[0] * kernel[1] * c
     b, blocks = _blocks(n, oh * ow * k * x.itemsize)
     rows = np.empty((b, oh, ow, *kernel, c), x.dtype)
@@ -310,24 +326,32 @@ def conv_grad_weight(dy: Any, x: Any, kernel: Pair, stride: Pair, padding: Pair,
     for n0, n1 in blocks:
         im2row(padded[n0:n1], kernel, stride, dilation, rows[: n1 - n0])
         dw += dy[n0:n1].transpose(1, 0, 2, 3).reshape(o, -1) @ rows[: n1 - n0].reshape(-1, k)
-    return np.ascontiguousarray(dw.reshape(o, *kernel, c).transpose(0, 3, 1, 2))
+    return into(out, dw.reshape(o, *kernel, c).transpose(0, 3, 1, 2))
 
 
-def conv_grad_input(dy: Any, w: Any, hw: Pair, stride: Pair, padding: Pair, dilation: Pair) -> Any:
+def conv_grad_input(
+    dy: Any, w: Any, hw: Pair, stride: Pair, padding: Pair, dilation: Pair, out: Any = None
+) -> Any:
     """dx [N, C, *hw] for any stride: a block's window rows' gradient dy' @ w' [O, KH*KW*C], each row
     added back where its window read (add_rows_back), then channels first. A 1x1 kernel without
-    padding: w' [C, O] @ dy [O, OH*OW] a sample, placed at every stride-th position of a zero dx."""
+    padding: w' [C, O] @ dy [O, OH*OW] a sample, placed at every stride-th position of a zero dx.
+    Into ``out`` where given, as :func:`conv`."""
     n, o, oh, ow = dy.shape
     c, kernel = w.shape[1], (w.shape[2], w.shape[3])
     if _pointwise(kernel, padding):
-        at = np.matmul(w.reshape(o, c).T, dy.reshape(n, o, oh * ow)).reshape(n, c, oh, ow)
-        if stride == (1, 1) and (oh, ow) == tuple(hw):
-            return at
-        dx = np.zeros((n, c, *hw), dy.dtype)
-        dx[:, :, : oh * stride[0] : stride[0], : ow * stride[1] : stride[1]] = at
+        dense = stride == (1, 1) and (oh, ow) == tuple(hw)
+        dx = np.empty((n, c, *hw), dy.dtype) if out is None else out
+        wt, d3 = w.reshape(o, c).T, dy.reshape(n, o, oh * ow)
+        if dense:
+            np.matmul(wt, d3, out=dx.reshape(n, c, oh * ow))
+            return dx
+        dx.fill(0)
+        dx[:, :, : oh * stride[0] : stride[0], : ow * stride[1] : stride[1]] = np.matmul(wt, d3).reshape(
+            n, c, oh, ow
+        )
         return dx
     if (taps := dense_taps(tuple(hw), kernel, stride, padding, dilation)) is not None:
-        return _first(_last(dy) @ _dense(w, taps), (n, c, *hw))
+        return _first(_last(dy) @ _dense(w, taps), (n, c, *hw), out)
     wk_t, k = _weight_rows(w), kernel[0] * kernel[1] * c
     padded = np.empty((n, hw[0] + 2 * padding[0], hw[1] + 2 * padding[1], c), dy.dtype)
     _, blocks = _blocks(n, oh * ow * k * dy.itemsize)
@@ -335,4 +359,4 @@ def conv_grad_input(dy: Any, w: Any, hw: Pair, stride: Pair, padding: Pair, dila
         rows = dy[n0:n1].transpose(0, 2, 3, 1).reshape(-1, o) @ wk_t
         add_rows_back(rows.reshape(n1 - n0, oh, ow, *kernel, c), kernel, stride, dilation, padded[n0:n1])
     inner = padded[:, padding[0] : padding[0] + hw[0], padding[1] : padding[1] + hw[1]]
-    return np.ascontiguousarray(inner.transpose(0, 3, 1, 2))
+    return into(out, inner.transpose(0, 3, 1, 2))

@@ -62,15 +62,16 @@ def _fill(x: Any, s: int, padding: Pair, grid: Any) -> Any:
     return grid
 
 
-def conv(x: Any, w: Any, padding: Pair, dilation: Pair) -> Any:
-    """conv2d of x [N, C, H, W] by w [O, C, KH, KW] at stride 1: a GEMM a sample on the padded grid."""
+def conv(x: Any, w: Any, padding: Pair, dilation: Pair, out: Any = None) -> Any:
+    """conv2d of x [N, C, H, W] by w [O, C, KH, KW] at stride 1: a GEMM a sample on the padded grid,
+    into ``out`` where given (a lent buffer of y's shape and dtype)."""
     n, o, kernel = x.shape[0], w.shape[0], (w.shape[2], w.shape[3])
     oh, ow, grid, cols = _geometry(x, kernel, padding, dilation)
     flat, wf = cols.reshape(-1, cols.shape[3]), w.reshape(o, -1)
-    out = np.empty((o, cols.shape[3]), x.dtype)
-    y = np.empty((n, o, oh, ow), x.dtype)
+    part = np.empty((o, cols.shape[3]), x.dtype)
+    y = np.empty((n, o, oh, ow), x.dtype) if out is None else out
     for s in range(n):
         shifted(_fill(x, s, padding, grid), kernel, dilation, cols)
-        np.matmul(wf, flat, out=out)
-        y[s] = out.reshape(o, oh, -1)[:, :, :ow]
+        np.matmul(wf, flat, out=part)
+        y[s] = part.reshape(o, oh, -1)[:, :, :ow]
     return y

@@ -291,29 +291,36 @@ def _blocks(n: int, plan: _Plan) -> list[tuple[int, int]]:
     return [(n0, min(n, n0 + plan.block)) for n0 in range(0, n, plan.block)]
 
 
-def conv(x: Any, w: Any, padding: Pair) -> Any:
+def conv(x: Any, w: Any, padding: Pair, out: Any = None) -> Any:
     """conv2d of x [N, C, H, W] by a 3x3 w [O, C, 3, 3] at stride 1: U = G w G' once, then a block of
-    samples at a time the input tiles' V, the 16 GEMMs U @ V, and A' m A into y's rows."""
+    samples at a time the input tiles' V, the 16 GEMMs U @ V, and A' m A into y's rows; y is ``out``
+    where given (a lent C-contiguous buffer of y's shape) and the tiles cover it exactly, else copied
+    into it."""
     x, (n, c) = np.ascontiguousarray(x), x.shape[:2]
     o, plan = w.shape[0], _plan(x.shape, padding, x.itemsize)
     u = np.empty((16, o, c), x.dtype)
     filter_tiles(np.ascontiguousarray(w), G.astype(x.dtype), u)
     b, j_, th, tw = plan.block, plan.tiles, plan.th, plan.tw
     v, m = np.empty((16, c, b * j_), x.dtype), np.empty((16, o, b * j_), x.dtype)
-    y = np.empty((n, o, 2 * th, 2 * tw), x.dtype)
+    exact = (plan.oh, plan.ow) == (2 * th, 2 * tw)
+    y = out if exact and out is not None else np.empty((n, o, 2 * th, 2 * tw), x.dtype)
     for n0, n1 in _blocks(n, plan):
         s, k = n1 - n0, (n1 - n0) * j_
         vb = v if s == b else np.empty((16, c, k), x.dtype)
         mb = m if s == b else np.empty((16, o, k), x.dtype)
         input_tiles(x[n0:n1], padding[0], padding[1], plan.hh, vb)
         tiles_out(np.matmul(u, vb, out=mb), y[n0:n1])
-    return (
-        y if (plan.oh, plan.ow) == (2 * th, 2 * tw) else np.ascontiguousarray(y[:, :, : plan.oh, : plan.ow])
-    )
+    if exact:
+        return y
+    if out is None:
+        return np.ascontiguousarray(y[:, :, : plan.oh, : plan.ow])
+    np.copyto(out, y[:, :, : plan.oh, : plan.ow])
+    return out
 
 
-def grad_weight(dy: Any, x: Any, padding: Pair) -> Any:
-    """dw [O, C, 3, 3] of conv's: G' (sum over tiles of dM[k] @ V[k]') G, dM = A dy A' a tile."""
+def grad_weight(dy: Any, x: Any, padding: Pair, out: Any = None) -> Any:
+    """dw [O, C, 3, 3] of conv's: G' (sum over tiles of dM[k] @ V[k]') G, dM = A dy A' a tile; into
+    ``out`` where given (a lent C-contiguous buffer of dw's shape)."""
     x, dy, (n, c) = np.ascontiguousarray(x), np.ascontiguousarray(dy), x.shape[:2]
     o, plan = dy.shape[1], _plan(x.shape, padding, x.itemsize)
     b, j_ = plan.block, plan.tiles
@@ -326,6 +333,6 @@ def grad_weight(dy: Any, x: Any, padding: Pair) -> Any:
         input_tiles(x[n0:n1], padding[0], padding[1], plan.hh, vb)
         dy_tiles(dy[n0:n1], plan.th + 1, mb)  # dy's own parity planes [2, 2, TH + 1, TW + 1]
         du += np.matmul(mb, vb.transpose(0, 2, 1))
-    dw = np.empty((o, c, 3, 3), x.dtype)
+    dw = np.empty((o, c, 3, 3), x.dtype) if out is None else out
     fold_filters(du, G.astype(x.dtype), dw)
     return dw

@@ -207,10 +207,11 @@ def _geometry3(attrs: Attrs) -> tuple[tuple[int, int], tuple[int, int], tuple[in
     )
 
 
-def _conv(xp: Any, x: Any, w: Any, attrs: Attrs) -> Any:
-    """conv2d of x [N, C, H, W] by w [O, C/groups, KH, KW]: im2col, then one GEMM per group."""
+def _conv(xp: Any, x: Any, w: Any, attrs: Attrs, out: Any = None) -> Any:
+    """conv2d of x [N, C, H, W] by w [O, C/groups, KH, KW]: im2col, then one GEMM per group. conv_jit's
+    paths write y into ``out``, a lent buffer (``KernelContext.out_contiguous``), where given."""
     if (jit := _fast(xp, x, attrs)) is not None:
-        return jit.conv(x, w, *_geometry3(attrs))
+        return jit.conv(x, w, *_geometry3(attrs), out=out)
     g = int(attrs["groups"])
     cols = im2col(xp, x, w.shape[2:], attrs)  # [C, KH, KW, N, OH, OW]
     c, kh, kw, n, oh, ow = cols.shape
@@ -222,7 +223,7 @@ def _conv(xp: Any, x: Any, w: Any, attrs: Attrs) -> Any:
 
 
 def _conv_kernel(ctx: KernelContext, x: Any, w: Any) -> Any:
-    return _conv(ctx.xp, x, w, ctx.attrs)
+    return _conv(ctx.xp, x, w, ctx.attrs, ctx.out_contiguous(0))
 
 
 def _conv_flops(ins: Metas, outs: Metas, attrs: Attrs) -> int:
@@ -275,7 +276,7 @@ def _grad_input_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
     ]
 
 
-def _transposed_conv(xp: Any, dy: Any, w: Any, attrs: Attrs) -> Any | None:
+def _transposed_conv(xp: Any, dy: Any, w: Any, attrs: Attrs, out: Any = None) -> Any | None:
     """With stride 1, the input gradient is itself a convolution: of dy, padded by d(k-1) - p, with the
     weight's taps flipped and its channel axes swapped per group. None where that padding is negative."""
     stride, padding, dilation = (pair("conv", attrs, k, 0) for k in ("stride", "padding", "dilation"))
@@ -285,7 +286,7 @@ def _transposed_conv(xp: Any, dy: Any, w: Any, attrs: Attrs) -> Any | None:
         return None
     og = w.shape[0] // g
     flipped = [w[q * og : (q + 1) * og, :, ::-1, ::-1].transpose(1, 0, 2, 3) for q in range(g)]
-    return _conv(xp, dy, _grouped(xp, g, flipped, 0), {**attrs, "padding": pad})  # [N, C, H, W]
+    return _conv(xp, dy, _grouped(xp, g, flipped, 0), {**attrs, "padding": pad}, out)  # [N, C, H, W]
 
 
 def _grad_input_kernel(ctx: KernelContext, dy: Any, w: Any) -> Any:
@@ -295,13 +296,14 @@ def _grad_input_kernel(ctx: KernelContext, dy: Any, w: Any) -> Any:
     outs = tuple(out_size(hw[a], w.shape[2 + a], stride[a], padding[a], dilation[a]) for a in (0, 1))
     # add_rows_back does not bounds-check; numpy raises on a shard of another shape
     jit = _fast(xp, dy, ctx.attrs) if outs == dy.shape[2:] else None
+    lent = ctx.out_contiguous(0)  # the fast paths write dx into the runtime's dead buffer
     if jit is not None and jit.dense_taps(hw, tuple(w.shape[2:]), stride, padding, dilation) is not None:
-        return jit.conv_grad_input(dy, w, hw, stride, padding, dilation)  # a small image: one GEMM
-    direct = _transposed_conv(xp, dy, w, ctx.attrs)
+        return jit.conv_grad_input(dy, w, hw, stride, padding, dilation, lent)  # a small image: one GEMM
+    direct = _transposed_conv(xp, dy, w, ctx.attrs, lent)
     if direct is not None:
         return direct
     if jit is not None:
-        return jit.conv_grad_input(dy, w, hw, stride, padding, dilation)
+        return jit.conv_grad_input(dy, w, hw, stride, padding, dilation, lent)
     n, o, oh, ow = dy.shape  # strided: the taps' gradients by one GEMM, added back one tap at a time
     og = o // g
     _, cg, kh, kw = w.shape
@@ -370,7 +372,7 @@ def _grad_weight_kernel(ctx: KernelContext, dy: Any, x: Any) -> Any:
     xp, g = ctx.xp, int(ctx.attrs["groups"])
     kernel = pair("conv2d_grad_weight", ctx.attrs, "kernel_hw", 1)
     if (jit := _fast(xp, x, ctx.attrs)) is not None:
-        return jit.conv_grad_weight(dy, x, kernel, *_geometry3(ctx.attrs))
+        return jit.conv_grad_weight(dy, x, kernel, *_geometry3(ctx.attrs), out=ctx.out_contiguous(0))
     cols = im2col(xp, x, kernel, ctx.attrs)  # [C, KH, KW, N, OH, OW]
     c, kh, kw, n, oh, ow = cols.shape
     o = dy.shape[1]

@@ -9,6 +9,7 @@ a block; float64 to rounding, float32 to its precision (the GEMMs add in another
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,9 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sbpflow.ops  # noqa: F401  (registers every op family)
+from sbpflow.dtype import as_dtype
+from sbpflow.ops.base import KernelContext, get_op
 from sbpflow.ops.eager import EagerBuilder
 from sbpflow.ops.kernels.rowwise import jit_loops
 from sbpflow.ops.layers.conv import out_size
+from sbpflow.tensor_meta import TensorMeta
 
 pytest.importorskip("numba")
 from sbpflow.ops.kernels import conv_jit  # noqa: E402  (needs numba)
@@ -155,3 +159,56 @@ def test_pointwise_convolutions_skip_the_window_rows(dtype: Any, stride: tuple[i
     ty.backward(torch.from_numpy(dy))
     for name, peer in [("y", ty), ("dx", tx.grad), ("dw", tw.grad)]:
         same(runs[name][0], peer.detach().numpy(), dtype, f"{name} against torch, {what}")
+
+
+@dataclass(frozen=True)
+class _Lending(KernelContext):
+    out_buffers: tuple[Any, ...] = ()
+
+
+def _lent_run(op: str, ins: tuple[Any, ...], attrs: dict[str, Any], lent: Any) -> Any:
+    """The op's kernel with ``lent`` as the runtime's dead buffer for its output (None: no buffer)."""
+    opdef = get_op(op)
+    full = opdef.normalize_attrs(attrs)
+    metas = tuple(TensorMeta(a.shape, as_dtype(a.dtype.name)) for a in ins)
+    (out,) = opdef.infer(metas, full)
+    index = tuple(tuple(slice(0, s) for s in m.shape) for m in (*metas, out))
+    ctx = _Lending(np, full, metas, (out,), index[:-1], index[-1:], out_buffers=(lent,))
+    return opdef.kernel(ctx, *ins)
+
+
+# (x shape, weight shape, stride, padding): each of conv_jit's paths
+LENT_CASES = {
+    "pointwise": ((3, 8, 6, 6), (5, 8, 1, 1), (1, 1), (0, 0)),
+    "pointwise strided": ((3, 8, 7, 7), (5, 8, 1, 1), (2, 2), (0, 0)),
+    "dense": ((3, 8, 2, 2), (6, 8, 3, 3), (1, 1), (1, 1)),
+    "stem taps": ((2, 3, 33, 33), (8, 3, 3, 3), (1, 1), (1, 1)),
+    "winograd": ((2, 8, 16, 16), (8, 8, 3, 3), (1, 1), (1, 1)),
+    "winograd odd": ((2, 8, 17, 17), (8, 8, 3, 3), (1, 1), (1, 1)),
+    "rows strided": ((3, 5, 9, 9), (4, 5, 3, 3), (2, 2), (1, 1)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", sorted(LENT_CASES))
+def test_writes_into_a_lent_buffer_the_values_of_a_run_without(case: str, dtype: Any) -> None:
+    """Each convolution op returns the runtime's dead buffer where one fits, bit for bit the array it
+    allocates without one; a buffer of another dtype is not taken."""
+    xs, ws, stride, padding = LENT_CASES[case]
+    rng = np.random.default_rng(3)
+    x, w = rng.normal(size=xs).astype(dtype), rng.normal(size=ws).astype(dtype)
+    geometry = {"stride": stride, "padding": padding}
+    y = _lent_run("conv2d", (x, w), geometry, None)
+    dy = rng.normal(size=y.shape).astype(dtype)
+    runs = {
+        "conv2d": ((x, w), geometry),
+        "conv2d_grad_input": ((dy, w), {**geometry, "input_hw": xs[2:]}),
+        "conv2d_grad_weight": ((dy, x), {**geometry, "kernel_hw": ws[2:]}),
+    }
+    for op, (ins, attrs) in runs.items():
+        want = _lent_run(op, ins, attrs, None)
+        lent = np.full(want.shape, np.nan, dtype)
+        got = _lent_run(op, ins, attrs, lent)
+        assert got is lent and np.array_equal(got, want), f"{case}: {op}"
+        other = np.empty(want.shape, np.float16)
+        assert _lent_run(op, ins, attrs, other) is not other
