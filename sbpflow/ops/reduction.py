@@ -32,7 +32,7 @@ from sbpflow.ops.base import (
     defop,
     sig,
 )
-from sbpflow.ops.kernels.rowwise import jit_rows
+from sbpflow.ops.kernels.rowwise import jit_loops, jit_rows
 from sbpflow.ops.rows import all_broadcast
 from sbpflow.sbp import B, P, Split
 from sbpflow.tensor_meta import Shape, TensorMeta
@@ -128,10 +128,32 @@ def _sum_kernel(ctx: KernelContext, x: Any) -> Any:
     return ctx.xp.asarray(y).astype(ctx.out_dtype(), copy=False)  # int sums widen in numpy
 
 
+def _but_channels(ndim: int, axes: tuple[int, ...]) -> bool:
+    """Whether ``axes`` are every axis but 1 (the channels) of an array of ``ndim`` >= 3: batch norm's
+    statistics (``F.batch_norm``'s mean), which norm_jit's plane loops reduce and broadcast."""
+    return ndim >= 3 and axes == (0, *range(2, ndim))
+
+
+def _channel_mean(ctx: KernelContext, x: Any, count: int) -> Any | None:
+    """The mean over every axis but the channels by norm_jit's float64 plane sums (one vectorised pass;
+    numpy's strided sum over (0, 2, 3) did not vectorise), or None where the loops do not take x. Not
+    numpy's bits: a float64 sum, rounded once to the output's dtype (float32 at least as close to the
+    exact mean as numpy's pairwise float32 sum)."""
+    if (jit := jit_loops("norm_jit", ctx.xp, x)) is None:
+        return None
+    sums = np.empty(x.shape[1], np.float64)
+    jit.channel_sums(x.reshape(x.shape[0], x.shape[1], -1), sums)
+    y = (sums / count).astype(ctx.out_dtype())
+    return y.reshape(_with_ones(x.shape, (0, *range(2, x.ndim)))) if ctx.attrs["keepdims"] else y
+
+
 def _mean_kernel(ctx: KernelContext, x: Any) -> Any:
     axes, keep = kernel_axes("mean", x.ndim, ctx.attrs["axes"]), bool(ctx.attrs["keepdims"])
+    count = prod(ctx.in_metas[0].shape[a] for a in axes)  # the LOGICAL count: partial means add up
+    if _but_channels(x.ndim, axes) and (y := _channel_mean(ctx, x, count)) is not None:
+        return y
     y = ctx.xp.sum(x, axis=axes, keepdims=keep)
-    y = y / prod(ctx.in_metas[0].shape[a] for a in axes)  # the LOGICAL count: partial means add up
+    y = y / count
     return ctx.xp.asarray(y).astype(ctx.out_dtype(), copy=False)
 
 
@@ -249,7 +271,14 @@ def _sum_grad_kernel(ctx: KernelContext, dy: Any) -> Any:
 def _mean_grad_kernel(ctx: KernelContext, dy: Any) -> Any:
     shape = ctx.out_metas[0].shape
     axes = kernel_axes("mean_grad", len(shape), ctx.attrs["axes"])
-    return _expand(ctx, dy / dy.dtype.type(prod(shape[a] for a in axes)), axes)
+    scaled = dy / dy.dtype.type(prod(shape[a] for a in axes))
+    if _but_channels(len(shape), axes) and (jit := jit_loops("norm_jit", ctx.xp, scaled)) is not None:
+        local = ctx.out_shape()  # batch norm's mean: each channel's value filled into its planes
+        dx = ctx.out_contiguous(0)
+        dx = np.empty(local, scaled.dtype) if dx is None else dx
+        jit.fill_planes(scaled.reshape(-1), dx.reshape(local[0], local[1], -1))
+        return dx  # the same copy as _expand's, a plane at a time: the same bits
+    return _expand(ctx, scaled, axes)
 
 
 for _op, _kernel in (("sum_grad", _sum_grad_kernel), ("mean_grad", _mean_grad_kernel)):

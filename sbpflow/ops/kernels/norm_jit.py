@@ -6,6 +6,10 @@ centred on the channel's mean where the formula is. Sums accumulate in float64 f
 that a float32 channel of a million values keeps its statistics to float32's rounding; they
 reassociate (``FLAGS``), so that they vectorise: their last bits may differ from numpy's.
 
+reduction.py's mean over every axis but the channels (``F.batch_norm``'s) and its gradient take
+``channel_sums`` and ``fill_planes``: in ResNet-18's trace (32x32, width 16, batch 32; load ~3.9, one run
+each) mean 2.0 -> 1.2 and mean_grad 1.5 -> 0.8 ms of CPU a step.
+
 numpy makes a pass per step of a formula (the composite batch norm these replace made ~6 forward and
 ~12 backward passes, each a temporary); these make 3 and about 5. ``tests/sbpflow/ops/kernels/test_norm_jit.py``
 checks each against norm_stats.py's numpy kernels, which stay the reference and the path for cupy.
@@ -75,3 +79,31 @@ def centred_dot_sum(dy: Any, x: Any, mean: Any, dot: Any, total: Any) -> None:  
                 s += gk
                 d += gk * (np.float64(v[k]) - m)
         dot[c], total[c] = d, s
+
+
+@njit(cache=True, error_model="numpy", fastmath=FLAGS, nogil=True)
+def channel_sums(x: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out[c] = sum of x[:, c] (float64), x [N, C, S]: batch norm's mean over every axis but the
+    channels, one vectorised pass down each plane (numpy's sum over axes (0, 2, 3) took ~1 ns a value,
+    a strided reduction it does not vectorise)."""
+    n_, c_, _ = x.shape
+    for c in range(c_):
+        s = 0.0
+        for n in range(n_):
+            plane = x[n, c]
+            for k in range(plane.size):
+                s += np.float64(plane[k])
+        out[c] = s
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def fill_planes(v: Any, y: Any) -> None:  # pragma: no cover - compiled
+    """y[n, c, :] = v[c], y [N, C, S]: a per-channel value broadcast over the batch and the positions
+    (mean_grad's), each plane one vectorised fill (numpy's copy from a stride-0 view ran a value at a
+    time). A copy: the same bits."""
+    n_, c_, _ = y.shape
+    for n in range(n_):
+        for c in range(c_):
+            plane, a = y[n, c], v[c]
+            for k in range(plane.size):
+                plane[k] = a

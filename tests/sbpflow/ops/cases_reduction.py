@@ -96,6 +96,38 @@ case(OpCase("sum_grad", _unreduce(), _unreduce_ref(mean=False), differentiable=(
 case(OpCase("mean_grad", _unreduce(), _unreduce_ref(mean=True), differentiable=()))
 
 
+def _channel_axes(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+    """Batch norm's statistics: a shape of 3 or 4 axes and every axis but 1 (the channels), which
+    norm_jit's plane loops reduce (mean) and broadcast back (mean_grad)."""
+    shape = draw(shapes(min_dims=3, max_dims=4))
+    return shape, (0, *range(2, len(shape))), draw(st.booleans())
+
+
+@st.composite
+def _channel_reduce(draw: st.DrawFn) -> Example:
+    shape, axes, keepdims = _channel_axes(draw)
+    return Example((arrays(shape, draw),), {"axes": axes, "keepdims": keepdims})
+
+
+@st.composite
+def _channel_unreduce(draw: st.DrawFn) -> Example:
+    shape, axes, keepdims = _channel_axes(draw)
+    dy = arrays(_reduced(shape, axes, keepdims), draw)
+    return Example((dy,), {"shape": shape, "axes": axes, "keepdims": keepdims})
+
+
+case(OpCase("mean", _channel_reduce(), _reference(np.mean), name="mean over all but channels"))
+case(
+    OpCase(
+        "mean_grad",
+        _channel_unreduce(),
+        _unreduce_ref(mean=True),
+        differentiable=(),
+        name="mean_grad over all but channels",
+    )
+)
+
+
 @st.composite
 def _max_grad(draw: st.DrawFn) -> Example:
     shape = draw(shapes())

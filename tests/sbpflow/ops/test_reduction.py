@@ -8,12 +8,17 @@ it gets an error, never x's values changed behind its back.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 import pytest
 
 import sbpflow.ops  # noqa: F401  (registers every op family)
+from sbpflow.dtype import as_dtype
 from sbpflow.ops.base import KernelContext, get_op
 from sbpflow.ops.eager import EagerBuilder
+from sbpflow.tensor_meta import TensorMeta
 
 
 def test_broadcast_to_is_a_read_only_view_of_x_on_numpy() -> None:
@@ -63,3 +68,53 @@ def test_broadcast_to_a_shape_x_does_not_fit_raises_numpys_error() -> None:
     ctx = KernelContext(np, {"shape": (2, 4)}, (), (), (), ((slice(0, 2), slice(0, 4)),))
     with pytest.raises(ValueError, match="broadcast"):
         get_op("broadcast_to").run_kernel(ctx, [x])
+
+
+@dataclass(frozen=True)
+class _Lending(KernelContext):
+    out_buffers: tuple[Any, ...] = ()
+
+
+def _channel_context(x_shape: tuple[int, ...], dtype: Any, lent: Any, keepdims: bool = False) -> Any:
+    """mean_grad's context over batch norm's axes (all but 1) of x_shape, lending ``lent``."""
+    dy_shape = (1, x_shape[1], 1, 1) if keepdims else (x_shape[1],)
+    axes = (0, 2, 3)
+    attrs = {"shape": x_shape, "axes": axes, "keepdims": keepdims}
+    whole = tuple(slice(0, s) for s in x_shape)
+    metas = (TensorMeta(dy_shape, as_dtype(np.dtype(dtype).name)),)
+    out = (TensorMeta(x_shape, as_dtype(np.dtype(dtype).name)),)
+    return _Lending(
+        np, attrs, metas, out, (tuple(slice(0, s) for s in dy_shape),), (whole,), out_buffers=(lent,)
+    )
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("keepdims", [False, True])
+def test_mean_grad_over_channels_fills_a_lent_buffer_bit_for_bit(dtype: Any, keepdims: bool) -> None:
+    """Batch norm's mean_grad (norm_jit.fill_planes) returns the runtime's dead buffer, holding the bits
+    of numpy's broadcast copy (the path it replaced, still cupy's); a buffer of another dtype is not
+    taken."""
+    x_shape = (3, 5, 4, 7)
+    dy = np.random.default_rng(0).normal(size=(1, 5, 1, 1) if keepdims else (5,)).astype(dtype)
+    kernel = get_op("mean_grad").kernel
+    lent = np.full(x_shape, np.nan, dtype)
+    got = kernel(_channel_context(x_shape, dtype, lent, keepdims), dy)
+    want = np.broadcast_to(dy.reshape(1, 5, 1, 1) / dtype(3 * 4 * 7), x_shape)
+    assert got is lent and np.array_equal(got, want)
+    other = np.empty(x_shape, np.float16)
+    assert kernel(_channel_context(x_shape, dtype, other, keepdims), dy) is not other
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_mean_over_channels_is_the_float64_sum_rounded_once(dtype: Any) -> None:
+    """Batch norm's mean (norm_jit.channel_sums): a float64 sum over the batch and positions, divided
+    and rounded to x's dtype once, so float32 lands within an ulp of the float64 mean; a strided x takes
+    numpy's sum and agrees to float32's precision."""
+    x = (np.random.default_rng(1).normal(size=(8, 6, 9, 9)) + 3.0).astype(dtype)
+    (got,) = EagerBuilder().call("mean", x, axes=(0, 2, 3))
+    exact = x.astype(np.float64).mean(axis=(0, 2, 3))
+    assert got.dtype == dtype and got.shape == (6,)
+    # float64: the reference's own sum rounds too (numpy's pairwise order against the loop's)
+    np.testing.assert_allclose(got, exact, rtol=np.finfo(dtype).eps if dtype == np.float32 else 1e-14)
+    (slow,) = EagerBuilder().call("mean", np.repeat(x, 2, axis=-1)[..., ::2], axes=(0, 2, 3))
+    np.testing.assert_allclose(slow, exact, rtol=1e-6 if dtype == np.float32 else 1e-14)
