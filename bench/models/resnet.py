@@ -51,17 +51,58 @@ def example() -> ModuleType:
     return load_example("resnet")
 
 
-def sbpflow_step_s(cfg: dict[str, Any], steps: int, clock: Callable[[], float] = time.perf_counter) -> float:
+def sbpflow_job(cfg: dict[str, Any], steps: int) -> Any:
     job = example().make_job(ranks=1, steps=steps, **cfg)
     assert job.data is not None
     # the batches drawn before the run and served from memory, as torch's are made outside its timer
     reads = [job.data.read(b) for b in range(steps)]
     arrays = {k: np.concatenate([r[k] for r in reads]) for k in reads[0]}
-    job = dataclasses.replace(job, data=ArraySource(batch_size=cfg["batch_size"], arrays=arrays))
+    return dataclasses.replace(job, data=ArraySource(batch_size=cfg["batch_size"], arrays=arrays))
+
+
+def sbpflow_step_s(cfg: dict[str, Any], steps: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    job = sbpflow_job(cfg, steps)
     marks: list[float] = []
     sf.run(job, backend="inprocess", threads=1, on_step=lambda m: marks.append(clock()))
     gaps = [b - a for a, b in zip(marks[WARMUP:], marks[WARMUP + 1 :], strict=False)]
     return statistics.median(gaps)
+
+
+def traced_run(job: Any) -> list[Any]:
+    """One traced run's acts, each event's start and end in its thread's CPU time (the trace's clock
+    swapped for this run: the engine reads time.perf_counter when its threads start), so an event is the
+    CPU its act took, not the wall time a loaded machine stretches."""
+    wall, time.perf_counter = time.perf_counter, time.thread_time
+    try:
+        return list(sf.run(job, backend="inprocess", threads=1, trace=True).trace or [])
+    finally:
+        time.perf_counter = wall
+
+
+def sbpflow_trace(make: Callable[[int], Any], steps: int, top: int = 8) -> None:
+    """Acts a step and the compute thread's CPU a step outside them, from one traced run: the thread's own
+    CPU clock between the starts of the loss kernel's acts ``WARMUP`` and ``steps - 1`` against the acts in it.
+    ``make(steps)``: the job (any job with a cross_entropy loss: bench/models/gpt_step.py's too)."""
+    traced_run(make(WARMUP + 1))  # numba's caches and the imports warm
+    events = traced_run(make(steps))
+    compute = sorted((e for e in events if e.stream == "compute"), key=lambda e: e.start)
+    # steps bounded by one act a step late in the forward (variables' sources and updates run ahead)
+    loss = next(e.actor for e in compute if "cross_entropy" in e.name and "grad" not in e.name)
+    mark = {e.iteration: e.start for e in compute if e.actor == loss}
+    n = steps - 1 - WARMUP
+    measured = [e for e in compute if mark[WARMUP] <= e.start < mark[steps - 1]]
+    in_acts, thread = sum(e.end - e.start for e in measured) / n, (mark[steps - 1] - mark[WARMUP]) / n
+    per_act: dict[str, float] = {}
+    for e in measured:
+        per_act[e.name] = per_act.get(e.name, 0.0) + (e.end - e.start) / n
+    acts, out = len(measured) / n, thread - in_acts
+    print(
+        f"trace: {acts:.0f} compute acts/step, compute thread {thread * 1e3:.1f} ms CPU a step, "
+        f"{in_acts * 1e3:.1f} in acts: {out * 1e3:.2f} ms outside them, {out / acts * 1e6:.1f} us an act "
+        f"(load {os.getloadavg()[0]:.1f})"
+    )
+    for name, t in sorted(per_act.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {t * 1e3:7.2f} ms  {name}")
 
 
 def torch_model(cfg: dict[str, Any]) -> Any:
@@ -127,6 +168,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="cpu: the process's CPU time")
+    ap.add_argument(
+        "--trace", action="store_true", help="also one traced run: acts a step, time outside acts"
+    )
     args = ap.parse_args()
     cfg = {"depth": 18, "width": 16, "image_size": 32, "batch_size": 32, "classes": 10, "lr": 0.05}
     if args.quick:
@@ -146,6 +190,8 @@ def main() -> None:
     print(f"{'sbpflow':10} {a * 1e3:8.1f} ms {n / a:10.1f}")
     print(f"{'pytorch':10} {b * 1e3:8.1f} ms {n / b:10.1f}")
     print(f"ratio sbpflow/pytorch samples/s: {b / a:.2f}  (step time {a / b:.2f}x)")
+    if args.trace:
+        sbpflow_trace(lambda n: sbpflow_job(cfg, n), args.steps)
 
 
 if __name__ == "__main__":
