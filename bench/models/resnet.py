@@ -4,6 +4,8 @@
     python bench/models/resnet.py --quick  # 16x16, width 8, batch 16: a smoke run
     python bench/models/resnet.py --clock cpu  # the process's CPU time a step, not wall: what a loaded
                                                # machine's preemption leaves alone
+    python bench/models/resnet.py --trace      # and one traced run: compute acts a step and the compute
+                                               # thread's CPU a step in and outside them (thread CPU)
 
 The model is examples/resnet.py's ResNet-18 (3x3 stride-1 stem, 3x3 stride-2 max pool, 4 stages of 2
 basic blocks, batch norm with batch statistics, global average pool, a linear head), softmax cross
