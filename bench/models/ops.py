@@ -263,6 +263,10 @@ def torch_call(case: Case, arrays: list[np.ndarray]) -> Callable[[], Any]:
         peer = torch_peer(op, a, t)
         if peer is not None:
             return peer
+    if op == "sum_squares":  # clip_grad_norm_'s own reduction: a norm per tensor, then their norm
+        return lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(t))) ** 2
+    if op == "rows_matmul":  # a weight's gradient: PyTorch's linear backward flattens to rows, a^T b
+        return lambda: torch.mm(t[0].reshape(-1, t[0].shape[-1]).t(), t[1].reshape(-1, t[1].shape[-1]))
     simple: dict[str, Callable[[], Any]] = {}
     if op in ("add", "sub", "mul", "div"):
         fn = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}[op]

@@ -15,6 +15,12 @@ reduction of :data:`TERMINAL` (a gradient's ``pow_scalar`` and ``sum`` for the c
 * The gradient is the steps' gradient rules composed in reverse, on intermediates the rule recomputes
   with the unfused ops. The pass runs after autodiff, so a compiled job never uses it; eager mode and the
   op tests do.
+
+``sum_squares`` is the clipping norm's other fold: ``sum(x ** 2)`` of every input, added up in input
+order, the same ``pow_scalar`` and ``sum`` kernels and the same adds as the unfused ops run (one act for
+the main job's 29 gradients, not 29 and a chain of adds). Its ``P`` rows cannot list each input's own
+split (2^n rows for n inputs), so ``attrs["split_axes"]`` names them: per ``P`` row, one split axis an
+input (the fusion pass copies the gradients' splits, one row per mesh axis that splits them all).
 """
 
 from __future__ import annotations
@@ -37,10 +43,11 @@ from sbpflow.ops.base import (
     Signature,
     defop,
     get_op,
+    sig,
 )
 from sbpflow.ops.elementwise import scalar_of
 from sbpflow.ops.flops import work
-from sbpflow.sbp import Sbp
+from sbpflow.sbp import B, P, S, Sbp
 from sbpflow.tensor_meta import TensorMeta
 
 # An in-place writer: (xp, args, attrs, out) -> result, with ``out`` an owned buffer of the result's shape
@@ -324,4 +331,71 @@ defop(
     doc="a chain of elementwise ops as one kernel (attrs['chain']: JSON steps [op, attrs, refs]); made by "
     "the compiler's fusion pass",
     flops=_flops,
+)
+
+
+def _split_rows(metas: Metas, attrs: Attrs) -> list[tuple[int, ...]]:
+    """``split_axes`` as one tuple of split axes a ``P`` row, each checked against its input's rank."""
+    axes, n = tuple(attrs["split_axes"]), len(metas)
+    if len(axes) % n:
+        raise ShapeError(
+            f"op 'sum_squares' takes split_axes in groups of one axis an input ({n}), not {len(axes)}"
+        )
+    groups = [axes[k : k + n] for k in range(0, len(axes), n)]
+    for row in groups:
+        bad = [i for i, (a, m) in enumerate(zip(row, metas, strict=True)) if not 0 <= a < m.ndim]
+        if bad:
+            raise ShapeError(f"op 'sum_squares': split_axes {row} name no axis of input(s) {bad}")
+    return groups
+
+
+def _squares_infer(metas: Metas, attrs: Attrs) -> Metas:
+    dtypes = {m.dtype for m in metas}
+    if len(dtypes) != 1 or not metas[0].dtype.is_floating:
+        raise ShapeError(
+            f"op 'sum_squares' takes inputs of one float dtype, not {sorted(d.value for d in dtypes)}; "
+            "cast them first (the fusion pass folds only a norm without casts)"
+        )
+    _split_rows(metas, attrs)
+    return (TensorMeta((), metas[0].dtype),)
+
+
+def _squares_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
+    """All B gives B; the listed splits give P (each rank's sum of its shards' squares)."""
+    whole = sig((B,) * len(metas), (B,))
+    return [whole, *(sig(tuple(S(a) for a in row), (P,)) for row in _split_rows(metas, attrs))]
+
+
+_SQUARE: dict[str, Any] = {"exponent": 2.0}
+
+
+@lru_cache(maxsize=1)
+def _whole_sum() -> dict[str, Any]:
+    return get_op("sum").normalize_attrs({})
+
+
+def _squares_kernel(ctx: KernelContext, *xs: Any) -> Any:
+    """Each input's ``pow_scalar`` and ``sum`` by their own kernels, added in order: the unfused bits."""
+    square, total_of, whole = get_op("pow_scalar"), get_op("sum"), _whole_sum()
+    total = None
+    for x, m in zip(xs, ctx.in_metas, strict=True):
+        inner = KernelContext(ctx.xp, _SQUARE, (m,), (m,), ctx.in_index[:0], ctx.out_index[:1])
+        (sq,) = square.run_kernel(inner, [x])
+        inner = KernelContext(ctx.xp, whole, (m,), ctx.out_metas, ctx.in_index[:0], ctx.out_index[:1])
+        (s,) = total_of.run_kernel(inner, [sq])
+        total = s if total is None else ctx.xp.add(total, s)
+    return ctx.xp.asarray(total)
+
+
+defop(
+    "sum_squares",
+    inputs=("*xs",),
+    attrs={"split_axes": ()},
+    infer=_squares_infer,
+    rows=_squares_rows,
+    kernel=_squares_kernel,
+    grad=NoGrad("the clipping norm's sum: the fusion pass makes it after autodiff"),
+    doc="sum(x ** 2) of every input, added in input order (the clipping norm); attrs['split_axes']: per P "
+    "row, one split axis an input",
+    flops=lambda ins, outs, a: sum(2 * m.numel for m in ins),
 )

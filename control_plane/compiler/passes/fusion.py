@@ -29,6 +29,14 @@ Then :func:`fold_row_contractions` folds each weight gradient's two reshapes to 
 ``matmul(transpose_a)`` into one ``rows_matmul`` of the unflattened arrays (the same GEMM call): two
 acts fewer a weight.
 
+And :func:`fold_squared_norms` folds the clipping norm, each gradient's ``pow_scalar`` and ``sum`` and
+the adds of their sums, into one ``sum_squares`` (sbpflow/ops/fused.py) that runs the same kernels and
+adds in the same order: one act, not one a gradient and a chain of adds (the main job: 30 acts fewer).
+It folds only where no boxing, cast or other placement, stage or reader comes between: under a pipeline
+the sums travel to the first stage and stay; on a mesh axis that splits some gradients and not others
+the adds box and stay. Where every gradient is split along an axis, the sum is ``P`` there, as each
+unfused sum was.
+
 On by default (``JobConfig.fusion``; a job message without the field reads as on): a fused chain runs the
 same numpy calls in the same order as the ops it replaces, so a run is bit-identical either way
 (``tests/control_plane/compiler/passes/test_fusion.py`` trains both). A job turns it off with
@@ -45,11 +53,11 @@ from dataclasses import dataclass, field, replace
 from sbpflow.control_plane.compiler.passes.autodiff import GRAD
 from sbpflow.control_plane.compiler.passes.optimizer import PREFIX as OPTIMIZER
 from sbpflow.control_plane.compiler.state import Choice, CompileState
-from sbpflow.graph import Graph, OpNode, TensorKind
+from sbpflow.graph import BOXING, Graph, OpNode, TensorKind
 from sbpflow.ops.base import NdSignature
 from sbpflow.ops.fused import FUSABLE, TERMINAL, encode
 from sbpflow.ops.training.optim import CLIPPED
-from sbpflow.sbp import B
+from sbpflow.sbp import B, P, Split
 
 FUSED = "fused_elementwise"
 
@@ -240,6 +248,100 @@ def fold_row_contractions(state: CompileState) -> int:
     return len(folded)
 
 
+def _squared(
+    g: Graph, producer: dict[str, OpNode], readers: dict[str, int], keep: set[str], name: str
+) -> tuple[OpNode, OpNode] | None:
+    """The ``pow_scalar(x, 2)`` and whole-array ``sum`` that alone make ``name``, else None."""
+    s = producer.get(name)
+    if s is None or s.op_type != "sum" or s.attrs.get("axes") is not None or s.attrs.get("keepdims"):
+        return None
+    p = producer.get(s.inputs[0])
+    if p is None or p.op_type != "pow_scalar" or float(p.attrs["exponent"]) != 2.0:  # type: ignore[arg-type]
+        return None
+    if any(readers.get(t) != 1 or t in keep for t in (name, s.inputs[0])):
+        return None
+    return p, s
+
+
+def _norm_sum(state: CompileState, total: str) -> tuple[list[OpNode], list[OpNode]] | None:
+    """The squares (``pow_scalar`` and ``sum`` a gradient, in order) and the left-deep adds that make
+    ``total``, all of one key and SBP, no cast or boxing between; else None."""
+    g = state.graph
+    producer, readers = _producers_and_readers(g)
+    keep = protected(state)
+    leaves: list[tuple[OpNode, OpNode]] = []
+    adds: list[OpNode] = []
+    t = total
+    while (leaf := _squared(g, producer, readers, keep, t)) is None:
+        a = producer.get(t)
+        if a is None or a.op_type != "add" or (t != total and (readers.get(t) != 1 or t in keep)):
+            return None
+        if (leaf := _squared(g, producer, readers, keep, a.inputs[1])) is None:
+            return None
+        leaves.append(leaf)
+        adds.append(a)
+        t = a.inputs[0]
+    leaves.append(leaf)
+    ops = [*adds, *(o for pair in leaves for o in pair)]
+    sbps = {g.tensors[o.outputs[0]].sbp for o in (*adds, *(s for _, s in leaves))}
+    if len(leaves) < 2 or len({_key(o) for o in ops}) != 1 or len(sbps) != 1:
+        return None
+    return [p for p, _ in reversed(leaves)] + [s for _, s in reversed(leaves)], adds[::-1]
+
+
+def _split_axes(state: CompileState, xs: list[str], out: str) -> tuple[int, ...] | None:
+    """sum_squares' split_axes for inputs ``xs`` writing ``out``: a row per mesh axis that splits every
+    input (``out`` P there), none where all are B (``out`` B); None on any other mix."""
+    g = state.graph
+    nd = [g.tensors[x].sbp for x in xs]
+    want = g.tensors[out].sbp
+    assert want is not None and all(s is not None for s in nd)
+    axes: list[int] = []
+    for k, o in enumerate(want):
+        on = [s[k] for s in nd]  # type: ignore[index]
+        if all(isinstance(s, Split) for s in on) and o == P:
+            axes += [s.axis for s in on]  # type: ignore[union-attr]
+        elif not all(s == B for s in on) or o != B:
+            return None
+    return tuple(axes)
+
+
+def fold_squared_norms(state: CompileState) -> int:
+    """Fold each clipping norm's squares and adds into one ``sum_squares`` (the module's docstring);
+    returns how many were folded."""
+    g = state.graph
+    folded: dict[str, OpNode] = {}
+    gone: set[str] = set()
+    producer, _ = _producers_and_readers(g)
+    for c in [o for o in g.ops if o.op_type == "clip_coef"]:
+        total = c.inputs[0]
+        if total in producer and producer[total].op_type == BOXING:  # the sum made whole (P -> B)
+            total = producer[total].inputs[0]
+        found = _norm_sum(state, total)
+        if found is None:
+            continue
+        squares, adds = found
+        n = len(squares) // 2
+        xs = [p.inputs[0] for p in squares[:n]]
+        axes = _split_axes(state, xs, total)
+        if axes is None:
+            continue
+        last = adds[-1]
+        node = OpNode(f"{last.name}.squares", "sum_squares", tuple(xs), (total,), {"split_axes": axes},
+                      last.placement, last.stage, last.checkpoint, last.scope)  # fmt: skip
+        folded[last.name] = node
+        cost = sum(state.choices.pop(o.name).cost for o in (*squares, *adds) if o.name in state.choices)
+        sbps = tuple(g.tensors[x].sbp for x in xs)
+        want = g.tensors[total].sbp
+        state.choices[node.name] = Choice(NdSignature(sbps, (want,)), cost, "squares folded")  # type: ignore[arg-type]
+        for o in (*squares, *adds):
+            gone.add(o.name)
+            if o.outputs[0] != total:
+                del g.tensors[o.outputs[0]]
+    g.ops[:] = [folded.get(o.name, o) for o in g.ops if o.name not in gone or o.name in folded]
+    return len(folded)
+
+
 def _one_broadcast_value(state: CompileState, name: str) -> bool:
     decl = state.graph.tensors[name]
     return math.prod(decl.meta.shape) == 1 and decl.sbp is not None and all(s == B for s in decl.sbp)
@@ -250,6 +352,7 @@ def run(state: CompileState) -> None:
         return
     fold_clips(state)
     fold_row_contractions(state)
+    fold_squared_norms(state)
     found = chains(state)
     if not found:
         return

@@ -108,3 +108,21 @@ case(
         name="fused_elementwise/squared_sum",
     )
 )
+
+
+@st.composite
+def _many(draw: st.DrawFn) -> Example:
+    """Two or three arrays of their own shapes; one P row splitting each on an axis of its own."""
+    xs = tuple(arrays(draw(shapes()), draw) for _ in range(draw(st.integers(2, 3))))
+    axes = tuple(draw(st.integers(0, x.ndim - 1)) for x in xs)
+    return Example(xs, {"split_axes": axes})
+
+
+def _sum_squares(*xs: np.ndarray, split_axes: Any) -> list[np.ndarray]:
+    total = np.asarray(0.0, xs[0].dtype)
+    for x in xs:
+        total = total + np.sum(x * x)
+    return [np.asarray(total)]
+
+
+case(OpCase("sum_squares", _many(), _sum_squares, differentiable=()))

@@ -145,11 +145,11 @@ def test_gpt_fuses_bias_and_residual_but_not_what_backward_reads() -> None:
 
 
 def test_a_reduction_ends_a_chain() -> None:
-    # the clipping norm: each gradient's pow_scalar and sum are one op; the adds of the sums stay a chain
-    # of their own (a reduction is never continued)
+    # the loss's token count: ne_scalar, cast and sum are one op, which nothing continues (the clipping
+    # norm's squared sums are sum_squares by now: below)
     compiled = pipeline.compile(start("gpt-dp4", layers=1).job)
     chains = [chain_ops(o) for o in compiled.state.graph.ops if o.op_type == fusion.FUSED]
-    assert ["pow_scalar", "sum"] in chains
+    assert ["ne_scalar", "cast", "sum"] in chains
     assert all("sum" not in c[:-1] for c in chains), chains
     with pytest.raises(ShapeError, match=r"step 0 \(sum\) is a reduction, which only a chain's last step"):
         get_op(fusion.FUSED).run_infer(
@@ -207,6 +207,34 @@ def test_each_clipping_mul_folds_into_its_update(layout: str) -> None:
     assert off.count("mul") == off.count("adamw_update") == n
 
 
+@pytest.mark.parametrize("layout", list(FOLDS))
+def test_the_clipping_norm_is_one_sum_squares(layout: str) -> None:
+    # each gradient's pow_scalar and sum and the adds of the sums: one op over every gradient, B on one
+    # rank, P on a mesh axis that splits every gradient (the 2-d mesh's TP axis, ZeRO's)
+    shape, config = FOLDS[layout]
+    made = load("gpt").make_job(layers=1, width=16, vocab=32, seq_len=8, batch_size=8, heads=2, **shape)
+    made = replace(made, config=replace(made.config, **config))
+    assert made.optimizer is not None
+    compiled = pipeline.compile(made).state  # compiled: verify_compiled checks the signature
+    (node,) = [o for o in compiled.graph.ops if o.op_type == "sum_squares"]
+    assert len(node.inputs) == len(made.optimizer.parameters)  # a gradient each (boxed where boxing moved it)
+    split = {"gpt-1": False, "dp2xtp2": True, "zero3": True}[layout]
+    assert (P in compiled.graph.tensors[node.outputs[0]].sbp) is split  # type: ignore[operator]
+    assert not [o for o in compiled.graph.ops if o.name.startswith("optimizer/") and "pow_scalar" in o.name]
+    off = optimizer_ops(replace(made, config=replace(made.config, fusion=False)))
+    assert off.count("pow_scalar") == len(made.optimizer.parameters)
+
+
+def test_a_pipelines_norm_stays_unfolded() -> None:
+    # the later stage's sums travel to the first stage, whose adds read them: a boxing between, no fold
+    made = load("gpt").make_job(
+        layers=2, width=16, vocab=32, seq_len=8, batch_size=8, heads=2, ranks=2, pp=2, micro_batches=2
+    )
+    ops = pipeline.compile(made).state.graph.ops
+    assert not [o for o in ops if o.op_type == "sum_squares"]
+    assert any(o.op_type == fusion.FUSED and chain_ops(o) == ["pow_scalar", "sum"] for o in ops)
+
+
 def test_a_gated_update_keeps_its_clipping_mul() -> None:
     # a loss-scaled job's updates are gated on the step's non-finite count: no clipped form, nothing folds
     made = load("gpt").make_job(layers=1, width=16, vocab=32, seq_len=8, batch_size=8, heads=2, ranks=1)
@@ -220,13 +248,17 @@ BIT_FOR_BIT = {
     "gpt-1": {"ranks": 1},
     "gpt-dp2xtp2": {"ranks": 4, "tp": True, "dp": 2, "heads": 2},
     "gpt-pp2x2mb": {"ranks": 2, "pp": 2, "micro_batches": 2},
+    "gpt-zero3": {"ranks": 2, "zero_stage": 3},
 }
 
 
 @pytest.mark.parametrize("layout", list(BIT_FOR_BIT))
 def test_fused_training_is_bit_identical_to_unfused(layout: str) -> None:
     shape = {"layers": 2, "width": 16, "vocab": 32, "seq_len": 8, "batch_size": 8, "steps": 3}
-    made = load("gpt").make_job(**{"heads": 2, **shape, **BIT_FOR_BIT[layout]})
+    args = {"heads": 2, **shape, **BIT_FOR_BIT[layout]}
+    zero = {"zero_stage": args.pop("zero_stage")} if "zero_stage" in args else {}
+    made = load("gpt").make_job(**args)
+    made = replace(made, config=replace(made.config, **zero))
     assert made.config.fusion, "the example's job is fused by default"
     runs = {}
     for on in (True, False):
