@@ -8,8 +8,8 @@ them and all-reduces each bucket as soon as it is full, while backward goes on. 
 same with the graph:
 
 * a **candidate** is a boxing node that makes a gradient of ``state.grads`` whole on its own placement
-  (every source entry ``P`` or ``B``, at least one ``P``, every destination entry ``B``) from a partial
-  value that nothing else reads;
+  (every source entry ``P`` or ``B``, at least one ``P`` on a mesh axis of two or more ranks, every
+  destination entry ``B``) from a partial value that nothing else reads;
 * candidates are visited in op order, which is backward's (autodiff emits the gradient of the last
   forward op first, and ``boxing_pass`` puts each boxing right after its producer). They gather in one
   open bucket per (placement, SBP, dtype, stage); a bucket closes once it holds
@@ -65,8 +65,11 @@ def candidate(state: CompileState, node: OpNode, reads: dict[str, int], grads: s
     if src.placement != dst.placement or src.sbp is None or dst.sbp is None or reads[src.name] != 1:
         return False
     partial = [isinstance(s, PartialSum) for s in src.sbp]
+    assert src.placement is not None
     return (
-        any(partial)
+        # a partial value on a mesh axis of one rank is already whole: that boxing moves nothing (the
+        # executor bypasses it), and packing it would copy every such gradient twice for no all-reduce
+        any(p and n > 1 for p, n in zip(partial, src.placement.shape, strict=True))
         and all(p or s == B for p, s in zip(partial, src.sbp, strict=True))
         and all(s == B for s in dst.sbp)
     )

@@ -16,6 +16,7 @@ from sbpflow.graph import BOXING
 from sbpflow.job import GRAD_BUCKET_BYTES, Job, JobConfig
 from tests.actor_workers.test_equivalence import gpt_job, mlp_job
 from tests.control_plane.compiler.passes.test_autodiff import as_float64
+from tests.examples.test_examples import load
 
 
 def with_config(job: Job, **fields: Any) -> Job:
@@ -84,6 +85,17 @@ def test_nothing_but_a_whole_making_all_reduce_is_bucketed() -> None:
         for p in packs(c):
             for t in p.inputs:
                 assert all(repr(s) in ("P", "B") for s in c.state.graph.tensors[t].sbp or ())
+
+
+def test_a_partial_value_on_one_rank_is_not_packed() -> None:
+    """On one device batch norm's gradients still pass a P -> B boxing that moves nothing (the executor
+    bypasses it); packing them would copy each one twice a step for no all-reduce. On a 2 x 1 mesh only
+    the axis of two ranks sums."""
+    c = pipeline.compile(load("resnet").make_job(ranks=1), lower="none")
+    assert not packs(c)
+    assert grad_boxings(c)  # the no-op boxings are still there, one a gradient
+    two = pipeline.compile(gpt_job(ranks=2), lower="none")
+    assert packs(two)
 
 
 def test_accumulation_averages_the_packed_bucket_once_per_micro_batch() -> None:
