@@ -168,7 +168,7 @@ def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: i
         )
         for recycler, register in guards.get(task.id, ()):
             act = tasks.guard_aliases(act, recycler, inputs.index(register), rc.xp)
-        planned = [(i, memory.registers[r]) for i, r in enumerate(inputs) if memory and r in memory.registers]
+        planned = memory.reads(inputs, outputs) if memory is not None else []
         if planned:
             act = memory_plan.watch(act, planned)
         comm = task.stream == pp.STREAM_KIND_COMMUNICATION and task.id not in no_ops

@@ -3,7 +3,8 @@ memory reuse).
 
 Lifetimes come from the plan's compute order: a register's value of a step lives from its producer's
 position in the rank's task list to its last consumer's (both included, so a kernel's input never shares
-with its output). Registers are coloured first-fit in decreasing byte size (:func:`colour`): a register
+with its output); a consumer that makes a view of it (a reshape, a transpose, a split: :func:`makes_views`)
+extends it to the last reader of the view, down chains of views (:func:`follow`). Registers are coloured first-fit in decreasing byte size (:func:`colour`): a register
 goes into the first buffer ("slab") none of whose registers' lifetimes overlap its own, else a new slab
 of its size. Each register gets one view of its slab, of its local shape and dtype, made once; its
 producer is lent that view through ``out_buffers`` (``KernelContext.out_array``), like
@@ -12,18 +13,21 @@ producer is lent that view through ``out_buffers`` (``KernelContext.out_array``)
 The engine's order is dynamic (a step's forward may start while the last one's backward runs), so the
 plan decides only who *may* share; a slab is lent at run time only when it is dead (:meth:`Slab.free`):
 
-* every consumer of the value it holds has acted on it (a count the consumers' acts bring down:
-  :func:`watch`), and none returned that very array as an output (an identity passes the value on under
+* every consumer of the value it holds, and every reader of a view of it, has acted on it (a count their
+  acts bring down: :func:`watch`; a view op that copied, as a reshape of a transpose does, takes its
+  readers' reads off), and none returned that very array as an output (an identity passes the value on under
   the same object) or an array on its memory that does not refer to the slab's owner (numba's view of
   an input, an array on a memoryview: :func:`untracked`): the slab is then retired for good;
 * and no array but the plan's own views refers to its memory (CPython's refcount of the slab's owner:
-  every view of it, a consumer's reshape or slice included, refers to the owner in numpy).
+  every view of it, a consumer's reshape or slice included, refers to the owner in numpy). A view alive
+  once every planned read is done is one nobody expected: its register leaves the plan (``viewed``).
 
 A slab that is not free is not lent, and the kernel allocates a fresh array: two live values in one
 buffer cannot happen, whatever the order. Only registers that nobody keeps past an act are planned: one
 slot, produced by a kernel on the compute stream, read only by kernels and updates there (a SINK fetch
-records its value, an assign stores it, a boxing may send it), directly or through boxing steps that
-move nothing, which the executor bypasses (:func:`reach`: BERT's 2-d boxings on a 1 x 1 mesh). The executor's engine keeps no value
+records its value, an assign stores it, a boxing may send it), directly, through boxing steps that
+move nothing, which the executor bypasses (:func:`reach`: BERT's 2-d boxings on a 1 x 1 mesh), or
+through views whose registers are read the same way (a view that escapes leaves its value out). The executor's engine keeps no value
 past its readers (``Engine(keep_last=())``), so a value's references are its readers' and its views'.
 """
 
@@ -32,7 +36,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -45,10 +49,13 @@ PRODUCERS = (pp.TASK_KIND_KERNEL,)
 # readers that never keep an input past their act (their outputs are checked for the input itself)
 READERS = (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER)
 # Ops whose output is a view of an input though their OpDef says nothing (``view`` is the cost model's
-# flag): the main job's transposes and splits handed on 4.0 and 1.5 MB of views a step. A view op's output
-# has no bytes of its own, and the engine's register of the view holds its input's bytes into the next
-# step: neither is planned (any other reader that makes a view is found at run time: Planned.viewed).
+# flag): the main job's transposes and splits. A view op's output has no bytes of its own: it is not
+# planned, but the value it views is, for as long as the view's readers read it (:func:`follow`; a
+# reader that makes a view it was not expected to is found at run time: Planned.viewed).
 VIEW_OPS = frozenset({"transpose", "split"})
+# Plan the values that readers view (False: leave them out, as before; the A/B of bench/models/peak_memory.py
+# --plan-views off)
+PLAN_VIEWS = True
 
 
 def makes_views(task: pp.Task) -> bool:
@@ -58,8 +65,9 @@ def makes_views(task: pp.Task) -> bool:
 @dataclass(frozen=True)
 class Lifetime:
     """A register's value within a step: from its producer's position to its last consumer's.
-    ``readers``: the tasks that read the value (through pass-through steps), ``aliases``: the registers
-    of those steps, which carry the same value (0 and () for a register read directly only)."""
+    ``readers``: the reads of the value (through pass-through steps) and of its views, ``aliases``: the
+    registers of those steps, which carry the same value (0 and () for a register read directly only),
+    ``views``: (register, reads below it) of each view of it (:class:`Followed`)."""
 
     register: int
     nbytes: int
@@ -67,6 +75,7 @@ class Lifetime:
     last: int
     readers: int = 0
     aliases: tuple[int, ...] = ()
+    views: tuple[tuple[int, int], ...] = ()
 
     def overlaps(self, other: Lifetime) -> bool:
         return self.first <= other.last and other.first <= self.last
@@ -98,7 +107,9 @@ def lifetimes(
     """The lifetimes of the registers of ``device`` that may share (see the module docstring), in the
     plan's task order; producers in ``excluded`` (a kernel whose output loops to the next step) are left
     out. ``through``: boxing steps that move nothing (:func:`~.executor_analysis.no_op_boxings`), which
-    the executor bypasses: their readers read the value itself, and count as its readers."""
+    the executor bypasses: their readers read the value itself, and count as its readers. A reader that
+    makes views (:func:`makes_views`) extends the value's lifetime to its views' last reader
+    (:func:`follow`); a value whose views escape is left out."""
     position = {t.id: i for i, t in enumerate(device.tasks)}
     by_id = {t.id: t for t in device.tasks}
     regs = {r.id: r for r in device.registers}
@@ -106,26 +117,75 @@ def lifetimes(
     out = []
     for reg in device.registers:
         producer = by_id.get(reg.producer_task)
-        readers, aliases, steps = reach(reg, regs, by_id, passes)
         if (
             reg.count != 1
             or reg.tensor not in tensors  # a boxing's intermediate value: not a tensor of the plan
-            or not readers
             or producer is None
             or producer.id in excluded
             or producer.kind not in PRODUCERS
             or producer.stream != pp.STREAM_KIND_COMPUTE
-            or any(r is None or r.kind not in READERS or r.stream != pp.STREAM_KIND_COMPUTE for r in readers)
             or makes_views(producer)
-            or any(makes_views(r) for r in readers if r is not None)
         ):
+            continue
+        followed = follow(reg, regs, by_id, passes, excluded)
+        if followed is None or not followed.reads:
             continue
         shape, dtype = value_shape(tensors[reg.tensor], producer)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        last = max(position[t.id] for t in [*readers, *steps] if t is not None)
+        first, last = position[producer.id], max(position[t] for t in followed.tasks)
         if nbytes:
-            out.append(Lifetime(reg.id, nbytes, position[producer.id], last, len(readers), aliases))
+            out.append(
+                Lifetime(reg.id, nbytes, first, last, followed.reads, followed.aliases, followed.views)
+            )
     return out
+
+
+@dataclass(frozen=True)
+class Followed:
+    """What reads a value, through pass-through steps and views: ``reads`` its reads and its views' (a
+    reader counts once a register it reads), ``tasks`` the readers' and steps' ids (the lifetime's end),
+    ``aliases`` the pass-through steps' registers of the value, ``views`` (register, reads of it and of
+    its own views) for each register of a view of it (and its pass-through steps' registers)."""
+
+    reads: int
+    tasks: tuple[int, ...]
+    aliases: tuple[int, ...]
+    views: tuple[tuple[int, int], ...]
+
+
+def follow(
+    reg: pp.RegisterDesc,
+    regs: Mapping[int, pp.RegisterDesc],
+    by_id: Mapping[int, pp.Task],
+    passes: frozenset[int],
+    excluded: frozenset[int] = frozenset(),
+) -> Followed | None:
+    """Who reads ``reg``'s value and the views its readers make of it (``VIEW_OPS``, an OpDef's
+    ``view``), down every chain of views (a reshape of a transpose); None where a reader or a view
+    escapes: a reader that is not a kernel or an update on the compute stream (a SINK fetches or stores
+    it, a boxing sends it), a view register of more than one slot, or a view made by a kernel that reads
+    something else too (``pack``) or whose output loops to the next step (``excluded``). Each view keeps
+    the value's bytes until its own readers have acted."""
+    readers, aliases, steps = reach(reg, regs, by_id, passes)
+    if any(r is None or r.kind not in READERS or r.stream != pp.STREAM_KIND_COMPUTE for r in readers):
+        return None
+    reads = len(readers)
+    tasks = [t.id for t in [*readers, *steps] if t is not None]
+    views: list[tuple[int, int]] = []
+    for r in readers:
+        if r is None or not makes_views(r):
+            continue
+        if not PLAN_VIEWS or r.id in excluded or len(set(r.in_registers)) != 1:
+            return None
+        for w in dict.fromkeys(r.out_registers):
+            view = regs[w]
+            below = follow(view, regs, by_id, passes, excluded) if view.count == 1 else None
+            if below is None:
+                return None
+            reads += below.reads
+            tasks += below.tasks
+            views += [(w, below.reads), *((a, below.reads) for a in below.aliases), *below.views]
+    return Followed(reads, tuple(tasks), aliases, tuple(views))
 
 
 def reach(
@@ -178,9 +238,9 @@ class Slab:
             return False
         if sys.getrefcount(self.base) <= self.expected:
             return True
-        # Read, but something still refers to its memory: a view of the value (made by a reader, or by
-        # a reader of a view), which lives until the view's own readers have acted. The register that
-        # wrote it leaves the plan, so that the slab serves the others from then on.
+        # Every planned read done (its views' too), but something still refers to its memory: a view
+        # nobody expected, which may live on. The register that wrote it leaves the plan, so that the
+        # slab serves the others from then on.
         if self.holder is not None:
             self.holder.viewed = True
         return False
@@ -191,10 +251,11 @@ class Slab:
 
 
 class Planned:
-    """A register of the plan: its slab, its view of it, and the reads each value awaits. ``viewed``: a
-    reader passed on a view of its value (a reshape, a transpose), which lives past the value's planned
-    lifetime, until the view's own readers act: the register then leaves the plan (its producer
-    allocates), so that its slab is not held past its plan for every register in it."""
+    """A register of the plan: its slab, its view of it, and the reads each value awaits (its views'
+    included). ``viewed``: a reader passed on a view of its value that the plan did not expect (not a
+    view op's, or outside a view op's planned outputs), which may live past the value's planned lifetime:
+    the register then leaves the plan (its producer allocates), so that its slab is not held past its
+    plan for every register in it."""
 
     __slots__ = ("readers", "slab", "view", "viewed")
 
@@ -208,10 +269,35 @@ class Planned:
 class MemoryPlan:
     """One rank's plan: per planned register its :class:`Planned`; built by :func:`plan`."""
 
-    def __init__(self, registers: dict[int, Planned], sizes: list[int], total: int) -> None:
+    def __init__(
+        self,
+        registers: dict[int, Planned],
+        sizes: list[int],
+        total: int,
+        views: dict[int, tuple[Planned, int]] | None = None,
+    ) -> None:
         self.registers = registers
+        self.views = views or {}  # a view's register -> the viewed register's Planned, the reads below it
         self.slab_bytes = sum(sizes)  # what the slabs hold
         self.planned_bytes = total  # what the planned registers' values would hold, one array each
+
+    def reads(self, inputs: Sequence[int], outputs: Sequence[int]) -> list[Read]:
+        """What :func:`watch` counts for an actor reading ``inputs`` and writing ``outputs``: each planned
+        value it reads, and each view of one, with the reads below each of its outputs that is a planned
+        view of that value (None for the others)."""
+        out = []
+        for i, r in enumerate(inputs):
+            p = self.registers.get(r)
+            chained = p is None
+            if p is None and r in self.views:
+                p = self.views[r][0]
+            if p is None:
+                continue
+            below = tuple(
+                self.views[o][1] if o in self.views and self.views[o][0] is p else None for o in outputs
+            )
+            out.append(Read(i, p, chained, below))
+        return out
 
     def lender(self, outputs: Sequence[int], reuse: OutputReuse | None) -> Lender | None:
         """What lends the producer of ``outputs`` its buffers: slabs where planned, else ``reuse``."""
@@ -235,6 +321,7 @@ def plan(
     regs = {r.id: r for r in device.registers}
     by_id = {t.id: t for t in device.tasks}
     out = {}
+    views: dict[int, tuple[Planned, int]] = {}
     for life in lives:
         reg = regs[life.register]
         slab = slabs[slab_of[life.register]]
@@ -242,9 +329,11 @@ def plan(
         out[reg.id] = Planned(slab, slab.view(shape, dtype), life.readers)
         for alias in life.aliases:  # read as the value itself once the step is bypassed
             out[alias] = out[reg.id]
+        for view, below in life.views:
+            views[view] = (out[reg.id], below)
     for slab in slabs:  # the owner's count with the plan's views alive, as free() reads it (an argument)
         slab.expected = sys.getrefcount(slab.base)
-    return MemoryPlan(out, sizes, sum(life.nbytes for life in lives))
+    return MemoryPlan(out, sizes, sum(life.nbytes for life in lives), views)
 
 
 class Lender:
@@ -295,24 +384,47 @@ def untracked(value: Any, slab: Slab) -> None:
         slab.retired = True
 
 
-def watch(act: Act, reads: Sequence[tuple[int, Planned]]) -> Act:
-    """``act`` (a reader of planned registers, at positions of its values), counting its reads of the
-    values slabs hold; a slab whose value it returns as its own output is retired, a register whose value
-    it returns a view of leaves the plan (:class:`Planned`)."""
-    watched = tuple(reads)
+class Read(NamedTuple):
+    """A read :func:`watch` counts: the input ``position`` of a value of ``planned``'s register
+    (``chained``: of a view of it), and per output of the reader the reads below it where it is a planned
+    view of that value (a view op's; None for the others)."""
+
+    position: int
+    planned: Planned
+    chained: bool = False
+    below: tuple[int | None, ...] = ()
+
+
+def watch(act: Act, reads: Sequence[Read | tuple[int, Planned]]) -> Act:
+    """``act`` (a reader of planned registers or of views of them, at positions of its values), counting
+    its reads of the values slabs hold: a read of the value itself (the plan's view of the slab), or of a
+    view of it (an array whose base is the slab's owner); a planned view it makes that is not on the slab
+    (a reshape that copied) takes the reads below it off the count. A slab whose value it returns as its
+    own output is retired, a register whose value it returns a view of that the plan did not expect leaves
+    the plan (:class:`Planned`)."""
+    watched = tuple(Read(*r) for r in reads)
 
     def watching(step: int, values: list[Any]) -> list[Any]:
         outs = act(step, values)
-        for position, p in watched:
-            if values[position] is p.view:
-                for o in outs:
-                    if o is p.view:
-                        p.slab.retired = True
-                    elif getattr(o, "base", None) is p.slab.base:
+        for position, p, chained, below in watched:
+            value, slab = values[position], p.slab
+            if chained:
+                if value is p.view or getattr(value, "base", None) is not slab.base:
+                    continue  # not on the slab (its producer allocated, a view op copied); the view: below
+            elif value is not p.view:
+                continue
+            for j, o in enumerate(outs):
+                expected = below[j] if j < len(below) else None
+                if o is p.view:
+                    slab.retired = True
+                elif getattr(o, "base", None) is slab.base:
+                    if expected is None:
                         p.viewed = True
-                    else:
-                        untracked(o, p.slab)
-                p.slab.pending -= 1
+                else:
+                    untracked(o, slab)
+                    if expected:  # a view op's output not on the slab: its readers read no slab
+                        slab.pending = max(0, slab.pending - expected)
+            slab.pending = max(0, slab.pending - 1) if chained else slab.pending - 1
         return outs
 
     return watching

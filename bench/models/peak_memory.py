@@ -148,7 +148,15 @@ def no_memory_plan() -> None:
     plan; each register's value then lives in its own array)."""
     from sbpflow.actor_workers.execution import memory_plan
 
-    memory_plan.plan = lambda device, tensors, excluded: memory_plan.MemoryPlan({}, [], 0)
+    memory_plan.plan = lambda *args, **kwargs: memory_plan.MemoryPlan({}, [], 0)
+
+
+def no_plan_views() -> None:
+    """The memory plan without the values that readers view (``--plan-views off``: the A/B of planning
+    them; they then live in their own arrays, as before)."""
+    from sbpflow.actor_workers.execution import memory_plan
+
+    memory_plan.PLAN_VIEWS = False
 
 
 def probe(model: str, side: str, quick: bool) -> dict[str, float]:
@@ -174,9 +182,9 @@ def probe(model: str, side: str, quick: bool) -> dict[str, float]:
     }
 
 
-def measure(model: str, side: str, quick: bool, plan: str) -> dict[str, float] | str:
+def measure(model: str, side: str, quick: bool, plan: str, views: str = "on") -> dict[str, float] | str:
     """One side's figures from a fresh process, or what its failure printed last."""
-    cmd = [sys.executable, __file__, "--probe", model, side, "--memory-plan", plan]
+    cmd = [sys.executable, __file__, "--probe", model, side, "--memory-plan", plan, "--plan-views", views]
     out = subprocess.run([*cmd, *(["--quick"] if quick else [])], capture_output=True, text=True)
     if out.returncode:
         return (out.stderr.strip() or out.stdout.strip() or f"exit status {out.returncode}").splitlines()[-1]
@@ -189,22 +197,25 @@ def main() -> None:
     ap.add_argument("--only", choices=MODELS, action="append", help="default: all three")
     ap.add_argument("--probe", nargs=2, metavar=("MODEL", "SIDE"), help=argparse.SUPPRESS)
     ap.add_argument("--memory-plan", choices=("on", "off"), default="on", help="sbpflow's (off: the A/B)")
+    ap.add_argument("--plan-views", choices=("on", "off"), default="on", help="plan values readers view")
     args = ap.parse_args()
     if args.memory_plan == "off":
         no_memory_plan()
+    if args.plan_views == "off":
+        no_plan_views()
     if args.probe:
         print(json.dumps(probe(*args.probe, args.quick)))
         return
     print(
         f"peak memory of the steps above the baseline, MB (VmHWM; RssAnon sampled every {SAMPLE_S * 1e3:.0f}"
         f" ms); each side a fresh process, 1 thread{', --quick' if args.quick else ''}; memory plan "
-        f"{args.memory_plan}; "
+        f"{args.memory_plan}, views {args.plan_views}; "
         f"load {os.getloadavg()[0]:.1f}"
     )
     print(f"{'':10} {'sbpflow peak':>12} {'anon':>8} {'torch peak':>11} {'anon':>8}")
     failed = []
     for model in args.only or MODELS:
-        ours, theirs = (measure(model, side, args.quick, args.memory_plan) for side in SIDES)
+        ours, theirs = (measure(model, side, args.quick, args.memory_plan, args.plan_views) for side in SIDES)
         if isinstance(ours, str) or isinstance(theirs, str):  # the other models still run
             failed.append(model)
             print(f"{model:10} FAILED: {ours if isinstance(ours, str) else theirs}")
