@@ -37,8 +37,12 @@ the sums travel to the first stage and stay; on a mesh axis that splits some gra
 the adds box and stay. Where every gradient is split along an axis, the sum is ``P`` there, as each
 unfused sum was.
 
+Last, ``compiler/bn_grad.py`` folds each batch norm's input gradient into one ``channel_input_grad``
+pass (its docstring): the one fold here that is not bit-identical (the terms are summed in another order).
+
 On by default (``JobConfig.fusion``; a job message without the field reads as on): a fused chain runs the
-same numpy calls in the same order as the ops it replaces, so a run is bit-identical either way
+same numpy calls in the same order as the ops it replaces, so a run is bit-identical either way (but for
+batch norm's backward, above)
 (``tests/control_plane/compiler/passes/test_fusion.py`` trains both). A job turns it off with
 ``JobConfig(fusion=False)`` (``GraphConfig.fusion``, ``self.config.fusion = False`` in a graph's
 ``__init__``) to see one act an op in a trace; the setting travels with the job, so a job compiles the
@@ -50,6 +54,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from sbpflow.control_plane.compiler import bn_grad
 from sbpflow.control_plane.compiler.passes.autodiff import GRAD
 from sbpflow.control_plane.compiler.passes.optimizer import PREFIX as OPTIMIZER
 from sbpflow.control_plane.compiler.state import Choice, CompileState
@@ -353,6 +358,7 @@ def run(state: CompileState) -> None:
     fold_clips(state)
     fold_row_contractions(state)
     fold_squared_norms(state)
+    bn_grad.run(state, protected(state))
     found = chains(state)
     if not found:
         return

@@ -107,3 +107,29 @@ def fill_planes(v: Any, y: Any) -> None:  # pragma: no cover - compiled
             plane, a = y[n, c], v[c]
             for k in range(plane.size):
                 plane[k] = a
+
+
+@njit(cache=True, error_model="numpy", fastmath=FLAGS, nogil=True)
+def centred_sums(x: Any, mean: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out[c] = sum of x[:, c] - mean[c] (float64), x [N, C, S]: channel_var_grad's dmean sum, no dx."""
+    n_, c_, _ = x.shape
+    for c in range(c_):
+        m, s = np.float64(mean[c]), 0.0
+        for n in range(n_):
+            plane = x[n, c]
+            for k in range(plane.size):
+                s += np.float64(plane[k]) - m
+        out[c] = s
+
+
+@njit(cache=True, error_model="numpy", fastmath=FLAGS, nogil=True)
+def input_grad(dy: Any, x: Any, mean: Any, scale: Any, k: Any, d: Any, dx: Any) -> None:  # pragma: no cover
+    """dx[n, c] = dy[n, c] scale[c] + (x[n, c] - mean[c]) k[c] + d[c], all [N, C, S] or [C]: batch norm's
+    input gradient in one pass (channel_input_grad)."""
+    n_, c_, _ = x.shape
+    for n in range(n_):
+        for c in range(c_):
+            m, a, b, e = mean[c], scale[c], k[c], d[c]
+            g, v, out = dy[n, c], x[n, c], dx[n, c]
+            for i in range(v.size):
+                out[i] = g[i] * a + (v[i] - m) * b + e

@@ -273,3 +273,84 @@ defop(
     flops=3,
     fp32=True,
 )
+
+
+# ---- the fused backward (control_plane/compiler/passes/bn_grad.py) --------------------------------------
+#
+# channel_var_grad's dmean alone (its dx is folded into channel_input_grad) and the input gradient
+# dy * scale + (x - mean) * 2 dvar / count + dmean / count in one pass: the sum of channel_affine's dx
+# (mean and shift zero), channel_var_grad's dx and mean_grad's broadcast, each in x's dtype.
+
+
+def _var_dmean_infer(metas: Metas, attrs: Attrs) -> Metas:
+    x, mean, dvar = metas
+    _per_channel("channel_var_dmean", x, mean=mean, dvar=dvar)
+    return (mean,)
+
+
+def _var_dmean_kernel(ctx: KernelContext, x: Any, mean: Any, dvar: Any) -> Any:
+    xp, count = ctx.xp, _count(ctx.in_metas[0])
+    k = 2 * dvar / x.dtype.type(count)
+    if (jit := jit_loops("norm_jit", xp, x, mean)) is not None:
+        total = np.empty(x.shape[1])
+        jit.centred_sums(_planes(x), mean, total)
+    else:
+        axes = tuple(a for a in range(x.ndim) if a != 1)
+        total = xp.sum(xp.subtract(x, _at(x, mean), dtype=xp.float64), axis=axes)
+    return (-total * k).astype(x.dtype)
+
+
+defop(
+    "channel_var_dmean",
+    inputs=("x", "mean", "dvar"),
+    outputs=("dmean",),
+    infer=_var_dmean_infer,
+    rows=lambda m, a: [
+        *(Signature((Split(d), B, B), (P,)) for d in range(m[0].ndim) if d != 1),
+        Signature((Split(1), Split(0), Split(0)), (Split(0),)),
+        Signature((B, B, P), (P,)),  # linear in dvar
+        Signature((P, P, B), (P,)),  # and in (x, mean) jointly
+        rows.all_broadcast(3, 1),
+    ],
+    kernel=_var_dmean_kernel,
+    grad=NoGrad("backward op of channel_var"),
+    doc="channel_var_grad's dmean alone: -2 sum(x - mean) dvar / count per channel, one read of x",
+    flops=2,
+    fp32=True,
+)
+
+
+def _input_grad_infer(metas: Metas, attrs: Attrs) -> Metas:
+    dy, x, mean, scale, dvar, dmean = metas
+    _per_channel("channel_input_grad", x, ("dy", dy), mean=mean, scale=scale, dvar=dvar, dmean=dmean)
+    return (x,)
+
+
+def _input_grad_kernel(ctx: KernelContext, dy: Any, x: Any, *cs: Any) -> Any:
+    xp, dt = ctx.xp, x.dtype.type
+    mean, scale, dvar, dmean = cs
+    count = dt(_count(ctx.in_metas[1]))
+    k, d = 2 * dvar / count, dmean / count
+    if (jit := jit_loops("norm_jit", xp, dy, x, mean, scale, k, d)) is not None:
+        dx = ctx.out_contiguous(0)
+        dx = xp.empty_like(x) if dx is None else dx
+        jit.input_grad(_planes(dy), _planes(x), mean, scale, k, d, _planes(dx))
+        return dx
+    return dy * _at(x, scale) + (x - _at(x, mean)) * _at(x, k) + _at(x, d)
+
+
+defop(
+    "channel_input_grad",
+    inputs=("dy", "x", "mean", "scale", "dvar", "dmean"),
+    outputs=("dx",),
+    infer=_input_grad_infer,
+    rows=lambda m, a: [
+        *(Signature((Split(d), Split(d), B, B, B, B), (Split(d),)) for d in range(m[0].ndim) if d != 1),
+        Signature((Split(1), Split(1), *(Split(0),) * 4), (Split(1),)),
+        rows.all_broadcast(6, 1),
+    ],
+    kernel=_input_grad_kernel,
+    grad=NoGrad("backward op of batch norm (channel_affine, channel_var and mean)"),
+    doc="batch norm's dx in one pass: dy scale + (x - mean) 2 dvar / count + dmean / count, by channel",
+    flops=6,
+)

@@ -60,6 +60,10 @@ def test_each_loop_equals_the_numpy_kernel(dtype: Any, shape: tuple[int, ...], s
     same(*both("channel_affine", x, mean, a, b), dtype)
     same(*both("channel_affine_grad", dy, x, mean), dtype)
     same(*both("channel_affine_grad", dy, x, mean, at=1), dtype)
+    c, d = (rng.standard_normal(shape[1]).astype(dtype) for _ in range(2))
+    same(*both("channel_var_dmean", x, mean, a), dtype)
+    same(*both("channel_input_grad", dy, x, mean, a, c, d), dtype)
+    same(*both("channel_input_grad", dy, x, mean, a, c, d, at=1), dtype)
 
 
 def test_float32_variance_of_an_offset_channel_keeps_its_digits() -> None:

@@ -92,3 +92,22 @@ case(
     )
 )
 case(OpCase("channel_affine_grad", _planes_and_channels(2, 1), _affine_grad_ref, differentiable=()))
+
+
+def _var_dmean_ref(x: np.ndarray, mean: np.ndarray, dvar: np.ndarray) -> list[np.ndarray]:
+    return [_var_grad_ref(x, mean, dvar)[1]]
+
+
+def _input_grad_ref(dy: np.ndarray, x: np.ndarray, *cs: np.ndarray) -> list[np.ndarray]:
+    """channel_affine's dx (mean and shift zero) + channel_var_grad's dx + mean_grad's broadcast."""
+    mean, scale, dvar, dmean = cs
+    zero = np.zeros_like(mean)
+    count = x.size // x.shape[1]
+    dx3 = np.empty_like(x)
+    for c in range(x.shape[1]):
+        dx3[:, c] = dmean[c] / count
+    return [_by_channel(dy, zero, scale, zero) + _var_grad_ref(x, mean, dvar)[0] + dx3]
+
+
+case(OpCase("channel_var_dmean", _planes_and_channels(1, 2), _var_dmean_ref, differentiable=()))
+case(OpCase("channel_input_grad", _planes_and_channels(2, 4), _input_grad_ref, differentiable=()))

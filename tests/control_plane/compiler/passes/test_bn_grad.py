@@ -1,0 +1,52 @@
+"""Batch norm's backward folded into channel_input_grad (control_plane/compiler/bn_grad.py): where it
+folds, and that a folded ResNet trains as the unfolded one. Not bit for bit: the three terms of dx are
+summed in one expression, in another order, so float64 runs agree to a tight relative tolerance instead."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+
+import sbpflow as sf
+from sbpflow.control_plane.compiler import pipeline
+from sbpflow.job import Job
+from tests.control_plane.compiler.passes.test_autodiff import as_float64
+from tests.examples.test_examples import load
+
+SMALL: dict[str, Any] = {"depth": 18, "width": 4, "image_size": 8, "classes": 5, "batch_size": 8, "steps": 3}
+
+
+def resnet(ranks: int, fusion: bool = True) -> Job:
+    made = load("resnet").make_job(ranks=ranks, **SMALL)
+    return replace(made, config=replace(made.config, fusion=fusion))
+
+
+def op_types(j: Job) -> list[str]:
+    return [o.op_type for o in pipeline.compile(j).state.graph.ops]  # verify_compiled checks each signature
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_each_batch_norm_backward_is_one_input_grad_pass(ranks: int) -> None:
+    on, off = op_types(resnet(ranks)), op_types(resnet(ranks, fusion=False))
+    assert on.count("channel_input_grad") == on.count("channel_var_dmean") == 20  # ResNet-18's 20 BNs
+    assert "channel_var_grad" not in on and "mean_grad" not in on
+    assert on.count("channel_affine") == 20  # the forward's; backward's dy * scale is folded
+    assert off.count("channel_var_grad") == off.count("mean_grad") == 20 and "channel_input_grad" not in off
+    assert off.count("full") - on.count("full") == 20  # the zeros of channel_affine's gradient
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_folded_training_equals_unfolded_in_float64(ranks: int) -> None:
+    runs = {}
+    for on in (True, False):
+        j = as_float64(resnet(ranks, fusion=on), batches=3)
+        assert ("channel_input_grad" in op_types(j)) is on
+        runs[on] = sf.run(j, steps=3, return_parameters=True, timeout=120, backend="inprocess")
+    np.testing.assert_allclose(runs[True].losses, runs[False].losses, rtol=1e-12)
+    fused, plain = runs[True].parameters, runs[False].parameters
+    assert fused is not None and plain is not None and set(fused) == set(plain)
+    for name, value in plain.items():
+        np.testing.assert_allclose(fused[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
