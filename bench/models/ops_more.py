@@ -6,7 +6,8 @@ the channels' values (a slow strided reduction in torch, ~0.8 ms: its ratio says
 forward, mean + channel_var + channel_affine, measured 0.91-0.93x ``native_batch_norm`` on the two
 ResNet block shapes and 2.8x on [32, 64, 4, 4], where the per-call cost of 3 ops shows), channel_affine's batch norm in eval mode (the same one pass, (x - mean) * scale +
 shift), channel_var_grad's too (its pass with one sum more), channel_affine_grad's the weight and bias
-half of ``native_batch_norm_backward`` (the same two sums).
+half of ``native_batch_norm_backward`` (the same two sums), channel_input_grad its dx alone (one pass
+that takes the two sums inside), channel_var_dmean a centred sum.
 
 Shapes: the image ops on a ResNet block's activation ([8, 16, 32, 32], 3x3 kernels), the gather and
 top-k ops on the GPT's [16, 64, 128] logits and its embedding table, the vocabulary-parallel cross
@@ -68,6 +69,8 @@ EXTRA_MORE: dict[str, tuple[tuple[TensorMeta, ...], dict[str, Any]]] = {
     "channel_var_grad": ((IMG, C16, C16), {}),
     "channel_affine": ((IMG, C16, C16, C16), {}),
     "channel_affine_grad": ((IMG, IMG, C16), {}),
+    "channel_var_dmean": ((IMG, C16, C16), {}),
+    "channel_input_grad": ((IMG, IMG, C16, C16, C16, C16), {}),
     "sigmoid": ((LOGITS,), {}),
     "gelu_erf": ((FFN,), {}),  # exact GELU: BERT's (bench/models/bert.py), on its FFN activation
     "gelu_erf_grad": ((FFN, FFN), {}),
@@ -148,11 +151,22 @@ def _bn_grad_sums(dy: Any, x: Any, mean: Any) -> Any:
     )
 
 
+def _bn_input_grad(dy: Any, x: Any, mean: Any, scale: Any) -> Any:
+    import torch
+
+    ones = torch.ones_like(mean)  # dx alone: the same pass over dy and x, its sums taken inside
+    return torch.ops.aten.native_batch_norm_backward(
+        dy, x, scale, None, None, mean, ones, True, 1e-5, [True, False, False]
+    )
+
+
 _NORM_PEERS: dict[str, Callable[[list[Any]], Callable[[], Any]]] = {
     "channel_var": lambda t: lambda: t[0].var((0, 2, 3), correction=0),
     "channel_var_grad": lambda t: lambda: _bn_eval(t[0], t[1], t[2], t[2]),
     "channel_affine": lambda t: lambda: _bn_eval(*t),
     "channel_affine_grad": lambda t: lambda: _bn_grad_sums(*t),
+    "channel_var_dmean": lambda t: lambda: (t[0] - t[1][None, :, None, None]).sum((0, 2, 3)),
+    "channel_input_grad": lambda t: lambda: _bn_input_grad(*t[:4]),
 }
 
 
