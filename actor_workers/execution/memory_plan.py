@@ -56,6 +56,7 @@ VIEW_OPS = frozenset({"transpose", "split"})
 # Plan the values that readers view (False: leave them out, as before; the A/B of bench/models/peak_memory.py
 # --plan-views off)
 PLAN_VIEWS = True
+STAGGER = 4096  # a slab's start is staggered within this many bytes (:class:`Slab`)
 
 
 def makes_views(task: pp.Task) -> bool:
@@ -224,10 +225,14 @@ def value_shape(decl: TensorDecl, producer: pp.Task) -> tuple[tuple[int, ...], n
 class Slab:
     """One buffer of the plan: its owner array, the value it holds and how many reads that value awaits."""
 
-    __slots__ = ("base", "expected", "holder", "pending", "retired")
+    __slots__ = ("base", "expected", "holder", "offset", "pending", "retired")
 
-    def __init__(self, nbytes: int) -> None:
-        self.base = np.empty(nbytes, np.uint8)
+    def __init__(self, nbytes: int, index: int = 0) -> None:
+        # Each slab starts at its own offset within a page (64-byte aligned): large arrays are mmap'd at
+        # one offset within a page, so a kernel reading one slab and writing another hit 4K aliasing
+        # (each store a load's address mod 4096): BERT's GELU loop took 6.5 ms, not 1.9
+        self.base = np.empty(nbytes + STAGGER, np.uint8)
+        self.offset = (64 * (index * 23 % (STAGGER // 64)) - self.base.ctypes.data) % STAGGER
         self.expected = 0  # the owner's refcount with only the plan's views alive (set once they are made)
         self.pending = 0  # reads the value it holds still awaits
         self.retired = False  # a reader passed the value on as its own output: never lent again
@@ -247,7 +252,7 @@ class Slab:
 
     def view(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        return self.base[:n].view(dtype).reshape(shape)
+        return self.base[self.offset : self.offset + n].view(dtype).reshape(shape)
 
 
 class Planned:
@@ -317,7 +322,7 @@ def plan(
     pass-through steps, whose registers share their input's :class:`Planned`)."""
     lives = lifetimes(device, tensors, excluded, through)
     slab_of, sizes = colour(lives)
-    slabs = [Slab(n) for n in sizes]
+    slabs = [Slab(n, i) for i, n in enumerate(sizes)]
     regs = {r.id: r for r in device.registers}
     by_id = {t.id: t for t in device.tasks}
     out = {}
