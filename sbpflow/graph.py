@@ -110,6 +110,15 @@ class Graph:
     def consumers(self, tensor: str) -> list[OpNode]:
         return [o for o in self.ops if tensor in o.inputs]
 
+    def producers_and_readers(self) -> tuple[dict[str, OpNode], dict[str, int]]:
+        """Each tensor's producing op, and how many op inputs read it (an op reading it twice counts twice):
+        one sweep, for passes that look up many tensors."""
+        readers: dict[str, int] = {}
+        for o in self.ops:
+            for i in o.inputs:
+                readers[i] = readers.get(i, 0) + 1
+        return {t: o for o in self.ops for t in o.outputs}, readers
+
     def of_kind(self, kind: TensorKind) -> list[TensorDecl]:
         return [t for t in self.tensors.values() if t.kind == kind]
 

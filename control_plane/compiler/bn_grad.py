@@ -34,16 +34,9 @@ from sbpflow.ops.base import NdSignature
 from sbpflow.sbp import B, NdSbp, Split
 
 
-def _producers_and_readers(g: Graph) -> tuple[dict[str, OpNode], dict[str, int]]:
-    readers: dict[str, int] = {}
-    for o in g.ops:
-        for i in o.inputs:
-            readers[i] = readers.get(i, 0) + 1
-    return {t: o for o in g.ops for t in o.outputs}, readers
-
-
-def _key(o: OpNode) -> tuple[object, ...]:
-    """fusion's key: placement, stage, checkpoint flag and phase (forward, ``grad/`` or ``optimizer/``)."""
+def fold_key(o: OpNode) -> tuple[object, ...]:
+    """Placement, stage, checkpoint flag and phase (forward, ``grad/`` or ``optimizer/``): ops fold into
+    one only within one key (this pass and fusion's)."""
     phase = GRAD if o.name.startswith(GRAD) else OPTIMIZER if o.name.startswith(OPTIMIZER) else ""
     return (o.placement, o.stage, o.checkpoint, phase)
 
@@ -77,7 +70,7 @@ def _as_is_or_free(g: Graph, name: str, want: NdSbp, pl: object) -> bool | None:
 class _Fold:
     def __init__(self, state: CompileState, keep: set[str]) -> None:
         self.state, self.g, self.keep = state, state.graph, keep
-        self.producer, self.readers = _producers_and_readers(self.g)
+        self.producer, self.readers = self.g.producers_and_readers()
 
     def once(self, t: str) -> bool:
         return self.readers.get(t) == 1 and t not in self.keep
@@ -134,7 +127,7 @@ class _Fold:
         if grad.attrs.get("keepdims") or any(g.tensors[t].meta != xm for t in (dy, top.outputs[0], *terms)):
             return None
         ops = [v, affine, grad, *adds] + ([box] if box else [])
-        if any(_key(o) != key for o in ops):
+        if any(fold_key(o) != key for o in ops):
             return None
         sbp = g.tensors[x].sbp
         if sbp is None or any(g.tensors[t].sbp != sbp for t in (dy, top.outputs[0], dx2)):
@@ -156,7 +149,7 @@ def run(state: CompileState, keep: set[str]) -> int:
     gone: set[str] = set()
     zeros: set[str] = set()
     for v in [o for o in g.ops if o.op_type == "channel_var_grad"]:
-        m = fold.match(v, _key(v))
+        m = fold.match(v, fold_key(v))
         if m is None:
             continue
         x, mean, dvar = v.inputs
@@ -200,7 +193,7 @@ def run(state: CompileState, keep: set[str]) -> int:
                     del g.tensors[t]
         zeros.add(m["zeros"])  # type: ignore[arg-type]
     g.ops[:] = [n for o in g.ops for n in replaced.get(o.name, [] if o.name in gone else [o])]
-    producer, readers = _producers_and_readers(g)
+    producer, readers = g.producers_and_readers()
     unread = {t for t in zeros if not readers.get(t) and t not in keep}
     for t in unread:
         state.choices.pop(producer[t].name, None)

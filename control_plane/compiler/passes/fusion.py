@@ -55,8 +55,6 @@ import math
 from dataclasses import dataclass, field, replace
 
 from sbpflow.control_plane.compiler import bn_grad
-from sbpflow.control_plane.compiler.passes.autodiff import GRAD
-from sbpflow.control_plane.compiler.passes.optimizer import PREFIX as OPTIMIZER
 from sbpflow.control_plane.compiler.state import Choice, CompileState
 from sbpflow.graph import BOXING, Graph, OpNode, TensorKind
 from sbpflow.ops.base import NdSignature
@@ -74,14 +72,6 @@ class _Chain:
     @property
     def tail(self) -> str:
         return self.ops[-1].outputs[0]
-
-
-def _phase(o: OpNode) -> str:
-    return GRAD if o.name.startswith(GRAD) else OPTIMIZER if o.name.startswith(OPTIMIZER) else ""
-
-
-def _key(o: OpNode) -> tuple[object, ...]:
-    return (o.placement, o.stage, o.checkpoint, _phase(o))
 
 
 def protected(state: CompileState) -> set[str]:
@@ -110,7 +100,10 @@ def chains(state: CompileState) -> list[list[OpNode]]:
         joined = [
             open_.pop(i)
             for i in dict.fromkeys(o.inputs)
-            if i in open_ and readers[i] == 1 and i not in keep and _key(open_[i].ops[-1]) == _key(o)
+            if i in open_
+            and readers[i] == 1
+            and i not in keep
+            and bn_grad.fold_key(open_[i].ops[-1]) == bn_grad.fold_key(o)
         ]
         chain = _Chain([op for c in joined for op in c.ops] + [o]) if joined else _Chain([o])
         if joined:
@@ -167,27 +160,24 @@ def fuse(state: CompileState, ops: list[OpNode]) -> OpNode:
     return node
 
 
-def _producers_and_readers(g: Graph) -> tuple[dict[str, OpNode], dict[str, int]]:
-    """Each tensor's producing op, and how many op inputs read it (an op reading it twice counts twice)."""
-    readers: dict[str, int] = {}
-    for o in g.ops:
-        for i in o.inputs:
-            readers[i] = readers.get(i, 0) + 1
-    return {t: o for o in g.ops for t in o.outputs}, readers
-
-
 def fold_clips(state: CompileState) -> int:
     """Fold each clipping ``mul`` into the update that alone reads its result (the module's docstring);
     returns how many were folded."""
     g = state.graph
-    producer, readers = _producers_and_readers(g)
+    producer, readers = g.producers_and_readers()
     keep = protected(state)
     folded: dict[str, OpNode] = {}  # the update's name -> its clipped form
     gone: set[str] = set()
     for u in g.ops:
         grad = u.inputs[1] if u.op_type in CLIPPED else ""
         mul = producer.get(grad)
-        if mul is None or mul.op_type != "mul" or readers[grad] != 1 or grad in keep or _key(mul) != _key(u):
+        if (
+            mul is None
+            or mul.op_type != "mul"
+            or readers[grad] != 1
+            or grad in keep
+            or bn_grad.fold_key(mul) != bn_grad.fold_key(u)
+        ):
             continue
         scalar = [i for i in mul.inputs if _one_broadcast_value(state, i)]
         others = [i for i in mul.inputs if i not in scalar]
@@ -222,7 +212,7 @@ def fold_row_contractions(state: CompileState) -> int:
     job's 18 reshapes a step). The SBPs are fixed by now; the new op's are its inputs' and output's, one
     of its einsum rows (a split leading axis in both: ``P``, as the flattened rows' split was)."""
     g = state.graph
-    producer, readers = _producers_and_readers(g)
+    producer, readers = g.producers_and_readers()
     keep = protected(state)
     folded: dict[str, OpNode] = {}
     gone: set[str] = set()
@@ -230,7 +220,7 @@ def fold_row_contractions(state: CompileState) -> int:
         if o.op_type != "matmul" or not o.attrs.get("transpose_a") or o.attrs.get("transpose_b"):
             continue
         flat = [_flattened(g, producer, i, readers) for i in o.inputs]
-        if any(r is None or r.outputs[0] in keep or _key(r) != _key(o) for r in flat):
+        if any(r is None or r.outputs[0] in keep or bn_grad.fold_key(r) != bn_grad.fold_key(o) for r in flat):
             continue
         a, b = (r.inputs[0] for r in flat if r is not None)
         if g.tensors[a].meta.shape[:-1] != g.tensors[b].meta.shape[:-1] or flat[0] is flat[1]:
@@ -272,7 +262,7 @@ def _norm_sum(state: CompileState, total: str) -> tuple[list[OpNode], list[OpNod
     """The squares (``pow_scalar`` and ``sum`` a gradient, in order) and the left-deep adds that make
     ``total``, all of one key and SBP, no cast or boxing between; else None."""
     g = state.graph
-    producer, readers = _producers_and_readers(g)
+    producer, readers = g.producers_and_readers()
     keep = protected(state)
     leaves: list[tuple[OpNode, OpNode]] = []
     adds: list[OpNode] = []
@@ -289,7 +279,7 @@ def _norm_sum(state: CompileState, total: str) -> tuple[list[OpNode], list[OpNod
     leaves.append(leaf)
     ops = [*adds, *(o for pair in leaves for o in pair)]
     sbps = {g.tensors[o.outputs[0]].sbp for o in (*adds, *(s for _, s in leaves))}
-    if len(leaves) < 2 or len({_key(o) for o in ops}) != 1 or len(sbps) != 1:
+    if len(leaves) < 2 or len({bn_grad.fold_key(o) for o in ops}) != 1 or len(sbps) != 1:
         return None
     return [p for p, _ in reversed(leaves)] + [s for _, s in reversed(leaves)], adds[::-1]
 
@@ -317,7 +307,7 @@ def fold_squared_norms(state: CompileState) -> int:
     g = state.graph
     folded: dict[str, OpNode] = {}
     gone: set[str] = set()
-    producer, _ = _producers_and_readers(g)
+    producer, _ = g.producers_and_readers()
     for c in [o for o in g.ops if o.op_type == "clip_coef"]:
         total = c.inputs[0]
         if total in producer and producer[total].op_type == BOXING:  # the sum made whole (P -> B)
