@@ -47,6 +47,7 @@ from sbpflow.device import gpu_available
 from sbpflow.runs.options import MANAGER_DEFAULTS
 from sbpflow.v1 import job_pb2
 from sbpflow.v1 import service_pb2 as sp
+from tests.control_plane.serving import answered
 from tests.examples.test_examples import load
 
 SERVICE = "/sbpflow.v1.JobService/"
@@ -140,7 +141,8 @@ def known(channel: grpc.Channel, bases: list[bytes]) -> str:
 
 
 def call(channel: grpc.Channel, method: str, request: bytes, timeout: float = 20.0) -> bytes:
-    return channel.unary_unary(SERVICE + method)(request, timeout=timeout)
+    """One unary call; a saturated server's retry hint is waited out (a CI run once met one on a Get)."""
+    return answered(channel.unary_unary(SERVICE + method), request, timeout)
 
 
 def stream(channel: grpc.Channel, method: str, request: bytes, timeout: float = 5.0) -> list[bytes]:

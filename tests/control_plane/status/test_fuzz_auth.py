@@ -33,11 +33,11 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from sbpflow.codec import wire
-from sbpflow.control_plane.service.isolation import RETRY_AFTER_KEY
 from sbpflow.control_plane.service.server import ControlPlane
 from sbpflow.control_plane.status.throttle import FailureLimit, Throttle
 from sbpflow.v1 import service_pb2 as sp
 from tests.control_plane.service.test_fuzz import FUZZ, SERVICE, _submit_bytes, memory_cap, serving  # noqa: F401 - a fixture
+from tests.control_plane.serving import answered
 from tests.examples.test_examples import load
 
 TOKEN = "s3cret-t0ken"
@@ -88,23 +88,10 @@ def known(channel: grpc.Channel, job_bytes: bytes) -> str:
 def healthy(plane: ControlPlane, channel: grpc.Channel, known: str, jobs: int = 1) -> None:
     """A Get with the token answers, and no refused call stored a job."""
     get = channel.unary_unary(SERVICE + "Get")
-    for _ in range(
-        20
-    ):  # a loaded machine's server may ask to retry (the status contract): it must answer then
-        try:
-            reply = get(
-                sp.GetJobRequest(job_id=known).SerializeToString(),
-                metadata=(("authorization", RIGHT),),
-                timeout=5,
-            )
-            break
-        except grpc.RpcError as e:
-            hint = dict(e.trailing_metadata() or ()).get(RETRY_AFTER_KEY)  # type: ignore[attr-defined]
-            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or hint is None:  # type: ignore[attr-defined]
-                raise
-            time.sleep(int(hint) / 1000)
-    else:
-        raise AssertionError("the server kept answering RESOURCE_EXHAUSTED to a Get with the token")
+    # a loaded machine's server may ask to retry (the status contract): it must answer then
+    reply = answered(
+        get, sp.GetJobRequest(job_id=known).SerializeToString(), 20.0, metadata=(("authorization", RIGHT),)
+    )
     st_ = sp.JobStatus.FromString(reply)
     assert st_.job_id == known and plane.store.count() == jobs
 
