@@ -125,7 +125,14 @@ def test_runs_share_the_kept_local_ray_and_it_stops_once_unused(tmp_path: Path) 
     from sbpflow.control_plane.launch.ray_cluster import KeptRay
 
     folder = Path(tempfile.mkdtemp(prefix="sfk", dir="/tmp"))  # short: Ray's socket paths are bounded
-    env = os.environ | {"SBPFLOW_RAY_DIR": str(folder), "SBPFLOW_RAY_IDLE": "3", "SBPFLOW_LOCAL_RAY": "kept"}
+    # idle long enough that the second run (a Python start and its imports, seconds on a loaded machine)
+    # joins before the reaper stops the first run's Ray: 3 s once let the reaper win, and run 2 started its own
+    idle = 20
+    env = os.environ | {
+        "SBPFLOW_RAY_DIR": str(folder),
+        "SBPFLOW_RAY_IDLE": str(idle),
+        "SBPFLOW_LOCAL_RAY": "kept",
+    }
     env.pop("RAY_ADDRESS", None)
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # as a user's shell has it: the run sets it itself
     sbpflow = [sys.executable, "-m", "sbpflow.client.cli.main", "run", MLP, "--steps", "2"]
@@ -144,7 +151,7 @@ def test_runs_share_the_kept_local_ray_and_it_stops_once_unused(tmp_path: Path) 
             env=env, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert found.stdout.strip() == "None"  # a plain ray.init() starts its own, it does not join this one
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 60 + idle
         while KeptRay(folder).noted() is not None and time.monotonic() < deadline:
             time.sleep(0.5)
         assert KeptRay(folder).noted() is None, "the reaper did not stop the kept Ray"
