@@ -266,6 +266,8 @@ EXTRA_MORE.update(
 def _attention_peers(op: str, a: Mapping[str, Any], t: list[Any]) -> Callable[[], Any] | None:
     import torch
 
+    if op in ("qkv_attention", "qkv_attention_grad"):
+        return _qkv_peers(op, a, t)
     if op not in ("attention", "attention_grad"):
         return None
     aten = torch.ops.aten
@@ -278,3 +280,36 @@ def _attention_peers(op: str, a: Mapping[str, Any], t: list[Any]) -> Callable[[]
     return lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dy, q, k, v, out, lse, 0.0, causal, scale=scale
     )
+
+
+# The attention core folded with its layout ops (sbpflow/ops/attention_core.py; the main job's graph calls
+# both, and ops.py times them there): the same ATen attention on q, k and v viewed out of qkv
+# [B, T, H, 3, Dh], y put back as [B, T, H Dh], and backward dq, dk and dv stacked into qkv's layout, as
+# the model's own ops would. The entries say that the peers exist (the main job's shapes).
+
+QKV, QKV_Y = TensorMeta((16, 64, 192), F32), TensorMeta((16, 64, 64), F32)
+QKV_ATTRS = {"head_dim": 16, "scale": 0.25, "causal": True}
+EXTRA_MORE["qkv_attention"] = ((QKV,), QKV_ATTRS)
+EXTRA_MORE["qkv_attention_grad"] = ((QKV, ATTN_PROBS, QKV_Y), QKV_ATTRS)
+
+
+def _qkv_peers(op: str, a: Mapping[str, Any], t: list[Any]) -> Callable[[], Any]:
+    import torch
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    scale, causal, d = float(a["scale"]), bool(a["causal"]), int(a["head_dim"])
+    qkv = t[0]
+    b, n, w = qkv.shape
+    q, k, v = (x.transpose(1, 2) for x in qkv.view(b, n, w // (3 * d), 3, d).unbind(3))
+    if op == "qkv_attention":
+        return lambda: flash(q, k, v, 0.0, causal, scale=scale)[0].transpose(1, 2).reshape(b, n, -1)
+    dy = t[2].view(b, n, -1, d).transpose(1, 2)
+    out, lse = flash(q, k, v, 0.0, causal, scale=scale)
+
+    def backward() -> Any:
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dy, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+        return torch.stack([g.transpose(1, 2) for g in grads], dim=3).reshape(b, n, w)
+
+    return backward

@@ -34,7 +34,7 @@ from types import ModuleType
 from typing import Literal, TypeVar
 
 from sbpflow.codec import wire
-from sbpflow.control_plane.compiler import comm_order, memory, plan_size
+from sbpflow.control_plane.compiler import attention_core, comm_order, memory, plan_size
 from sbpflow.control_plane.compiler.lowering import lower as lowering
 from sbpflow.control_plane.compiler.lowering.boxing import Memo
 from sbpflow.control_plane.compiler.lowering.on_demand import LAZY_ABOVE, check_order, estimate_tasks
@@ -264,6 +264,8 @@ def compile(
     for p in PASSES:
         if budget is not None:
             budget.check()
+        if p is fusion:  # the attention core's fold (compiler/attention_core.py), gated by fusion alike
+            _timed(out, "attention_core", attention_core.run, state)
         _timed(out, pass_name(p), p.run, state)
         boxed = boxed or p is boxing_pass
         if verify:

@@ -2,6 +2,7 @@
 
 from sbpflow.ops import (  # noqa: F401  (each registers its ops)
     attention,
+    attention_core,
     elementwise,
     fused,
     indexing,

@@ -152,18 +152,21 @@ def _args(ctx: KernelContext, s: Any) -> tuple[float, bool, int, int]:
     return float(ctx.attrs["scale"]), bool(ctx.attrs["causal"]), s.shape[-2], _query_offset(ctx)
 
 
-def _kernel(ctx: KernelContext, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+def forward(ctx: KernelContext, q: Any, k: Any, v: Any, probs: Any, y: Any) -> tuple[Any, Any]:
+    """y and the probabilities of ``q``, ``k``, ``v`` (any strides), written into ``probs`` and ``y``
+    where they are arrays (None: allocated); the attention core (attention_core.py) shares it."""
     xp = ctx.xp
-    s = _mm(xp, q, _t(xp, k), ctx.out_array(1))  # the scores, then the probabilities in place
+    s = _mm(xp, q, _t(xp, k), probs)  # the scores, then the probabilities in place
     scale, causal, tq, q0 = _args(ctx, s)
     if (loops := jit_loops("attention_jit", xp, s)) is not None:
         loops.softmax_scores(s.reshape(-1, s.shape[-1]), scale, causal, tq, q0)
     else:
         s = _softmax_numpy(xp, s, scale, causal, q0)
-    return _mm(xp, s, v, _heads_inside(ctx, 0)), s
+    return _mm(xp, s, v, y), s
 
 
-def _grad_kernel(ctx: KernelContext, q: Any, k: Any, v: Any, p: Any, dy: Any) -> tuple[Any, Any, Any]:
+def backward(ctx: KernelContext, q: Any, k: Any, v: Any, p: Any, dy: Any, outs: Any) -> tuple[Any, Any, Any]:
+    """dq, dk, dv, written into ``outs`` (three arrays or Nones), as :func:`forward`."""
     xp = ctx.xp
     ds = _mm(xp, dy, _t(xp, v))  # the probabilities' gradient, then the scores' in place
     scale, causal, tq, q0 = _args(ctx, ds)
@@ -173,9 +176,17 @@ def _grad_kernel(ctx: KernelContext, q: Any, k: Any, v: Any, p: Any, dy: Any) ->
         )
     else:
         ds = _softmax_grad_numpy(xp, p, ds, scale, causal, q0)
-    dq = _mm(xp, ds, k, _heads_inside(ctx, 0))
-    dk = _mm(xp, _t(xp, ds), q, _heads_inside(ctx, 1))
-    return dq, dk, _mm(xp, _t(xp, p), dy, _heads_inside(ctx, 2))
+    dq = _mm(xp, ds, k, outs[0])
+    dk = _mm(xp, _t(xp, ds), q, outs[1])
+    return dq, dk, _mm(xp, _t(xp, p), dy, outs[2])
+
+
+def _kernel(ctx: KernelContext, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+    return forward(ctx, q, k, v, ctx.out_array(1), _heads_inside(ctx, 0))
+
+
+def _grad_kernel(ctx: KernelContext, q: Any, k: Any, v: Any, p: Any, dy: Any) -> tuple[Any, Any, Any]:
+    return backward(ctx, q, k, v, p, dy, [_heads_inside(ctx, i) for i in range(3)])
 
 
 def _grad(g: GradContext) -> list[Any]:

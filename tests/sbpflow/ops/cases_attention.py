@@ -57,3 +57,45 @@ def _attention_grad_ref(
 
 case(OpCase("attention", _attention(), _attention_ref, differentiable=(0, 1, 2), grad_rtol=1e-4))
 case(OpCase("attention_grad", _attention(backward=True), _attention_grad_ref, differentiable=()))
+
+
+# ---- the attention core (sbpflow/ops/attention_core.py): qkv [B, T, H, 3, Dh] flat, y [B, T, H Dh] ----
+
+
+@st.composite
+def _qkv(draw: st.DrawFn, backward: bool = False) -> Example:
+    b, t, h, d = draw(shapes(4, 4, max_side=4))
+    qkv = arrays((b, t, 3 * h * d), draw)
+    attrs = {
+        "head_dim": d,
+        "scale": draw(st.sampled_from([0.7, float(1 / np.sqrt(d))])),
+        "causal": draw(st.booleans()),
+    }
+    if not backward:
+        return Example((qkv,), attrs)
+    _, probs = _qkv_ref(qkv, **attrs)
+    return Example((qkv, probs, arrays((b, t, h * d), draw)), attrs)
+
+
+def _heads(qkv: np.ndarray, d: int) -> list[np.ndarray]:
+    b, t, w = qkv.shape
+    per = qkv.reshape(b, t, w // (3 * d), 3, d)
+    return [np.moveaxis(per[:, :, :, i, :], 2, 1) for i in range(3)]  # [B, H, T, Dh]
+
+
+def _qkv_ref(qkv: np.ndarray, head_dim: int, scale: float, causal: bool) -> list:
+    y, probs = _attention_ref(*_heads(qkv, head_dim), scale=scale, causal=causal)
+    return [np.moveaxis(y, 1, 2).reshape(qkv.shape[0], qkv.shape[1], -1), probs]
+
+
+def _qkv_grad_ref(
+    qkv: np.ndarray, probs: np.ndarray, dy: np.ndarray, head_dim: int, scale: float, causal: bool
+) -> list:
+    b, t, _ = dy.shape
+    dy_heads = np.moveaxis(dy.reshape(b, t, -1, head_dim), 2, 1)
+    grads = _attention_grad_ref(*_heads(qkv, head_dim), probs, dy_heads, scale, causal)
+    return [np.stack([np.moveaxis(g, 1, 2) for g in grads], axis=3).reshape(qkv.shape)]
+
+
+case(OpCase("qkv_attention", _qkv(), _qkv_ref, differentiable=()))
+case(OpCase("qkv_attention_grad", _qkv(backward=True), _qkv_grad_ref, differentiable=()))

@@ -177,9 +177,9 @@ def test_each_weight_gradient_is_one_rows_matmul(layout: str) -> None:
     assert not [o for o in ops if o.op_type == "matmul" and o.attrs.get("transpose_a")]
     off = pipeline.compile(replace(made, config=replace(made.config, fusion=False))).state.graph.ops
     assert not [o for o in off if o.op_type == "rows_matmul"]
-    assert sum(o.op_type == "reshape" for o in off) - sum(o.op_type == "reshape" for o in ops) == 2 * len(
-        rows
-    )
+    # the attention core's own reshapes fold too (compiler/attention_core.py): 5 a layer each way
+    reshapes = [sum(o.op_type == "reshape" and ".attn.reshape" not in o.name for o in g) for g in (off, ops)]
+    assert reshapes[0] - reshapes[1] == 2 * len(rows)
 
 
 def optimizer_ops(j: Job) -> list[str]:
