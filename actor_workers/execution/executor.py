@@ -167,7 +167,8 @@ def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: i
             len(inputs),
         )
         for recycler, register in guards.get(task.id, ()):
-            act = tasks.guard_aliases(act, recycler, inputs.index(register), rc.xp)
+            owners = memory.owners if memory is not None else frozenset()
+            act = tasks.guard_aliases(act, recycler, inputs.index(register), rc.xp, owners)
         planned = memory.reads(inputs, outputs) if memory is not None else []
         if planned:
             act = memory_plan.watch(act, planned)

@@ -225,7 +225,7 @@ def value_shape(decl: TensorDecl, producer: pp.Task) -> tuple[tuple[int, ...], n
 class Slab:
     """One buffer of the plan: its owner array, the value it holds and how many reads that value awaits."""
 
-    __slots__ = ("base", "expected", "holder", "offset", "pending", "retired")
+    __slots__ = ("base", "expected", "holder", "offset", "pending", "retired", "siblings")
 
     def __init__(self, nbytes: int, index: int = 0) -> None:
         # Each slab starts at its own offset within a page (64-byte aligned): large arrays are mmap'd at
@@ -237,6 +237,9 @@ class Slab:
         self.pending = 0  # reads the value it holds still awaits
         self.retired = False  # a reader passed the value on as its own output: never lent again
         self.holder: Planned | None = None  # the register last lent it
+        # id() of every slab's owner in its plan (set by :func:`plan`): an array on one of them is on memory
+        # of its own, never this slab's (:func:`untracked` asks numpy only about other arrays)
+        self.siblings: frozenset[int] = frozenset()
 
     def free(self) -> bool:
         if self.pending or self.retired:
@@ -280,8 +283,10 @@ class MemoryPlan:
         sizes: list[int],
         total: int,
         views: dict[int, tuple[Planned, int]] | None = None,
+        owners: frozenset[int] = frozenset(),
     ) -> None:
         self.registers = registers
+        self.owners = owners  # id() of the slabs' owners (Slab.siblings)
         self.views = views or {}  # a view's register -> the viewed register's Planned, the reads below it
         self.slab_bytes = sum(sizes)  # what the slabs hold
         self.planned_bytes = total  # what the planned registers' values would hold, one array each
@@ -336,24 +341,43 @@ def plan(
             out[alias] = out[reg.id]
         for view, below in life.views:
             views[view] = (out[reg.id], below)
+    siblings = frozenset(id(slab.base) for slab in slabs)
     for slab in slabs:  # the owner's count with the plan's views alive, as free() reads it (an argument)
         slab.expected = sys.getrefcount(slab.base)
-    return MemoryPlan(out, sizes, sum(life.nbytes for life in lives), views)
+        slab.siblings = siblings
+    return MemoryPlan(out, sizes, sum(life.nbytes for life in lives), views, siblings)
 
 
 class Lender:
     """A producer's buffers: each planned output's view when its slab is free (else None: the kernel
-    allocates), the other outputs' from :class:`~.tasks.OutputReuse` (its own previous value)."""
+    allocates), the other outputs' from :class:`~.tasks.OutputReuse` (its own previous value).
 
-    __slots__ = ("lent", "planned", "reuse")
+    ``take`` and ``keep`` run at every act of a planned producer (ResNet-18: ~400 a step); a producer of
+    one planned output (most) takes a path of its own, with :meth:`Slab.free` written out."""
+
+    __slots__ = ("lent", "nones", "one", "planned", "reuse")
 
     def __init__(self, planned: tuple[Planned | None, ...], reuse: OutputReuse | None) -> None:
         self.planned = planned
-        self.reuse = reuse
+        # OutputReuse serves the outputs the plan leaves out; with none, it would lend and keep nothing
+        self.reuse = reuse if None in planned else None
         self.lent: tuple[Any, ...] = ()
+        self.nones = (None,) * len(planned)
+        self.one = planned[0] if len(planned) == 1 else None
 
     def take(self) -> tuple[Any, ...]:
-        own = self.reuse.take() if self.reuse is not None else (None,) * len(self.planned)
+        p = self.one
+        if p is not None:
+            slab = p.slab
+            if p.viewed or slab.pending or slab.retired:
+                self.lent = self.nones
+            elif sys.getrefcount(slab.base) <= slab.expected:  # Slab.free
+                self.lent = (p.view,)
+            else:
+                slab.free()  # a view nobody expected holds it: its register leaves the plan
+                self.lent = self.nones
+            return self.lent
+        own = self.reuse.take() if self.reuse is not None else self.nones
         self.lent = tuple(
             own[i] if p is None else (p.view if not p.viewed and p.slab.free() else None)
             for i, p in enumerate(self.planned)
@@ -365,19 +389,24 @@ class Lender:
             self.reuse.keep(
                 [None if p is not None else r for p, r in zip(self.planned, results, strict=True)], inputs
             )
-        for i, lent in enumerate(self.lent):
+        lent, self.lent = self.lent, ()
+        i = 0
+        for view in lent:
             p = self.planned[i]
-            if p is None or lent is None:
-                continue
-            p.slab.holder = p
-            for j, r in enumerate(results):
-                if r is p.view and i == j:  # the kernel wrote into the lent view: the slab holds its value
-                    p.slab.pending = p.readers
-                elif r is p.view:
-                    p.slab.retired = True
-                else:
-                    untracked(r, p.slab)
-        self.lent = ()
+            if view is not None and p is not None:  # a planned output's view (else OutputReuse's, or none)
+                slab = p.slab
+                slab.holder = p
+                j = 0
+                for r in results:
+                    if r is view:  # into the lent view: the slab holds its value (as another output: retired)
+                        if i == j:
+                            slab.pending = p.readers
+                        else:
+                            slab.retired = True
+                    elif getattr(r, "base", None) is not None:
+                        untracked(r, slab)
+                    j += 1
+            i += 1
 
 
 def untracked(value: Any, slab: Slab) -> None:
@@ -385,7 +414,12 @@ def untracked(value: Any, slab: Slab) -> None:
     view of an input (its base a numba MemInfo) or an array on a memoryview holds the slab's memory
     without the owner's count showing it. An array that owns its memory (base None) is on no slab."""
     held = getattr(value, "base", None)
-    if held is not None and held is not slab.base and np.may_share_memory(value, slab.base):
+    if (
+        held is not None
+        and held is not slab.base
+        and id(held) not in slab.siblings
+        and np.may_share_memory(value, slab.base)
+    ):
         slab.retired = True
 
 
@@ -412,23 +446,28 @@ def watch(act: Act, reads: Sequence[Read | tuple[int, Planned]]) -> Act:
     def watching(step: int, values: list[Any]) -> list[Any]:
         outs = act(step, values)
         for position, p, chained, below in watched:
-            value, slab = values[position], p.slab
+            value, slab, view = values[position], p.slab, p.view
             if chained:
-                if value is p.view or getattr(value, "base", None) is not slab.base:
+                if value is view or getattr(value, "base", None) is not slab.base:
                     continue  # not on the slab (its producer allocated, a view op copied); the view: below
-            elif value is not p.view:
+            elif value is not view:
                 continue
-            for j, o in enumerate(outs):
-                expected = below[j] if j < len(below) else None
-                if o is p.view:
+            base, j = slab.base, 0
+            for o in outs:
+                if o is view:
                     slab.retired = True
-                elif getattr(o, "base", None) is slab.base:
-                    if expected is None:
-                        p.viewed = True
                 else:
-                    untracked(o, slab)
-                    if expected:  # a view op's output not on the slab: its readers read no slab
-                        slab.pending = max(0, slab.pending - expected)
+                    held = getattr(o, "base", None)
+                    expected = below[j] if j < len(below) else None
+                    if held is base:
+                        if expected is None:
+                            p.viewed = True
+                    else:
+                        if held is not None:
+                            untracked(o, slab)
+                        if expected:  # a view op's output not on the slab: its readers read no slab
+                            slab.pending = max(0, slab.pending - expected)
+                j += 1
             slab.pending = max(0, slab.pending - 1) if chained else slab.pending - 1
         return outs
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Protocol
@@ -105,6 +105,20 @@ class DonatingKernelContext(KernelContext):
 
     donated: frozenset[int] = frozenset()
     out_buffers: tuple[Any, ...] = ()
+    # each output's local shape and dtype (out_shape(i), out_dtype(i)), when the act made them once: a
+    # kernel asks out_array for its buffer at every act (() : asked of the metas each time)
+    out_kinds: tuple[tuple[Any, Any], ...] = ()
+
+    def out_array(self, i: int = 0) -> Any:
+        kinds = self.out_kinds
+        if not kinds:
+            return super().out_array(i)
+        bufs = self.out_buffers
+        b = bufs[i] if i < len(bufs) else None
+        if b is None:
+            return None
+        shape, dtype = kinds[i]
+        return b if b.shape == shape and b.dtype == dtype else None
 
 
 @dataclass
@@ -161,15 +175,23 @@ class OutputReuse:
 
     def take(self) -> tuple[Any, ...]:
         out = []
-        for i in range(len(self.prev)):
-            p = self.prev[i]
+        for p in self.prev:
             out.append(p if p is not None and sys.getrefcount(p) <= UNHELD else None)
         return tuple(out)
 
     def keep(self, results: Sequence[Any], inputs: Sequence[Any]) -> None:
-        for i, r in enumerate(results):
-            owned = type(r) is np.ndarray and r.base is None and r.ndim > 0 and r.flags.writeable
-            self.prev[i] = r if self.reuse[i] and owned and all(r is not x for x in inputs) else None
+        prev, reuse = self.prev, self.reuse
+        i = 0
+        for r in results:
+            if reuse[i] and type(r) is np.ndarray and r.base is None and r.ndim > 0 and r.flags.writeable:
+                for x in inputs:
+                    if r is x:  # an input passed on: not the kernel's to reuse
+                        r = None
+                        break
+                prev[i] = r
+            else:
+                prev[i] = None
+            i += 1
 
 
 class Reuse(Protocol):
@@ -181,16 +203,29 @@ class Reuse(Protocol):
     def keep(self, results: Sequence[Any], inputs: Sequence[Any]) -> None: ...
 
 
-def guard_aliases(act: Act, recycler: Recycler, position: int, xp: ModuleType) -> Act:
+def guard_aliases(
+    act: Act, recycler: Recycler, position: int, xp: ModuleType, owners: Collection[int] = frozenset()
+) -> Act:
     """``act`` (a reader of a recycled variable at input ``position``), turning recycling off if one of its
-    outputs shares memory with the variable's value."""
+    outputs shares memory with the variable's value. ``owners``: id() of arrays that own memory of their
+    own (a memory plan's slabs, :attr:`~.memory_plan.MemoryPlan.owners`): an output on one of them, like
+    one that owns its memory, is on another allocation than a value that owns its own, and numpy is not
+    asked (a call a reader of a parameter, every step)."""
 
     def guarded(step: int, values: list[Any]) -> list[Any]:
         outs = act(step, values)
         if recycler.ok:
             value = values[position]
-            if any(o is value or xp.may_share_memory(o, value) for o in outs if hasattr(o, "shape")):
-                recycler.ok = False
+            alone = getattr(value, "base", True) is None  # the value owns its memory
+            for o in outs:
+                if not hasattr(o, "shape"):
+                    continue
+                base = getattr(o, "base", True)
+                if o is not value and alone and (base is None or id(base) in owners):
+                    continue
+                if o is value or xp.may_share_memory(o, value):
+                    recycler.ok = False
+                    break
         return outs
 
     return guarded
@@ -225,26 +260,31 @@ def kernel_act(
     make: Callable[..., KernelContext] = KernelContext
     if donated or recycle is not None or reuse is not None:
         make = functools.partial(DonatingKernelContext, donated=donated)
-    micro_batches, checked = rc.micro_batches, False
-    # One context a task, its step (and lent buffers) set per act: an actor acts one step at a time, and
-    # a frozen dataclass built afresh was ~0.75 us of every act. Kernels still cannot assign to it.
-    ctx, put = make(*base, seed, 0), object.__setattr__
+    checked = False
+    # One context a task, its step (and lent buffers) set per act through its __dict__: an actor acts one
+    # step at a time, and a frozen dataclass built afresh was ~0.75 us of every act. Kernels still cannot
+    # assign to it. The step is the random step: rc.random_step, as ``step * scale + offset``.
+    ctx = make(*base, seed, 0)
+    if make is not KernelContext:
+        kinds = tuple((ctx.out_shape(i), ctx.out_dtype(i)) for i in range(len(outs)))
+        ctx = make(*base, seed, 0, out_kinds=kinds)
+    d = ctx.__dict__
+    scale, offset = (rc.micro_batches, micro_batch) if micro_batch >= 0 else (1, 0)
+    lending = recycle is not None or reuse is not None
 
     def act(step: int, arrays: list[Any]) -> list[Any]:
         nonlocal checked
-        # rc.random_step, inlined: this runs ~300 times a step
-        put(ctx, "step", step if micro_batch < 0 else step * micro_batches + micro_batch)
-        if recycle is not None:
-            put(ctx, "out_buffers", (recycle.take(arrays),))
-        elif reuse is not None:
-            put(ctx, "out_buffers", reuse.take())
-        try:
+        d["step"] = step * scale + offset
+        if lending:
+            d["out_buffers"] = (recycle.take(arrays),) if recycle is not None else reuse.take()  # type: ignore[union-attr]
+            try:
+                results = kernel(ctx, arrays)
+            finally:
+                d["out_buffers"] = ()  # holds no buffer between acts (OutputReuse counts holders)
+            if reuse is not None:
+                reuse.keep(results, arrays)
+        else:
             results = kernel(ctx, arrays)
-        finally:
-            if recycle is not None or reuse is not None:
-                put(ctx, "out_buffers", ())  # holds no buffer between acts (OutputReuse counts holders)
-        if reuse is not None:
-            reuse.keep(results, arrays)
         if not checked:  # a kernel's output shapes depend on its input shapes only, fixed by the plan
             _check_outputs(task, rc.rank, tensors[1], results, expected)
             checked = True

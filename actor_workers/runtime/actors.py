@@ -66,7 +66,7 @@ class Actor:
 
     __slots__ = (
         "spec", "id", "name", "act", "iterations", "priority", "it", "missing", "busy", "inboxes",
-        "in_regs", "acks", "out_regs", "n_out", "stream",
+        "in_regs", "acks", "out_regs", "n_out", "stream", "stream_name",
     )  # fmt: skip
 
     def __init__(self, spec: ActorSpec) -> None:
@@ -85,7 +85,8 @@ class Actor:
         self.acks = [0] * len(spec.inputs)  # values acked per input: the index of the next value to read
         self.out_regs: list[Register] = []
         self.n_out = len(spec.outputs)
-        self.stream: Any = None
+        self.stream: Any = None  # the engine's _Stream whose thread runs it
+        self.stream_name = spec.stream  # the stream it counts and traces as (``busy``)
 
     def waits_for(self) -> str:
         """What keeps this actor from acting, for a stall report."""
@@ -129,6 +130,7 @@ class Register:
         "keep",
         "producer",
         "readers",
+        "boxes",
         "n_readers",
     )
 
@@ -145,6 +147,7 @@ class Register:
         self.keep = False
         self.producer: Actor | None = None
         self.readers: list[tuple[Actor, int]] = []  # (consumer, index of this register in its inputs)
+        self.boxes: tuple[tuple[Actor, deque[Any]], ...] = ()  # (consumer, its inbox for this register)
         self.n_readers = len(spec.consumers)
 
     def live(self) -> int:

@@ -120,6 +120,7 @@ def _prime(actors: list[Actor], registers: list[Register], by_id: dict[int, Regi
         a.in_regs = [by_id[r] for r in a.spec.inputs]
         a.out_regs = [by_id[r] for r in a.spec.outputs]
     for reg in registers:
+        reg.boxes = tuple((c, c.inboxes[i]) for c, i in reg.readers)
         initial = [(c, i) for c, i in reg.readers if reg.spec.id in c.spec.initial]
         if initial:  # the initial value occupies a slot until every consumer has read it
             reg.free -= 1

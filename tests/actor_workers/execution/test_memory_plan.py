@@ -73,6 +73,20 @@ def shared(readers: int = 1) -> tuple[Planned, Planned]:
     return a, b
 
 
+def test_an_array_on_another_slab_of_the_plan_leaves_a_slab_in_service_one_on_its_memory_does_not() -> None:
+    # untracked() asks numpy only about arrays on no slab of the plan (Slab.siblings): slabs are
+    # allocations of their own, so an output written into another slab is never on this one
+    a, _ = shared()
+    other = Slab(32, 1)
+    a.slab.siblings = other.siblings = frozenset({id(a.slab.base), id(other.base)})
+    memory_plan.untracked(other.view((4,), np.dtype(np.float64)), a.slab)
+    assert not a.slab.retired
+    memory_plan.untracked(
+        np.frombuffer(memoryview(a.view), np.float64), a.slab
+    )  # its memory, not via its owner
+    assert a.slab.retired
+
+
 def test_a_slab_is_lent_only_once_every_read_of_its_value_is_done() -> None:
     a, b = shared(readers=2)
     lend_a, lend_b = Lender((a,), None), Lender((b,), None)

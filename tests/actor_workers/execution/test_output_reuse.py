@@ -121,3 +121,23 @@ def test_resnets_kernels_write_into_a_lent_buffer(op_type: str, inputs: list, at
     assert got[0] is buf  # written into the lent buffer, not a new array
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize(
+    "buf",
+    [np.zeros((2, 3)), np.zeros((3, 2)), np.zeros((2, 3), np.float32), np.zeros(6)[::1].reshape(2, 3), None],
+    ids=["fits", "shape", "dtype", "view", "none"],
+)
+def test_a_context_told_its_outputs_lends_exactly_the_buffers_the_metas_would(buf: Any) -> None:
+    # kernel_act gives the context its outputs' shapes and dtypes once (out_kinds), not asked of the metas
+    # at every out_array: the same buffers must pass
+    x = np.zeros((2, 3))
+    metas = (_meta(x),)
+    where = ((full_index(metas[0]),), (full_index(metas[0]),))
+    kinds = ((x.shape, x.dtype),)
+    told = DonatingKernelContext(np, {}, metas, metas, *where, out_buffers=(buf,), out_kinds=kinds)
+    asked = DonatingKernelContext(np, {}, metas, metas, *where, out_buffers=(buf,))
+    assert told.out_array(0) is asked.out_array(0)
+    fits = buf is not None and buf.shape == (2, 3) and buf.dtype == x.dtype
+    assert told.out_array(0) is (buf if fits else None)
+    assert told.out_array(1) is None and told.out_zeros(0).shape == (2, 3)
