@@ -2,16 +2,20 @@
 
 The chain is data, never code: ``attrs["chain"]`` is a JSON list of steps ``[op_type, attrs, refs]``, where
 each ref names a fused input (``"in0"``) or an earlier step's result (``"s0"``); the last step's result is
-the op's output. Only the ops of :data:`FUSABLE` may appear: elementwise ops whose kernels read nothing
-but their arrays and attrs (no shard offsets, no random streams), and, as the last step only, a
-reduction of :data:`TERMINAL` (a gradient's ``pow_scalar`` and ``sum`` for the clipping norm are one act).
+the op's first output, and ``attrs["exports"]`` lists earlier steps (ascending) whose results are its
+further outputs, in that order: intermediates that ops outside the chain read too (batch norm's
+``var + eps`` and ``sqrt``, which its backward reads), so that the chain need not stop there. Only the
+ops of :data:`FUSABLE` may appear: elementwise ops whose kernels read nothing but their arrays and attrs
+(no shard offsets, no random streams), and, as the last step only, a reduction of :data:`TERMINAL` (a
+gradient's ``pow_scalar`` and ``sum`` for the clipping norm are one act).
 
 * Inference runs each step's own inference in order.
 * Rows are the composition of the steps' rows: a signature of the fused inputs for which every step has a
   row agreeing on every intermediate. So splits pass where every step splits alike, and ``P`` passes only
   along inputs through which every step on the way is linear (a ``P`` into ``gelu`` has no row).
 * The kernel runs the steps on ``xp``; a simple step writes with ``out=`` into an intermediate that dies
-  there (the chain owns it), so a chain of k simple steps allocates one array, not k.
+  there (the chain owns it), so a chain of k simple steps allocates one array, not k. An exported
+  result never dies within the chain (it is an output): nothing writes over it.
 * The gradient is the steps' gradient rules composed in reverse, on intermediates the rule recomputes
   with the unfused ops. The pass runs after autodiff, so a compiled job never uses it; eager mode and the
   op tests do.
@@ -164,8 +168,22 @@ def parse(chain: str) -> tuple[Step, ...]:
     return tuple(steps)
 
 
-def _metas(steps: tuple[Step, ...], ins: Metas) -> list[Metas]:
-    """Each step's input metas; the last entry is ([the output meta]) after all steps."""
+Exports = tuple[int, ...]  # the steps whose results are outputs after the last step's (``attrs["exports"]``)
+
+
+def exports_of(attrs: Attrs, n: int) -> Exports:
+    """``attrs["exports"]`` checked against a chain of ``n`` steps: ascending steps before the last."""
+    ex = tuple(int(e) for e in attrs.get("exports", ()))  # type: ignore[union-attr]
+    if any(not 0 <= e < n - 1 for e in ex) or list(ex) != sorted(set(ex)):
+        raise ShapeError(
+            f"op 'fused_elementwise' exports steps {list(ex)} of a chain of {n}; give distinct steps in "
+            f"ascending order, each before the last (0 .. {n - 2}): the last step's result is output 0 already"
+        )
+    return ex
+
+
+def _metas(steps: tuple[Step, ...], ins: Metas, exports: Exports = ()) -> list[Metas]:
+    """Each step's input metas; the last entry is the output metas (the last step's, then the exports')."""
     outs: list[TensorMeta] = []
     per_step: list[Metas] = []
     for s in steps:
@@ -173,14 +191,14 @@ def _metas(steps: tuple[Step, ...], ins: Metas) -> list[Metas]:
         per_step.append(args)
         (out,) = get_op(s.op).run_infer(args, s.attrs)
         outs.append(out)
-    return [*per_step, (outs[-1],)]
+    return [*per_step, (outs[-1], *(outs[e] for e in exports))]
 
 
 @lru_cache(maxsize=512)
-def _plan(chain: str, ins: Metas) -> tuple[list[Metas], list[int], list[int | None]]:
-    """Per chain and input metas: the step metas, each step result's last reader (the output: len), and
-    per step the position of an argument whose buffer it may write into (an intermediate dying there with
-    the result's meta), or None."""
+def _plan(chain: str, ins: Metas, exports: Exports) -> tuple[list[Metas], list[int], list[int | None]]:
+    """Per chain, input metas and exports: the step metas, each step result's last reader (an output:
+    len), and per step the position of an argument whose buffer it may write into (an intermediate dying
+    there with the result's meta, never an exported one), or None."""
     steps = parse(chain)
     metas = _metas(steps, ins)
     last = [len(steps)] * len(steps)
@@ -188,7 +206,8 @@ def _plan(chain: str, ins: Metas) -> tuple[list[Metas], list[int], list[int | No
         for r in s.refs:
             if r.startswith("s"):
                 last[int(r[1:])] = k
-    last[-1] = len(steps)
+    for e in (*exports, len(steps) - 1):
+        last[e] = len(steps)
     reuse: list[int | None] = []
     for k, s in enumerate(steps):
         out_meta = metas[k + 1][0] if k + 1 == len(steps) else _result_meta(metas, steps, k)
@@ -213,12 +232,14 @@ def _result_meta(metas: list[Metas], steps: tuple[Step, ...], k: int) -> TensorM
 
 
 def _infer(metas: Metas, attrs: Attrs) -> Metas:
-    return _metas(parse(attrs["chain"]), metas)[-1]
+    steps = parse(attrs["chain"])
+    return _metas(steps, metas, exports_of(attrs, len(steps)))[-1]
 
 
 def _rows(metas: Metas, attrs: Attrs) -> list[Signature]:
     """The composed rows: partial assignments (fused inputs' SBPs, step results' SBPs) grown step by step."""
     steps = parse(attrs["chain"])
+    exports = exports_of(attrs, len(steps))
     step_metas = _metas(steps, metas)
     states: list[tuple[tuple[Sbp | None, ...], tuple[Sbp, ...]]] = [((None,) * len(metas), ())]
     for k, s in enumerate(steps):
@@ -238,7 +259,7 @@ def _rows(metas: Metas, attrs: Attrs) -> list[Signature]:
                     grown[(tuple(new), (*outs, row.outs[0]))] = None
         states = list(grown)
     return [
-        Signature(tuple(i for i in ins if i is not None), (outs[-1],))
+        Signature(tuple(i for i in ins if i is not None), (outs[-1], *(outs[e] for e in exports)))
         for ins, outs in states
         if None not in ins
     ]
@@ -246,57 +267,67 @@ def _rows(metas: Metas, attrs: Attrs) -> list[Signature]:
 
 @lru_cache(maxsize=512)
 def _program(
-    chain: str, ins: Metas
-) -> tuple[tuple[Step, Writer | None, tuple[int, ...], int | None, bool, Metas, Metas], ...]:
-    """Per chain and input metas, what the kernel does per step: the step, its writer (None: its own
-    kernel), where its arguments lie in [inputs..., step results...], the argument it writes into,
-    whether it is the :func:`_root` (it may write into the runtime's lent buffer), and its input and
-    output metas."""
+    chain: str, ins: Metas, exports: Exports
+) -> tuple[tuple[Step, Writer | None, tuple[int, ...], int | None, int | None, Metas, Metas], ...]:
+    """Per chain, input metas and exports, what the kernel does per step: the step, its writer (None:
+    its own kernel), where its arguments lie in [inputs..., step results...], the argument it writes
+    into, the output whose lent buffer it may write into (it is that output's :func:`_root`), and its
+    input and output metas."""
     steps = parse(chain)
-    metas, _, reuse = _plan(chain, ins)
-    n, root = len(ins), _root(steps, reuse)
+    metas, _, reuse = _plan(chain, ins, exports)
+    n = len(ins)
+    roots = {
+        r: j for j, k in enumerate((len(steps) - 1, *exports)) if (r := _root(steps, reuse, k)) is not None
+    }
     out = []
     for k, s in enumerate(steps):
         where = tuple(int(r[2:]) if r.startswith("in") else n + int(r[1:]) for r in s.refs)
         res = (_result_meta(metas, steps, k),)
-        out.append((s, _WRITERS.get(s.op), where, reuse[k], k == root, metas[k], res))
+        out.append((s, _WRITERS.get(s.op), where, reuse[k], roots.get(k), metas[k], res))
     return tuple(out)
 
 
-def _root(steps: tuple[Step, ...], reuse: list[int | None]) -> int | None:
-    """The step whose new array the chain's later steps write into until it is the result (the last step
+def _root(steps: tuple[Step, ...], reuse: list[int | None], k: int) -> int | None:
+    """The step whose new array the chain's later steps write into until it is step ``k``'s result (``k``
     writing in place into a dying intermediate, that one into another, ...), where that step allocates
-    and is written in place (a writer); else None. The runtime's dead buffer can stand in for it."""
-    k = len(steps) - 1
+    and is written in place (a writer); else None. The runtime's dead buffer of the output that ``k``
+    makes can stand in for it (each intermediate dies at one step, so no two outputs share a root)."""
     while (pos := reuse[k]) is not None:
         k = int(steps[k].refs[pos][1:])
     return k if steps[k].op in _WRITERS else None
 
 
 def _kernel(ctx: KernelContext, *arrays: Any) -> Any:
-    xp, pool = ctx.xp, list(arrays)
-    for s, writer, where, pos, lend, in_metas, out_metas in _program(ctx.attrs["chain"], ctx.in_metas):
+    xp, pool, exports = ctx.xp, list(arrays), tuple(ctx.attrs.get("exports", ()))
+    for s, writer, where, pos, lend, in_metas, out_metas in _program(
+        ctx.attrs["chain"], ctx.in_metas, exports
+    ):
         args = [pool[i] for i in where]
         if writer is not None:  # a 0-d step result may be a numpy scalar, which cannot be written into
             buf = None if pos is None or not isinstance(args[pos], xp.ndarray) else args[pos]
-            if lend:  # the array that becomes the result: the runtime's dead buffer where it lends one
-                buf = ctx.out_array(0)
+            if lend is not None:  # the array that becomes output ``lend``: the runtime's dead buffer if lent
+                buf = ctx.out_array(lend)
             pool.append(writer(xp, args, s.attrs, buf))
         else:
             inner = KernelContext(xp, s.attrs, in_metas, out_metas, ctx.in_index[:0], ctx.out_index[:1])
             pool.append(get_op(s.op).run_kernel(inner, args)[0])
-    return pool[-1]
+    if not exports:
+        return pool[-1]
+    n = len(arrays)
+    return (pool[-1], *(pool[n + e] for e in exports))
 
 
 def _grad(g: GradContext) -> list[Any]:
-    """The steps' rules in reverse; intermediates recomputed with the unfused ops."""
+    """The steps' rules in reverse (an export's gradient joining its step's); intermediates recomputed
+    with the unfused ops, but for the outputs."""
     steps = parse(g.attrs["chain"])
     metas = _metas(steps, g.in_metas)
+    given = {k: j for j, k in enumerate((len(steps) - 1, *exports_of(g.attrs, len(steps))))}
     vals: list[Any] = []
     for k, s in enumerate(steps):
         args = [g.inputs[int(r[2:])] if r.startswith("in") else vals[int(r[1:])] for r in s.refs]
-        vals.append(g.outputs[0] if k == len(steps) - 1 else g.call(s.op, *args, **s.attrs))
-    grads: dict[str, Any] = {f"s{len(steps) - 1}": g.dy}
+        vals.append(g.outputs[given[k]] if k in given else g.call(s.op, *args, **s.attrs))
+    grads = {f"s{k}": g.grads[j] for k, j in given.items() if g.grads[j] is not None}
     for k in reversed(range(len(steps))):
         s, dy = steps[k], grads.get(f"s{k}")
         rule = get_op(s.op).grad
@@ -323,13 +354,14 @@ def _flops(ins: Metas, outs: Metas, attrs: Attrs) -> int:
 defop(
     "fused_elementwise",
     inputs=("*xs",),
-    attrs={"chain": REQUIRED},
+    outputs=("*ys",),
+    attrs={"chain": REQUIRED, "exports": ()},
     infer=_infer,
     rows=_rows,
     kernel=_kernel,
     grad=_grad,
-    doc="a chain of elementwise ops as one kernel (attrs['chain']: JSON steps [op, attrs, refs]); made by "
-    "the compiler's fusion pass",
+    doc="a chain of elementwise ops as one kernel (attrs['chain']: JSON steps [op, attrs, refs]; "
+    "attrs['exports']: earlier steps whose results are further outputs); made by the compiler's fusion pass",
     flops=_flops,
 )
 

@@ -4,19 +4,31 @@ Every op costs an actor act (~11 µs of engine overhead) and a register, and eac
 allocates its result; one fused op acts once and writes its simple steps into the chain's own dying
 intermediates. ``run(state)`` runs after ``boxing_pass``, so every SBP is fixed, and before
 ``micro_batching`` (which re-infers the fused op's metas per micro-batch from its inputs: the chain holds
-no shapes). It walks the ops in order and grows a chain while the next op
+no shapes). It walks the ops in order (:func:`chains`); an op joins every open chain whose results it
+reads (merging them) where it
 
 * is one of ``fused.FUSABLE``, on the same placement, stage, checkpoint flag and phase (forward,
-  ``grad/`` or ``optimizer/``: micro-batching's layout tells them apart by name); a reduction of
+  ``grad/`` or ``optimizer/``: micro-batching's layout tells them apart by name) as the chain, and every
+  result that an op outside may read is of the fused op's class (on the batch or not, on a gradient or
+  the loss or not: micro-batching runs the classes at different times, and a fused op's outputs are all of
+  the class of its inputs together; :func:`_one_class`); a reduction of
   ``fused.TERMINAL`` ends its chain (the clipping norm's ``pow_scalar`` and ``sum`` of each gradient, a
-  loss's token count's ``ne_scalar``, ``cast`` and ``sum``), and
-* reads a chain's result that nothing else reads: not a second reader, not a boxing (a chain never spans
-  a change of SBP), not a fetch, the loss, a gradient, an update or a variable.
+  loss's token count's ``ne_scalar``, ``cast`` and ``sum``), as does a result that the job or a later
+  pass keeps (a fetch, the loss, a gradient, an update or a variable: always a fused op's first output).
+
+An op that reads a chain's result and does not join it (another op, a boxing: a chain never spans a
+change of SBP) closes the chain: the fused op is put where the chain's last op was, so a reader outside
+must come after that. Each result that an op outside reads becomes a further output of the fused op
+(``attrs["exports"]``), under its own name and SBP, which the kernel never writes over: batch norm's
+``var + eps``, ``sqrt``, reciprocal and ``* weight`` are one act, with the ``sqrt`` and the reciprocal
+that its backward reads exported (ResNet-18, 32x32: 637 -> 597 acts a step). ``EXPORTS = False`` stops
+a chain at such a result instead (one reader alone may continue it), as before.
 
 An intermediate's SBP is the one its reader's signature asked for (boxing inserted nothing there), so the
 fused op's signature is one of its composed rows; ``verify_compiled`` checks it after this pass. A fused
 op is named after its first op with ``.fused`` (keeping the phase prefix, and a name no twin graph of
-micro-batching knows), placed where its last op was, and its intermediates' declarations are dropped.
+micro-batching knows), placed where its last op was, and the declarations of the intermediates that
+nothing outside reads are dropped.
 
 Before the chains, :func:`fold_clips` folds each gradient's clipping ``mul`` (the gradient times
 ``clip_coef``'s factor, one value ``B`` everywhere) into the update that alone reads it, as
@@ -57,21 +69,25 @@ from dataclasses import dataclass, field, replace
 from sbpflow.control_plane.compiler import bn_grad
 from sbpflow.control_plane.compiler.state import Choice, CompileState
 from sbpflow.graph import BOXING, Graph, OpNode, TensorKind
-from sbpflow.ops.base import NdSignature
+from sbpflow.ops.base import AttrValue, NdSignature
 from sbpflow.ops.fused import FUSABLE, TERMINAL, encode
 from sbpflow.ops.training.optim import CLIPPED
 from sbpflow.sbp import B, P, Split
 
 FUSED = "fused_elementwise"
+# Chains grow past an intermediate that ops outside read, which becomes an extra output (False: such a
+# chain ends there, as before; the A/B of the acts a step in bench/models/resnet.py --trace)
+EXPORTS = True
+
+
+Class = tuple[bool, bool]  # (depends on the batch, depends on a gradient or the loss)
 
 
 @dataclass
 class _Chain:
     ops: list[OpNode] = field(default_factory=list)
-
-    @property
-    def tail(self) -> str:
-        return self.ops[-1].outputs[0]
+    cls: Class = (False, False)  # its results' classes or'ed: the fused op's outputs' (:func:`_classes`)
+    reads: dict[str, int] = field(default_factory=dict)  # per result, how many of its ops read it
 
 
 def protected(state: CompileState) -> set[str]:
@@ -84,43 +100,133 @@ def protected(state: CompileState) -> set[str]:
     return keep
 
 
+def _classes(state: CompileState) -> dict[str, Class]:
+    """Per tensor: whether it depends on the batch, and on a gradient or the loss. Micro-batching's layout
+    runs an op once a step before the micro-batches, once a micro-batch, or once a step after averaging
+    them, by these; a fused op's outputs take the class of all its inputs (:func:`_one_class`)."""
+    g, job = state.graph, state.job
+    data = {t.name for t in g.of_kind(TensorKind.input)}
+    late = {*state.grads.values(), job.loss}
+    for o in g.ops:
+        for reached in (data, late):
+            if any(i in reached for i in o.inputs):
+                reached.update(o.outputs)
+    return {t: (t in data, t in late) for o in g.ops for t in o.outputs}
+
+
+def _may_join(c: _Chain, o: OpNode, owner: dict[str, _Chain], readers: dict[str, int]) -> bool:
+    """Whether ``o``, reading results of the open chain ``c``, may join it: within one fold key; without
+    ``EXPORTS``, only through its tail, which nothing else reads."""
+    if bn_grad.fold_key(c.ops[-1]) != bn_grad.fold_key(o):
+        return False
+    return EXPORTS or all(readers[i] == 1 for i in o.inputs if owner.get(i) is c)
+
+
+def _one_class(joined: list[_Chain], o: OpNode, readers: dict[str, int], cls: dict[str, Class]) -> bool:
+    """Whether ``o`` merged with ``joined`` leaves every result that an op outside may still read in the
+    fused op's class (an op taking a parameter-only value into a batch's chain would move that value's
+    other readers into every micro-batch). A chain only its own ops read always passes."""
+    u = cls[o.outputs[0]]
+    for c in joined:
+        u = (u[0] or c.cls[0], u[1] or c.cls[1])
+    ins = set(o.inputs)
+    for c in joined:
+        for op in c.ops:
+            r = op.outputs[0]
+            if cls[r] != u and readers.get(r, 0) > c.reads.get(r, 0) + (r in ins):
+                return False
+    return cls[o.outputs[0]] == u or not readers.get(o.outputs[0])
+
+
+def _joined(
+    read: list[_Chain], o: OpNode, owner: dict[str, _Chain], readers: dict[str, int], cls: dict[str, Class]
+) -> list[_Chain]:
+    """The chains among ``read`` that ``o`` joins: all it may where they keep one class, else those it
+    reads only the tail of, which nothing else reads (as without ``EXPORTS``), else none."""
+    if o.op_type not in FUSABLE or len(o.outputs) != 1:
+        return []
+    may = [c for c in read if _may_join(c, o, owner, readers)]
+    if not EXPORTS or not may or _one_class(may, o, readers, cls):
+        return may
+    tails = [
+        c
+        for c in may
+        if all(readers[i] == 1 and i == c.ops[-1].outputs[0] for i in o.inputs if owner.get(i) is c)
+    ]
+    return tails if tails and _one_class(tails, o, readers, cls) else []
+
+
 def chains(state: CompileState) -> list[list[OpNode]]:
-    """The chains of two or more ops to fuse, each in program order."""
+    """The chains of two or more ops to fuse, each in program order. An op joins every open chain whose
+    results it reads where it may (:func:`_joined`), merging them; an op that reads a chain's result and
+    does not join closes it (the fused op is put where its last op is, so a reader outside must come
+    after that: the result becomes an extra output), as does a result the job keeps or a reduction."""
     g = state.graph
     readers: dict[str, int] = {}
     for o in g.ops:
         for i in set(o.inputs):
             readers[i] = readers.get(i, 0) + 1
+    cls = _classes(state)
     keep = protected(state)
-    open_: dict[str, _Chain] = {}  # a chain's tail tensor -> the chain
+    owner: dict[str, _Chain] = {}  # each open chain's results -> the chain
     every: list[_Chain] = []
     for o in g.ops:
+        read = list({id(c): c for i in o.inputs if (c := owner.get(i)) is not None}.values())
+        joined = _joined(read, o, owner, readers, cls)
+        for c in read:
+            if not any(c is j for j in joined):
+                _close(c, owner)
         if o.op_type not in FUSABLE or len(o.outputs) != 1:
             continue
-        joined = [
-            open_.pop(i)
-            for i in dict.fromkeys(o.inputs)
-            if i in open_
-            and readers[i] == 1
-            and i not in keep
-            and bn_grad.fold_key(open_[i].ops[-1]) == bn_grad.fold_key(o)
-        ]
-        chain = _Chain([op for c in joined for op in c.ops] + [o]) if joined else _Chain([o])
-        if joined:
-            for c in joined:
-                every.remove(c)
-        every.append(chain)
-        if o.op_type not in TERMINAL:
-            open_[chain.tail] = chain
+        chain = _merge(joined, o, owner, cls) if joined else _Chain([o], cls[o.outputs[0]])
+        if not joined:
+            every.append(chain)
+        elif len(joined) > 1:
+            gone = {id(c) for c in joined[1:]}
+            every = [c for c in every if id(c) not in gone]
+        if o.op_type in TERMINAL or o.outputs[0] in keep:
+            _close(chain, owner)
+        else:
+            owner[o.outputs[0]] = chain
     at = {o.name: i for i, o in enumerate(g.ops)}
     return [sorted(c.ops, key=lambda o: at[o.name]) for c in every if len(c.ops) > 1]
 
 
-def fuse(state: CompileState, ops: list[OpNode]) -> OpNode:
+def _merge(joined: list[_Chain], o: OpNode, owner: dict[str, _Chain], cls: dict[str, Class]) -> _Chain:
+    """The first of ``joined`` grown by the others and ``o``."""
+    chain = joined[0]
+    for c in joined[1:]:
+        chain.ops += c.ops
+        for r, n in c.reads.items():
+            chain.reads[r] = chain.reads.get(r, 0) + n
+        chain.cls = (chain.cls[0] or c.cls[0], chain.cls[1] or c.cls[1])
+        owner.update((op.outputs[0], chain) for op in c.ops if owner.get(op.outputs[0]) is c)
+    for i in set(o.inputs):
+        if owner.get(i) is chain:
+            chain.reads[i] = chain.reads.get(i, 0) + 1
+    chain.ops.append(o)
+    mine = cls[o.outputs[0]]
+    chain.cls = (chain.cls[0] or mine[0], chain.cls[1] or mine[1])
+    return chain
+
+
+def _close(c: _Chain, owner: dict[str, _Chain]) -> None:
+    for op in c.ops:
+        if owner.get(op.outputs[0]) is c:
+            del owner[op.outputs[0]]
+
+
+def fuse(state: CompileState, ops: list[OpNode], read_by: dict[str, set[str]] | None = None) -> OpNode:
     """The fused op for the chain ``ops`` (in program order): its intermediates' declarations and the
-    ops' choices are replaced; the caller puts the node where the last op was (:func:`run`)."""
+    ops' choices are replaced, but for the intermediates that an op outside reads (``read_by``: each
+    tensor's readers' names, the graph's by default), which become the op's further outputs, in step
+    order, with their SBPs; the caller puts the node where the last op was (:func:`run`)."""
     g = state.graph
+    if read_by is None:
+        read_by = _read_by(g)
     made = {o.outputs[0]: k for k, o in enumerate(ops)}
+    names = {o.name for o in ops}
+    exported = [t for t in list(made)[:-1] if read_by.get(t, set()) - names]
     inputs: list[str] = []
     steps = []
     for o in ops:
@@ -134,20 +240,25 @@ def fuse(state: CompileState, ops: list[OpNode]) -> OpNode:
                 refs.append(f"in{inputs.index(i)}")
         steps.append((o.op_type, dict(o.attrs), refs))
     last = ops[-1]
+    outputs = (*last.outputs, *exported)
+    attrs: dict[str, AttrValue] = {"chain": encode(steps)}
+    if exported:
+        attrs["exports"] = tuple(made[t] for t in exported)
     node = OpNode(
         f"{ops[0].name}.fused",
         FUSED,
         tuple(inputs),
-        last.outputs,
-        {"chain": encode(steps)},
+        outputs,
+        attrs,
         last.placement,
         last.stage,
         last.checkpoint,
         last.scope,
     )
     for t in list(made)[:-1]:
-        del g.tensors[t]
-    sbp = [g.tensors[t].sbp for t in (*inputs, *last.outputs)]
+        if t not in exported:
+            del g.tensors[t]
+    sbp = [g.tensors[t].sbp for t in (*inputs, *outputs)]
     assert all(s is not None for s in sbp)
     cost = sum(state.choices[o.name].cost for o in ops if o.name in state.choices)
     for o in ops:
@@ -337,6 +448,14 @@ def fold_squared_norms(state: CompileState) -> int:
     return len(folded)
 
 
+def _read_by(g: Graph) -> dict[str, set[str]]:
+    read_by: dict[str, set[str]] = {}
+    for o in g.ops:
+        for i in o.inputs:
+            read_by.setdefault(i, set()).add(o.name)
+    return read_by
+
+
 def _one_broadcast_value(state: CompileState, name: str) -> bool:
     decl = state.graph.tensors[name]
     return math.prod(decl.meta.shape) == 1 and decl.sbp is not None and all(s == B for s in decl.sbp)
@@ -352,7 +471,8 @@ def run(state: CompileState) -> None:
     found = chains(state)
     if not found:
         return
-    at_last = {ops[-1].name: fuse(state, ops) for ops in found}
+    read_by = _read_by(state.graph)
+    at_last = {ops[-1].name: fuse(state, ops, read_by) for ops in found}
     gone = {o.name for ops in found for o in ops}
     g = state.graph
     g.ops[:] = [at_last.get(o.name, o) for o in g.ops if o.name not in gone or o.name in at_last]

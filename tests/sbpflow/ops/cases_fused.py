@@ -32,6 +32,16 @@ _BIAS_SCALE_GELU = encode(
 _SQUARE_TANH = encode(
     [("sub", {}, ["in0", "in1"]), ("mul", {}, ["s0", "s0"]), ("add", {}, ["s1", "in0"]), ("tanh", {}, ["s2"])]
 )
+# batch norm's scale, 1 / sqrt(var + eps) * weight, with the sqrt and its reciprocal exported (outputs 1
+# and 2: its backward reads them); the reciprocal writes into the dying var + eps, never into the sqrt
+_BN_SCALE = encode(
+    [
+        ("add_scalar", {"value": 1e-5}, ["in0"]),
+        ("sqrt", {}, ["s0"]),
+        ("rdiv_scalar", {"value": 1.0}, ["s1"]),
+        ("mul", {}, ["s2", "in1"]),
+    ]
+)
 # the clipping norm's squared sum of one gradient: a reduction ends the chain
 _SQUARED_SUM = encode([("pow_scalar", {"exponent": 2.0}, ["in0"]), ("sum", {}, ["s0"])])
 
@@ -61,6 +71,19 @@ def _bias_scale_gelu(x: np.ndarray, b: np.ndarray, chain: Any) -> list[np.ndarra
 
 def _square_tanh(x: np.ndarray, y: np.ndarray, chain: Any) -> list[np.ndarray]:
     return [np.tanh((x - y) ** 2 + x)]
+
+
+@st.composite
+def _var_weight(draw: st.DrawFn) -> Example:
+    shape = draw(shapes(max_dims=1))
+    return Example(
+        (arrays(shape, draw, 0.1, 2.0), arrays(shape, draw)), {"chain": _BN_SCALE, "exports": (1, 2)}
+    )
+
+
+def _bn_scale(var: np.ndarray, w: np.ndarray, chain: Any, exports: Any) -> list[np.ndarray]:
+    root = np.sqrt(var + 1e-5)
+    return [1.0 / root * w, root, 1.0 / root]
 
 
 @st.composite
@@ -97,6 +120,15 @@ case(
         _square_tanh,
         differentiable=(0, 1),
         name="fused_elementwise/square_tanh",
+    )
+)
+case(
+    OpCase(
+        "fused_elementwise",
+        _var_weight(),
+        _bn_scale,
+        differentiable=(0, 1),
+        name="fused_elementwise/bn_scale_exported",
     )
 )
 case(

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import sbpflow as sf
+from sbpflow.actor_workers.execution.tasks import DonatingKernelContext
 from sbpflow.codec import wire
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.control_plane.compiler.passes import fusion
@@ -19,6 +20,7 @@ from sbpflow.errors import ShapeError
 from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.job import Job, JobConfig, LossScaling
 from sbpflow.ops.base import get_op
+from sbpflow.ops.eager import full_index
 from sbpflow.ops.fused import encode
 from sbpflow.placement import placement
 from sbpflow.sbp import B, P, S
@@ -97,15 +99,50 @@ def test_a_chain_never_spans_a_boxing() -> None:
     assert not fused_nodes(state)
 
 
-def test_an_intermediate_read_outside_the_chain_stays() -> None:
-    # h is read by tanh and exp: relu stays; tanh, exp and their add form a chain from h
+def test_an_intermediate_the_chain_alone_reads_twice_fuses_whole() -> None:
+    # h is read by tanh and exp, both in the chain: one op, nothing exported
     state = fused(boxed(CompileState.start(job([
         ("a", "relu", ("x",), "h"), ("b", "tanh", ("h",), "t"), ("c", "exp", ("h",), "e"),
         ("d", "add", ("t", "e"), "y"),
     ]))))  # fmt: skip
     (node,) = fused_nodes(state)
-    assert sorted(chain_ops(node)) == ["add", "exp", "tanh"] and node.inputs == ("h",)
-    assert [o.op_type for o in state.graph.ops] == ["relu", fusion.FUSED]
+    assert chain_ops(node) == ["relu", "tanh", "exp", "add"] and node.inputs == ("x",)
+    assert node.outputs == ("y",) and "exports" not in node.attrs and "h" not in state.graph.tensors
+
+
+def outside(ops: list[tuple[str, str, tuple[str, ...], str]], at: int, reads: str) -> Job:
+    """``job(ops)`` with a softmax of ``reads`` (an op no chain takes) inserted at position ``at``."""
+    j = job(ops)
+    g = j.graph
+    g.add_tensor(TensorDecl("z", META, placement=TWO))
+    g.ops.insert(at, OpNode("out", "softmax", (reads,), ("z",), {"axis": 1}, TWO))
+    return j
+
+
+def test_an_intermediate_read_after_the_chain_is_an_extra_output() -> None:
+    # softmax reads h after tanh: relu and tanh fuse, h is their op's second output, S(0) as it was
+    state = fused(boxed(CompileState.start(outside([
+        ("a", "relu", ("x",), "h"), ("b", "tanh", ("h",), "y"),
+    ], 2, "h"))))  # fmt: skip
+    (node,) = fused_nodes(state)
+    assert (
+        chain_ops(node) == ["relu", "tanh"] and node.outputs == ("y", "h") and node.attrs["exports"] == (0,)
+    )
+    assert (
+        state.graph.tensors["h"].sbp == (S(0),) and state.choices[node.name].signature.outs == ((S(0),),) * 2
+    )
+    assert [o.name for o in state.graph.ops] == ["a.fused", "out"]  # the reader after the op that makes h
+    assert fused_nodes(fused(boxed(CompileState.start(outside([
+        ("a", "relu", ("x",), "h"), ("b", "tanh", ("h",), "y"),
+    ], 2, "y")))))[0].outputs == ("y",)  # fmt: skip
+
+
+def test_an_intermediate_read_before_the_chain_ends_closes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # softmax reads h between relu and tanh: the fused op would make h after it; so does EXPORTS off
+    ops = [("a", "relu", ("x",), "h"), ("b", "tanh", ("h",), "y")]
+    assert not fused_nodes(fused(boxed(CompileState.start(outside(ops, 1, "h")))))
+    monkeypatch.setattr(fusion, "EXPORTS", False)
+    assert not fused_nodes(fused(boxed(CompileState.start(outside(ops, 2, "h")))))
 
 
 def test_a_partial_never_flows_into_a_nonlinear_step() -> None:
@@ -132,15 +169,26 @@ def test_composed_rows_pass_p_only_through_linear_chains(steps: list, partial: b
     assert {r.ins for r in rows} >= {(S(0),), (S(1),), (B,)}
 
 
-def test_gpt_fuses_bias_and_residual_but_not_what_backward_reads() -> None:
+def test_a_parameters_value_is_not_exported_from_a_batchs_chain() -> None:
+    # relu(p) depends on no batch; add(relu(p), x) does. Fused, relu(p) would be an output of an op that
+    # runs every micro-batch, and so would its other reader, the softmax: relu and add stay apart
+    j = outside([("a", "relu", ("p",), "h"), ("b", "add", ("h", "x"), "y")], 2, "h")
+    j.graph.add_tensor(TensorDecl("p", META, TensorKind.parameter, TWO, (B,)))
+    state = fused(boxed(CompileState.start(j)))
+    assert not fused_nodes(state)
+    assert fusion.chains(state) == []
+
+
+def test_gpt_fuses_bias_and_residual_and_exports_what_backward_reads() -> None:
     compiled = pipeline.compile(fusing(start("gpt-dp4", layers=1).job))
     g = compiled.state.graph
     chains = {o.name: chain_ops(o) for o in g.ops if o.op_type == fusion.FUSED}
     assert chains["model.blocks.0.attn.c_proj.add_0.fused"] == ["add", "add"]
     assert chains["model.blocks.0.mlp.c_proj.add_0.fused"] == ["add", "add"]
-    # gelu_grad reads c_fc's bias add: that add and gelu stay apart
-    kinds = {o.name: o.op_type for o in g.ops}
-    assert kinds["model.blocks.0.mlp.c_fc.add_0"] == "add" and kinds["model.blocks.0.mlp.gelu_0"] == "gelu"
+    # gelu_grad reads c_fc's bias add: the add and gelu are one op, which also outputs the add's result
+    (node,) = [o for o in g.ops if o.name == "model.blocks.0.mlp.c_fc.add_0.fused"]
+    assert chain_ops(node) == ["add", "gelu"] and node.outputs[1:] == ("model.blocks.0.mlp.c_fc.add_0",)
+    assert any(node.outputs[1] in o.inputs for o in g.ops if o.op_type == "gelu_grad")
     assert compiled.plan is not None
 
 
@@ -270,3 +318,68 @@ def test_fused_training_is_bit_identical_to_unfused(layout: str) -> None:
     assert fused_params is not None and plain_params is not None and set(fused_params) == set(plain_params)
     for name, value in plain_params.items():
         np.testing.assert_array_equal(fused_params[name], value, err_msg=name)
+
+
+# an intermediate read outside its chain: ResNet's batch norms (var + eps and its sqrt and reciprocal,
+# which the backward reads) on two ranks, GPT's c_fc bias add (gelu_grad reads it) checkpointed and
+# accumulated over two micro-batches. Exports on and off: the same bits, fewer ops on.
+EXPORTED = {
+    "resnet-dp2": ("resnet", {"ranks": 2, "width": 4, "image_size": 8, "batch_size": 4}, {}),
+    "gpt-ckpt-2mb": (
+        "gpt",
+        {"ranks": 1, "layers": 2, "width": 16, "vocab": 32, "seq_len": 8, "batch_size": 8, "heads": 2},
+        {"activation_checkpointing": True, "gradient_accumulation_steps": 2},
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(EXPORTED))
+def test_exported_intermediates_train_bit_identically(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, shape, config = EXPORTED[layout]
+    made = load(model).make_job(steps=3, **shape)
+    made = replace(made, config=replace(made.config, **config))
+    runs, ops = {}, {}
+    for on in (True, False):
+        monkeypatch.setattr(fusion, "EXPORTS", on)
+        g = pipeline.compile(made).state.graph  # verify_compiled checks every fused op's signature
+        ops[on] = len(g.ops)
+        assert any(o.op_type == fusion.FUSED and o.attrs.get("exports") for o in g.ops) is on
+        runs[on] = sf.run(made, steps=3, return_parameters=True, timeout=120, backend="inprocess")
+    assert ops[True] < ops[False]
+    assert runs[True].losses == runs[False].losses
+    on_params, off_params = runs[True].parameters, runs[False].parameters
+    assert on_params is not None and off_params is not None and set(on_params) == set(off_params)
+    for name, value in off_params.items():
+        np.testing.assert_array_equal(on_params[name], value, err_msg=name)
+
+
+# s0 = x + y, s1 = s0 * 0.5 (which writes into s0 where s0 dies there), s2 = relu(s1); s0 exported
+_EXPORTING = encode(
+    [("add", {}, ["in0", "in1"]), ("mul_scalar", {"value": 0.5}, ["s0"]), ("relu", {}, ["s1"])]
+)
+
+
+@pytest.mark.parametrize("lend", [False, True])
+def test_an_exported_intermediate_is_never_written_over(lend: bool) -> None:
+    # the chain's later steps write into its dying intermediates, and into the runtime's lent buffers
+    # where it lends them: an export is neither (its own lent buffer holds it)
+    op = get_op(fusion.FUSED)
+    attrs = op.normalize_attrs({"chain": _EXPORTING, "exports": (0,)})
+    rng = np.random.default_rng(0)
+    x, y = (rng.standard_normal((4, 6)).astype(np.float32) for _ in range(2))
+    metas = (TensorMeta((4, 6), DType.float32),) * 2
+    outs = op.run_infer(metas, attrs)
+    assert outs == metas
+    where = (tuple(map(full_index, metas)), tuple(map(full_index, outs)))
+    bufs = tuple(np.full((4, 6), np.nan, np.float32) for _ in outs) if lend else ()
+    got = op.run_kernel(DonatingKernelContext(np, attrs, metas, outs, *where, out_buffers=bufs), [x, y])
+    np.testing.assert_array_equal(got[0], np.maximum((x + y) * np.float32(0.5), 0))
+    np.testing.assert_array_equal(got[1], x + y)
+    if lend:
+        assert got[0] is bufs[0] and got[1] is bufs[1]
+
+
+@pytest.mark.parametrize("exports", [(2,), (1, 0), (0, 0), (-1,)])
+def test_exports_name_earlier_steps_in_order(exports: tuple[int, ...]) -> None:
+    with pytest.raises(ShapeError, match=r"give distinct steps in ascending order, each before the last"):
+        get_op(fusion.FUSED).run_infer((META, META), {"chain": _EXPORTING, "exports": exports})
