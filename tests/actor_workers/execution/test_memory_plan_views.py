@@ -22,7 +22,7 @@ from sbpflow.actor_workers.runtime.actors import ActorSpec, RegisterSpec
 from sbpflow.actor_workers.runtime.engine import Engine
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.v1 import plan_pb2 as pp
-from tests.actor_workers.execution.test_memory_plan import JOBS, train
+from tests.actor_workers.execution.test_memory_plan import JOBS, train, unfolded
 
 STEPS = 4
 K, C, S, B = pp.TASK_KIND_KERNEL, pp.STREAM_KIND_COMPUTE, pp.TASK_KIND_SINK, pp.TASK_KIND_BOXING
@@ -228,11 +228,17 @@ def test_through_the_engine_a_slab_is_not_lent_while_a_view_of_its_value_waits_f
 # ---- training: views planned, bit-identical -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["main-job", "bert-1x1"])
+# the main job unfolded: fused, its attention cores are single ops (6980ce8) and no register of it is a
+# view; unfused, no kernel whose output a reader views writes into a lent buffer, so BERT alone checks that
+VIEWED = {"main-job": (lambda: unfolded(JOBS["main-job"]()), False), "bert-1x1": (JOBS["bert-1x1"], True)}
+
+
+@pytest.mark.parametrize("name", list(VIEWED))
 def test_values_read_through_views_are_planned_and_train_bit_identically(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    c = pipeline.compile(JOBS[name]())
+    make, lends = VIEWED[name]
+    c = pipeline.compile(make())
     assert c.plan is not None
     d = c.plan.devices[0]
     tensors = plan_tables.of(c.plan, None).tensors
@@ -248,10 +254,10 @@ def test_values_read_through_views_are_planned_and_train_bit_identically(
     chains = [x for x in viewed if len({by_id[regs[v].producer_task].op_type for v, _ in x.views}) > 1]
     assert chains  # ... and through chains of them (a transpose of a reshape)
 
-    on = train(JOBS[name](), True)
-    off = train(JOBS[name](), False)
+    on = train(make(), True)
+    off = train(make(), False)
     monkeypatch.setattr(memory_plan, "PLAN_VIEWS", False)
-    before = train(JOBS[name](), True)  # the plan as it was: values that readers view left out
+    before = train(make(), True)  # the plan as it was: values that readers view left out
     for other in (off, before):
         for x, y in zip(on[0], other[0], strict=True):
             np.testing.assert_array_equal(x, y, err_msg="losses")
@@ -263,7 +269,9 @@ def test_values_read_through_views_are_planned_and_train_bit_identically(
     assert old is not None and not old.views and old.planned_bytes < memory.planned_bytes
     planned = {id(p): p for p in memory.registers.values()}.values()
     with_views = {id(p) for p, _ in memory.views.values()}
-    assert any(p.slab.holder is p for p in planned if id(p) in with_views)  # a viewed value was lent ...
+    assert not lends or any(
+        p.slab.holder is p for p in planned if id(p) in with_views
+    )  # a viewed value lent ...
     assert not any(p.viewed for p in planned)  # ... no register left the plan ...
     assert all(p.slab.pending == 0 and not p.slab.retired for p in planned)  # ... every read counted
 
