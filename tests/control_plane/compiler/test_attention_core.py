@@ -11,10 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-import sbpflow as sf
 from sbpflow.control_plane.compiler import pipeline
 from sbpflow.job import Job
-from tests.control_plane.compiler.passes.test_autodiff import as_float64
+from tests.control_plane.compiler.passes.folds import op_types, trained_on_and_off
 from tests.examples.test_examples import load
 
 GPT: dict[str, Any] = {"layers": 2, "heads": 4, "width": 16, "vocab": 32, "seq_len": 8, "batch_size": 8}
@@ -30,10 +29,6 @@ LAYOUT_OPS = ("attention", "attention_grad", "split", "concat", "transpose")
 def gpt(layout: str, fusion: bool = True, steps: int = 3, **kw: Any) -> Job:
     made = load("gpt").make_job(steps=steps, **GPT, **LAYOUTS[layout], **kw)
     return replace(made, config=replace(made.config, fusion=fusion))
-
-
-def op_types(j: Job) -> list[str]:
-    return [o.op_type for o in pipeline.compile(j).state.graph.ops]  # verify_compiled checks each signature
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -63,11 +58,7 @@ def test_a_forward_only_graph_folds_the_forward() -> None:
 
 @pytest.mark.parametrize("layout", ["1", "tp2", "dp2xtp2"])
 def test_folded_training_is_bit_identical_to_unfolded_in_float64(layout: str) -> None:
-    runs = {}
-    for on in (True, False):
-        j = as_float64(gpt(layout, fusion=on), batches=3)
-        assert ("qkv_attention" in op_types(j)) is on
-        runs[on] = sf.run(j, steps=3, return_parameters=True, timeout=120, backend="inprocess")
+    runs = trained_on_and_off(lambda on: gpt(layout, fusion=on), "qkv_attention")
     assert list(runs[True].losses) == list(runs[False].losses)
     fused, plain = runs[True].parameters, runs[False].parameters
     assert fused is not None and plain is not None and set(fused) == set(plain)

@@ -10,10 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-import sbpflow as sf
-from sbpflow.control_plane.compiler import pipeline
 from sbpflow.job import Job
-from tests.control_plane.compiler.passes.test_autodiff import as_float64
+from tests.control_plane.compiler.passes.folds import op_types, trained_on_and_off
 from tests.examples.test_examples import load
 
 SMALL: dict[str, Any] = {"depth": 18, "width": 4, "image_size": 8, "classes": 5, "batch_size": 8, "steps": 3}
@@ -22,10 +20,6 @@ SMALL: dict[str, Any] = {"depth": 18, "width": 4, "image_size": 8, "classes": 5,
 def resnet(ranks: int, fusion: bool = True) -> Job:
     made = load("resnet").make_job(ranks=ranks, **SMALL)
     return replace(made, config=replace(made.config, fusion=fusion))
-
-
-def op_types(j: Job) -> list[str]:
-    return [o.op_type for o in pipeline.compile(j).state.graph.ops]  # verify_compiled checks each signature
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -40,11 +34,7 @@ def test_each_batch_norm_backward_is_one_input_grad_pass(ranks: int) -> None:
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_folded_training_equals_unfolded_in_float64(ranks: int) -> None:
-    runs = {}
-    for on in (True, False):
-        j = as_float64(resnet(ranks, fusion=on), batches=3)
-        assert ("channel_input_grad" in op_types(j)) is on
-        runs[on] = sf.run(j, steps=3, return_parameters=True, timeout=120, backend="inprocess")
+    runs = trained_on_and_off(lambda on: resnet(ranks, fusion=on), "channel_input_grad")
     np.testing.assert_allclose(runs[True].losses, runs[False].losses, rtol=1e-12)
     fused, plain = runs[True].parameters, runs[False].parameters
     assert fused is not None and plain is not None and set(fused) == set(plain)
