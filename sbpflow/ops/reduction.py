@@ -115,11 +115,21 @@ def kernel_axes(op: str, ndim: int, axes: Any) -> tuple[int, ...]:
         return normalize_axes(op, ndim, axes)
 
 
+def sum_all(xp: Any, x: Any, keepdims: bool = False) -> Any | None:
+    """The sum of every element of float ``x`` as the ``sum`` kernel makes it (one loop over the whole
+    array), or None where that kernel takes another path; :mod:`sbpflow.ops.fused`'s ``sum_squares``
+    calls it directly, with the same bits."""
+    jit = jit_rows(xp, x)
+    if jit is None:
+        return None
+    y = np.empty((1,) * x.ndim if keepdims else (), dtype=x.dtype)
+    jit.sum_all(x, y)
+    return y
+
+
 def _sum_kernel(ctx: KernelContext, x: Any) -> Any:
     axes, keep = kernel_axes("sum", x.ndim, ctx.attrs["axes"]), bool(ctx.attrs["keepdims"])
-    if len(axes) == x.ndim and (jit := jit_rows(ctx.xp, x)) is not None:  # a whole array: one loop
-        y = np.empty((1,) * x.ndim if keep else (), dtype=x.dtype)
-        jit.sum_all(x, y)
+    if len(axes) == x.ndim and (y := sum_all(ctx.xp, x, keep)) is not None:  # a whole array: one loop
         return y
     if ctx.xp is np and x.dtype.kind == "f":
         # np.sum's Python wrapper around this ufunc reduction took half the time of a small sum

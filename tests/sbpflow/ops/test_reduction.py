@@ -118,3 +118,32 @@ def test_mean_over_channels_is_the_float64_sum_rounded_once(dtype: Any) -> None:
     np.testing.assert_allclose(got, exact, rtol=np.finfo(dtype).eps if dtype == np.float32 else 1e-14)
     (slow,) = EagerBuilder().call("mean", np.repeat(x, 2, axis=-1)[..., ::2], axes=(0, 2, 3))
     np.testing.assert_allclose(slow, exact, rtol=1e-6 if dtype == np.float32 else 1e-14)
+
+
+def _squares_by_ops(xs: list[np.ndarray]) -> Any:
+    """The clipping norm's sum unfused: pow_scalar and a whole-array sum by the eager builder, then add."""
+    b, total = EagerBuilder(), None
+    for x in xs:
+        (s,) = b.call("sum", b.call("pow_scalar", x, exponent=2.0)[0])
+        total = s if total is None else b.call("add", total, s)[0]
+    return total
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_sum_squares_holds_the_bits_of_its_unfused_ops(dtype: Any) -> None:
+    """sum_squares calls the square and the whole-array sum loop directly (fused.py), not through their
+    kernels: on contiguous, strided, 0-d and 1-element inputs, and float16 (which takes numpy's sum),
+    the result is bit-for-bit the unfused ops'."""
+    rng = np.random.default_rng(3)
+    xs = [
+        rng.standard_normal((128, 64)).astype(dtype),
+        rng.standard_normal((64, 192)).astype(dtype)[:, ::3],
+        np.asarray(rng.standard_normal(), dtype),
+        rng.standard_normal((1,)).astype(dtype),
+        (rng.standard_normal((1000,)) * 1e3).astype(dtype),
+        rng.standard_normal((300, 301)).astype(dtype),
+    ]
+    (got,) = EagerBuilder().call("sum_squares", *xs)
+    want = _squares_by_ops(xs)
+    assert got.dtype == want.dtype == dtype and got.shape == ()
+    assert got.tobytes() == np.asarray(want).tobytes(), (got, want)
