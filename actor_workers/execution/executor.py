@@ -5,7 +5,9 @@ Per rank, every task of its DevicePlan becomes one actor (its act from :mod:`.ta
 priority. Two things the plan leaves implicit are made explicit here:
 
 * **loop edges** — a SOURCE (a variable) reads, from step 1 on, what the SINK that assigns the same
-  variable wrote at the previous step; the edge's initial value is the store's (the initialised shard);
+  variable wrote at the previous step; the edge's initial value is the store's (the initialised shard).
+  A SINK that only stores one kernel's or update's output has no actor: that act assigns and writes
+  the edge (:func:`~.executor_analysis.folded_assigns`);
 * **the communication order** — the communication stream is *ordered*: it acts in exactly the plan's
   order, step after step, and waits for the next task in that order even when a later one is ready.
   Lowering emits every rank's tasks, and every communicator's steps, in one global order, so all
@@ -128,16 +130,21 @@ def build(
 def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: int = 0) -> RankProgram:
     """The actors of one rank's ``device`` plan on its context ``rc``, acting ``steps`` times from
     ``first_step``."""
+    folded = analysis.folded_assigns(device)
+    gone = {f.register for f in folded.values()}
     registers = [
         RegisterSpec(r.id, r.producer_task, tuple(dict.fromkeys(r.consumer_tasks)), r.count)
         for r in device.registers
+        if r.id not in gone
     ]
-    loops = analysis.loop_edges(device, rc.store, registers)
+    loops = analysis.loop_edges(device, rc.store, registers, folded)
+    assigns = analysis.by_producer(folded)
     no_ops = analysis.no_op_boxings(device)
     donations = analysis.donations(device, no_ops)
     recyclers, guards = analysis.recyclers(device)
     regs = {r.id: r for r in device.registers}
     looped = frozenset(t.id for t in device.tasks if t.id in loops and t.kind != pp.TASK_KIND_SOURCE)
+    looped |= frozenset(assigns)  # kernels whose outputs loop to the next step
     memory = (
         memory_plan.plan(device, rc.tables.tensors, looped, no_ops)
         if rc.plan_memory and rc.xp is np
@@ -145,6 +152,8 @@ def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: i
     )
     actors = []
     for priority, task in enumerate(device.tasks):
+        if task.id in folded:  # its producer's act assigns
+            continue
         loop = loops.get(task.id)
         inputs = tuple(dict.fromkeys(task.in_registers))  # a kernel may read one register twice (x * x)
         outputs = tuple(task.out_registers)
@@ -153,19 +162,23 @@ def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: i
             inputs, reads, initial = (loop.register,), [loop.register], {loop.register: loop.initial}
         elif loop is not None:
             outputs = (*outputs, loop.register)
-        act = tasks.spread(
-            _act(
-                task,
-                rc,
-                regs,
-                loop is not None,
-                donations.get(task.id, frozenset()),
-                recyclers.get(task.id),
-                memory,
-            ),
-            [inputs.index(r) for r in reads],
-            len(inputs),
+        folds = assigns.get(task.id, ())
+        act = _act(
+            task,
+            rc,
+            regs,
+            loop is not None or bool(folds),
+            donations.get(task.id, frozenset()),
+            recyclers.get(task.id),
+            memory,
         )
+        if folds:  # each folded value goes into its loop edge in place of the register the SINK read
+            edge = {f.register: loops[f.sink].register for f in folds}
+            outputs = tuple(edge.get(r, r) for r in outputs)
+            act = tasks.assigning(
+                act, rc, [(list(task.out_registers).index(f.register), f.variable) for f in folds]
+            )
+        act = tasks.spread(act, [inputs.index(r) for r in reads], len(inputs))
         for recycler, register in guards.get(task.id, ()):
             owners = memory.owners if memory is not None else frozenset()
             act = tasks.guard_aliases(act, recycler, inputs.index(register), rc.xp, owners)

@@ -1,7 +1,9 @@
 """What the executor reads off one rank's DevicePlan before it builds the rank's actors.
 
-* :func:`loop_edges` — the register from each SINK that assigns a variable to the SOURCE of the same
-  variable, carrying the value into the next step (its initial value is the store's);
+* :func:`folded_assigns` — the SINK assigns folded into the act of the update (or kernel) that makes
+  their value, so that a step has no act that only stores a value;
+* :func:`loop_edges` — the register from each assign (its SINK, or the task it is folded into) to the
+  SOURCE of the same variable, carrying the value into the next step (its initial value is the store's);
 * :func:`donations` — the inputs a kernel may overwrite because nobody else ever holds that array;
 * :func:`recyclers` — the updates that may write a variable's new value into last step's buffer, and
   the readers to watch so that no view of that buffer outlives the step;
@@ -15,7 +17,7 @@ initial values from the store, and appends the registers it adds to the rank's l
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,9 +43,67 @@ class Loop:
     initial: Any  # the value the SOURCE reads at step 0
 
 
-def loop_edges(device: pp.DevicePlan, store: Store, registers: list[RegisterSpec]) -> dict[int, Loop]:
+# Fold each SINK assign that only stores one kernel's output into that kernel's act (False: every assign
+# acts on its own, as before; the A/B of bench/models/gpt_step.py and resnet.py)
+FOLD_ASSIGNS = True
+MAKERS = (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER)
+
+
+@dataclass(frozen=True)
+class Folded:
+    """A SINK assign of ``variable`` folded into its ``producer``: the act that makes the value stores it
+    (and runs the assign hooks) and writes it into the loop edge itself; the value's ``register``, which
+    only the SINK read, and the SINK's actor are gone."""
+
+    sink: int
+    producer: int
+    register: int
+    variable: str
+
+
+def folded_assigns(device: pp.DevicePlan) -> dict[int, Folded]:
+    """Per SINK assign (by id) that can be folded: its one input is an output of a kernel or an update on
+    its stream and micro-batch, read by the SINK alone (an optimizer's new parameter and state, a running
+    statistic). A value that anything else reads, or that a boxing hands over, keeps its SINK act."""
+    if not FOLD_ASSIGNS:
+        return {}
+    by_id = {t.id: t for t in device.tasks}
+    regs = {r.id: r for r in device.registers}
+    out: dict[int, Folded] = {}
+    for sink in device.tasks:
+        if sink.kind != pp.TASK_KIND_SINK or "assign" not in sink.attrs or len(set(sink.in_registers)) != 1:
+            continue
+        reg = regs[sink.in_registers[0]]
+        producer = by_id.get(reg.producer_task)
+        if (
+            producer is not None
+            and producer.kind in MAKERS
+            and (producer.stream, producer.micro_batch) == (sink.stream, sink.micro_batch)
+            and set(reg.consumer_tasks) == {sink.id}
+        ):
+            var = str(wire.attr_from_proto(sink.attrs["assign"]))
+            out[sink.id] = Folded(sink.id, producer.id, reg.id, var)
+    return out
+
+
+def by_producer(folded: Mapping[int, Folded]) -> dict[int, list[Folded]]:
+    """The folded assigns of each producer (an update makes a parameter and its optimizer state)."""
+    out: dict[int, list[Folded]] = {}
+    for f in folded.values():
+        out.setdefault(f.producer, []).append(f)
+    return out
+
+
+def loop_edges(
+    device: pp.DevicePlan,
+    store: Store,
+    registers: list[RegisterSpec],
+    folded: Mapping[int, Folded] | None = None,
+) -> dict[int, Loop]:
     """SINK assign of a variable -> SOURCE of the same variable at the next step: a register from the
-    one to the other whose initial value is the store's; keyed by both tasks' ids."""
+    one (from the task it is folded into, in ``folded``) to the other whose initial value is the store's;
+    keyed by both tasks' ids (the SINK's, also where it is folded)."""
+    folded = folded or {}
     sources = {t.op_name: t for t in device.tasks if t.kind == pp.TASK_KIND_SOURCE}
     ids = itertools.count(max((r.id for r in device.registers), default=-1) + 1)
     loops: dict[int, Loop] = {}
@@ -57,7 +117,10 @@ def loop_edges(device: pp.DevicePlan, store: Store, registers: list[RegisterSpec
                 f"rank {device.rank}: task {sink.id} assigns {var!r}, which no SOURCE task of this rank holds"
             )
         loop = Loop(next(ids), store[var])
-        registers.append(RegisterSpec(loop.register, sink.id, (source.id,), 1))
+        fold = folded.get(sink.id)
+        registers.append(
+            RegisterSpec(loop.register, sink.id if fold is None else fold.producer, (source.id,), 1)
+        )
         loops[sink.id] = loops[source.id] = loop
     return loops
 

@@ -12,7 +12,8 @@ an act does no protobuf parsing and little Python.
     DATA_LOAD       this rank's rows of micro-batch k of batch ``step`` from the data source
     ACCUMULATE      running sum over the micro-batches, divided by their number at the last
     SOURCE          the variable's value for this step (the store's at step 0, then last step's assign)
-    SINK assign     writes the new value to the store and passes it on to next step's SOURCE
+    SINK assign     writes the new value to the store and passes it on to next step's SOURCE (folded
+                    into the act that makes the value where it only stores that: :func:`assigning`)
     SINK fetch      records the value of ``step`` (the loss, a fetch)
 
 Random steps follow :func:`sbpflow.oracle.reference.micro_batch_step`: a task of micro-batch ``k`` of ``M`` in
@@ -128,7 +129,10 @@ class Recycler:
     At step ``s`` the update reads ``v_s`` and makes ``v_{s+1}``. Every reader of ``v_{s-1}`` has finished
     by then: the variable's SOURCE emitted ``v_s`` into a one-slot register (or, with the SOURCE bypassed,
     the SINK wrote it into the one-slot loop edge the readers read), which it could only do once every
-    reader of ``v_{s-1}`` acked, and readers ack after their act. So ``v_{s-1}``'s array is dead —
+    reader of ``v_{s-1}`` acked, and readers ack after their act. With the SINK folded into the update
+    (:func:`~.executor_analysis.folded_assigns`) the update writes the edge, of two slots: its act at step
+    ``s`` takes the slot ``v_s`` does not hold, so it acts once ``v_{s-1}`` is freed, every reader of it
+    acked. So ``v_{s-1}``'s array is dead —
     unless a reader passed on a view of it (a reshape, a local slice): :func:`guard_aliases` watches the
     readers' outputs and turns recycling off for good when one shares memory with the value it read.
     Only arrays the update itself made are recycled (never the store's initial value, which a caller may
@@ -373,6 +377,23 @@ def assign_act(rc: RankContext, name: str, looped: bool) -> Act:
         return [values[0]] if looped else []
 
     return act
+
+
+def assigning(act: Act, rc: RankContext, assigns: Sequence[tuple[int, str]]) -> Act:
+    """``act`` (a kernel or an update) doing the work of the SINK assigns folded into it
+    (:func:`~.executor_analysis.folded_assigns`): each (output position, variable) of ``assigns`` is
+    stored, and the assign hooks called, as :func:`assign_act` does, once the act has made the values."""
+    pairs = tuple(assigns)
+
+    def act_and_assign(step: int, values: list[Any]) -> list[Any]:
+        outs = act(step, values)
+        for j, name in pairs:
+            rc.store[name] = outs[j]
+            for hook in rc.assign_hooks:
+                hook(name, step)
+        return outs
+
+    return act_and_assign
 
 
 def fetch_act(rc: RankContext, name: str, micro_batch: int) -> Act:

@@ -11,7 +11,9 @@ inputs on its own placement with the SBP its signature needs, and each BOXING no
     update op (OPTIMIZER_OPS)      OPTIMIZER     compute         one per output, 1 buffer
     boxing step (collective)       BOXING        communication   the shard after the step
     boxing across placements       SEND / RECV   communication   the received piece (on the receiver)
-    update (state.updates)         SINK assign   compute         —   (writes the persistent store)
+    update (state.updates)         SINK assign   compute         —   (writes the persistent store; the
+                                                                     executor folds it into its value's
+                                                                     producer: folded_assigns)
     loss, fetches                  SINK fetch    compute         —   (reports the value)
 
 

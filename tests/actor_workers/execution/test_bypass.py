@@ -83,3 +83,27 @@ def test_a_plain_pass_through_adds_its_slots_to_the_input_register() -> None:
     assert registers == [RegisterSpec(0, 0, (2,), 3)]
     Engine(actors, registers).run(30)
     assert got == [0, 1, 2, 3]
+
+
+def test_a_source_whose_loop_edge_its_own_reader_writes_is_bypassed_with_two_slots() -> None:
+    """A SINK folded into the update (executor_analysis.folded_assigns): the update writes the loop edge
+    and, once the source is bypassed, reads it too; the edge takes a second slot (one slot: the act would
+    wait for itself) and the update sees each step's value once, in order."""
+    seen: list[int] = []
+    other: list[int] = []
+
+    def update(step: int, values: list) -> list:
+        seen.append(values[0])
+        return [values[0] + 1]
+
+    actors = [
+        ActorSpec(0, "source", "compute", (1,), (0,), lambda s, v: [v[0]], STEPS, initial={1: 10}),
+        ActorSpec(2, "reader", "compute", (0,), (), lambda s, v: other.append(v[0]) or [], STEPS),
+        ActorSpec(1, "update", "compute", (0,), (1,), update, STEPS, priority=1),
+    ]
+    registers = [RegisterSpec(0, 0, (2, 1), 1), RegisterSpec(1, 1, (0,), 1)]
+    kept, regs = bypass(actors, registers, {0})
+    assert sorted(a.id for a in kept) == [1, 2]
+    assert regs == [RegisterSpec(1, 1, (2, 1), 2)]
+    result = Engine(kept, regs).run(30)
+    assert seen == other == [10, 11, 12, 13, 14] and result.acts == 2 * STEPS

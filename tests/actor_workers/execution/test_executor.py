@@ -231,14 +231,24 @@ def test_variables_loop_from_their_assignment_to_the_next_step() -> None:
     loops = [r for r in rp.registers if r.id not in {d.id for d in c.plan.devices[0].registers}]  # type: ignore[union-attr]
     sources = [t for t in tasks.values() if t.kind == pp.TASK_KIND_SOURCE]
     assert len(loops) == len(sources)  # every variable is assigned (parameters and optimizer state)
+    folded = executor_analysis.folded_assigns(c.plan.devices[0])  # type: ignore[union-attr]
+    assert folded and not any(t in by_id for t in folded)  # each update assigns: no SINK acts
     for reg in loops:
-        sink = tasks[reg.producer]
-        assert sink.kind == pp.TASK_KIND_SINK and reg.consumers
+        # the edge starts at the update that makes the new value (its SINK folded into it)
+        update = tasks[reg.producer]
+        assert update.kind == pp.TASK_KIND_OPTIMIZER and reg.id in by_id[update.id].outputs and reg.consumers
+        first = by_id[reg.consumers[0]].initial[reg.id]
+        (var,) = [
+            f.variable
+            for f in folded.values()
+            if f.producer == update.id and rp.context.store[f.variable] is first
+        ]
         # the SOURCE that passes the loop edge on is bypassed: its readers read the edge (bypass.py)
-        (source,) = [t for t in sources if t.op_name == sink.op_name]
+        (source,) = [t for t in sources if t.op_name == var]
         assert source.id not in by_id
+        assert update.id in reg.consumers and reg.count == 2  # the update reads the value it replaces
         for c in reg.consumers:
-            np.testing.assert_array_equal(by_id[c].initial[reg.id], rp.context.store[sink.op_name])
+            assert by_id[c].initial[reg.id] is rp.context.store[var]
 
 
 def test_data_loads_on_the_compute_thread_train_the_same_and_still_count_as_data() -> None:
