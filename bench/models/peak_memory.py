@@ -133,7 +133,8 @@ def runner(model: str, side: str, quick: bool, steps: int) -> Callable[[], objec
         cfg = RESNET[quick]
         if side == "torch":
             return lambda: resnet.torch_step_s(cfg, steps)
-        return lambda: resnet.sbpflow_step_s(cfg, steps, after_first(reset_peak))
+        job = resnet.sbpflow_job(cfg, steps)  # its images drawn here, before the baseline, as BERT's are
+        return lambda: sf.run(job, backend="inprocess", threads=1, on_step=after_first(reset_peak))
     s = bert.QUICK if quick else bert.Shape()
     state = {k: v.detach().numpy().copy() for k, v in bert.hf_model(s).state_dict().items()}
     job = bert.make_job(s, state, steps)
