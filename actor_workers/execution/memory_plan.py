@@ -4,26 +4,28 @@ memory reuse).
 Lifetimes come from the plan's compute order: a register's value of a step lives from its producer's
 position in the rank's task list to its last consumer's (both included, so a kernel's input never shares
 with its output); a consumer that makes a view of it (a reshape, a transpose, a split: :func:`makes_views`)
-extends it to the last reader of the view, down chains of views (:func:`follow`). Registers are coloured first-fit in decreasing byte size (:func:`colour`): a register
-goes into the first buffer ("slab") none of whose registers' lifetimes overlap its own, else a new slab
-of its size. Each register gets one view of its slab, of its local shape and dtype, made once; its
-producer is lent that view through ``out_buffers`` (``KernelContext.out_array``), like
-:class:`~.tasks.OutputReuse` lends a kernel its own previous output.
+extends it to the last reader of the view, down chains of views (:func:`follow`). Each register gets
+its place in one arena, registers whose lifetimes overlap on bytes apart (:func:`~.memory_pack.pack`,
+greedy by size): its "slab", an array of its own on the arena's bytes, which registers that never live
+together share in whole or in part. Each register gets one view of its slab, of its local shape and
+dtype, made once; its producer is lent that view through ``out_buffers`` (``KernelContext.out_array``),
+like :class:`~.tasks.OutputReuse` lends a kernel its own previous output.
 
 The engine's order is dynamic (a step's forward may start while the last one's backward runs), so the
-plan decides only who *may* share; a slab is lent at run time only when it is dead (:meth:`Slab.free`):
+plan decides only who *may* share; a slab is lent at run time only when it is dead, and every slab
+whose bytes meet its own too (:meth:`Slab.free`):
 
 * every consumer of the value it holds, and every reader of a view of it, has acted on it (a count their
   acts bring down: :func:`watch`; a view op that copied, as a reshape of a transpose does, takes its
   readers' reads off), and none returned that very array as an output (an identity passes the value on under
   the same object) or an array on its memory that does not refer to the slab's owner (numba's view of
-  an input, an array on a memoryview: :func:`untracked`): the slab is then retired for good;
+  an input, an array on a memoryview but the plan's slabs: :func:`untracked`): the slab is then retired for good;
 * and no array but the plan's own views refers to its memory (CPython's refcount of the slab's owner:
   every view of it, a consumer's reshape or slice included, refers to the owner in numpy). A view alive
   once every planned read is done is one nobody expected: its register leaves the plan (``viewed``).
 
-A slab that is not free is not lent, and the kernel allocates a fresh array: two live values in one
-buffer cannot happen, whatever the order. Only registers that nobody keeps past an act are planned: one
+A slab that is not free is not lent, and the kernel allocates a fresh array: two live values on one
+byte cannot happen, whatever the order. Only registers that nobody keeps past an act are planned: one
 slot, produced by a kernel on the compute stream, read only by kernels and updates there (a SINK fetch
 records its value, an assign stores it, a boxing may send it), directly, through boxing steps that
 move nothing, which the executor bypasses (:func:`reach`: BERT's 2-d boxings on a 1 x 1 mesh), or
@@ -40,6 +42,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from sbpflow.actor_workers.execution.memory_pack import ALIGN, Lifetime, meeting, pack
 from sbpflow.actor_workers.execution.tasks import Act, OutputReuse, coord_index, local_shape
 from sbpflow.graph import TensorDecl
 from sbpflow.ops.base import get_op
@@ -56,47 +59,10 @@ VIEW_OPS = frozenset({"transpose", "split"})
 # Plan the values that readers view (False: leave them out, as before; the A/B of bench/models/peak_memory.py
 # --plan-views off)
 PLAN_VIEWS = True
-STAGGER = 4096  # a slab's start is staggered within this many bytes (:class:`Slab`)
 
 
 def makes_views(task: pp.Task) -> bool:
     return task.kind == pp.TASK_KIND_KERNEL and (task.op_type in VIEW_OPS or get_op(task.op_type).view)
-
-
-@dataclass(frozen=True)
-class Lifetime:
-    """A register's value within a step: from its producer's position to its last consumer's.
-    ``readers``: the reads of the value (through pass-through steps) and of its views, ``aliases``: the
-    registers of those steps, which carry the same value (0 and () for a register read directly only),
-    ``views``: (register, reads below it) of each view of it (:class:`Followed`)."""
-
-    register: int
-    nbytes: int
-    first: int
-    last: int
-    readers: int = 0
-    aliases: tuple[int, ...] = ()
-    views: tuple[tuple[int, int], ...] = ()
-
-    def overlaps(self, other: Lifetime) -> bool:
-        return self.first <= other.last and other.first <= self.last
-
-
-def colour(lifetimes: Sequence[Lifetime]) -> tuple[dict[int, int], list[int]]:
-    """Register -> slab, and each slab's bytes: first-fit in decreasing size (ties by birth), a register
-    into the first slab whose registers all live apart from it (a slab is as large as its first, largest
-    register)."""
-    slab_of: dict[int, int] = {}
-    sizes: list[int] = []
-    members: list[list[Lifetime]] = []
-    for life in sorted(lifetimes, key=lambda x: (-x.nbytes, x.first, x.register)):
-        i = next((i for i, held in enumerate(members) if not any(life.overlaps(o) for o in held)), len(sizes))
-        if i == len(sizes):
-            sizes.append(life.nbytes)
-            members.append([])
-        members[i].append(life)
-        slab_of[life.register] = i
-    return slab_of, sizes
 
 
 def lifetimes(
@@ -223,16 +189,18 @@ def value_shape(decl: TensorDecl, producer: pp.Task) -> tuple[tuple[int, ...], n
 
 
 class Slab:
-    """One buffer of the plan: its owner array, the value it holds and how many reads that value awaits."""
+    """A register's bytes in the plan: its owner array (``base``: on the arena's bytes, or of its own), the
+    value it holds and how many reads that value awaits; ``meets``: the slabs whose bytes meet its own,
+    each of which must be dead too before it is lent (``occupied``: it may hold a live value)."""
 
-    __slots__ = ("base", "expected", "holder", "offset", "pending", "retired", "siblings")
+    __slots__ = ("base", "expected", "holder", "meets", "occupied", "pending", "retired", "siblings")
 
-    def __init__(self, nbytes: int, index: int = 0) -> None:
-        # Each slab starts at its own offset within a page (64-byte aligned): large arrays are mmap'd at
-        # one offset within a page, so a kernel reading one slab and writing another hit 4K aliasing
-        # (each store a load's address mod 4096): BERT's GELU loop took 6.5 ms, not 1.9
-        self.base = np.empty(nbytes + STAGGER, np.uint8)
-        self.offset = (64 * (index * 23 % (STAGGER // 64)) - self.base.ctypes.data) % STAGGER
+    def __init__(self, nbytes: int, base: Any = None) -> None:
+        # an owner of its own on the arena's bytes (its base a memoryview, which numpy's views of it do not
+        # see through), so that its refcount counts the views of this slab alone
+        self.base = np.empty(nbytes, np.uint8) if base is None else base
+        self.meets: tuple[Slab, ...] = ()
+        self.occupied = False
         self.expected = 0  # the owner's refcount with only the plan's views alive (set once they are made)
         self.pending = 0  # reads the value it holds still awaits
         self.retired = False  # a reader passed the value on as its own output: never lent again
@@ -242,9 +210,15 @@ class Slab:
         self.siblings: frozenset[int] = frozenset()
 
     def free(self) -> bool:
+        """Dead, and so is every slab whose bytes meet its own."""
+        return self.dead() and all(not s.occupied or s.dead() for s in self.meets)
+
+    def dead(self) -> bool:
+        """Whether the value it holds is dead: every read done, no array but the plan's on its memory."""
         if self.pending or self.retired:
             return False
         if sys.getrefcount(self.base) <= self.expected:
+            self.occupied = False  # for good: a dead value gets no reader, nor view, again
             return True
         # Every planned read done (its views' too), but something still refers to its memory: a view
         # nobody expected, which may live on. The register that wrote it leaves the plan, so that the
@@ -255,7 +229,7 @@ class Slab:
 
     def view(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        return self.base[self.offset : self.offset + n].view(dtype).reshape(shape)
+        return self.base[:n].view(dtype).reshape(shape)
 
 
 class Planned:
@@ -280,7 +254,7 @@ class MemoryPlan:
     def __init__(
         self,
         registers: dict[int, Planned],
-        sizes: list[int],
+        arena: int,
         total: int,
         views: dict[int, tuple[Planned, int]] | None = None,
         owners: frozenset[int] = frozenset(),
@@ -288,7 +262,7 @@ class MemoryPlan:
         self.registers = registers
         self.owners = owners  # id() of the slabs' owners (Slab.siblings)
         self.views = views or {}  # a view's register -> the viewed register's Planned, the reads below it
-        self.slab_bytes = sum(sizes)  # what the slabs hold
+        self.slab_bytes = arena  # the arena's bytes, which the slabs are on
         self.planned_bytes = total  # what the planned registers' values would hold, one array each
 
     def reads(self, inputs: Sequence[int], outputs: Sequence[int]) -> list[Read]:
@@ -326,15 +300,24 @@ def plan(
     """The memory plan of ``device``'s registers (producers in ``excluded`` left out; ``through``: the
     pass-through steps, whose registers share their input's :class:`Planned`)."""
     lives = lifetimes(device, tensors, excluded, through)
-    slab_of, sizes = colour(lives)
-    slabs = [Slab(n, i) for i, n in enumerate(sizes)]
+    places, size = pack(lives)
+    arena = np.empty(size + ALIGN, np.uint8)
+    skip = -arena.ctypes.data % ALIGN  # each place 64-byte aligned in memory too
+    whole = arena.data  # a memoryview of its bytes
+    slab_of = {
+        r: Slab(p.nbytes, np.frombuffer(whole[skip + p.start : skip + p.start + p.nbytes], np.uint8))
+        for r, p in places.items()
+    }
+    for r, others in meeting(places).items():
+        slab_of[r].meets = tuple(slab_of[q] for q in others)
+    slabs = list(slab_of.values())
     regs = {r.id: r for r in device.registers}
     by_id = {t.id: t for t in device.tasks}
     out = {}
     views: dict[int, tuple[Planned, int]] = {}
     for life in lives:
         reg = regs[life.register]
-        slab = slabs[slab_of[life.register]]
+        slab = slab_of[life.register]
         shape, dtype = value_shape(tensors[reg.tensor], by_id[reg.producer_task])
         out[reg.id] = Planned(slab, slab.view(shape, dtype), life.readers)
         for alias in life.aliases:  # read as the value itself once the step is bypassed
@@ -345,7 +328,7 @@ def plan(
     for slab in slabs:  # the owner's count with the plan's views alive, as free() reads it (an argument)
         slab.expected = sys.getrefcount(slab.base)
         slab.siblings = siblings
-    return MemoryPlan(out, sizes, sum(life.nbytes for life in lives), views, siblings)
+    return MemoryPlan(out, size, sum(life.nbytes for life in lives), views, siblings)
 
 
 class Lender:
@@ -372,7 +355,7 @@ class Lender:
             if p.viewed or slab.pending or slab.retired:
                 self.lent = self.nones
             elif sys.getrefcount(slab.base) <= slab.expected:  # Slab.free
-                self.lent = (p.view,)
+                self.lent = (p.view,) if all(not s.occupied or s.dead() for s in slab.meets) else self.nones
             else:
                 slab.free()  # a view nobody expected holds it: its register leaves the plan
                 self.lent = self.nones
@@ -399,10 +382,11 @@ class Lender:
                 j = 0
                 for r in results:
                     if r is view:  # into the lent view: the slab holds its value (as another output: retired)
+                        slab.occupied = True
                         if i == j:
                             slab.pending = p.readers
                         else:
-                            slab.retired = True
+                            slab.retired = slab.occupied = True
                     elif getattr(r, "base", None) is not None:
                         untracked(r, slab)
                     j += 1
@@ -420,7 +404,7 @@ def untracked(value: Any, slab: Slab) -> None:
         and id(held) not in slab.siblings
         and np.may_share_memory(value, slab.base)
     ):
-        slab.retired = True
+        slab.retired = slab.occupied = True
 
 
 class Read(NamedTuple):
@@ -455,7 +439,7 @@ def watch(act: Act, reads: Sequence[Read | tuple[int, Planned]]) -> Act:
             base, j = slab.base, 0
             for o in outs:
                 if o is view:
-                    slab.retired = True
+                    slab.retired = slab.occupied = True
                 else:
                     held = getattr(o, "base", None)
                     expected = below[j] if j < len(below) else None

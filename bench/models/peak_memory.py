@@ -149,7 +149,7 @@ def no_memory_plan() -> None:
     plan; each register's value then lives in its own array)."""
     from sbpflow.actor_workers.execution import memory_plan
 
-    memory_plan.plan = lambda *args, **kwargs: memory_plan.MemoryPlan({}, [], 0)
+    memory_plan.plan = lambda *args, **kwargs: memory_plan.MemoryPlan({}, 0, 0)
 
 
 def no_plan_views() -> None:
