@@ -79,8 +79,8 @@ class RankContext:
         batch = self._batches.get(key)
         if batch is None:
             assert self.tables.data is not None
-            if len(self._batches) > 8:  # loaders run at most a step or two ahead
-                self._batches.pop(next(iter(self._batches)))
+            for old in [k for k in self._batches if k[0] < step - 1]:  # loaders run a step apart at most
+                del self._batches[old]  # (one further behind reads its batch again: the same rows)
             batch = self._batches[key] = self.tables.data.read(step, slice(start, stop))
         return batch
 
