@@ -6,8 +6,8 @@ priority. Two things the plan leaves implicit are made explicit here:
 
 * **loop edges** — a SOURCE (a variable) reads, from step 1 on, what the SINK that assigns the same
   variable wrote at the previous step; the edge's initial value is the store's (the initialised shard).
-  A SINK that only stores one kernel's or update's output has no actor: that act assigns and writes
-  the edge (:func:`~.executor_analysis.folded_assigns`);
+  A SINK that only stores one kernel's or update's output (directly, or through boxing steps that move
+  nothing) has no actor: that act assigns and writes the edge (:func:`~.executor_analysis.folded_assigns`);
 * **the communication order** — the communication stream is *ordered*: it acts in exactly the plan's
   order, step after step, and waits for the next task in that order even when a later one is ready.
   Lowering emits every rank's tasks, and every communicator's steps, in one global order, so all
@@ -130,8 +130,10 @@ def build(
 def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: int = 0) -> RankProgram:
     """The actors of one rank's ``device`` plan on its context ``rc``, acting ``steps`` times from
     ``first_step``."""
-    folded = analysis.folded_assigns(device)
-    gone = {f.register for f in folded.values()}
+    no_ops = analysis.no_op_boxings(device)
+    folded = analysis.folded_assigns(device, no_ops)
+    gone = {r for f in folded.values() for r in (f.register, *f.passed)}
+    skipped = {t for f in folded.values() for t in (f.sink, *f.steps)}  # the producer's act assigns
     registers = [
         RegisterSpec(r.id, r.producer_task, tuple(dict.fromkeys(r.consumer_tasks)), r.count)
         for r in device.registers
@@ -139,7 +141,6 @@ def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: i
     ]
     loops = analysis.loop_edges(device, rc.store, registers, folded)
     assigns = analysis.by_producer(folded)
-    no_ops = analysis.no_op_boxings(device)
     donations = analysis.donations(device, no_ops)
     recyclers, guards = analysis.recyclers(device)
     regs = {r.id: r for r in device.registers}
@@ -152,7 +153,7 @@ def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: i
     )
     actors = []
     for priority, task in enumerate(device.tasks):
-        if task.id in folded:  # its producer's act assigns
+        if task.id in skipped:
             continue
         loop = loops.get(task.id)
         inputs = tuple(dict.fromkeys(task.in_registers))  # a kernel may read one register twice (x * x)

@@ -59,30 +59,47 @@ class Folded:
     producer: int
     register: int
     variable: str
+    steps: tuple[int, ...] = ()  # the no-op boxing steps between them, gone too
+    passed: tuple[int, ...] = ()  # the registers after ``register`` those steps hand the value on in
 
 
-def folded_assigns(device: pp.DevicePlan) -> dict[int, Folded]:
+def folded_assigns(device: pp.DevicePlan, through: Collection[int] = ()) -> dict[int, Folded]:
     """Per SINK assign (by id) that can be folded: its one input is an output of a kernel or an update on
     its stream and micro-batch, read by the SINK alone (an optimizer's new parameter and state, a running
-    statistic). A value that anything else reads, or that a boxing hands over, keeps its SINK act."""
+    statistic), or reaches it through a chain of boxing steps that move nothing (``through``:
+    :func:`no_op_boxings`, each handing its input array on unchanged), each its value's one reader (BERT's
+    parameters and AdamW moments on a 1 x 1 mesh). A value that anything else reads, or that a boxing
+    moves, keeps its SINK act."""
     if not FOLD_ASSIGNS:
         return {}
     by_id = {t.id: t for t in device.tasks}
     regs = {r.id: r for r in device.registers}
+    passes = frozenset(through)
     out: dict[int, Folded] = {}
     for sink in device.tasks:
         if sink.kind != pp.TASK_KIND_SINK or "assign" not in sink.attrs or len(set(sink.in_registers)) != 1:
             continue
         reg = regs[sink.in_registers[0]]
+        if set(reg.consumer_tasks) != {sink.id}:
+            continue
+        passed: list[int] = []
+        steps: list[int] = []
+        while _passing(step := by_id.get(reg.producer_task), passes):
+            assert step is not None
+            before = regs[step.in_registers[0]]
+            if set(before.consumer_tasks) != {step.id}:
+                break
+            passed.append(reg.id)
+            steps.append(step.id)
+            reg = before
         producer = by_id.get(reg.producer_task)
         if (
             producer is not None
             and producer.kind in MAKERS
             and (producer.stream, producer.micro_batch) == (sink.stream, sink.micro_batch)
-            and set(reg.consumer_tasks) == {sink.id}
         ):
             var = str(wire.attr_from_proto(sink.attrs["assign"]))
-            out[sink.id] = Folded(sink.id, producer.id, reg.id, var)
+            out[sink.id] = Folded(sink.id, producer.id, reg.id, var, tuple(steps), tuple(passed))
     return out
 
 
