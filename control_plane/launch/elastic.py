@@ -185,7 +185,8 @@ def attempt_note(
 class Regrow:
     """While a job runs on a fallback: whether the cluster has room for its own layout again (``room()``,
     beyond what the attempt holds), looked at every :data:`REGROW_SECONDS`; ``due()`` turns true at the
-    first checkpoint completed after there was room, with every loss up to it reported."""
+    first checkpoint completed after there was room, with every loss up to it reported, and stays true
+    (the attempt it stopped may write one more checkpoint before its workers hear the abort)."""
 
     def __init__(
         self, room: Callable[[], bool], root: str | None, tracker: StepTracker, first_step: int
@@ -193,6 +194,7 @@ class Regrow:
         self._room, self._root, self._tracker, self._first = room, root, tracker, first_step
         self._since: int | None = None  # the latest checkpoint's step when there was room
         self._closed = threading.Event()
+        self._due = False  # latched: once true, a later checkpoint whose losses are not in yet cannot undo it
         if root is not None:
             threading.Thread(target=self._look, name="sbpflow-regrow", daemon=True).start()
 
@@ -210,10 +212,11 @@ class Regrow:
 
     def due(self) -> bool:
         """Whether the attempt should stop now to grow (see the class)."""
-        if self._since is None:
-            return False
+        if self._due or self._since is None:
+            return self._due
         step, known = self._checkpoint(), self._tracker.known()
-        return step > self._since and (known is None or step <= self._first + known)
+        self._due = step > self._since and (known is None or step <= self._first + known)
+        return self._due
 
     def close(self) -> bool:
         """Stop looking; whether the attempt was due to grow."""

@@ -4,10 +4,13 @@ control plane, so the run's losses stay complete (a worker killed with reports i
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from sbpflow.control_plane.launch import elastic
 from sbpflow.control_plane.launch.elastic import restart_point as _restart
 from sbpflow.control_plane.launch.run_context import LaunchContext
 from sbpflow.control_plane.launch.step_tracker import StepTracker
@@ -66,3 +69,29 @@ def test_a_run_without_a_loss_takes_the_latest_checkpoint(tmp_path: Path) -> Non
     first, failed = failed_attempt(tmp_path)
     new, note = _restart(first, failed, StepTracker(None, 4, None))
     assert (new.first_step, note) == (10, "")
+
+
+def test_regrow_stays_due_when_the_stopped_attempt_writes_one_more_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attempt stops once ``due()`` says so, but its workers may complete the next checkpoint before they
+    hear the abort, and that checkpoint's losses are not in yet: ``close()`` must still say it was due (it
+    said not, and the run failed with 'the job's own ranks are back' instead of growing)."""
+    monkeypatch.setattr(elastic, "REGROW_SECONDS", 0.01)
+    complete(tmp_path, 20, np.ones((8, 2)))
+    tracker = tracker_with(20)
+    regrow = elastic.Regrow(lambda: True, str(tmp_path), tracker, 0)
+    try:
+        deadline = time.monotonic() + 10
+        while regrow._since is None and time.monotonic() < deadline:  # the look found room at step 20
+            time.sleep(0.01)
+        assert not regrow.due()  # no checkpoint since there was room
+        complete(tmp_path, 40, np.ones((8, 2)))
+        assert not regrow.due()  # step 40's losses are not in yet
+        for step in range(20, 40):
+            tracker.add(0, step, 0.5)
+            tracker.add(1, step, 0.25)
+        assert regrow.due()
+        complete(tmp_path, 60, np.ones((8, 2)))  # written before the workers heard the abort
+    finally:
+        assert regrow.close()
