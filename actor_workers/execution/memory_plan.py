@@ -381,16 +381,32 @@ class Lender:
                 slab.holder = p
                 j = 0
                 for r in results:
+                    held = getattr(r, "base", None)
                     if r is view:  # into the lent view: the slab holds its value (as another output: retired)
                         slab.occupied = True
                         if i == j:
                             slab.pending = p.readers
                         else:
                             slab.retired = slab.occupied = True
-                    elif getattr(r, "base", None) is not None:
+                    elif held is slab.base:
+                        adopt(p, r, i == j)
+                    elif held is not None:
                         untracked(r, slab)
                     j += 1
             i += 1
+
+
+def adopt(p: Planned, value: Any, own: bool) -> None:
+    """``value``, an output its producer made as a view of ``p``'s lent bytes (attention's GEMMs write
+    [B, H, T, D] laid out [B, T, H, D]), holds a live value on the slab: it is occupied, so that a slab
+    whose bytes meet its own is not lent over it. As the register's own value (``own``: its output
+    position, its shape and dtype), the plan lends that array from then on, and its readers' reads count;
+    else the slab's refcount guards it until it dies (:meth:`Slab.dead`)."""
+    slab = p.slab
+    slab.occupied = True
+    if own and value.shape == p.view.shape and value.dtype == p.view.dtype:
+        p.view = value  # one reference for another: the owner's count with the plan's views alive holds
+        slab.pending = p.readers
 
 
 def untracked(value: Any, slab: Slab) -> None:
