@@ -47,6 +47,7 @@ from sbpflow.actor_workers.runtime.engine import AbortHook, Engine, RunResult
 from sbpflow.actor_workers.runtime.group import EngineGroup
 from sbpflow.actor_workers.runtime.trace import task_args
 from sbpflow.codec import wire
+from sbpflow.data.sources import DataSource
 from sbpflow.graph import TensorDecl
 from sbpflow.sharding import assemble_value
 from sbpflow.v1 import plan_pb2 as pp
@@ -97,6 +98,7 @@ def build(
     source: StoreSource | None = None,
     data_roots: tuple[str, ...] | None = None,
     plan_memory: bool = True,
+    data: DataSource | None = None,
 ) -> Program:
     """One :class:`RankProgram` per device of ``plan`` (or of ``ranks`` only: a worker builds its own),
     each acting ``steps`` times, as steps ``first_step, first_step + 1, ...`` (a resumed run: the acts see
@@ -106,8 +108,9 @@ def build(
     maps rank -> Transport. ``source`` gives the variables' starting shards (a checkpoint; default: the
     initializers). ``data_roots``: ``RunOptions.data_roots``, checked on every data file as it is opened.
     ``plan_memory``: registers share buffers by lifetime (:mod:`.memory_plan`; on a numpy rank).
+    ``data``: the data source the plan's was written from, in this process (:func:`.plan_tables.of`).
     """
-    tables = plan_tables.of(plan, data_roots)
+    tables = plan_tables.of(plan, data_roots, data)
     out = Program(tables)
     for device in plan.devices:
         if ranks is not None and device.rank not in ranks:

@@ -33,10 +33,18 @@ class PlanTables:
     micro_batches: int
 
 
-def of(plan: pp.Plan, data_roots: tuple[str, ...] | None = None) -> PlanTables:
+def of(
+    plan: pp.Plan, data_roots: tuple[str, ...] | None = None, data: DataSource | None = None
+) -> PlanTables:
     """The tables of ``plan``, decoded (a plan from before they existed has none: recompile it);
     ``data_roots`` (``RunOptions.data_roots``, the control plane's): the folders the data source's files
-    must be in, checked on each file as opened (:mod:`sbpflow.data.access`)."""
+    must be in, checked on each file as opened (:mod:`sbpflow.data.access`). ``data``: the source the
+    plan's was written from, in the same process (an in-process run's job's): read as it is, so that an
+    in-memory source's arrays are not decoded into one more copy."""
+    if plan.HasField("data"):
+        data = with_roots(wire.data_from_proto(plan.data) if data is None else data, data_roots)
+    else:
+        data = None
     tensors = {t.name: wire.tensor_from_proto(t) for t in plan.tensors}
     return PlanTables(
         name=plan.job_name,
@@ -45,7 +53,7 @@ def of(plan: pp.Plan, data_roots: tuple[str, ...] | None = None) -> PlanTables:
             p.tensor: ParameterSpec(p.tensor, wire.initializer_from_proto(p.init), p.trainable)
             for p in plan.parameters
         },
-        data=with_roots(wire.data_from_proto(plan.data), data_roots) if plan.HasField("data") else None,
+        data=data,
         config=wire.config_from_proto(plan.config),
         loss=plan.loss,
         fetches=tuple(plan.fetches),

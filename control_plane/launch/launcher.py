@@ -280,6 +280,7 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
             first_step=ctx.first_step,
             source=checkpointing.source_for(ctx.resume_from, ctx.init_from),
             data_roots=ctx.run.data_roots,
+            data=job.data,  # the plan's source, not decoded into one more copy of in-memory arrays
         )
         for rank, rp in program.ranks.items():
             watch_steps(rp.context, devices[rank], loss, on_step(rank))
@@ -312,9 +313,8 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
         for rp in program.ranks.values()
         for n in non_finite_parameters(rp.context.tables.tensors, rp.context.store)
     }
-    parameters = None
-    if ctx.run.return_parameters:
-        parameters = executor.variables(program, [p.tensor for p in job.parameters])
+    names = [p.tensor for p in job.parameters] if ctx.run.return_parameters else None
+    parameters = executor.variables(program, names) if names is not None else None
     scaling = executor.variables(program, [n for n in VARIABLES if n in program.tensors])
     events = None
     if ctx.run.trace:

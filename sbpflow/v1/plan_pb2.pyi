@@ -651,7 +651,8 @@ class Plan(_message.Message):
     @_builtins.property
     def job(self) -> _job_pb2.Job:
         """The logical job after the compiler's passes (with backward and optimizer ops), for reference and
-        plan dumps. The runtime never reads it: what it needs is in the fields below.
+        plan dumps. The runtime never reads it: what it needs is in the fields below. Its data source is
+        `data` below, not repeated here (an in-memory source's arrays are in the plan once).
         """
 
     @_builtins.property

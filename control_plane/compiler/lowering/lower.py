@@ -77,8 +77,11 @@ def to_plan(state: CompileState, low: Lowered, job_id: str = "") -> pp.Plan:
 def plan_header(state: CompileState, job_id: str = "") -> pp.Plan:
     """A Plan without devices and communicators: the compiled job (for dumps and reference) and, as
     plain data, everything the runtime reads instead of it — the tensors with their layouts, the
-    initialisers, the data source, the config, the loss and fetches, the number of micro-batches."""
-    job = wire.job_to_proto(dataclasses.replace(state.job, graph=state.graph))
+    initialisers, the data source, the config, the loss and fetches, the number of micro-batches.
+
+    The job's data source is ``Plan.data`` alone, not ``Plan.job.data`` too: an in-memory source's arrays
+    are in it, once."""
+    job = wire.job_to_proto(dataclasses.replace(state.job, graph=state.graph, data=None))
     plan = pp.Plan(
         format_version=PLAN_FORMAT_VERSION,
         job_id=job_id,
@@ -91,8 +94,8 @@ def plan_header(state: CompileState, job_id: str = "") -> pp.Plan:
         micro_batches=micro_batches(state.job),
         job_name=job.name,
     )
-    if job.HasField("data"):
-        plan.data.CopyFrom(job.data)
+    if state.job.data is not None:
+        plan.data.CopyFrom(wire.data_to_proto(state.job.data))
     return plan
 
 

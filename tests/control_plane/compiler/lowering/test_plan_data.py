@@ -148,7 +148,8 @@ def test_the_tables_are_the_compiled_job_s_and_on_demand_plans_carry_the_same(na
     assert c.plan is not None
     job = c.plan.job
     assert list(c.plan.tensors) == list(job.graph.tensors) and list(c.plan.parameters) == list(job.parameters)
-    assert c.plan.data == job.data and c.plan.config == job.config
+    assert not job.HasField("data") and c.plan.config == job.config  # the data source: Plan.data, once
+    assert c.plan.data == wire.data_to_proto(c.state.job.data)
     assert (c.plan.loss, list(c.plan.fetches), c.plan.job_name) == (job.loss, list(job.fetches), job.name)
     assert c.plan.micro_batches == micro_batches(c.state.job)
     lazy = pipeline.compile(JOBS[name](), lower="lazy")
