@@ -145,7 +145,7 @@ def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: i
     loops = analysis.loop_edges(device, rc.store, registers, folded)
     assigns = analysis.by_producer(folded)
     donations = analysis.donations(device, no_ops)
-    recyclers, guards = analysis.recyclers(device)
+    recyclers, guards = analysis.recyclers(device, rc.store if rc.xp is np else None)
     regs = {r.id: r for r in device.registers}
     looped = frozenset(t.id for t in device.tasks if t.id in loops and t.kind != pp.TASK_KIND_SOURCE)
     looped |= frozenset(assigns)  # kernels whose outputs loop to the next step

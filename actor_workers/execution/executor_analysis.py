@@ -26,6 +26,7 @@ from sbpflow.actor_workers.execution.variables import Store
 from sbpflow.actor_workers.runtime.actors import RegisterSpec
 from sbpflow.codec import wire
 from sbpflow.errors import SbpflowError
+from sbpflow.ops.base import get_op
 from sbpflow.v1 import plan_pb2 as pp
 
 KIND = {v: k.removeprefix("TASK_KIND_").lower() for k, v in pp.TaskKind.items()}
@@ -46,6 +47,9 @@ class Loop:
 # Fold each SINK assign that only stores one kernel's output into that kernel's act (False: every assign
 # acts on its own, as before; the A/B of bench/models/gpt_step.py and resnet.py)
 FOLD_ASSIGNS = True
+# An update whose op may write its new value over the old does so once nothing else holds the value
+# (tasks.Recycler; False: into the array of two steps back, as before; the A/B of the tests and benches)
+IN_PLACE_UPDATES = True
 MAKERS = (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER)
 
 
@@ -246,11 +250,13 @@ TRANSIENT_READERS = (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER, pp.TASK_KIND_B
 
 
 def recyclers(
-    device: pp.DevicePlan,
+    device: pp.DevicePlan, store: Store | None = None
 ) -> tuple[dict[int, tasks.Recycler], dict[int, list[tuple[tasks.Recycler, int]]]]:
     """Per update task, the :class:`~.tasks.Recycler` of the variable it updates (its input 0), where the
     variable's SOURCE is looped, emits into one-slot registers only, and only transient readers read them;
-    and per reader task, the (recycler, register) pairs whose outputs to watch for views."""
+    and per reader task, the (recycler, register) pairs whose outputs to watch for views. ``store``: the
+    rank's variables, given where its arrays are numpy's: an update whose op is ``in_place`` may then
+    write over the value it reads (:data:`IN_PLACE_UPDATES`)."""
     by_id = {t.id: t for t in device.tasks}
     regs = {r.id: r for r in device.registers}
     assigned = {
@@ -270,7 +276,10 @@ def recyclers(
         readers = {c for r in outs for c in r.consumer_tasks}
         if any(r.count != 1 for r in outs) or any(by_id[c].kind not in TRANSIENT_READERS for c in readers):
             continue
-        recycler = recyclers[update.id] = tasks.Recycler(input=0)
+        in_place = IN_PLACE_UPDATES and store is not None and get_op(update.op_type).in_place
+        recycler = recyclers[update.id] = tasks.Recycler(
+            0, in_place=in_place, store=store, name=source.op_name
+        )
         for r in outs:
             for c in dict.fromkeys(r.consumer_tasks):
                 if c != update.id:

@@ -136,22 +136,46 @@ class Recycler:
     unless a reader passed on a view of it (a reshape, a local slice): :func:`guard_aliases` watches the
     readers' outputs and turns recycling off for good when one shares memory with the value it read.
     Only arrays the update itself made are recycled (never the store's initial value, which a caller may
-    own). Saves a fresh allocation, and its page faults, per parameter per step."""
+    own). Saves a fresh allocation, and its page faults, per parameter per step.
+
+    An update whose op is ``in_place`` (its kernel may write the new value over the old:
+    ``optim.in_place``) is lent ``v_s``'s own array once nothing else holds it: one array a parameter, as
+    PyTorch's optimizers keep, not two. Every other reader of ``v_s`` holds it until its act is done (in
+    its inbox, then in its act's values; a view keeps it through the view's base; a checkpoint copies it
+    in the assign act), so CPython's refcount shows whether the update is its last reader: the act's
+    values, this method's local and ``getrefcount``'s argument (:data:`ALONE`), and the rank's store
+    where it holds the value. Only an array the update made (from the second step on), owning its
+    memory; the older array is then not kept."""
 
     input: int  # the position of the variable among the update's inputs
     ok: bool = True
     prev: Any = None  # v_{s-1}, once the update has seen it
     started: bool = False
+    in_place: bool = False  # the update's op may write its new value over the old (OpDef.in_place)
+    store: Store | None = None  # the rank's variables, which hold the current value between steps
+    name: str = ""  # the variable
+    placed: int = 0  # the steps updated in place
 
     def take(self, arrays: list[Any]) -> Any:
         """The buffer the update may write into now; remembers this step's value for the next."""
         current = arrays[self.input]
+        if self.in_place and self.ok and self.started and getattr(current, "base", True) is None:
+            held = ALONE + (self.store is not None and self.store.holds(self.name, current))
+            if sys.getrefcount(current) <= held:
+                self.prev = None
+                self.placed += 1
+                return current
         buffer = self.prev if self.ok and self.prev is not current else None
         # the first value is the store's initial array (drawn, or given by a checkpoint): never recycled
         self.prev = current if self.started else None
         self.started = True
         return buffer
 
+
+# References to a variable's value at its update's Recycler.take when nothing else holds it: the act's
+# values, take's local and getrefcount's argument (the rank's store adds one where it holds the value;
+# tests/actor_workers/execution/test_in_place_updates.py pins the count against the engine's references).
+ALONE = 3
 
 # References to a kernel's previous output when nobody else holds it: OutputReuse.prev, the local name in
 # ``take`` and getrefcount's argument. Any holder beyond those (a consumer's inbox or the list of values

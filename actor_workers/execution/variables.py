@@ -56,6 +56,10 @@ class Store:
     def __setitem__(self, name: str, value: Any) -> None:
         self._values[name] = value
 
+    def holds(self, name: str, value: Any) -> bool:
+        """Whether ``value`` (that very object) is the variable ``name``'s."""
+        return self._values.get(name) is value
+
     def __contains__(self, name: object) -> bool:
         return name in self._values
 

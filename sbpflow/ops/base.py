@@ -217,6 +217,9 @@ class OpDef:
     flops: int | FlopFn | None = None
     view: bool = False  # the output is (a view of) an input's bytes: the cost model counts no bytes moved
     fp32: bool = False  # computes in fp32 under mixed precision (sbpflow/precision.py)
+    # an update whose kernel may write its new value over input 0 (the runtime lends that very array as
+    # out_buffers[0] once nothing else holds it: tasks.Recycler); ops/training/optim.py's in_place
+    in_place: bool = False
 
     def normalize_attrs(self, attrs: Attrs) -> dict[str, AttrValue]:
         unknown = sorted(set(attrs) - set(self.attrs))
@@ -302,6 +305,7 @@ def defop(
     flops: int | FlopFn | None = None,
     view: bool = False,
     fp32: bool = False,
+    in_place: bool = False,
 ) -> OpDef:
     """Declare and register an op; a second op of the same name is refused."""
     op = OpDef(
@@ -319,6 +323,7 @@ def defop(
         flops,
         view,
         fp32,
+        in_place,
     )
     return OPS.register(name, op)
 

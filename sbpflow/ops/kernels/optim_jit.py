@@ -1,4 +1,5 @@
-"""AdamW's update as one numba pass over the parameter, its gradient and moments, bit for bit numpy's.
+"""AdamW's update as one numba pass over the parameter, its gradient and moments, bit for bit numpy's;
+and each update's last step in place, where the runtime lets the new parameter overwrite the old.
 
 optim.py's numpy kernel makes the formula's 14 operations as 14 passes, each writing an array the size of
 the parameter and reading it back; a table of a few MB is then 14 trips to memory where one does, and
@@ -12,7 +13,9 @@ operation, as each numpy pass is, so the result is the numpy kernel's bit for bi
 C-contiguous (``rowwise.jit_loops`` decides). The moments are updated in place (the runtime donates
 them; the kernel copies those it was not given) and the parameter goes to an array of its own: an
 output passed as a separate argument that is the same array as an input makes LLVM's overlap check
-fail at run time, and the loop then runs unvectorised (190 against 14 us for 65,536 float32).
+fail at run time, and the loop then runs unvectorised (190 against 14 us for 65,536 float32). The
+in-place forms (``adamw_in_place``, ``sgd_in_place``: the runtime lends the parameter itself once nothing
+else holds it, ``tasks.Recycler``) take the parameter once, read and written, so no check fails.
 """
 
 from __future__ import annotations
@@ -53,3 +56,40 @@ def adamw_all(
         m[i] = mi
         v[i] = vi
         new_param[i] = param[i] * keep - ((mi / d1) * step) / (np.sqrt(vi / d2) + e)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def adamw_in_place(
+    param: Any,
+    grad: Any,
+    m: Any,
+    v: Any,
+    b1: float,
+    b2: float,
+    bias1: float,
+    bias2: float,
+    lr: float,
+    eps: float,
+    decay: float,
+    scale: float,
+) -> None:  # pragma: no cover - compiled
+    """:func:`adamw_all` with the new parameter written over the old, element by element."""
+    f = param.dtype.type
+    c1, c2, k1, k2 = f(1.0 - b1), f(1.0 - b2), f(b1), f(b2)
+    d1, d2, step, e, keep, s = f(bias1), f(bias2), f(lr), f(eps), f(decay), f(scale)
+    for i in range(param.size):
+        g = grad[i] * s
+        mi = m[i] * k1 + g * c1
+        vi = v[i] * k2 + (g * g) * c2
+        m[i] = mi
+        v[i] = vi
+        param[i] = param[i] * keep - ((mi / d1) * step) / (np.sqrt(vi / d2) + e)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def sgd_in_place(param: Any, direction: Any, alpha: float) -> None:  # pragma: no cover - compiled
+    """``param = alpha * direction + param`` in place: optim._axpy's two operations an element (the
+    product rounded, then the sum), so the bits of its two numpy passes."""
+    a = param.dtype.type(alpha)
+    for i in range(param.size):
+        param[i] = direction[i] * a + param[i]

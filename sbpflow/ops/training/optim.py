@@ -94,7 +94,11 @@ def _sgd_kernel(ctx: KernelContext, param: Any, grad: Any, buf: Any, clip: Any =
         direction = _axpy(xp, t(momentum), new_buf, d) if a["nesterov"] else new_buf
     else:
         new_buf = direction = d  # 0 * buf + d is d
-    return _axpy(xp, t(-lr_at(a, ctx.step)), direction, param, out=out_buffer(ctx, 0, param)), new_buf
+    alpha = t(-lr_at(a, ctx.step))
+    if in_place(ctx, param) and (loops := jit_loops("optim_jit", xp, param, direction)) is not None:
+        loops.sgd_in_place(param.reshape(-1), direction.reshape(-1), alpha)
+        return param, new_buf
+    return _axpy(xp, alpha, direction, param, out=out_buffer(ctx, 0, param)), new_buf
 
 
 def _clipped_grad(xp: ModuleType, grad: Any, clip: Any) -> Any:
@@ -121,6 +125,16 @@ def out_buffer(ctx: KernelContext, i: int, like: Any) -> Any:
     return b if flags is not None and bool(flags.writeable) else None
 
 
+def in_place(ctx: KernelContext, param: Any) -> bool:
+    """Whether the runtime lets the update write its new parameter over ``param`` (input 0): it lends
+    that very array as ``out_buffers[0]`` once nothing but the update holds it (``tasks.Recycler``, for
+    an op declared ``in_place``); every other caller (the reference, eager mode) does not."""
+    buffers: tuple[Any, ...] = getattr(ctx, "out_buffers", ())
+    flags = getattr(param, "flags", None)
+    lent = buffers[0] if buffers else None
+    return lent is param and flags is not None and bool(flags.writeable) and bool(flags.c_contiguous)
+
+
 def donated(ctx: KernelContext, i: int, array: Any) -> bool:
     """Whether the caller gave input ``i``'s array to the kernel, which may then write a result into it.
 
@@ -142,6 +156,7 @@ defop(
     rows=lambda m, a: rows.elementwise(m, n_out=2),
     kernel=_sgd_kernel,
     grad=NoGrad("optimizer update"),
+    in_place=True,
     doc="SGD with momentum and L2 weight decay (torch.optim.SGD, dampening 0): d = grad + wd * param, "
     "buf = momentum * buf + d, param -= lr(step) * (d + momentum * buf if nesterov else buf)",
     flops=4,
@@ -164,10 +179,16 @@ def _adamw_kernel(
         # of those not donated, the parameter into the runtime's lent buffer or a new array
         m2 = m if donated(ctx, 2, m) else m.copy()
         v2 = v if donated(ctx, 3, v) else v.copy()
+        scale = 1.0 if clip is None else float(clip.reshape(-1)[0])  # x * 1 is x: the same bits unclipped
+        if in_place(ctx, param) and not any(param is x for x in (grad, m2, v2)):
+            loops.adamw_in_place(
+                param.reshape(-1), grad.reshape(-1), m2.reshape(-1), v2.reshape(-1), b1, b2, 1.0 - b1**n,
+                1.0 - b2**n, lr, float(a["eps"]), 1.0 - lr * float(a["weight_decay"]), scale,
+            )  # fmt: skip
+            return param, m2, v2
         p2 = out_buffer(ctx, 0, param)
         if p2 is None or not p2.flags.c_contiguous or any(p2 is x for x in (grad, m2, v2)):
             p2 = xp.empty_like(param)
-        scale = 1.0 if clip is None else float(clip.reshape(-1)[0])  # x * 1 is x: the same bits unclipped
         loops.adamw_all(
             param.reshape(-1), grad.reshape(-1), m2.reshape(-1), v2.reshape(-1), b1, b2, 1.0 - b1**n,
             1.0 - b2**n, lr, float(a["eps"]), 1.0 - lr * float(a["weight_decay"]), scale, p2.reshape(-1),
@@ -211,6 +232,7 @@ defop(
     rows=lambda m, a: rows.elementwise(m, n_out=3),
     kernel=_adamw_kernel,
     grad=NoGrad("optimizer update"),
+    in_place=True,
     doc="AdamW (torch.optim.AdamW): param *= 1 - lr * wd; m, v = moving averages of grad, grad^2; "
     "param -= lr(step) * m_hat / (sqrt(v_hat) + eps) with bias correction at step + 1",
     flops=14,
@@ -251,6 +273,7 @@ def _clipped(plain: str) -> None:
         grad=NoGrad("optimizer update"),
         doc=f"{plain} of grad * clip (the gradient times clip_coef's factor, folded in by the fusion pass)",
         flops=int(base.flops) + 1,  # type: ignore[arg-type]
+        in_place=base.in_place,
     )
 
 

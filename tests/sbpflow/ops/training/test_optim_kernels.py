@@ -125,6 +125,45 @@ def test_a_clipped_update_is_the_mul_then_the_update_bit_for_bit(
         np.testing.assert_array_equal(g, w)
 
 
+@dataclass(frozen=True)
+class Lending(Donating):
+    out_buffers: tuple[Any, ...] = ()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(), (3,), (5, 7), (64, 1024)])
+@pytest.mark.parametrize(
+    ("op_type", "attrs"),
+    [
+        *(("sgd_update", a) for a in SGD_ATTRS),
+        ("adamw_update", {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}),
+        ("clipped_sgd_update", SGD_ATTRS[3]),
+        ("clipped_adamw_update", {"lr": 1e-2, "weight_decay": 0.01}),
+    ],
+)
+def test_an_update_lent_its_own_parameter_writes_the_same_bits_over_it(
+    dtype: Any, shape: tuple[int, ...], op_type: str, attrs: dict[str, Any]
+) -> None:
+    # the runtime lends the parameter itself as out_buffers[0] once nothing else holds it (tasks.Recycler):
+    # the new value goes over the old, as the out-of-place kernel computes it, bit for bit
+    op = get_op(op_type)
+    assert op.in_place
+    rng = np.random.default_rng(3)
+    arrays = [np.asarray(rng.standard_normal(shape), dtype=dtype) for _ in op.inputs]
+    if op_type.endswith("adamw_update"):
+        arrays[3] = np.abs(arrays[3])
+    if op_type.startswith("clipped"):
+        arrays[-1] = np.asarray(0.3712, dtype=dtype)
+    want = run(op_type, [a.copy() for a in arrays], attrs, 2, frozenset())
+    param = arrays[0]
+    metas = tuple(None for _ in arrays)
+    ctx = Lending(np, op.normalize_attrs(attrs), metas, metas, (), (), 0, 2, out_buffers=(param,))  # type: ignore[arg-type]
+    got = op.run_kernel(ctx, arrays)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert (got[0] is param) == (len(shape) > 0)  # a 0-d parameter takes the numpy passes, into a new array
+
+
 def test_a_clipped_update_refuses_a_clip_that_is_not_one_value_of_the_parameters_dtype() -> None:
     op, meta = get_op("clipped_adamw_update"), TensorMeta((4, 3), DType.float32)
     attrs = op.normalize_attrs({"lr": 1e-3})
