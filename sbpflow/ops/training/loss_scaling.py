@@ -10,7 +10,7 @@ same decision.
 
 A gated update reads the step's non-finite count: where it is not zero, the step is skipped and the
 update's results are copies of its inputs (parameter and state bit-identical, the donated buffers left
-untouched); where it is zero, it is the plain update's kernel. AdamW's bias correction counts the steps
+untouched; an update in place keeps its parameter's own array); where it is zero, it is the plain update's kernel. AdamW's bias correction counts the steps
 taken (``step - skipped``, as torch.optim.AdamW's ``state['step']`` does not move on a step GradScaler
 skips), while the learning-rate schedule follows the iteration (torch's scheduler steps every iteration).
 """
@@ -160,7 +160,10 @@ defop(
 
 
 def _kept(ctx: KernelContext, i: int, x: Any) -> Any:
-    """Output ``i`` of a skipped step: a copy of ``x``, written into the buffer the runtime lends, if any."""
+    """Output ``i`` of a skipped step: ``x`` itself where the runtime lent it to be written over (the
+    parameter of an update in place, ``optim.in_place``), else a copy, into the buffer lent, if any."""
+    if i == 0 and optim.in_place(ctx, x):
+        return x
     out = optim.out_buffer(ctx, i, x)
     if out is None:
         return ctx.xp.array(x, copy=True)
@@ -206,6 +209,7 @@ def _gated(plain: str, scalars: tuple[str, ...]) -> None:
         doc=f"{plain} where found == 0; on a step whose gradients are not finite, its inputs unchanged"
         + (" (AdamW's bias correction counts the steps taken: step - skipped)" if len(scalars) > 1 else ""),
         flops=base.flops,  # a skipped step costs the update's count too: the model prices the worst case
+        in_place=base.in_place,
     )
 
 

@@ -19,7 +19,8 @@ import pytest
 from sbpflow.actor_workers.execution import executor, executor_analysis, tasks
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
 from sbpflow.control_plane.compiler import pipeline
-from sbpflow.job import Job
+from sbpflow.job import Job, LossScaling
+from tests.control_plane.compiler.test_loss_scaling import fp16
 from tests.examples.test_examples import load
 
 STEPS = 4
@@ -30,6 +31,11 @@ JOBS: dict[str, Callable[[], Job]] = {
         ranks=1, layers=1, heads=2, width=32, seq_len=16, steps=STEPS
     ),
     "mlp-dp2": lambda: load("mlp").make_job(ranks=2, steps=STEPS),
+    # updates gated on a clean step: from a scale of 2**18, 2 of the 4 steps overflow and skip, 2 update
+    "main-job-fp16": lambda: fp16(
+        load("charlm").make_job(ranks=1, layers=1, heads=2, width=32, seq_len=16, steps=STEPS),
+        LossScaling(2.0**18, growth_interval=1),
+    ),
 }
 
 
