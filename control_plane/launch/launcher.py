@@ -28,7 +28,6 @@ its shards) raise :class:`~sbpflow.runs.numerics.NonFiniteParameters` naming the
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -37,7 +36,7 @@ from typing import Any
 
 from sbpflow.actor_workers import snapshots as checkpointing
 from sbpflow.actor_workers.execution import executor, segments
-from sbpflow.actor_workers.runtime import threads
+from sbpflow.actor_workers.runtime import heap, threads
 from sbpflow.actor_workers.runtime.errors import RunCancelled, RuntimeFailure
 from sbpflow.actor_workers.step_reports import Scaling, StepDone, step_report, watch_steps
 from sbpflow.actor_workers.transport.inprocess import InProcessWorld
@@ -255,6 +254,14 @@ def compile_for_run(job: Job | Compiled, cancel: threading.Event | None = None) 
 
 
 def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker) -> RunResult:
+    """Train on threads of this process. The heap is frozen from the build on (``heap.frozen``): the
+    collection as the run ends walks the run's own objects (its engines, transports and closures form
+    cycles that hold every register and the store) and frees them, not the whole process's heap."""
+    with heap.frozen():
+        return _train_inprocess(compiled, ctx, tracker)
+
+
+def _train_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker) -> RunResult:
     job, plan = compiled.state.job, compiled.plan or whole_plan(compiled)
     evaluation = ctx.held_out.evaluation(compiled) if ctx.held_out is not None else None
     loss = job.loss
@@ -326,10 +333,7 @@ def _run_inprocess(compiled: Compiled, ctx: LaunchContext, tracker: StepTracker)
         {r: rp.context.fetched for r, rp in program.ranks.items()},
         range(first, first + ctx.steps),
     )
-    # Engines, transports and their closures form reference cycles that hold every register and the
-    # store; free a finished run's memory now rather than whenever the cycle collector next runs.
-    del program, results, world
-    gc.collect()
+    del program, results, world  # their cycles: freed as _run_inprocess's hold of the heap ends
     result = RunResult(
         losses, parameters, events, seconds, first_step=first, non_finite=tuple(sorted(bad)), outputs=outputs
     )

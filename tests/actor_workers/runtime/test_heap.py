@@ -1,4 +1,4 @@
-"""The heap left out of the cycle collector's walks while a run's steps go (heap.py)."""
+"""The heap left out of the cycle collector's walks while a run goes (heap.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 import sbpflow as sf
 from sbpflow.actor_workers.runtime import heap
+from sbpflow.actor_workers.runtime.engine import Engine
 from tests.examples.test_examples import load
 
 
@@ -74,14 +75,38 @@ def test_a_failing_block_still_thaws_the_heap() -> None:
     assert heap.holders() == 0 and gc.get_freeze_count() == 0
 
 
-def test_an_in_process_run_holds_the_freeze_during_its_steps_only() -> None:
+def test_a_later_holder_freezes_nothing_more_so_the_last_one_out_frees_what_the_hold_made() -> None:
+    with heap.frozen():
+        made = _Node()  # made under the hold, alive as the next holder comes
+        gone = weakref.ref(made)
+        with heap.frozen():
+            del made
+        assert gone() is not None
+    assert gone() is None  # freed by the last holder's collection, no other
+
+
+def test_an_in_process_run_holds_the_freeze_from_its_build_and_frees_its_cycles_without_a_full_walk() -> None:
+    """The launcher holds the heap around the run (its engines inside): the collection as the run ends
+    walks only what the run made (the heap before it frozen) and leaves no engine behind."""
     job = load("mlp").make_job(ranks=2, steps=3)
     during: list[tuple[int, bool]] = []
-    sf.run(
-        job,
-        backend="inprocess",
-        steps=3,
-        on_step=lambda m: during.append((heap.holders(), gc.get_freeze_count() > 0)),
-    )
-    assert during and all(h == 1 and f for h, f in during), during
+    full_walks: list[int] = []  # generation-2 collections from the first step on, with nothing frozen
+
+    def walked(phase: str, info: dict[str, int]) -> None:
+        if during and phase == "start" and info["generation"] == 2 and gc.get_freeze_count() == 0:
+            full_walks.append(1)
+
+    gc.callbacks.append(walked)
+    try:
+        sf.run(
+            job,
+            backend="inprocess",
+            steps=3,
+            on_step=lambda m: during.append((heap.holders(), gc.get_freeze_count() > 0)),
+        )
+        engines = [o for o in gc.get_objects() if type(o) is Engine]
+    finally:
+        gc.callbacks.remove(walked)
+    assert during and all(h == 2 and f for h, f in during), during  # the launcher's hold and the engines'
     assert heap.holders() == 0 and gc.get_freeze_count() == 0
+    assert not full_walks and not engines
