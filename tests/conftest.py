@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -64,3 +65,20 @@ def only_the_session_ray(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail(
             f"{request.node.nodeid} started Ray itself; take the ray_local fixture (tests/conftest.py)"
         )
+
+
+# The suite runs on two pytest-xdist workers (pyproject's addopts: ``-n 2``), each with a session Ray of its
+# own. A group runs whole on one worker, in order: each test file is one (its module fixtures are made
+# once), and tests/deploy is one, whose images, containers and network namespaces are the machine's.
+MACHINE_WIDE = "tests/deploy/"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return MACHINE_WIDE if path.startswith(MACHINE_WIDE) else path
+
+    return ByFile(config, log)

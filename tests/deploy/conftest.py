@@ -5,11 +5,15 @@ Most of an image's build is its deps stage (the base's OS packages, Ray, the CUD
 and unpacking, mostly waiting on the network and the disk. So once the session has collected a
 container test, a thread makes the base and the deps stages the collected tests need while the other
 tests run, and the fixtures wait for it; they then find those stages in podman's cache. A failure there
-is left to the fixtures, which build again and say what failed."""
+is left to the fixtures, which build again and say what failed. Under pytest-xdist every worker collects the
+container tests but one runs them (tests/deploy is one group, tests/conftest.py): one worker's thread warms the
+stages, holding a lock of the run's, and the fixtures wait on that lock wherever they run."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,20 +37,33 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     _warming[0].start()
 
 
+def _run_lock() -> Path:
+    """A lock file of this test run, the same for each of its xdist workers (the run's id, else the pid)."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+    return Path(tempfile.gettempdir()) / f"sbpflow-image-warm-up-{run}.lock"
+
+
 def _warm(dockerfiles: list[str]) -> None:
-    try:
-        if containers.unavailable() is None:
-            base = containers.base_image()
-            for dockerfile in dockerfiles:
-                containers.build_deps(dockerfile, base)
-    except Exception:  # noqa: BLE001  the fixtures build again and report it
-        pass
+    with open(_run_lock(), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # another worker of this run warms them
+        try:
+            if containers.unavailable() is None:
+                base = containers.base_image()
+                for dockerfile in dockerfiles:
+                    containers.build_deps(dockerfile, base)
+        except Exception:  # noqa: BLE001  the fixtures build again and report it
+            pass
 
 
 @pytest.fixture(scope="session")
 def podman_base() -> str:
     for warm_up in _warming:  # the base and the deps stages it makes are then in podman's cache
         warm_up.join()
+    with open(_run_lock(), "a") as lock:  # and another worker's warm-up, where it holds the lock
+        fcntl.flock(lock, fcntl.LOCK_EX)
     why = containers.unavailable()
     if why is not None:
         pytest.skip(why)
