@@ -43,6 +43,10 @@ def _run_lock() -> Path:
     return Path(tempfile.gettempdir()) / f"sbpflow-image-warm-up-{run}.lock"
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _run_lock().unlink(missing_ok=True)  # a waiter that opened it holds on; a later one makes it anew
+
+
 def _warm(dockerfiles: list[str]) -> None:
     with open(_run_lock(), "a") as lock:
         try:
