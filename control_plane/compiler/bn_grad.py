@@ -264,7 +264,7 @@ def run(state: CompileState, keep: set[str]) -> int:
             if o.op_type == BOXING:
                 state.boxings.pop(o.name, None)
             for t in o.outputs:
-                if t not in (dm2, top.outputs[0]) and t in g.tensors:
+                if t not in (dm2, top.outputs[0]):
                     del g.tensors[t]
         zeros.add(m["zeros"])  # type: ignore[arg-type]
     g.ops[:] = [n for o in g.ops for n in replaced.get(o.name, [] if o.name in gone else [o])]
