@@ -27,7 +27,7 @@ from sbpflow.ops.base import (
     Signature,
     defop,
 )
-from sbpflow.ops.kernels.rowwise import jit_loops, jit_rows
+from sbpflow.ops.kernels.rowwise import loop_into
 from sbpflow.tensor_meta import TensorMeta
 
 Grads = list[Any]
@@ -295,31 +295,11 @@ defop(
 # ---- activations and unary math ---------------------------------------------------------------------------
 
 
-_ROW_LOOPS = frozenset({"add_rows"})  # the loops that take rows and a bias
-
-
 def jit_elementwise(ctx: KernelContext, loop: str, *inputs: Any) -> Any:
     """Output 0 computed by elementwise_jit's one-pass ``loop``, into the runtime's dead previous output
-    where it fits; None where the loop does not take the inputs (rowwise.jit_rows: numpy, C-contiguous,
-    float32 or float64) and the numpy kernel runs. The inputs are of one shape, flattened for the loop,
-    or (a row loop) x and a bias of x's trailing shape, x and the output as rows of the bias's size."""
-    shape: tuple[int, ...] = getattr(inputs[0], "shape", ())
-    if (loops := jit_loops("elementwise_jit", ctx.xp, *inputs)) is None:
-        return None
-    bias = any(a.shape != shape for a in inputs)
-    if bias and (
-        loop not in _ROW_LOOPS or len(inputs) != 2 or inputs[1].shape != shape[len(shape) - inputs[1].ndim :]
-    ):
-        return None
-    out = ctx.out_array(0)
-    if out is None or jit_rows(ctx.xp, inputs[0], out) is None:
-        out = ctx.xp.empty(shape, dtype=inputs[0].dtype)
-    if bias:
-        n = inputs[1].size
-        getattr(loops, loop)(inputs[0].reshape(-1, n), inputs[1].reshape(n), out.reshape(-1, n))
-    else:
-        getattr(loops, loop)(*(a.reshape(-1) for a in inputs), out.reshape(-1))
-    return out
+    where it fits (rowwise.loop_into); None where the loop does not take the inputs and the numpy kernel
+    runs."""
+    return loop_into(ctx.xp, loop, inputs, ctx.out_array(0))
 
 
 def _relu_grad_kernel(ctx: KernelContext, dy: Any, y: Any) -> Any:
@@ -329,6 +309,18 @@ def _relu_grad_kernel(ctx: KernelContext, dy: Any, y: Any) -> Any:
 
 def _y(g: GradContext) -> Any:
     return g.outputs[0]
+
+
+def _jit_or_ufunc(loop: str, ufunc: str) -> Callable[[KernelContext, Any], Any]:
+    """A unary op's kernel: elementwise_jit's one-pass ``loop`` (jit_math's vectorised exp or log) where
+    it takes x, else the array module's ``ufunc`` (numpy's float32 exp and log run scalar on AVX2, ~3x
+    PyTorch's time; the loop is under PyTorch's)."""
+
+    def kernel(ctx: KernelContext, x: Any) -> Any:
+        y = jit_elementwise(ctx, loop, x)
+        return getattr(ctx.xp, ufunc)(x) if y is None else y
+
+    return kernel
 
 
 # name: (kernel(ctx, x), input kind, linear, grad, doc, flops per element, fp32 under mixed precision)
@@ -352,7 +344,7 @@ _UNARY: dict[str, tuple[Callable[[KernelContext, Any], Any], Kind, bool, Any, st
         False,
     ),
     "exp": (
-        lambda ctx, x: ctx.xp.exp(x),
+        _jit_or_ufunc("exp_all", "exp"),
         "floating",
         False,
         lambda g: [g.call("mul", g.dy, _y(g))],
@@ -361,7 +353,7 @@ _UNARY: dict[str, tuple[Callable[[KernelContext, Any], Any], Kind, bool, Any, st
         True,  # overflows fp16 past x = 11
     ),
     "log": (
-        lambda ctx, x: ctx.xp.log(x),
+        _jit_or_ufunc("log_all", "log"),
         "floating",
         False,
         lambda g: [g.call("div", g.dy, g.inputs[0])],

@@ -51,6 +51,7 @@ from sbpflow.ops.base import (
 )
 from sbpflow.ops.elementwise import power, scalar_of
 from sbpflow.ops.flops import work
+from sbpflow.ops.kernels.rowwise import loop_into
 from sbpflow.ops.reduction import sum_all
 from sbpflow.sbp import B, P, S, Sbp
 from sbpflow.tensor_meta import TensorMeta
@@ -62,6 +63,17 @@ Writer = Callable[[Any, Sequence[Any], Attrs, Any], Any]
 
 def _ufunc(name: str) -> Writer:
     return lambda xp, args, a, out: getattr(xp, name)(*args, out=out)
+
+
+def _loop(loop: str, name: str) -> Writer:
+    """The op's own kernel's path, so a chain keeps the unfused op's bits: elementwise_jit's ``loop``
+    where it takes the input (exp, log), else the ufunc ``name``."""
+
+    def write(xp: Any, args: Sequence[Any], a: Attrs, out: Any) -> Any:
+        y = loop_into(xp, loop, args, out)
+        return getattr(xp, name)(*args, out=out) if y is None else y
+
+    return write
 
 
 def _scalar(name: str, reverse: bool = False) -> Writer:
@@ -84,8 +96,8 @@ _WRITERS: dict[str, Writer] = {
     "mul": _ufunc("multiply"),
     "div": _ufunc("divide"),
     "neg": _ufunc("negative"),
-    "exp": _ufunc("exp"),
-    "log": _ufunc("log"),
+    "exp": _loop("exp_all", "exp"),
+    "log": _loop("log_all", "log"),
     "sqrt": _ufunc("sqrt"),
     "tanh": _ufunc("tanh"),
     "relu": _relu,

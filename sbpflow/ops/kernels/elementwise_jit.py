@@ -1,4 +1,5 @@
-"""GELU's kernels, both forms and their backward, and a bias add, as one-pass numba loops on numpy arrays.
+"""GELU's kernels, both forms and their backward, exp, log, sigmoid and a bias add, as one-pass numba
+loops on numpy arrays.
 
 numpy spends ~12 passes over the array on the tanh form's gradient, each a temporary written and read
 back; PyTorch makes one. These make one pass, with jit_math's ``vexp``, an exp that vectorises inside
@@ -49,7 +50,7 @@ from numba import njit, types
 from numba.extending import intrinsic, overload
 
 from sbpflow.ops.kernels import jit_math
-from sbpflow.ops.kernels.jit_math import EXACT, FLAGS, vexp, vfma
+from sbpflow.ops.kernels.jit_math import EXACT, FLAGS, vexp, vfma, vlog
 
 _C = math.sqrt(2.0 / math.pi)
 _A = 0.044715
@@ -168,6 +169,31 @@ def gelu_erf_grad_all(dy: Any, x: Any, out: Any) -> None:  # pragma: no cover - 
         v = x[i]
         cdf, g = normal_cdf(v)
         out[i] = dy[i] * (cdf + v * g * k)
+
+
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=FLAGS)
+def exp_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out = e ** x: elementwise.py's exp (jit_math's vexp; numpy's float32 exp is scalar on AVX2)."""
+    for i in range(x.size):
+        out[i] = vexp(x[i])
+
+
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=FLAGS)
+def log_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out = ln x: elementwise.py's log (jit_math's vlog)."""
+    for i in range(x.size):
+        out[i] = vlog(x[i])
+
+
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=FLAGS)
+def sigmoid_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out = 1 / (1 + e) where x >= 0, e / (1 + e) where not, e = exp(-|x|): activation.py's sigmoid, its
+    form that overflows for no x, in one pass."""
+    one = x.dtype.type(1)
+    for i in range(x.size):
+        v = x[i]
+        e = vexp(-abs(v))
+        out[i] = (one if v >= 0 else e) / (one + e)
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=FLAGS)

@@ -20,11 +20,10 @@ communication stream, in-process ranks) run while one computes.
 Each takes C-contiguous arrays of one float dtype (2-d ``[rows, n]`` unless it says otherwise; ids and
 labels are int32/int64) and writes its outputs in place. ``take_rows`` is embedding's gather of rows
 (shape.py) and ``add_rows_at`` embedding_grad's scatter-add of them, ~10x numpy's sort and reduceat;
-``sigmoid_all`` is activation.py's sigmoid, elementwise on flat arrays (the GELU loops are
-elementwise_jit.py's); ``sum_rows``, ``sum_all`` and ``max_rows`` are reduction.py's sum_to of a
-bias gradient, its sum of a whole array and its max along the last axis; ``concat_rows`` is shape.py's
-concat; ``vocab_loss_rows`` and ``vocab_loss_grad_rows`` are vocab.py's loss from its per-row
-statistics.
+``sum_rows``, ``sum_all`` and ``max_rows`` are reduction.py's sum_to of a bias gradient, its sum of a
+whole array and its max along the last axis; ``concat_rows`` is shape.py's concat; ``vocab_loss_rows``
+and ``vocab_loss_grad_rows`` are vocab.py's loss from its per-row statistics. The elementwise loops on
+flat arrays (sigmoid, exp, log, GELU) are elementwise_jit.py's.
 """
 
 from __future__ import annotations
@@ -281,17 +280,6 @@ def take_rows(weight: Any, ids: Any, start: int, out: Any) -> None:  # pragma: n
         else:
             for j in range(n):
                 out[r, j] = 0
-
-
-@njit(cache=True, error_model="numpy", fastmath=_FLAGS)
-def sigmoid_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
-    """out = 1 / (1 + e) where x >= 0, e / (1 + e) where not, e = exp(-|x|), on flat arrays (activation.py's
-    sigmoid: its form that overflows for no x, in one pass)."""
-    one = x.dtype.type(1)
-    for i in range(x.size):
-        v = x[i]
-        e = vexp(-abs(v))
-        out[i] = (one if v >= 0 else e) / (one + e)
 
 
 @njit(cache=True, error_model="numpy", fastmath=_FLAGS, nogil=True)

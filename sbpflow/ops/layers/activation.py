@@ -17,7 +17,6 @@ from sbpflow.ops import rows
 from sbpflow.ops.base import Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop
 from sbpflow.ops.elementwise import check_kind, cube, grad_infer, jit_elementwise, owned, same_dtype
 from sbpflow.ops.kernels.erf import erf
-from sbpflow.ops.kernels.rowwise import jit_rows
 from sbpflow.sbp import P, Split
 from sbpflow.tensor_meta import TensorMeta
 
@@ -39,15 +38,16 @@ def _float_unary(op: str) -> Any:
 def sigmoid(xp: Any, x: Any) -> Any:
     """1 / (1 + exp(-x)) without overflow: with e = exp(-|x|) in (0, 1], 1 / (1 + e) where x >= 0 and
     e / (1 + e) where x < 0 (exp(-x) of a large negative x would overflow to inf)."""
-    if getattr(x, "ndim", 0) and (jit := jit_rows(xp, x)) is not None:  # one pass (rows_jit.py)
-        out = xp.empty(x.shape, dtype=x.dtype)
-        jit.sigmoid_all(x.reshape(-1), out.reshape(-1))
-        return out
     e = xp.abs(x)
     e = xp.exp(xp.negative(e, out=e), out=e)
     den = xp.add(e, x.dtype.type(1), out=owned(xp, x))
     num = xp.where(x >= 0, x.dtype.type(1), e)
     return xp.divide(num, den, out=den)
+
+
+def _sigmoid_kernel(ctx: KernelContext, x: Any) -> Any:
+    y = jit_elementwise(ctx, "sigmoid_all", x)  # one pass (elementwise_jit.py), into a lent buffer
+    return sigmoid(ctx.xp, x) if y is None else y
 
 
 def _sigmoid_grad(g: GradContext) -> list[Any]:
@@ -60,7 +60,7 @@ defop(
     inputs=("x",),
     infer=_float_unary("sigmoid"),
     rows=lambda m, a: rows.elementwise(m),
-    kernel=lambda ctx, x: sigmoid(ctx.xp, x),
+    kernel=_sigmoid_kernel,
     grad=_sigmoid_grad,
     doc="1 / (1 + exp(-x)), in a form that overflows for no x",
     flops=4,  # transcendental: fvcore counts a handful

@@ -25,13 +25,19 @@ from sbpflow.ops.layers import vocab
 from sbpflow.tensor_meta import TensorMeta
 
 numba = pytest.importorskip("numba")
-from sbpflow.ops.kernels.jit_math import FLAGS, vexp  # noqa: E402  (needs numba)
+from sbpflow.ops.kernels.jit_math import FLAGS, vexp, vlog  # noqa: E402  (needs numba)
 
 
 @numba.njit(fastmath=FLAGS)  # as the kernels that call it are compiled
 def _vexp_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
     for i in range(x.size):
         out[i] = vexp(x[i])
+
+
+@numba.njit(fastmath=FLAGS)
+def _vlog_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
+    for i in range(x.size):
+        out[i] = vlog(x[i])
 
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -178,6 +184,35 @@ def test_vexp_is_within_a_few_ulp_of_exp(dtype: Any, lo: float, hi: float, rtol:
     _vexp_all(special, out)
     np.testing.assert_array_equal(out[:6], np.array([0.0, np.inf, np.nan, 1.0, 0.0, np.inf], dtype))
     assert 0 <= out[6] <= np.finfo(dtype).tiny  # below the normal range: 0 (numpy: a denormal)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_vlog_is_within_one_ulp_of_log(dtype: Any) -> None:
+    """Against numpy's log in long double over the whole positive range, subnormals included, around 1
+    (where ln x is small and the reduction's rounding would show) and at the reduction's cut at
+    sqrt(2)/2; in ulp of the result in the dtype. 0 and -0 give -inf, x < 0 nan, inf inf, nan nan."""
+    info, rng = np.finfo(dtype), np.random.default_rng(5)
+    x = np.concatenate(
+        [
+            np.geomspace(float(info.smallest_subnormal), float(info.max) / 2, 400_001),
+            rng.uniform(0.5, 2.0, 100_000),
+            1.0 + rng.uniform(-1e-3, 1e-3, 10_000),
+            np.sqrt(0.5) + rng.uniform(-1e-6, 1e-6, 10_000),
+        ]
+    ).astype(dtype)
+    x = x[x > 0]
+    got = np.empty_like(x)
+    _vlog_all(x, got)
+    want = np.log(x.astype(np.longdouble))
+    ulp = np.spacing(np.abs(want).astype(dtype)).astype(np.longdouble)
+    err = np.abs(got.astype(np.longdouble) - want) / ulp
+    assert err.max() <= 1.0, f"vlog({x[np.argmax(err)]!r}): {float(err.max()):.2f} ulp"
+    special = np.array([0.0, -0.0, -1.0, -np.inf, np.inf, np.nan, 1.0], dtype)
+    out = np.empty_like(special)
+    _vlog_all(special, out)
+    np.testing.assert_array_equal(
+        out, np.array([-np.inf, -np.inf, np.nan, np.nan, np.inf, np.nan, 0.0], dtype)
+    )
 
 
 def test_cross_entropy_of_a_row_with_nan_is_nan() -> None:
