@@ -302,6 +302,12 @@ def jit_elementwise(ctx: KernelContext, loop: str, *inputs: Any) -> Any:
     return loop_into(ctx.xp, loop, inputs, ctx.out_array(0))
 
 
+def _relu_kernel(ctx: KernelContext, x: Any) -> Any:
+    # numpy's float32 maximum ran ~0.7 ns an element here, 4x PyTorch's relu; the loop is a copy's speed
+    y = jit_elementwise(ctx, "relu_all", x)
+    return ctx.xp.maximum(x, zero_of(x.dtype), out=ctx.out_array(0)) if y is None else y
+
+
 def _relu_grad_kernel(ctx: KernelContext, dy: Any, y: Any) -> Any:
     out = ctx.out_array(0)  # the memory plan's dead buffer, or a new array
     return ctx.xp.multiply(dy, y > 0, out=owned(ctx.xp, dy) if out is None else out)  # bool to dy's dtype
@@ -326,7 +332,7 @@ def _jit_or_ufunc(loop: str, ufunc: str) -> Callable[[KernelContext, Any], Any]:
 # name: (kernel(ctx, x), input kind, linear, grad, doc, flops per element, fp32 under mixed precision)
 _UNARY: dict[str, tuple[Callable[[KernelContext, Any], Any], Kind, bool, Any, str, int, bool]] = {
     "relu": (
-        lambda ctx, x: ctx.xp.maximum(x, zero_of(x.dtype), out=ctx.out_array(0)),
+        _relu_kernel,
         "numeric",
         False,
         lambda g: [g.call("relu_grad", g.dy, _y(g))],

@@ -65,17 +65,6 @@ def _ufunc(name: str) -> Writer:
     return lambda xp, args, a, out: getattr(xp, name)(*args, out=out)
 
 
-def _loop(loop: str, name: str) -> Writer:
-    """The op's own kernel's path, so a chain keeps the unfused op's bits: elementwise_jit's ``loop``
-    where it takes the input (exp, log), else the ufunc ``name``."""
-
-    def write(xp: Any, args: Sequence[Any], a: Attrs, out: Any) -> Any:
-        y = loop_into(xp, loop, args, out)
-        return getattr(xp, name)(*args, out=out) if y is None else y
-
-    return write
-
-
 def _scalar(name: str, reverse: bool = False) -> Writer:
     def write(xp: Any, args: Sequence[Any], a: Attrs, out: Any) -> Any:
         (x,) = args
@@ -89,6 +78,17 @@ def _relu(xp: Any, args: Sequence[Any], a: Attrs, out: Any) -> Any:
     return xp.maximum(args[0], args[0].dtype.type(0), out=out)
 
 
+def _loop(loop: str, fallback: Writer) -> Writer:
+    """The op's own kernel's path, so a chain keeps the unfused op's bits: elementwise_jit's ``loop``
+    where it takes the input (exp, log, relu), else ``fallback``."""
+
+    def write(xp: Any, args: Sequence[Any], a: Attrs, out: Any) -> Any:
+        y = loop_into(xp, loop, args, out)
+        return fallback(xp, args, a, out) if y is None else y
+
+    return write
+
+
 # Steps written in place; every other fusable op runs its own registered kernel.
 _WRITERS: dict[str, Writer] = {
     "add": _ufunc("add"),
@@ -96,11 +96,11 @@ _WRITERS: dict[str, Writer] = {
     "mul": _ufunc("multiply"),
     "div": _ufunc("divide"),
     "neg": _ufunc("negative"),
-    "exp": _loop("exp_all", "exp"),
-    "log": _loop("log_all", "log"),
+    "exp": _loop("exp_all", _ufunc("exp")),
+    "log": _loop("log_all", _ufunc("log")),
     "sqrt": _ufunc("sqrt"),
     "tanh": _ufunc("tanh"),
-    "relu": _relu,
+    "relu": _loop("relu_all", _relu),
     "add_scalar": _scalar("add"),
     "mul_scalar": _scalar("multiply"),
     "rsub_scalar": _scalar("subtract", reverse=True),

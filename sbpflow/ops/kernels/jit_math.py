@@ -1,6 +1,6 @@
 """Scalar maths that LLVM vectorises inside numba loops (rows_jit.py's softmax and cross entropy,
-elementwise_jit.py's GELU, exp, log and sigmoid): ``vexp``, ``vlog``, ``vmax``, ``vfma``, ``erf64`` and
-``normal_cdf``.
+elementwise_jit.py's GELU, exp, log, sigmoid and logistic loss): ``vexp``, ``vlog``, ``vlog1p``, ``vmax``,
+``vfma``, ``erf64`` and ``normal_cdf``.
 
 numba's ``np.exp`` on a scalar calls libm once an element, which no loop around it can vectorise (the
 wheels have no SVML), so a fused softmax row would run its exponentials one by one, slower than
@@ -264,6 +264,33 @@ def _vlog_overload(x: Any) -> Any:
     if isinstance(x, types.Float):
         return _vlog32 if x.bitwidth == 32 else _vlog64
     return None
+
+
+def vlog1p(x: Any) -> Any:
+    """ln(1 + x) for a float32 or float64 scalar, inside numba-compiled code only: ln(u) + (x - (u - 1)) / u,
+    u = 1 + x rounded, the second term the rounding of u carried over (within ~1 ulp where u is normal;
+    x itself where u rounds to 1). Its own overload under EXACT flags: inlined into a reassociating loop,
+    (1 + x) - 1 would fold to x and the correction to 0. -1 gives -inf, below it nan, inf inf, nan nan."""
+    raise NotImplementedError("vlog1p runs inside numba-compiled code; use numpy's log1p")
+
+
+def _log1p_of(f: Any) -> Any:
+    def log1p(x: Any) -> Any:  # pragma: no cover - compiled
+        one, zero = f(1), f(0)
+        u = one + x
+        y = vlog(u) + (x - (u - one)) / u
+        y = y if u > zero else vlog(u)  # -1: -inf; below: nan
+        return y if x < f(np.inf) else x  # inf and nan: themselves
+
+    return log1p
+
+
+_LOG1P = {32: _log1p_of(np.float32), 64: _log1p_of(np.float64)}
+
+
+@overload(vlog1p, jit_options={"fastmath": EXACT, "error_model": "numpy"})
+def _vlog1p_overload(x: Any) -> Any:
+    return _LOG1P[x.bitwidth] if isinstance(x, types.Float) else None
 
 
 def erf64(x: Any) -> Any:

@@ -91,7 +91,8 @@ _ROW_LOOPS = frozenset({"add_rows"})  # the loops that take rows and a bias
 
 def loop_into(xp: Any, loop: str, inputs: Sequence[Any], out: Any) -> Any:
     """elementwise_jit's one-pass ``loop`` on ``inputs``, written into ``out`` where it fits (C-contiguous,
-    of the result's shape and dtype, no input's memory) or a new array; None where the loop does not take the inputs (rowwise.jit_rows:
+    of the result's shape and dtype, no input's memory but the input itself of a loop that runs in place)
+    or a new array; None where the loop does not take the inputs (rowwise.jit_rows:
     numpy, C-contiguous, float32 or float64). The inputs are of one shape, flattened for the loop, or (a
     row loop) x and a bias of x's trailing shape, x and the output as rows of the bias's size."""
     shape: tuple[int, ...] = getattr(inputs[0], "shape", ())
@@ -106,9 +107,10 @@ def loop_into(xp: Any, loop: str, inputs: Sequence[Any], out: Any) -> Any:
         out is None
         or out.shape != shape
         or jit_rows(xp, inputs[0], out) is None
-        # written over an input, the loop would run scalar: LLVM's overlap check picks its unvectorised
-        # copy (exp on 262,144 float32 numbers 141 -> 1,312 us)
+        # over an input only where out is that very input of a loop that runs in place (elementwise_jit's
+        # IN_PLACE); given another overlap, LLVM's run-time check runs the loop unvectorised
         or any(xp.may_share_memory(out, a) for a in inputs)
+        and not (loop in loops.IN_PLACE and out is inputs[0] and len(inputs) == 1)
     ):
         out = xp.empty(shape, dtype=inputs[0].dtype)
     if bias:

@@ -17,6 +17,7 @@ from sbpflow.ops import rows
 from sbpflow.ops.base import Attrs, GradContext, KernelContext, Metas, NoGrad, Signature, defop
 from sbpflow.ops.elementwise import check_kind, cube, grad_infer, jit_elementwise, owned, same_dtype
 from sbpflow.ops.kernels.erf import erf
+from sbpflow.ops.kernels.rowwise import jit_loops
 from sbpflow.sbp import P, Split
 from sbpflow.tensor_meta import TensorMeta
 
@@ -228,19 +229,26 @@ def _bce_rows(metas: Metas, attrs: Attrs) -> list[Signature]:
 
 
 def _bce_kernel(ctx: KernelContext, x: Any, t: Any) -> Any:
-    """max(x, 0) - x t + log(1 + exp(-|x|)): log(sigmoid) without exp overflowing or log(0)."""
-    xp = ctx.xp
+    """max(x, 0) - x t + log(1 + exp(-|x|)): log(sigmoid) without exp overflowing or log(0); one pass on
+    numpy (elementwise_jit's loops), ~8 numpy passes otherwise."""
+    xp, reduction = ctx.xp, ctx.attrs["reduction"]
+    if reduction == "none":
+        if (y := jit_elementwise(ctx, "bce_logits_all", x, t)) is not None:
+            return y
+    elif (jit := jit_loops("elementwise_jit", xp, x, t)) is not None and x.shape == t.shape:
+        total = jit.bce_logits_sum(x.reshape(-1), t.reshape(-1))
+        return _reduced(ctx, xp, total, x.dtype)
     loss = xp.abs(x)
     loss = xp.log1p(xp.exp(xp.negative(loss, out=loss), out=loss), out=loss)
-    loss = xp.add(loss, xp.maximum(x, x.dtype.type(0)), out=loss)
-    loss = xp.subtract(loss, xp.multiply(x, t), out=loss)
-    reduction = ctx.attrs["reduction"]
-    if reduction == "none":
-        return loss
-    total = xp.sum(loss)
-    if reduction == "mean":  # the logical count: a shard's share of the mean, for the P rows
-        total = total / x.dtype.type(max(ctx.in_metas[0].numel, 1))
-    return xp.asarray(total, dtype=x.dtype)
+    one = x.dtype.type(1)  # max(x, 0) - x t as one term, x (1 - t) or -x t: no cancellation (see the loop)
+    loss = xp.add(loss, xp.where(x > 0, x * xp.subtract(one, t), -(x * t)), out=loss)
+    return loss if reduction == "none" else _reduced(ctx, xp, xp.sum(loss), x.dtype)
+
+
+def _reduced(ctx: KernelContext, xp: Any, total: Any, dtype: Any) -> Any:
+    if ctx.attrs["reduction"] == "mean":  # the logical count: a shard's share of the mean, for the P rows
+        total = total / max(ctx.in_metas[0].numel, 1)
+    return xp.asarray(total, dtype=dtype)
 
 
 def _bce_grad(g: GradContext) -> list[Any]:

@@ -43,6 +43,7 @@ LOOPS = {
     "exp": ("exp_all", True),
     "log": ("log_all", True),
     "sigmoid": ("sigmoid_all", True),
+    "relu": ("relu_all", True),
 }
 POSITIVE = frozenset({"log"})  # drawn x taken as |x|: a negative x's log is nan either way
 F32_TOL = (4e-6, 2e-7)
@@ -206,6 +207,38 @@ def test_writes_into_a_lent_output_and_refuses_what_it_does_not_take(op: str) ->
         assert jit_elementwise(ctx, loop, ins[0], ins[1][:, :1]) is None  # shapes that do not fit
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_logistic_loss_takes_one_pass_and_keeps_tiny_losses(reduction: str, dtype: Any) -> None:
+    """binary_cross_entropy_with_logits by elementwise_jit's loops against its numpy kernel (a strided
+    view of the same values) and the formula in float64; a loss of ~4e-18 (x = +-40 on the right side)
+    within a few ulp, where log(1 + e) would give 0; nan stays nan."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((6, 333)) * 6.0
+    x[0, :4] = [40.0, -40.0, 0.0, -0.0]
+    t = (rng.random(x.shape) < 0.5).astype(np.float64)
+    t[0, :4] = [1.0, 0.0, 0.5, 0.5]
+    x, t = x.astype(dtype), t.astype(dtype)
+    got = call("binary_cross_entropy_with_logits", x, t, reduction=reduction)
+    slow = call("binary_cross_entropy_with_logits", strided(x), strided(t), reduction=reduction)
+    wide, wt = x.astype(np.float64), t.astype(np.float64)
+    each = np.where(wide > 0, wide * (1 - wt), -wide * wt) + np.log1p(np.exp(-np.abs(wide)))
+    want = {"none": each, "mean": each.mean(), "sum": each.sum()}[reduction]
+    assert got.dtype == x.dtype and got.shape == np.shape(want)
+    rtol = 1e-13 if dtype == np.float64 else 2e-6
+    np.testing.assert_allclose(got, want, rtol=rtol)
+    np.testing.assert_allclose(slow, want, rtol=rtol)
+    if reduction == "none":
+        np.testing.assert_allclose(got[0, :2], [4.248354255291589e-18] * 2, rtol=4 * np.finfo(dtype).eps)
+    # x = -inf, t = 1: the limit inf; x = inf, t = 1: inf * 0, nan, as numpy's and PyTorch's formulas
+    special = np.array([np.nan, 1.0, np.inf, -np.inf], dtype)
+    t = np.array([0, np.nan, 1, 1], dtype)
+    np.testing.assert_array_equal(
+        call("binary_cross_entropy_with_logits", special, t, reduction="none"),
+        [np.nan, np.nan, np.nan, np.inf],
+    )
+
+
 # x / 2, then exp and log, each written into the step before it, which dies there
 _EXP_LOG = encode([("mul_scalar", {"value": 0.5}, ["in0"]), ("exp", {}, ["s0"]), ("log", {}, ["s1"])])
 
@@ -213,17 +246,24 @@ _EXP_LOG = encode([("mul_scalar", {"value": 0.5}, ["in0"]), ("exp", {}, ["s0"]),
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_a_fused_chain_keeps_the_unfused_ops_bits(dtype: Any) -> None:
     """exp and log in a fused chain take the ops' own loops, not numpy's ufuncs (whose last bits differ),
-    so fusion changes no result; a step written over its dying input gets a new array, not the loop's
-    overlap fallback (scalar, ~10x slower)."""
+    so fusion changes no result. A unary loop writes in place over its dying input (its one-array loop,
+    which vectorises); any other overlap with an input gets a new array, not the loop's overlap fallback
+    (scalar, ~10x slower)."""
     x = np.random.default_rng(6).standard_normal((8, 129)).astype(dtype)
     got = call("fused_elementwise", x, chain=_EXP_LOG)
     want = call("log", call("exp", call("mul_scalar", x, value=0.5)))
     assert np.array_equal(got, want), "the chain did not run the ops' loops"
-    y = np.ascontiguousarray(x)
-    out = loop_into(np, "exp_all", (y,), y)
-    assert out is not y and np.array_equal(out, call("exp", x))
+    y = x.copy()
+    assert loop_into(np, "exp_all", (y,), y) is y and np.array_equal(y, call("exp", x))
     lent = np.empty_like(x)
-    assert loop_into(np, "exp_all", (y,), lent) is lent
+    assert loop_into(np, "exp_all", (x,), lent) is lent
+    wide = np.concatenate([x.reshape(-1), x.reshape(-1)])
+    shifted = wide[1 : x.size + 1].reshape(x.shape)  # overlaps x's copy in wide, not it
+    out = loop_into(np, "exp_all", (wide[: x.size].reshape(x.shape),), shifted)
+    assert out is not shifted and np.array_equal(out, call("exp", x))
+    dy = np.ones_like(x)
+    out = loop_into(np, "gelu_tanh_grad_all", (dy, x), dy)  # two inputs: never in place
+    assert out is not dy and np.array_equal(out, call("gelu_grad", np.ones_like(x), x))
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

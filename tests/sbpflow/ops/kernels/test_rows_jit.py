@@ -25,7 +25,7 @@ from sbpflow.ops.layers import vocab
 from sbpflow.tensor_meta import TensorMeta
 
 numba = pytest.importorskip("numba")
-from sbpflow.ops.kernels.jit_math import FLAGS, vexp, vlog  # noqa: E402  (needs numba)
+from sbpflow.ops.kernels.jit_math import FLAGS, vexp, vlog, vlog1p  # noqa: E402  (needs numba)
 
 
 @numba.njit(fastmath=FLAGS)  # as the kernels that call it are compiled
@@ -38,6 +38,12 @@ def _vexp_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
 def _vlog_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
     for i in range(x.size):
         out[i] = vlog(x[i])
+
+
+@numba.njit(fastmath=FLAGS)  # reassociating, as the loss's loops: the correction term must survive it
+def _vlog1p_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
+    for i in range(x.size):
+        out[i] = vlog1p(x[i])
 
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -186,6 +192,17 @@ def test_vexp_is_within_a_few_ulp_of_exp(dtype: Any, lo: float, hi: float, rtol:
     assert 0 <= out[6] <= np.finfo(dtype).tiny  # below the normal range: 0 (numpy: a denormal)
 
 
+def _worst_ulp(loop: Any, x: Any, exact: Any) -> tuple[float, Any]:
+    """The loop's largest error on x, in ulp of the result in x's dtype against ``exact`` in long double,
+    and the x where it is."""
+    got = np.empty_like(x)
+    loop(x, got)
+    want = exact(x.astype(np.longdouble))
+    ulp = np.spacing(np.abs(want).astype(x.dtype)).astype(np.longdouble)
+    err = np.abs(got.astype(np.longdouble) - want) / ulp
+    return float(err.max()), x[np.argmax(err)]
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_vlog_is_within_one_ulp_of_log(dtype: Any) -> None:
     """Against numpy's log in long double over the whole positive range, subnormals included, around 1
@@ -201,18 +218,35 @@ def test_vlog_is_within_one_ulp_of_log(dtype: Any) -> None:
         ]
     ).astype(dtype)
     x = x[x > 0]
-    got = np.empty_like(x)
-    _vlog_all(x, got)
-    want = np.log(x.astype(np.longdouble))
-    ulp = np.spacing(np.abs(want).astype(dtype)).astype(np.longdouble)
-    err = np.abs(got.astype(np.longdouble) - want) / ulp
-    assert err.max() <= 1.0, f"vlog({x[np.argmax(err)]!r}): {float(err.max()):.2f} ulp"
+    err, worst = _worst_ulp(_vlog_all, x, np.log)
+    assert err <= 1.0, f"vlog({worst!r}): {err:.2f} ulp"
     special = np.array([0.0, -0.0, -1.0, -np.inf, np.inf, np.nan, 1.0], dtype)
     out = np.empty_like(special)
     _vlog_all(special, out)
     np.testing.assert_array_equal(
         out, np.array([-np.inf, -np.inf, np.nan, np.nan, np.inf, np.nan, 0.0], dtype)
     )
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_vlog1p_is_within_two_ulp_of_log1p(dtype: Any) -> None:
+    """Against long double over (-1, max), the tiny x where 1 + x rounds to 1 (log1p is x there) and
+    (0, 1], the logistic loss's exp(-|x|); -1 gives -inf, below it nan, inf inf, nan nan."""
+    info, rng = np.finfo(dtype), np.random.default_rng(8)
+    x = np.concatenate(
+        [
+            np.geomspace(float(info.tiny), float(info.max) / 2, 200_001),
+            -np.geomspace(float(info.tiny), 1.0 - float(info.eps), 100_001),
+            rng.uniform(0.0, 1.0, 100_000),
+            np.geomspace(float(info.eps) ** 2, float(info.eps) * 64, 10_001),
+        ]
+    ).astype(dtype)
+    err, worst = _worst_ulp(_vlog1p_all, x, np.log1p)
+    assert err <= 2.0, f"vlog1p({worst!r}): {err:.2f} ulp"
+    special = np.array([-1.0, -2.0, -np.inf, np.inf, np.nan, 0.0], dtype)
+    out = np.empty_like(special)
+    _vlog1p_all(special, out)
+    np.testing.assert_array_equal(out, np.array([-np.inf, np.nan, np.nan, np.inf, np.nan, 0.0], dtype))
 
 
 def test_cross_entropy_of_a_row_with_nan_is_nan() -> None:
