@@ -17,6 +17,7 @@ writes.
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,10 +261,14 @@ def test_the_compiler_imports_only_the_core() -> None:
 # ---- the walker itself ---------------------------------------------------------------------------------
 
 
-def test_the_contract_sees_every_kind_of_import(tmp_path: Path) -> None:
+def test_the_contract_sees_every_kind_of_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The walker finds module-level, deferred, TYPE_CHECKING and importlib imports, and a control-plane
-    part importing one above it."""
-    probe = ROOT / "sbpflow" / "_layers_probe_for_test.py"
+    part importing one above it. The probes are a tree of their own: written into the checkout, they were
+    seen (and then missed, mid-read) by the tests that walk it on the other xdist worker."""
+    probe = tmp_path / "sbpflow" / "_layers_probe_for_test.py"
+    up = tmp_path / "control_plane" / "compiler" / "_layers_probe_for_test.py"
+    for p in (probe, up):
+        p.parent.mkdir(parents=True)
     probe.write_text(
         "from typing import TYPE_CHECKING\n"
         "import importlib\n"
@@ -272,13 +277,9 @@ def test_the_contract_sees_every_kind_of_import(tmp_path: Path) -> None:
         "def f():\n    import sbpflow.actor_workers.worker\n"
         "    importlib.import_module('sbpflow.control_plane.launch.launcher')\n"
     )
-    up = ROOT / "control_plane" / "compiler" / "_layers_probe_for_test.py"
     up.write_text("def f():\n    from sbpflow.control_plane.profiling import pricing\n")
-    try:
-        found = [u for u in upward() if "_layers_probe_for_test" in u]
-    finally:
-        probe.unlink()
-        up.unlink()
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    found = [u for u in upward() if "_layers_probe_for_test" in u]
     assert len(found) == 5, found
     assert sum("(deferred)" in f for f in found) == 4
     assert any("control_plane/compiler imports sbpflow.control_plane.profiling.pricing" in f for f in found)
