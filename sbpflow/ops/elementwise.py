@@ -299,16 +299,19 @@ def jit_elementwise(ctx: KernelContext, loop: str, *inputs: Any) -> Any:
     """Output 0 computed by elementwise_jit's one-pass ``loop``, into the runtime's dead previous output
     where it fits (rowwise.loop_into); None where the loop does not take the inputs and the numpy kernel
     runs."""
-    return loop_into(ctx.xp, loop, inputs, ctx.out_array(0))
+    return loop_into(ctx.xp, loop, inputs, ctx.out_array(0), lent=True)
 
 
 def _relu_kernel(ctx: KernelContext, x: Any) -> Any:
-    # numpy's float32 maximum ran ~0.7 ns an element here, 4x PyTorch's relu; the loop is a copy's speed
     y = jit_elementwise(ctx, "relu_all", x)
     return ctx.xp.maximum(x, zero_of(x.dtype), out=ctx.out_array(0)) if y is None else y
 
 
 def _relu_grad_kernel(ctx: KernelContext, dy: Any, y: Any) -> Any:
+    # one pass, no boolean temporary, where that pays for the loop's calling: [32, 16, 16, 16] float32 31 us
+    # against numpy's 59, [32, 64, 4, 4] 10 against 16; [32, 32] 5.9 against 3.0
+    if getattr(dy, "size", 0) >= 4096 and (g := jit_elementwise(ctx, "relu_grad_all", dy, y)) is not None:
+        return g
     out = ctx.out_array(0)  # the memory plan's dead buffer, or a new array
     return ctx.xp.multiply(dy, y > 0, out=owned(ctx.xp, dy) if out is None else out)  # bool to dy's dtype
 

@@ -233,6 +233,15 @@ def relu_all(x: Any, out: Any) -> None:  # pragma: no cover - compiled
             out[i] = _maximum(x[i], zero)  # type: ignore[call-arg]
 
 
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=FLAGS)
+def relu_grad_all(dy: Any, y: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out = dy (y > 0): elementwise.py's relu_grad, numpy's dy * (y > 0) to the bit (a product by 1 or 0,
+    so -0 and nan where numpy has them), one pass and no boolean temporary."""
+    one, zero = dy.dtype.type(1), dy.dtype.type(0)
+    for i in range(dy.size):
+        out[i] = dy[i] * (one if y[i] > zero else zero)
+
+
 @njit(inline="always", error_model="numpy", fastmath=FLAGS)
 def _bce(x: Any, t: Any, one: Any, zero: Any) -> Any:  # pragma: no cover - compiled
     """max(x, 0) - x t + log1p(exp(-|x|)), jit_math's vlog1p; max(x, 0) - x t as one term, x (1 - t) or

@@ -44,6 +44,7 @@ LOOPS = {
     "log": ("log_all", True),
     "sigmoid": ("sigmoid_all", True),
     "relu": ("relu_all", True),
+    "relu_grad": ("relu_grad_all", False),
 }
 POSITIVE = frozenset({"log"})  # drawn x taken as |x|: a negative x's log is nan either way
 F32_TOL = (4e-6, 2e-7)
