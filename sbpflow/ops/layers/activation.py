@@ -235,20 +235,19 @@ def _bce_kernel(ctx: KernelContext, x: Any, t: Any) -> Any:
     if reduction == "none":
         if (y := jit_elementwise(ctx, "bce_logits_all", x, t)) is not None:
             return y
-    elif (jit := jit_loops("elementwise_jit", xp, x, t)) is not None and x.shape == t.shape:
-        total = jit.bce_logits_sum(x.reshape(-1), t.reshape(-1))
-        return _reduced(ctx, xp, total, x.dtype)
+    elif (jit := jit_loops("elementwise_jit", xp, x, t)) is not None:  # one shape: _bce_infer's and the rows'
+        return _reduced(ctx, jit.bce_logits_sum(x.reshape(-1), t.reshape(-1)), x.dtype)
     loss = xp.abs(x)
     loss = xp.log1p(xp.exp(xp.negative(loss, out=loss), out=loss), out=loss)
     one = x.dtype.type(1)  # max(x, 0) - x t as one term, x (1 - t) or -x t: no cancellation (see the loop)
     loss = xp.add(loss, xp.where(x > 0, x * xp.subtract(one, t), -(x * t)), out=loss)
-    return loss if reduction == "none" else _reduced(ctx, xp, xp.sum(loss), x.dtype)
+    return loss if reduction == "none" else _reduced(ctx, xp.sum(loss), x.dtype)
 
 
-def _reduced(ctx: KernelContext, xp: Any, total: Any, dtype: Any) -> Any:
+def _reduced(ctx: KernelContext, total: Any, dtype: Any) -> Any:
     if ctx.attrs["reduction"] == "mean":  # the logical count: a shard's share of the mean, for the P rows
         total = total / max(ctx.in_metas[0].numel, 1)
-    return xp.asarray(total, dtype=dtype)
+    return ctx.xp.asarray(total, dtype=dtype)
 
 
 def _bce_grad(g: GradContext) -> list[Any]:
