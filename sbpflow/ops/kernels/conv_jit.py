@@ -23,7 +23,8 @@ load 2.7, [32, 128, 2, 2] by [128, 128, 3, 3]: conv2d 810 -> 330 us, grad_input 
 880 -> 400 (PyTorch 390-570, 380-620, 790-1040). It applies while the matrix is at most
 DENSE_MAX_SHARE times the weight (a 4x4 image under 3x3: 16 x 16 blocks, too many multiplies).
 Two paths take some convolutions before the rows, each reading x channels first as it lies:
-``conv_taps`` (conv2d at stride 1 of 7 channels or fewer, 32 wide or more: a stem) and
+``conv_taps`` (conv2d at stride 1 of 7 channels or fewer, 32 wide or more: a stem; its weight gradient
+at any width) and
 ``conv_winograd`` (3x3 at stride 1 of 8 channels or more, 16 wide or more, the weight gradient too;
 the input gradient at stride 1 through conv.py's flipped-weight conv2d).
 
@@ -317,6 +318,9 @@ def conv_grad_weight(
         wr = np.empty((o, kernel[0] * kernel[1], c), x.dtype)
         dense_fold(_last(dy).T @ _last(x), taps, wr)
         return into(out, wr.reshape(o, *kernel, c).transpose(0, 3, 1, 2))
+    if conv_taps.applies_grad_weight(c, stride):
+        if (dw := conv_taps.grad_weight(dy, x, kernel, padding, dilation, out)) is not None:
+            return dw  # None: x holds an inf or a nan, which the grid's zero columns would meet
     if conv_winograd.applies(c, kernel, stride, dilation, ow):
         return conv_winograd.grad_weight(dy, x, padding, out)
     padded, k = _padded(x, padding), kernel[0] * kernel[1] * c
