@@ -25,7 +25,7 @@ DENSE_MAX_SHARE times the weight (a 4x4 image under 3x3: 16 x 16 blocks, too man
 Two paths take some convolutions before the rows, each reading x channels first as it lies:
 ``conv_taps`` (conv2d at stride 1 of 7 channels or fewer, 32 wide or more: a stem; its weight gradient
 at any width) and
-``conv_winograd`` (3x3 at stride 1 of 8 channels or more, 16 wide or more, the weight gradient too;
+``conv_winograd`` (3x3 at stride 1 of 8 channels or more, 8 wide or more, the weight gradient too;
 the input gradient at stride 1 through conv.py's flipped-weight conv2d).
 
 They are the fast path only: conv.py's numpy kernels stay the reference and the path for cupy, for

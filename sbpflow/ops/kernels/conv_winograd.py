@@ -14,9 +14,12 @@ where each term of a tile's transform is the same plane offset plus ``j``. The e
 computed and dropped. The weight gradient is the adjoint: ``dU[k] = dM[k] @ V[k]'`` summed over tiles,
 ``dM = A dy A'`` of each 2x2 tile of dy (zero past dy's edge), then ``dw = G' dU G``.
 
-Which convolutions take it (``applies``): 3x3, stride and dilation 1, 8 channels in or more, outputs 16
+Which convolutions take it (``applies``): 3x3, stride and dilation 1, 8 channels in or more, outputs 8
 wide or more; where C is smaller (a stem's 3) or the image narrower, the window rows' one GEMM is sooner
-(32 channels 8 wide: 656-914 against 710-999 us, 64 channels 4 wide 780 against 1209).
+(64 channels 4 wide: 620 against 497 us; 6 wide is level). At 8 wide, since the transforms above,
+batch 32, --clock cpu: conv2d 0.72-0.83x the window rows' time from 16 to 128 channels (32 channels:
+432-461 against 555 us, ResNet-18's second stage), the weight gradient 0.87-1.03x (it was 16 wide or
+more: 656-914 against 710-999 us with the generic transforms).
 ``tests/sbpflow/ops/kernels/test_conv_winograd.py`` checks it against conv.py's numpy kernels, torch
 and, in float32, the float64 result.
 
@@ -45,7 +48,7 @@ from sbpflow.ops.kernels.jit_streams import load, store
 Pair = tuple[int, int]
 # tiles of this many bytes of V at a time (whole samples): 1 sample of a [16, 32, 32] ResNet block
 BLOCK_BYTES = 1 << 19
-MIN_CHANNELS, MIN_WIDTH = 8, 16
+MIN_CHANNELS, MIN_WIDTH = 8, 8
 
 G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
 BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]])

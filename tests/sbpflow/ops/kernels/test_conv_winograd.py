@@ -20,8 +20,10 @@ pytest.importorskip("numba")
 from sbpflow.ops.kernels import conv_jit, conv_winograd  # noqa: E402  (needs numba)
 
 TOL = {np.float64: (1e-11, 1e-12), np.float32: (2e-4, 2e-6)}  # rtol, atol as a share of the largest |value|
-# (n, c, h, w, o, padding): outputs 16 wide or more and 8 channels or more, so that the path applies
+# (n, c, h, w, o, padding): outputs 8 wide or more and 8 channels or more, so that the path applies
 CASES = [
+    (2, 32, 8, 8, 32, 1),  # ResNet-18's second stage: 4 x 4 tiles
+    (2, 8, 9, 10, 3, 0),  # the narrowest: 8 wide from 10 without padding
     (3, 8, 17, 16, 8, 1),  # odd output height: the last row of tiles half outside
     (2, 9, 18, 33, 5, 0),  # odd output width, no padding, fewer output channels
     (2, 8, 16, 20, 9, 2),  # padding 2, not square
@@ -98,11 +100,11 @@ def test_against_torch(case: tuple[int, ...], dtype: Any) -> None:
 def test_applies_to_wide_3x3_stride_1_convolutions_only() -> None:
     ok = {"c": 16, "kernel": (3, 3), "stride": (1, 1), "dilation": (1, 1), "out_w": 32}
     assert conv_winograd.applies(**ok)
-    assert conv_winograd.applies(**{**ok, "c": 8}) and conv_winograd.applies(**{**ok, "out_w": 16})
+    assert conv_winograd.applies(**{**ok, "c": 8}) and conv_winograd.applies(**{**ok, "out_w": 8})
     for change in [
         {"c": 3},  # a stem: too few channels for the transforms to pay
         {"c": 7},
-        {"out_w": 8},  # narrow: the window rows' GEMM is sooner
+        {"out_w": 7},  # narrow: the window rows' GEMM is sooner
         {"kernel": (3, 1)},
         {"kernel": (5, 5)},
         {"stride": (2, 2)},
