@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from itertools import accumulate
 from math import prod
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -379,27 +379,32 @@ def check_ids(ids: Any, vocab: int, op: str) -> None:
     if isinstance(ids, np.ndarray) and ids.size:
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= vocab:
-            bad = high if high >= vocab else low
-            raise ShapeError(
-                f"op {op!r}: id {bad} is outside the vocabulary [0, {vocab}): the data holds a token the "
-                f"model has no row for; give ids below {vocab} (a tokenizer of that vocabulary, or a larger "
-                "vocab_size)"
-            )
+            _outside(high if high >= vocab else low, vocab, op)
+
+
+def _outside(bad: int, vocab: int, op: str) -> NoReturn:
+    raise ShapeError(
+        f"op {op!r}: id {bad} is outside the vocabulary [0, {vocab}): the data holds a token the model has "
+        f"no row for; give ids below {vocab} (a tokenizer of that vocabulary, or a larger vocab_size)"
+    )
 
 
 def _embedding_kernel(ctx: KernelContext, weight: Any, ids: Any) -> Any:
     # under a vocabulary split (S(0) -> P) each rank looks up its own rows and writes zeros for the rest
-    xp = ctx.xp
-    check_ids(ids, ctx.in_metas[0].shape[0], "embedding")
+    xp, vocab = ctx.xp, ctx.in_metas[0].shape[0]
     if _int_rows(ids) and (jit := jit_rows(xp, weight)) is not None and weight.ndim == 2:
         shape = (*ids.shape, weight.shape[1])
         out = ctx.out_array(0)  # the runtime's dead previous output, where it lends one
         if out is None or out.shape != shape:
             out = xp.empty(shape, dtype=weight.dtype)
-        jit.take_rows(
-            weight, ids.reshape(-1), ctx.in_index[0][0].start, out.reshape(ids.size, weight.shape[1])
+        flat = ids.reshape(-1)  # the loop checks the ids against the vocabulary as it reads them
+        at = jit.take_rows(
+            weight, flat, ctx.in_index[0][0].start, vocab, out.reshape(ids.size, weight.shape[1])
         )
+        if at >= 0:
+            _outside(int(flat[at]), vocab, "embedding")
         return out
+    check_ids(ids, vocab, "embedding")
     local, hit = in_range(xp, ids, ctx.in_index[0][0])
     if xp is np and hit.all():  # every id on this rank (always, unsplit): no zeros to write
         return np.take(weight, local, axis=0)

@@ -458,7 +458,8 @@ def test_vocab_terms_and_their_gradient_match_numpys(dtype: Any, label_dtype: An
 @pytest.mark.parametrize("rows_here", [slice(0, 9), slice(3, 7)])
 def test_embedding_gather_matches_numpys(dtype: Any, ids_shape: tuple[int, ...], rows_here: slice) -> None:
     """rows_jit.take_rows against the numpy kernel (the ids strided): on a shard of the vocabulary
-    (rows 3..6 of 9, as under S(0)) the ids off it look up zeros; an id outside 0..V-1 is refused."""
+    (rows 3..6 of 9, as under S(0)) the ids off it look up zeros; an id outside 0..V-1 is refused, by the
+    loop as it reads the ids and by the numpy kernel's check."""
     rng = np.random.default_rng(13)
     weight = rng.standard_normal((rows_here.stop - rows_here.start, 4)).astype(dtype)
     ids = rng.integers(0, 9, size=ids_shape).astype(np.int64)
@@ -468,11 +469,13 @@ def test_embedding_gather_matches_numpys(dtype: Any, ids_shape: tuple[int, ...],
     (got,) = op.run_kernel(ctx, [weight, ids])
     (want,) = op.run_kernel(ctx, [weight, strided(ids)])
     np.testing.assert_array_equal(got, want)  # a gather: exact
-    if ids.size:
-        for bad in (-1, 9):
-            ids.flat[0] = bad
-            with pytest.raises(ShapeError, match=f"id {bad} is outside the vocabulary \\[0, 9\\)"):
-                op.run_kernel(ctx, [weight, ids])
+    if ids.size:  # at the first id and at the last (the loop checks as it reads), on both paths
+        for at, bad in [(0, -1), (0, 9), (-1, 9), (-1, -3)]:
+            wrong = ids.copy()
+            wrong.flat[at] = bad
+            for given in (wrong, strided(wrong)):
+                with pytest.raises(ShapeError, match=f"id {bad} is outside the vocabulary \\[0, 9\\)"):
+                    op.run_kernel(ctx, [weight, given])
 
 
 def test_concat_of_inputs_that_differ_off_the_axis_raises_numpys_error() -> None:
