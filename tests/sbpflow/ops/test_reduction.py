@@ -16,6 +16,7 @@ import pytest
 
 import sbpflow.ops  # noqa: F401  (registers every op family)
 from sbpflow.dtype import as_dtype
+from sbpflow.ops import fused
 from sbpflow.ops.base import KernelContext, get_op
 from sbpflow.ops.eager import EagerBuilder
 from sbpflow.tensor_meta import TensorMeta
@@ -129,11 +130,16 @@ def _squares_by_ops(xs: list[np.ndarray]) -> Any:
     return total
 
 
+@pytest.mark.parametrize("scratch", [fused.SQUARES_SCRATCH, 1000])  # 1000: the buffer filled many times
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
-def test_sum_squares_holds_the_bits_of_its_unfused_ops(dtype: Any) -> None:
+def test_sum_squares_holds_the_bits_of_its_unfused_ops(
+    dtype: Any, scratch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """sum_squares calls the square and the whole-array sum loop directly (fused.py), not through their
     kernels: on contiguous, strided, 0-d and 1-element inputs, contiguous ones alone (squared into one
-    scratch buffer), and float16 (which takes numpy's sum), the result is bit-for-bit the unfused ops'."""
+    scratch buffer, whose runs one call sums, filled once or many times), and float16 (which takes
+    numpy's sum), the result is bit-for-bit the unfused ops'."""
+    monkeypatch.setattr(fused, "SQUARES_SCRATCH", scratch)
     rng = np.random.default_rng(3)
     xs = [
         rng.standard_normal((128, 64)).astype(dtype),
@@ -143,8 +149,10 @@ def test_sum_squares_holds_the_bits_of_its_unfused_ops(dtype: Any) -> None:
         (rng.standard_normal((1000,)) * 1e3).astype(dtype),
         rng.standard_normal((300, 301)).astype(dtype),
     ]
-    # all of them, and the contiguous ones alone (float32/64: one scratch buffer, the loop called directly)
-    for some in (xs, [xs[0], xs[3], xs[4], xs[5], xs[0]]):
+    # all of them, and the contiguous ones alone (float32/64: one scratch buffer, the loop called directly),
+    # and sizes around the loop's vector widths one after another
+    runs = [rng.standard_normal((n,)).astype(dtype) for n in (*range(0, 40), 63, 64, 65, 255, 257, 999)]
+    for some in (xs, [xs[0], xs[3], xs[4], xs[5], xs[0]], runs):
         (got,) = EagerBuilder().call("sum_squares", *some)
         want = _squares_by_ops(some)
         assert got.dtype == want.dtype == dtype and got.shape == ()
