@@ -44,11 +44,11 @@ from sbpflow.checkpoint.read import (
     resolve,
     verify,
 )
-from sbpflow.placement import placement
-from sbpflow.sbp import B, P, S
+from sbpflow.placement import Placement, placement
+from sbpflow.sbp import B, NdSbp, P, S
 from sbpflow.sharding import shard, shard_index
 
-LAYOUTS = {
+LAYOUTS: dict[str, tuple[Placement, NdSbp]] = {
     "1": (placement("cpu", [0]), (B,)),
     "dp4": (placement("cpu", [0, 1, 2, 3]), (B,)),
     "s0x4": (placement("cpu", [0, 1, 2, 3]), (S(0),)),
@@ -73,7 +73,7 @@ def save(
 
 
 def test_safetensors_bytes_follow_the_spec(tmp_path: Path) -> None:
-    tensors = {
+    tensors: dict[str, np.ndarray] = {
         "a": np.arange(6, dtype=np.float64).reshape(2, 3),
         "b": np.array([1, -2, 3], dtype=np.int32),
         "c": np.array([True, False]),
