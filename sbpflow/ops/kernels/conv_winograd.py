@@ -16,7 +16,8 @@ computed and dropped. The weight gradient is the adjoint: ``dU[k] = dM[k] @ V[k]
 
 Which convolutions take it (``applies``): 3x3, stride and dilation 1, 8 channels in or more, outputs 8
 wide or more; where C is smaller (a stem's 3) or the image narrower, the window rows' one GEMM is sooner
-(64 channels 4 wide: 620 against 497 us; 6 wide is level). At 8 wide, since the transforms above,
+(4 wide: 32 channels 326 against 150 us; 64 channels, with the blocked filter transforms below, conv2d
+461 against 503 but the weight gradient 582 against 490; 6 wide is level). At 8 wide, since the transforms above,
 batch 32, --clock cpu: conv2d 0.72-0.83x the window rows' time from 16 to 128 channels (32 channels:
 432-461 against 555 us, ResNet-18's second stage), the weight gradient 0.87-1.03x (it was 16 wide or
 more: 656-914 against 710-999 us with the generic transforms).
