@@ -200,7 +200,7 @@ def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: i
                 act=_offset(act if rc.compute is None else rc.compute.wrap(act, reads=not comm), first_step),
                 iterations=steps,
                 initial=initial,
-                priority=priority,
+                priority=-1 if _reports(task) else priority,
                 op=_op(task),
                 trace_args=task_args(task, regs),
             )
@@ -385,3 +385,11 @@ def rebuild(program: Program, plan: pp.Plan, steps: int, first_step: int) -> Non
         rp = program.ranks.get(device.rank)
         if rp is not None:
             program.ranks[device.rank] = build_rank(device, rp.context, steps, first_step)
+
+
+def _reports(task: pp.Task) -> bool:
+    """A SINK that fetches a value (the loss, a metric) on the compute stream: it acts as soon as its value
+    is in, ahead of any other ready act (the lowest priority acts first). At its place in the plan's order
+    it waited until nothing earlier was ready: a rank that may run steps ahead (Wide & Deep on one rank:
+    four) fetched its losses, and reported its steps, four at a time."""
+    return task.kind == pp.TASK_KIND_SINK and "fetch" in task.attrs and task.stream == pp.STREAM_KIND_COMPUTE

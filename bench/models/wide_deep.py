@@ -11,10 +11,10 @@ data parallel), one thread per rank. PyTorch (``torch==2.13.0``, the ``bench`` e
 model eagerly in one process on one thread, every table whole (replicated: what DDP would hold on every
 rank). Both read the same pre-generated click batches from memory (sbpflow through an ArraySource), so
 the data generator is not timed. A step's time after ``WARMUP`` steps is, for sbpflow, the slope of a
-least-squares line through its ``on_step`` reports' times against their steps: on one rank the reports
-come in bursts (four steps' reports within ~0.3 ms, then ~37 ms to the next four), so the median gap
-between consecutive reports, used before, read 0.1-0.2 ms a step (a "ratio" of 80-160); for torch, the
-median of a timer around each step. The sides alternate ``--repeat`` times and the medians of the
+least-squares line through its ``on_step`` reports' times against their steps, which holds where reports
+come in bursts: before the loss fetch acted first among the ready acts, one rank's came four at a time
+(within ~0.3 ms, then ~37 ms to the next four), and the median gap between consecutive reports, used
+then, read 0.1-0.2 ms a step (a "ratio" of 80-160); for torch, the median of a timer around each step. The sides alternate ``--repeat`` times and the medians of the
 repetitions are compared. A benchmark, not a test.
 """
 
@@ -44,7 +44,7 @@ from bench._shared import load_example  # noqa: E402
 from sbpflow.data.sources import ArraySource  # noqa: E402
 
 WARMUP = 2
-MIN_STEPS = WARMUP + 12  # after the warm-up, three of one rank's bursts of four reports
+MIN_STEPS = WARMUP + 12  # after the warm-up, 12 reports: three bursts of four, were they to come so
 
 
 def example() -> ModuleType:
@@ -101,7 +101,7 @@ def torch_step_s(cfg: dict[str, Any], steps: int, data: dict[str, np.ndarray]) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--steps", type=int, default=20, help=f"at least {MIN_STEPS}: three bursts of reports")
+    ap.add_argument("--steps", type=int, default=20, help=f"at least {MIN_STEPS}")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     cfg: dict[str, Any] = {

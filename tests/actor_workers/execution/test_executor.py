@@ -164,15 +164,17 @@ def test_a_boxing_task_without_its_step_data_is_refused() -> None:
 # ---- acts without the engine ------------------------------------------------------------------------
 
 
-def run_in_plan_order(program: executor.Program, steps: int, world: InProcessWorld) -> None:
-    """Each rank a thread running its tasks' acts in plan order, step after step: the acts alone."""
+def run_in_plan_order(program: executor.Program, plan: Any, steps: int, world: InProcessWorld) -> None:
+    """Each rank a thread running its tasks' acts in plan order (the order of the plan's tasks, not the
+    actors' priority: a fetch acts first among the ready ones), step after step: the acts alone."""
     errors: list[BaseException] = []
+    order = {d.rank: {t.id: i for i, t in enumerate(d.tasks)} for d in plan.devices}
 
     def rank_main(rp: executor.RankProgram) -> None:
         values: dict[int, Any] = {}
         try:
             for step in range(steps):
-                for a in sorted(rp.actors, key=lambda a: a.priority):
+                for a in sorted(rp.actors, key=lambda a: order[rp.rank][a.id]):
                     outs = a.act(step, [values[r] if r in values else a.initial[r] for r in a.inputs])
                     assert len(outs) == len(a.outputs), a.name
                     values.update(zip(a.outputs, outs, strict=True))
@@ -196,7 +198,7 @@ def test_acts_run_in_plan_order_on_plain_threads_train_like_the_reference(kw: di
     c = compile_job(job)
     with InProcessWorld([d.rank for d in c.plan.devices], timeout=TIMEOUT) as world:  # type: ignore[union-attr]
         program = build(c, 2, world)
-        run_in_plan_order(program, 2, world)
+        run_in_plan_order(program, c.plan, 2, world)
     want = reference.train(job, steps=2)
     np.testing.assert_allclose(executor.fetched(program, job.loss, 2), want.losses, rtol=1e-12)
     got = executor.variables(program, list(want.parameters))
@@ -387,3 +389,18 @@ def test_no_op_boxings_run_on_the_compute_stream_and_collectives_stay_on_comm() 
             program = build(c, 1, world)
         streams = {a.stream for rp in program.ranks.values() for a in rp.actors}
         assert ("comm" in streams) == comm_expected, (ranks, streams)
+
+
+def test_a_fetch_acts_as_soon_as_its_value_is_in() -> None:
+    """Wide & Deep on one rank runs steps ahead of its loss fetch. At its place in the plan's order, the
+    fetch waited until nothing earlier was ready, and the steps reported four at a time; acting first
+    among the ready acts, each step's loss fetch follows the kernel that made the loss."""
+    import sbpflow as sf
+
+    job = load("wide_deep").make_job(ranks=1, steps=8, batch_size=64, fields=4, vocab=50, dense=3)
+    result = sf.run(job, backend="inprocess", threads=1, trace=True)
+    compute = sorted((e for e in result.trace or [] if e.stream == "compute"), key=lambda e: e.start)
+    fetches = [(a, b) for a, b in itertools.pairwise(compute) if b.name == f"sink {job.loss}"]
+    assert len(fetches) == 8
+    for before, fetch in fetches:
+        assert (before.name, before.iteration) == (f"kernel {job.loss}", fetch.iteration), (before, fetch)
