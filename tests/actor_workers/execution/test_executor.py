@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import sbpflow as sf
 from sbpflow.actor_workers.execution import executor, executor_analysis, plan_tables
 from sbpflow.actor_workers.execution.boxing_tasks import BoxingTaskError, step_of
 from sbpflow.actor_workers.execution.variables import StoreError, init_store
@@ -395,8 +396,6 @@ def test_a_fetch_acts_as_soon_as_its_value_is_in() -> None:
     """Wide & Deep on one rank runs steps ahead of its loss fetch. At its place in the plan's order, the
     fetch waited until nothing earlier was ready, and the steps reported four at a time; acting first
     among the ready acts, each step's loss fetch follows the kernel that made the loss."""
-    import sbpflow as sf
-
     job = load("wide_deep").make_job(ranks=1, steps=8, batch_size=64, fields=4, vocab=50, dense=3)
     result = sf.run(job, backend="inprocess", threads=1, trace=True)
     compute = sorted((e for e in result.trace or [] if e.stream == "compute"), key=lambda e: e.start)
