@@ -1,5 +1,6 @@
 """AdamW's update as one numba pass over the parameter, its gradient and moments, bit for bit numpy's;
-and each update's last step in place, where the runtime lets the new parameter overwrite the old.
+and each update's last step in place, where the runtime lets the new parameter overwrite the old; SGD
+with momentum in one pass too (``sgd_momentum_in_place``), parameter and buffer both in place.
 
 optim.py's numpy kernel makes the formula's 14 operations as 14 passes, each writing an array the size of
 the parameter and reading it back; a table of a few MB is then 14 trips to memory where one does, and
@@ -93,3 +94,32 @@ def sgd_in_place(param: Any, direction: Any, alpha: float) -> None:  # pragma: n
     a = param.dtype.type(alpha)
     for i in range(param.size):
         param[i] = direction[i] * a + param[i]
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def sgd_momentum_in_place(
+    param: Any,
+    grad: Any,
+    buf: Any,
+    momentum: float,
+    decay: float,
+    nesterov: bool,
+    alpha: float,
+    scale: float,
+    clipped: bool,
+) -> None:  # pragma: no cover - compiled
+    """optim._sgd_kernel's operations an element, with momentum: the gradient times the clipping factor
+    ``scale`` where ``clipped``, plus ``decay`` (the weight decay) times the parameter where it is not 0,
+    the buffer ``buf`` times ``momentum`` plus that, written over ``buf``; the direction (the buffer, or
+    under ``nesterov`` the buffer times ``momentum`` plus the decayed gradient again) times ``alpha`` (-lr)
+    plus the parameter, written over ``param``. One pass for the numpy kernel's three to five; each
+    constant in the arrays' dtype, each operation rounded as its numpy pass is, so the same bits."""
+    f = param.dtype.type
+    k, wd, a, s = f(momentum), f(decay), f(alpha), f(scale)
+    for i in range(param.size):
+        g = grad[i] * s if clipped else grad[i]
+        d = param[i] * wd + g if decay != 0.0 else g
+        b = buf[i] * k + d
+        buf[i] = b
+        direction = b * k + d if nesterov else b
+        param[i] = direction * a + param[i]

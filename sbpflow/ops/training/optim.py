@@ -83,6 +83,18 @@ def _sgd_kernel(ctx: KernelContext, param: Any, grad: Any, buf: Any, clip: Any =
     ``clip``: the clipping factor (``clipped_sgd_update``), multiplied in first as the ``mul`` it replaces."""
     a, t, xp = ctx.attrs, param.dtype.type, ctx.xp
     momentum, wd = float(a["momentum"]), float(a["weight_decay"])
+    if (
+        momentum
+        and in_place(ctx, param)
+        and donated(ctx, 2, buf)
+        and (loops := jit_loops("optim_jit", xp, param, grad, buf)) is not None
+    ):
+        # one pass over param, grad and buf, each written in place: the operations below, an element
+        scale, clipped = (1.0, False) if clip is None else (float(clip.reshape(())), True)
+        alpha = float(t(-lr_at(a, ctx.step)))
+        flat = param.reshape(-1), grad.reshape(-1), buf.reshape(-1)
+        loops.sgd_momentum_in_place(*flat, momentum, wd, bool(a["nesterov"]), alpha, scale, clipped)
+        return param, buf
     if clip is not None:
         grad = _clipped_grad(xp, grad, clip)
     d = grad

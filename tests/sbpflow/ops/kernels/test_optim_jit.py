@@ -101,3 +101,49 @@ def test_moments_not_donated_and_a_strided_lent_buffer_are_left_alone() -> None:
     assert got[0] is not lent and got[1] is not arrays[2] and got[2] is not arrays[3]
     for a, c in zip(arrays, copies, strict=True):
         np.testing.assert_array_equal(a, c)
+
+
+SGD_ATTRS: list[dict[str, Any]] = [
+    {"lr": 0.05, "momentum": 0.9},
+    {"lr": 1e-3, "momentum": 0.8, "weight_decay": 1e-4},
+    {"lr": 3e-2, "momentum": 0.9, "weight_decay": 5e-4, "nesterov": True},
+    {"lr": 1e-2, "momentum": 0.5, "schedule": "warmup_cosine", "warmup_steps": 2, "total_steps": 10},
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 17), (2, 3, 1001)])
+@pytest.mark.parametrize("attrs", SGD_ATTRS)
+@pytest.mark.parametrize("clipped", [False, True])
+def test_sgd_with_momentum_in_one_pass_is_the_numpy_kernel_bit_for_bit(
+    dtype: Any, shape: tuple[int, ...], attrs: dict[str, Any], clipped: bool
+) -> None:
+    """The runtime lends the parameter and donates the buffer: one loop writes both in place, and gives
+    the numpy passes' bits (strided views of the same values, which the loop refuses), step after step."""
+    rng = np.random.default_rng(len(shape))
+    param, grad, buf = (rng.standard_normal(shape).astype(dtype) for _ in range(3))
+    clip = [np.asarray([0.37], dtype)] if clipped else []
+    op = get_op("clipped_sgd_update" if clipped else "sgd_update")
+    metas = tuple(None for _ in range(3 + clipped))
+    ref = [strided(param), strided(buf)]
+    for step in range(3):
+        grad = rng.standard_normal(shape).astype(dtype)
+        c = Runtime(np, op.normalize_attrs(attrs), metas, metas, (), (), 0, step)  # type: ignore[arg-type]
+        ref = list(op.run_kernel(c, [ref[0], strided(grad), ref[1], *clip]))
+        lent = Runtime(
+            np,
+            op.normalize_attrs(attrs),
+            metas,
+            metas,
+            (),
+            (),
+            0,
+            step,  # type: ignore[arg-type]
+            donated=frozenset({2}),
+            out_buffers=(param,),
+        )
+        got = op.run_kernel(lent, [param, grad, buf, *clip])
+        assert got[0] is param and got[1] is buf
+        np.testing.assert_array_equal(param, ref[0])
+        np.testing.assert_array_equal(buf, ref[1])
+    assert len(optim_jit.sgd_momentum_in_place.signatures) >= 1
