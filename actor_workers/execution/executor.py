@@ -133,7 +133,7 @@ def build(
 def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: int = 0) -> RankProgram:
     """The actors of one rank's ``device`` plan on its context ``rc``, acting ``steps`` times from
     ``first_step``."""
-    no_ops = analysis.no_op_boxings(device)
+    no_ops = analysis.pass_through(device)  # the boxing steps that move nothing and the copies handed on
     folded = analysis.folded_assigns(device, no_ops)
     gone = {r for f in folded.values() for r in (f.register, *f.passed)}
     skipped = {t for f in folded.values() for t in (f.sink, *f.steps)}  # the producer's act assigns
@@ -175,6 +175,7 @@ def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: i
             donations.get(task.id, frozenset()),
             recyclers.get(task.id),
             memory,
+            task.id in no_ops,
         )
         if folds:  # each folded value goes into its loop edge in place of the register the SINK read
             edge = {f.register: loops[f.sink].register for f in folds}
@@ -205,11 +206,15 @@ def build_rank(device: pp.DevicePlan, rc: RankContext, steps: int, first_step: i
                 trace_args=task_args(task, regs),
             )
         )
-    passing = {
-        t.id for t in device.tasks if t.id in no_ops or (t.kind == pp.TASK_KIND_SOURCE and t.id in loops)
-    }
+    passing = no_ops | {t.id for t in device.tasks if t.kind == pp.TASK_KIND_SOURCE and t.id in loops}
     actors, registers = bypass(actors, registers, passing - guards.keys())
     return RankProgram(device.rank, actors, registers, rc, memory)
+
+
+def _hand_on(step: int, values: list[Any]) -> list[Any]:
+    """An identity kernel of :func:`~.executor_analysis.copies_to_hand_on` that bypass kept: its input
+    as its output, as a boxing step that moves nothing."""
+    return [values[0]]
 
 
 def _offset(act: Act, first_step: int) -> Act:
@@ -227,8 +232,11 @@ def _act(
     donated: frozenset[int] = frozenset(),
     recycle: tasks.Recycler | None = None,
     memory: memory_plan.MemoryPlan | None = None,
+    hand_on: bool = False,
 ) -> Act:
     kind = task.kind
+    if hand_on and kind == pp.TASK_KIND_KERNEL:  # a copy of :func:`~.executor_analysis.copies_to_hand_on`
+        return _hand_on
     if kind in (pp.TASK_KIND_KERNEL, pp.TASK_KIND_OPTIMIZER):
         names = ([regs[r].tensor for r in task.in_registers], [regs[r].tensor for r in task.out_registers])
         reuse: tasks.Reuse | None = None

@@ -175,6 +175,47 @@ def no_op_boxings(device: pp.DevicePlan) -> set[int]:
         out -= dropped
 
 
+def pass_through(device: pp.DevicePlan) -> set[int]:
+    """The tasks that hand their one input on as their one output, which the executor bypasses: the
+    boxing steps that move nothing (:func:`no_op_boxings`) and the copies of :func:`copies_to_hand_on`."""
+    steps = no_op_boxings(device)
+    return steps | copies_to_hand_on(device, steps)
+
+
+def copies_to_hand_on(device: pp.DevicePlan, steps: Collection[int] = ()) -> set[int]:
+    """``identity`` kernels to hand their input on as their output instead of copying it, so that the
+    executor bypasses them as it does :func:`no_op_boxings`: a kernel's result between compute tasks.
+    autodiff copies a parameter's gradient out under its own name where the sum is read elsewhere too
+    (batch norm's bias: channel_affine_grad's second output, which the mean's gradient also reads); the
+    readers of a gradient (an update, its clipping) never write into it, nor does any kernel into its
+    inputs but for the optimizer states it is donated (:func:`donations`) and the buffers the memory plan
+    lends, which sees through these steps as through the boxings. ResNet-18: 20 acts a step fewer. A copy
+    next to a task of another stream (a collective, a fetch or an assign) or of a value no kernel made
+    (through ``steps``, boxing steps that move nothing) stays a copy."""
+    by_id = {t.id: t for t in device.tasks}
+    regs = {r.id: r for r in device.registers}
+    out = set()
+    for task in device.tasks:
+        if (
+            task.kind != pp.TASK_KIND_KERNEL
+            or task.op_type != "identity"
+            or task.stream != pp.STREAM_KIND_COMPUTE
+        ):
+            continue
+        if len(task.in_registers) != 1 or len(task.out_registers) != 1:
+            continue
+        producer = by_id.get(regs[task.in_registers[0]].producer_task)
+        while producer is not None and producer.id in steps and len(producer.in_registers) == 1:
+            producer = by_id.get(regs[producer.in_registers[0]].producer_task)
+        readers = [by_id.get(c) for c in regs[task.out_registers[0]].consumer_tasks]
+        near = [producer, *readers]
+        if producer is None or producer.kind != pp.TASK_KIND_KERNEL or not readers:
+            continue
+        if all(t is not None and t.stream == pp.STREAM_KIND_COMPUTE and t.kind in MAKERS for t in near):
+            out.add(task.id)
+    return out
+
+
 def donations(device: pp.DevicePlan, through: Collection[int] = ()) -> dict[int, frozenset[int]]:
     """Per kernel task, the input positions whose arrays it may overwrite (an optimizer state's buffer).
 

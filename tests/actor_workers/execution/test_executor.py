@@ -365,6 +365,45 @@ def test_adamws_moments_are_donated_through_the_no_op_boxings_of_a_one_device_me
         np.testing.assert_array_equal(params[name], value, err_msg=name)
 
 
+def test_a_gradients_copy_between_kernels_hands_its_input_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ResNet on one rank: autodiff copies each batch norm's bias gradient out of channel_affine_grad's
+    second output (which the mean's gradient reads too) under its own name. The copy's readers never write
+    into it, so the executor hands the value on and bypasses the copy: its act is gone, and training is
+    bit for bit the run that copies. On two ranks the gradient goes to an all-reduce on the comm stream:
+    the copy stays."""
+    job = load("resnet").make_job(ranks=1, depth=18, width=4, image_size=8, batch_size=4, classes=3, steps=3)
+    c = compile_job(job)
+    assert c.plan is not None
+    device = c.plan.devices[0]
+    copies = {t.id: t.op_name for t in device.tasks if t.op_type == "identity"}
+    handed = executor_analysis.copies_to_hand_on(device, executor_analysis.no_op_boxings(device))
+    assert handed and handed <= copies.keys()
+    assert all(copies[t].startswith("grad/") and copies[t].endswith(".bias") for t in handed)
+
+    def train() -> tuple[list[Any], dict[str, Any], list[str]]:
+        with InProcessWorld(range(1), timeout=TIMEOUT) as world:
+            program = build(c, 3, world)
+            executor.execute(program, TIMEOUT, abort_hooks=[world.abort])
+        names = [p.tensor for p in job.parameters]
+        acts = [a.name for a in program.ranks[0].actors]
+        return executor.fetched(program, job.loss, 3), executor.variables(program, names), acts
+
+    losses, params, acts = train()
+    assert not {f"kernel {copies[t]}" for t in handed} & set(acts)
+    monkeypatch.setattr(executor_analysis, "copies_to_hand_on", lambda device, steps=(): set())
+    copied_losses, copied_params, copied_acts = train()
+    assert {f"kernel {copies[t]}" for t in handed} <= set(copied_acts)
+    np.testing.assert_array_equal(losses, copied_losses)
+    for name, value in copied_params.items():
+        np.testing.assert_array_equal(params[name], value, err_msg=name)
+    two = compile_job(
+        load("resnet").make_job(ranks=2, depth=18, width=4, image_size=8, batch_size=4, classes=3)
+    )
+    assert two.plan is not None
+    for d in two.plan.devices:
+        assert not executor_analysis.copies_to_hand_on(d, executor_analysis.no_op_boxings(d))
+
+
 def test_chained_no_op_boxings_of_a_one_device_mesh_are_bypassed() -> None:
     # tensor parallel on a 1 x 1 mesh: a 2-d boxing is two steps, one a mesh axis, each next to the other;
     # only the steps after the data loads (another stream) stay on comm
