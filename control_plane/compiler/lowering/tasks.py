@@ -45,7 +45,7 @@ STREAM: dict[int, int] = {
 # A data loader fills the next batch while the current one is computed on; everything else has one.
 REGISTER_COUNT: dict[int, int] = {K.TASK_KIND_DATA_LOAD: 2}
 SOURCE_KINDS = {TensorKind.parameter, TensorKind.optimizer_state, TensorKind.constant}
-# The updates: plain, with clipping folded in (fusion.fold_clips) and gated by loss scaling. An OPTIMIZER task
+# The updates: plain, with clipping folded in (folds.fold_clips) and gated by loss scaling. An OPTIMIZER task
 # writes a variable's new value into its value two steps back (executor_analysis.recyclers).
 OPTIMIZER_OPS = frozenset({"sgd_update", "adamw_update", *CLIPPED.values(), *GATED.values()})
 
