@@ -30,6 +30,10 @@ op is named after its first op with ``.fused`` (keeping the phase prefix, and a 
 micro-batching knows), placed where its last op was, and the declarations of the intermediates that
 nothing outside reads are dropped.
 
+Then :func:`siblings` puts small chains and single fusable ops (every result of at most ``SMALL``
+elements: per-channel vectors, whose act overhead is their cost) side by side into one fused op, each
+unit's results its outputs, where the program order allows (the function's docstring).
+
 Before the chains, ``compiler/folds.py`` folds each gradient's clipping ``mul`` into its update, each
 weight gradient's reshapes and ``matmul`` into one ``rows_matmul`` and the clipping norm into one
 ``sum_squares`` (its docstring).
@@ -48,6 +52,7 @@ same wherever it is compiled.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from sbpflow.control_plane.compiler import bn_grad
@@ -66,6 +71,11 @@ FUSED = "fused_elementwise"
 # Chains grow past an intermediate that ops outside read, which becomes an extra output (False: such a
 # chain ends there, as before; the A/B of the acts a step in bench/models/resnet.py --trace)
 EXPORTS = True
+# Fusable ops and chains whose every result has at most SMALL elements go side by side into one op where
+# they may (:func:`siblings`; False: the A/B), of at most MAX_INPUTS inputs
+SIBLINGS = True
+SMALL = 4096
+MAX_INPUTS = 8
 
 
 Class = tuple[bool, bool]  # (depends on the batch, depends on a gradient or the loss)
@@ -194,6 +204,80 @@ def _close(c: _Chain, owner: dict[str, _Chain]) -> None:
             del owner[op.outputs[0]]
 
 
+@dataclass
+class _Group:
+    """Small units (a chain, or one fusable op) fused side by side (:func:`siblings`)."""
+
+    units: list[list[OpNode]]
+    kept: list[OpNode] | None  # the unit whose result the job keeps: its ops go last (its result first)
+    made: set[str]  # every result of the units
+    anchor: str  # the last unit's last op: where the fused op goes
+    inputs: set[str]
+    first_read: int  # the earliest position of an op outside that reads a result
+
+    def ops(self) -> list[OpNode]:
+        return [o for u in self.units if u is not self.kept for o in u] + (self.kept or [])
+
+
+def _small(state: CompileState, unit: list[OpNode]) -> bool:
+    return all(math.prod(state.graph.tensors[o.outputs[0]].meta.shape) <= SMALL for o in unit)
+
+
+def siblings(state: CompileState, found: list[list[OpNode]]) -> list[tuple[list[OpNode], str]]:
+    """``found``'s chains and the single fusable ops, with those of at most SMALL elements a result fused
+    side by side: in program order, a unit joins the open group of its fold key and class (every result of
+    one class) where it reads no result of the group, the group's results are read by nothing outside
+    before it, and the group keeps at most MAX_INPUTS inputs; one unit of a group may make a result the
+    job keeps (a gradient), whose ops go last, so that it is the fused op's first output. Each group, or
+    chain, as (its ops in the order to fuse, the op it replaces in the graph). Such ops are a few vector
+    operations an act whose engine overhead is the cost: batch norm's backward, per channel, made two
+    fused ops and a ``mul`` (the weight's gradient, of another class: it stays), now one and the ``mul``
+    (ResNet-18: 397 -> 377 compute acts a step). Without EXPORTS nothing goes side by side."""
+    g = state.graph
+    at = {o.name: k for k, o in enumerate(g.ops)}
+    read_by = _read_by(g)
+    cls, keep = _classes(state), protected(state)
+    chained = {o.name for ops in found for o in ops}
+    units = [
+        *found,
+        *([o] for o in g.ops if o.name not in chained and o.op_type in FUSABLE and len(o.outputs) == 1),
+    ]
+    units.sort(key=lambda u: at[u[-1].name])
+    open_: dict[tuple[object, ...], _Group] = {}
+    groups: list[_Group] = []
+    for u in units:
+        names = {o.name for o in u}
+        made = {o.outputs[0] for o in u}
+        classes = {cls[t] for t in made}
+        outside = [at[r] for t in made for r in read_by.get(t, set()) - names]
+        kept = any(t in keep for t in made)
+        side = SIBLINGS and EXPORTS  # side by side, the units' results are the fused op's outputs
+        if not side or any(o.op_type in TERMINAL for o in u) or len(classes) != 1 or not _small(state, u):
+            groups.append(_Group([u], None, made, u[-1].name, set(), 0))
+            continue
+        inputs = {i for o in u for i in o.inputs} - made
+        key = (bn_grad.fold_key(u[-1]), *classes)
+        grp = open_.get(key)
+        if (
+            grp is not None
+            and not inputs & grp.made
+            and grp.first_read > at[u[-1].name]
+            and not (kept and grp.kept is not None)
+            and len(grp.inputs | inputs) <= MAX_INPUTS
+        ):
+            grp.units.append(u)
+            grp.made |= made
+            grp.inputs |= inputs
+            grp.anchor = u[-1].name
+            grp.first_read = min(grp.first_read, *outside)
+            grp.kept = u if kept else grp.kept
+            continue
+        grp = _Group([u], u if kept else None, made, u[-1].name, inputs, min(outside, default=len(g.ops)))
+        open_[key] = grp
+        groups.append(grp)
+    return [(grp.ops(), grp.anchor) for grp in groups if len(grp.ops()) > 1]
+
+
 def fuse(state: CompileState, ops: list[OpNode], read_by: dict[str, set[str]] | None = None) -> OpNode:
     """The fused op for the chain ``ops`` (in program order): its intermediates' declarations and the
     ops' choices are replaced, but for the intermediates that an op outside reads (``read_by``: each
@@ -264,11 +348,11 @@ def run(state: CompileState) -> None:
     fold_row_contractions(state)
     fold_squared_norms(state)
     bn_grad.run(state, protected(state))
-    found = chains(state)
+    found = siblings(state, chains(state))
     if not found:
         return
     read_by = _read_by(state.graph)
-    at_last = {ops[-1].name: fuse(state, ops, read_by) for ops in found}
-    gone = {o.name for ops in found for o in ops}
+    at_last = {anchor: fuse(state, ops, read_by) for ops, anchor in found}
+    gone = {o.name for ops, _ in found for o in ops}
     g = state.graph
     g.ops[:] = [at_last.get(o.name, o) for o in g.ops if o.name not in gone or o.name in at_last]

@@ -21,7 +21,7 @@ from sbpflow.graph import BOXING, Graph, OpNode, TensorDecl, TensorKind
 from sbpflow.job import Job, JobConfig, LossScaling
 from sbpflow.ops.base import get_op
 from sbpflow.ops.eager import full_index
-from sbpflow.ops.fused import encode
+from sbpflow.ops.fused import encode, parse
 from sbpflow.placement import placement
 from sbpflow.sbp import B, P, S
 from sbpflow.tensor_meta import TensorMeta
@@ -145,6 +145,70 @@ def test_an_intermediate_read_before_the_chain_ends_closes_it(monkeypatch: pytes
     assert not fused_nodes(fused(boxed(CompileState.start(outside(ops, 2, "h")))))
 
 
+def test_small_independent_ops_go_side_by_side() -> None:
+    # relu and tanh of x, each read by a softmax after both: one fused op makes both, tanh's result first
+    j = outside([("a", "relu", ("x",), "h"), ("b", "tanh", ("x",), "y")], 2, "h")
+    j.graph.add_tensor(TensorDecl("w", META, placement=TWO))
+    j.graph.ops.append(OpNode("out2", "softmax", ("y",), ("w",), {"axis": 1}, TWO))
+    state = fused(boxed(CompileState.start(j)))
+    (node,) = fused_nodes(state)
+    assert (
+        chain_ops(node) == ["relu", "tanh"] and node.outputs == ("y", "h") and node.attrs["exports"] == (0,)
+    )
+    assert [o.op_type for o in state.graph.ops] == [fusion.FUSED, "softmax", "softmax"]
+
+
+@pytest.mark.parametrize("reader_at", [1, 2])
+def test_a_side_by_side_op_never_comes_after_a_reader_or_a_read(
+    reader_at: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # softmax reads relu's h before tanh (1): the fused op would make h after its reader; tanh reading h
+    # (2) is a chain. Over SMALL elements a result, nothing goes side by side.
+    apart = [("a", "relu", ("x",), "h"), ("b", "tanh", ("x",), "y")]
+    chained = [("a", "relu", ("x",), "h"), ("b", "tanh", ("h",), "y")]
+    ops = apart if reader_at == 1 else chained
+    nodes = fused_nodes(fused(boxed(CompileState.start(outside(ops, reader_at, "h")))))
+    assert not nodes if reader_at == 1 else [chain_ops(n) for n in nodes] == [["relu", "tanh"]]
+    monkeypatch.setattr(fusion, "SMALL", META.numel - 1)
+    assert not fused_nodes(fused(boxed(CompileState.start(outside(apart, 2, "h")))))
+
+
+SIDE_BY_SIDE = {
+    "resnet-1": ("resnet", {"ranks": 1, "width": 4, "image_size": 8, "batch_size": 4}),
+    "resnet-dp2": ("resnet", {"ranks": 2, "width": 4, "image_size": 8, "batch_size": 4}),
+    "gpt-fp16-scaled": ("gpt", {"ranks": 1, "layers": 1, "width": 16, "vocab": 32, "seq_len": 8, "heads": 2}),
+}
+
+
+@pytest.mark.parametrize("layout", list(SIDE_BY_SIDE))
+def test_side_by_side_ops_train_bit_identically(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # batch norm's per-channel backward on one and two ranks, a loss-scaled job's clipping: the same bits
+    model, shape = SIDE_BY_SIDE[layout]
+    made = load(model).make_job(steps=3, **shape)
+    if layout == "gpt-fp16-scaled":  # the gated updates' clipping muls
+        made = replace(made, config=replace(made.config, precision="fp16", loss_scaling=LossScaling()))
+    trains_alike(made, monkeypatch, "SIBLINGS")
+
+
+def trains_alike(made: Job, monkeypatch: pytest.MonkeyPatch, flag: str, exported: bool = False) -> None:
+    """``made`` compiles to fewer ops with fusion's ``flag`` on than off and trains 3 steps to the same bits
+    (``exported``: a fused op has exports exactly where the flag is on)."""
+    runs, ops = {}, {}
+    for on in (True, False):
+        monkeypatch.setattr(fusion, flag, on)
+        g = pipeline.compile(made).state.graph  # verify_compiled checks every fused op's signature
+        ops[on] = len(g.ops)
+        if exported:
+            assert any(o.op_type == fusion.FUSED and o.attrs.get("exports") for o in g.ops) is on
+        runs[on] = sf.run(made, steps=3, return_parameters=True, timeout=120, backend="inprocess")
+    assert ops[True] < ops[False]
+    assert runs[True].losses == runs[False].losses
+    on_params, off_params = runs[True].parameters, runs[False].parameters
+    assert on_params is not None and off_params is not None and set(on_params) == set(off_params)
+    for name, value in off_params.items():
+        np.testing.assert_array_equal(on_params[name], value, err_msg=name)
+
+
 def test_a_partial_never_flows_into_a_nonlinear_step() -> None:
     # x is P: mul_scalar may run on P, tanh may not, so a boxing separates them
     state = fused(
@@ -231,7 +295,12 @@ def test_each_weight_gradient_is_one_rows_matmul(layout: str) -> None:
 
 
 def optimizer_ops(j: Job) -> list[str]:
-    return [o.op_type for o in pipeline.compile(j).state.graph.ops if o.name.startswith("optimizer/model.")]
+    """The optimizer's ops, a fused op's steps each (small ones go side by side: fusion.siblings)."""
+    out: list[str] = []
+    for o in pipeline.compile(j).state.graph.ops:
+        if o.name.startswith("optimizer/model."):
+            out += [s.op for s in parse(str(o.attrs["chain"]))] if o.op_type == fusion.FUSED else [o.op_type]
+    return out
 
 
 # one rank, the 2-d mesh, ZeRO-3 on two (the update on S(0) slices, the factor B)
@@ -338,19 +407,7 @@ def test_exported_intermediates_train_bit_identically(layout: str, monkeypatch: 
     model, shape, config = EXPORTED[layout]
     made = load(model).make_job(steps=3, **shape)
     made = replace(made, config=replace(made.config, **config))
-    runs, ops = {}, {}
-    for on in (True, False):
-        monkeypatch.setattr(fusion, "EXPORTS", on)
-        g = pipeline.compile(made).state.graph  # verify_compiled checks every fused op's signature
-        ops[on] = len(g.ops)
-        assert any(o.op_type == fusion.FUSED and o.attrs.get("exports") for o in g.ops) is on
-        runs[on] = sf.run(made, steps=3, return_parameters=True, timeout=120, backend="inprocess")
-    assert ops[True] < ops[False]
-    assert runs[True].losses == runs[False].losses
-    on_params, off_params = runs[True].parameters, runs[False].parameters
-    assert on_params is not None and off_params is not None and set(on_params) == set(off_params)
-    for name, value in off_params.items():
-        np.testing.assert_array_equal(on_params[name], value, err_msg=name)
+    trains_alike(made, monkeypatch, "EXPORTS", exported=True)
 
 
 # s0 = x + y, s1 = s0 * 0.5 (which writes into s0 where s0 dies there), s2 = relu(s1); s0 exported
