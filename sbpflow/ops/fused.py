@@ -6,8 +6,9 @@ the op's first output, and ``attrs["exports"]`` lists earlier steps (ascending) 
 further outputs, in that order: intermediates that ops outside the chain read too (batch norm's
 ``var + eps`` and ``sqrt``, which its backward reads), so that the chain need not stop there. Only the
 ops of :data:`FUSABLE` may appear: elementwise ops whose kernels read nothing but their arrays and attrs
-(no shard offsets, no random streams), and, as the last step only, a reduction of :data:`TERMINAL` (a
-gradient's ``pow_scalar`` and ``sum`` for the clipping norm are one act).
+(no shard offsets, no random streams; batch norm's ``running_stat`` too, whose result the compiler
+assigns to its variable), and, as the last step only, a reduction of :data:`TERMINAL` (a gradient's
+``pow_scalar`` and ``sum`` for the clipping norm are one act).
 
 * Inference runs each step's own inference in order.
 * Rows are the composition of the steps' rows: a signature of the fused inputs for which every step has a
@@ -126,6 +127,7 @@ FUSABLE: frozenset[str] = frozenset(
         "cast",
         "eq_scalar",
         "ne_scalar",
+        "running_stat",
         *TERMINAL,
     }
 )

@@ -7,6 +7,7 @@ Each model's example, in float64 for 5 steps on the in-process runtime, against
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -44,7 +45,9 @@ def test_resnet18_batch_norm_statistics_are_reduced_across_ranks_under_data_para
     boxing that sums it over the ranks (all-reduce to B, or reduce-scatter over channels): synchronised
     BN. (Where SBP inference replicates a layer's batch, B, its statistics are whole already.) The
     running statistics' update reads a reshape of it, which is linear and stays P until its boxing."""
-    compiled = compile_job(resnet_job(4), lower=False)
+    job = resnet_job(4)  # unfused: each statistic and update an op of its own (fusion puts a running
+    # variance's update side by side with the per-channel scale taken from the same variance)
+    compiled = compile_job(replace(job, config=replace(job.config, fusion=False)), lower=False)
     graph, plans = compiled.state.graph, compiled.state.boxings
     # only batch norm takes means: the mean, and the variance centred on it
     means = [o for o in graph.ops if o.op_type in ("mean", "channel_var")]

@@ -232,7 +232,9 @@ def siblings(state: CompileState, found: list[list[OpNode]]) -> list[tuple[list[
     chain, as (its ops in the order to fuse, the op it replaces in the graph). Such ops are a few vector
     operations an act whose engine overhead is the cost: batch norm's backward, per channel, made two
     fused ops and a ``mul`` (the weight's gradient, of another class: it stays), now one and the ``mul``
-    (ResNet-18: 397 -> 377 compute acts a step). Without EXPORTS nothing goes side by side."""
+    (ResNet-18: 397 -> 377 compute acts a step); a running variance's update (``running_stat``, a kept
+    result) goes beside the scale taken from the same variance (-> 357). Without EXPORTS nothing goes side
+    by side."""
     g = state.graph
     at = {o.name: k for k, o in enumerate(g.ops)}
     read_by = _read_by(g)

@@ -190,6 +190,17 @@ def test_side_by_side_ops_train_bit_identically(layout: str, monkeypatch: pytest
     trains_alike(made, monkeypatch, "SIBLINGS")
 
 
+def test_a_running_statistics_update_goes_side_by_side_first() -> None:
+    # batch norm's running variance and its per-channel scale (var + eps, sqrt, reciprocal, * weight) read
+    # the same variance: one op, the update its first output (what the SINK assigns); the running mean
+    # too, beside another layer's or alone. trains_alike checks the values (parameters hold the statistics).
+    state = pipeline.compile(load("resnet").make_job(ranks=1, width=4, image_size=8, batch_size=4)).state
+    updates = set(state.updates.values())
+    with_stats = [o for o in fused_nodes(state) if "running_stat" in chain_ops(o)]
+    assert len(with_stats) >= 20 and all(o.outputs[0] in updates for o in with_stats)
+    assert all(chain_ops(o)[-1] == "running_stat" for o in with_stats)
+
+
 def trains_alike(made: Job, monkeypatch: pytest.MonkeyPatch, flag: str, exported: bool = False) -> None:
     """``made`` compiles to fewer ops with fusion's ``flag`` on than off and trains 3 steps to the same bits
     (``exported``: a fused op has exports exactly where the flag is on)."""
