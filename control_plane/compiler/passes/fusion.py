@@ -53,6 +53,7 @@ same wherever it is compiled.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from sbpflow.control_plane.compiler import bn_grad
@@ -209,14 +210,15 @@ class _Group:
     """Small units (a chain, or one fusable op) fused side by side (:func:`siblings`)."""
 
     units: list[list[OpNode]]
-    kept: list[OpNode] | None  # the unit whose result the job keeps: its ops go last (its result first)
+    kept: list[list[OpNode]]  # the units whose results the job keeps: their ops go last (one result first)
     made: set[str]  # every result of the units
     anchor: str  # the last unit's last op: where the fused op goes
     inputs: set[str]
     first_read: int  # the earliest position of an op outside that reads a result
 
     def ops(self) -> list[OpNode]:
-        return [o for u in self.units if u is not self.kept for o in u] + (self.kept or [])
+        kept = {id(u) for u in self.kept}
+        return [o for u in self.units if id(u) not in kept for o in u] + [o for u in self.kept for o in u]
 
 
 def _small(state: CompileState, unit: list[OpNode]) -> bool:
@@ -227,14 +229,15 @@ def siblings(state: CompileState, found: list[list[OpNode]]) -> list[tuple[list[
     """``found``'s chains and the single fusable ops, with those of at most SMALL elements a result fused
     side by side: in program order, a unit joins the open group of its fold key and class (every result of
     one class) where it reads no result of the group, the group's results are read by nothing outside
-    before it, and the group keeps at most MAX_INPUTS inputs; one unit of a group may make a result the
-    job keeps (a gradient), whose ops go last, so that it is the fused op's first output. Each group, or
+    before it, and the group keeps at most MAX_INPUTS inputs. The units whose results the job keeps (a
+    gradient, a variable's update) go last, so that one of those is the fused op's first output (as a
+    chain's is) and the others further outputs (:func:`fuse`'s ``keep``). Each group, or
     chain, as (its ops in the order to fuse, the op it replaces in the graph). Such ops are a few vector
     operations an act whose engine overhead is the cost: batch norm's backward, per channel, made two
     fused ops and a ``mul`` (the weight's gradient, of another class: it stays), now one and the ``mul``
     (ResNet-18: 397 -> 377 compute acts a step); a running variance's update (``running_stat``, a kept
-    result) goes beside the scale taken from the same variance (-> 357). Without EXPORTS nothing goes side
-    by side."""
+    result) goes beside the scale taken from the same variance, and the running mean's with them (-> 337).
+    Without EXPORTS nothing goes side by side."""
     g = state.graph
     at = {o.name: k for k, o in enumerate(g.ops)}
     read_by = _read_by(g)
@@ -255,7 +258,7 @@ def siblings(state: CompileState, found: list[list[OpNode]]) -> list[tuple[list[
         kept = any(t in keep for t in made)
         side = SIBLINGS and EXPORTS  # side by side, the units' results are the fused op's outputs
         if not side or any(o.op_type in TERMINAL for o in u) or len(classes) != 1 or not _small(state, u):
-            groups.append(_Group([u], None, made, u[-1].name, set(), 0))
+            groups.append(_Group([u], [], made, u[-1].name, set(), 0))
             continue
         inputs = {i for o in u for i in o.inputs} - made
         key = (bn_grad.fold_key(u[-1]), *classes)
@@ -264,33 +267,38 @@ def siblings(state: CompileState, found: list[list[OpNode]]) -> list[tuple[list[
             grp is not None
             and not inputs & grp.made
             and grp.first_read > at[u[-1].name]
-            and not (kept and grp.kept is not None)
             and len(grp.inputs | inputs) <= MAX_INPUTS
         ):
             grp.units.append(u)
             grp.made |= made
             grp.inputs |= inputs
             grp.anchor = u[-1].name
-            grp.first_read = min(grp.first_read, *outside)
-            grp.kept = u if kept else grp.kept
+            grp.first_read = min([grp.first_read, *outside])
+            grp.kept += [u] if kept else []
             continue
-        grp = _Group([u], u if kept else None, made, u[-1].name, inputs, min(outside, default=len(g.ops)))
+        grp = _Group([u], [u] if kept else [], made, u[-1].name, inputs, min(outside, default=len(g.ops)))
         open_[key] = grp
         groups.append(grp)
     return [(grp.ops(), grp.anchor) for grp in groups if len(grp.ops()) > 1]
 
 
-def fuse(state: CompileState, ops: list[OpNode], read_by: dict[str, set[str]] | None = None) -> OpNode:
+def fuse(
+    state: CompileState,
+    ops: list[OpNode],
+    read_by: dict[str, set[str]] | None = None,
+    keep: Collection[str] = (),
+) -> OpNode:
     """The fused op for the chain ``ops`` (in program order): its intermediates' declarations and the
     ops' choices are replaced, but for the intermediates that an op outside reads (``read_by``: each
-    tensor's readers' names, the graph's by default), which become the op's further outputs, in step
-    order, with their SBPs; the caller puts the node where the last op was (:func:`run`)."""
+    tensor's readers' names, the graph's by default) or that the job keeps (``keep``: side by side, a
+    variable's update that only its SINK reads), which become the op's further outputs, in step order,
+    with their SBPs; the caller puts the node where the last op was (:func:`run`)."""
     g = state.graph
     if read_by is None:
         read_by = _read_by(g)
     made = {o.outputs[0]: k for k, o in enumerate(ops)}
     names = {o.name for o in ops}
-    exported = [t for t in list(made)[:-1] if read_by.get(t, set()) - names]
+    exported = [t for t in list(made)[:-1] if read_by.get(t, set()) - names or t in keep]
     inputs: list[str] = []
     steps = []
     for o in ops:
@@ -354,7 +362,8 @@ def run(state: CompileState) -> None:
     if not found:
         return
     read_by = _read_by(state.graph)
-    at_last = {anchor: fuse(state, ops, read_by) for ops, anchor in found}
+    keep = protected(state)
+    at_last = {anchor: fuse(state, ops, read_by, keep) for ops, anchor in found}
     gone = {o.name for ops, _ in found for o in ops}
     g = state.graph
     g.ops[:] = [at_last.get(o.name, o) for o in g.ops if o.name not in gone or o.name in at_last]
