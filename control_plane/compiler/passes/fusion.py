@@ -67,6 +67,7 @@ from sbpflow.control_plane.compiler.state import Choice, CompileState
 from sbpflow.graph import Graph, OpNode, TensorKind
 from sbpflow.ops.base import AttrValue, NdSignature
 from sbpflow.ops.fused import FUSABLE, TERMINAL, encode
+from sbpflow.oracle.reference import micro_batches
 
 FUSED = "fused_elementwise"
 # Chains grow past an intermediate that ops outside read, which becomes an extra output (False: such a
@@ -228,20 +229,21 @@ def _small(state: CompileState, unit: list[OpNode]) -> bool:
 def siblings(state: CompileState, found: list[list[OpNode]]) -> list[tuple[list[OpNode], str]]:
     """``found``'s chains and the single fusable ops, with those of at most SMALL elements a result fused
     side by side: in program order, a unit joins the open group of its fold key and class (every result of
-    one class) where it reads no result of the group, the group's results are read by nothing outside
+    one class; any class where a step is one micro-batch) where it reads no result of the group, the group's results are read by nothing outside
     before it, and the group keeps at most MAX_INPUTS inputs. The units whose results the job keeps (a
     gradient, a variable's update) go last, so that one of those is the fused op's first output (as a
     chain's is) and the others further outputs (:func:`fuse`'s ``keep``). Each group, or
     chain, as (its ops in the order to fuse, the op it replaces in the graph). Such ops are a few vector
     operations an act whose engine overhead is the cost: batch norm's backward, per channel, made two
-    fused ops and a ``mul`` (the weight's gradient, of another class: it stays), now one and the ``mul``
-    (ResNet-18: 397 -> 377 compute acts a step); a running variance's update (``running_stat``, a kept
-    result) goes beside the scale taken from the same variance, and the running mean's with them (-> 337).
+    fused ops and a ``mul`` (the weight's gradient), now one (ResNet-18: 397 -> 357 compute acts a step;
+    under micro-batches the gradient, of another class, stays apart); a running variance's update (``running_stat``, a kept
+    result) goes beside the scale taken from the same variance, and the running mean's with them (-> 317).
     Without EXPORTS nothing goes side by side."""
     g = state.graph
     at = {o.name: k for k, o in enumerate(g.ops)}
     read_by = _read_by(g)
     cls, keep = _classes(state), protected(state)
+    whole = micro_batches(state.job) == 1  # one pass a step: micro-batching's classes do not apply
     chained = {o.name for ops in found for o in ops}
     units = [
         *found,
@@ -257,11 +259,12 @@ def siblings(state: CompileState, found: list[list[OpNode]]) -> list[tuple[list[
         outside = [at[r] for t in made for r in read_by.get(t, set()) - names]
         kept = any(t in keep for t in made)
         side = SIBLINGS and EXPORTS  # side by side, the units' results are the fused op's outputs
-        if not side or any(o.op_type in TERMINAL for o in u) or len(classes) != 1 or not _small(state, u):
+        mixed = len(classes) != 1 and not whole
+        if not side or any(o.op_type in TERMINAL for o in u) or mixed or not _small(state, u):
             groups.append(_Group([u], [], made, u[-1].name, set(), 0))
             continue
         inputs = {i for o in u for i in o.inputs} - made
-        key = (bn_grad.fold_key(u[-1]), *classes)
+        key = (bn_grad.fold_key(u[-1]), *(() if whole else classes))
         grp = open_.get(key)
         if (
             grp is not None

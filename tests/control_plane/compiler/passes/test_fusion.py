@@ -190,7 +190,7 @@ def test_side_by_side_ops_train_bit_identically(layout: str, monkeypatch: pytest
     trains_alike(made, monkeypatch, "SIBLINGS")
 
 
-def test_running_statistics_updates_go_side_by_side() -> None:
+def test_batch_norms_per_channel_ops_go_side_by_side() -> None:
     # batch norm's running mean and variance updates and its per-channel scale (var + eps, sqrt,
     # reciprocal, * weight) are one op a layer: one update its first output (as a chain's kept result),
     # the other a further output, though only its SINK reads it. trains_alike checks the values
@@ -202,6 +202,12 @@ def test_running_statistics_updates_go_side_by_side() -> None:
     assert len(with_stats) == 20 and all(chain_ops(o).count("running_stat") == 2 for o in with_stats)
     assert all(o.outputs[0] in updates for o in with_stats)
     assert updates <= {t for o in with_stats for t in o.outputs}
+    # one micro-batch a step: the weight's gradient (of micro-batching's other class) joins its layer's
+    # per-channel backward, the gradient first
+    grads = {g for p, g in state.grads.items() if p.endswith(("bn1.weight", "bn2.weight", "stem_bn.weight"))}
+    plain = {o.outputs[0] for o in state.graph.ops if o.op_type != fusion.FUSED}
+    fused_first = {o.outputs[0] for o in fused_nodes(state)}
+    assert grads and not grads & plain and grads <= fused_first
 
 
 def trains_alike(made: Job, monkeypatch: pytest.MonkeyPatch, flag: str, exported: bool = False) -> None:
