@@ -229,16 +229,19 @@ def _small(state: CompileState, unit: list[OpNode]) -> bool:
 def siblings(state: CompileState, found: list[list[OpNode]]) -> list[tuple[list[OpNode], str]]:
     """``found``'s chains and the single fusable ops, with those of at most SMALL elements a result fused
     side by side: in program order, a unit joins the open group of its fold key and class (every result of
-    one class; any class where a step is one micro-batch) where it reads no result of the group, the group's results are read by nothing outside
-    before it, and the group keeps at most MAX_INPUTS inputs. The units whose results the job keeps (a
+    one class; any class where a step is one micro-batch) where it reads no result of the group, the
+    group's results are read by nothing outside before it, and the group keeps at most MAX_INPUTS inputs.
+    The units whose results the job keeps (a
     gradient, a variable's update) go last, so that one of those is the fused op's first output (as a
     chain's is) and the others further outputs (:func:`fuse`'s ``keep``). Each group, or
     chain, as (its ops in the order to fuse, the op it replaces in the graph). Such ops are a few vector
     operations an act whose engine overhead is the cost: batch norm's backward, per channel, made two
     fused ops and a ``mul`` (the weight's gradient), now one (ResNet-18: 397 -> 357 compute acts a step;
-    under micro-batches the gradient, of another class, stays apart); a running variance's update (``running_stat``, a kept
-    result) goes beside the scale taken from the same variance, and the running mean's with them (-> 317).
-    Without EXPORTS nothing goes side by side."""
+    under micro-batches the gradient, of another class, stays apart); a running variance's update
+    (``running_stat``, a kept result) goes beside the scale taken from the same variance, and the running
+    mean's with them (-> 317). Without EXPORTS (or SIBLINGS) nothing goes side by side."""
+    if not (SIBLINGS and EXPORTS):  # side by side, the units' results are the fused op's outputs
+        return [(ops, ops[-1].name) for ops in found]
     g = state.graph
     at = {o.name: k for k, o in enumerate(g.ops)}
     read_by = _read_by(g)
@@ -258,9 +261,8 @@ def siblings(state: CompileState, found: list[list[OpNode]]) -> list[tuple[list[
         classes = {cls[t] for t in made}
         outside = [at[r] for t in made for r in read_by.get(t, set()) - names]
         kept = any(t in keep for t in made)
-        side = SIBLINGS and EXPORTS  # side by side, the units' results are the fused op's outputs
         mixed = len(classes) != 1 and not whole
-        if not side or any(o.op_type in TERMINAL for o in u) or mixed or not _small(state, u):
+        if any(o.op_type in TERMINAL for o in u) or mixed or not _small(state, u):
             groups.append(_Group([u], [], made, u[-1].name, set(), 0))
             continue
         inputs = {i for o in u for i in o.inputs} - made
@@ -282,7 +284,8 @@ def siblings(state: CompileState, found: list[list[OpNode]]) -> list[tuple[list[
         grp = _Group([u], [u] if kept else [], made, u[-1].name, inputs, min(outside, default=len(g.ops)))
         open_[key] = grp
         groups.append(grp)
-    return [(grp.ops(), grp.anchor) for grp in groups if len(grp.ops()) > 1]
+    fused = [(grp.ops(), grp.anchor) for grp in groups]
+    return [(ops, anchor) for ops, anchor in fused if len(ops) > 1]
 
 
 def fuse(
